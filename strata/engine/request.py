@@ -1,0 +1,153 @@
+"""A request, its sampling parameters and its lifecycle."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from strata.errors import InvalidRequestError
+from strata.types import RequestId
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status after RUNNING is finished."""
+
+    WAITING = 0
+    PREEMPTED = 1
+    RUNNING = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.RUNNING
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    temperature 0 means greedy. `seed` makes sampling reproducible whatever else is in the batch.
+    `logprobs` is the number of top alternatives returned per token (0 = only the chosen one).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _check(0.0 <= self.temperature <= 2.0, "temperature",
+               f"must be in [0, 2], got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0 or self.top_k == -1, "top_k",
+               f"must be >= 0 (0 or -1 disables it), got {self.top_k}")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+               f"must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+               f"must be in [-2, 2], got {self.frequency_penalty}")
+        _check(self.logprobs is None or self.logprobs >= 0, "logprobs",
+               f"must be >= 0, got {self.logprobs}")
+        _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
+        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(f"{param} {message}", param=param)
+
+
+@dataclass(slots=True)
+class Logprob:
+    """The log-probability of the chosen token and of the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence in the engine.
+
+    Counters are stored; everything derivable is a property. `num_computed_tokens` counts tokens
+    whose KV is in the cache (prefix hits included); it drops to 0 on preemption by recompute.
+    """
+
+    request_id: RequestId
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = 0.0
+    priority: int = 0  # lower runs first; FCFS within a priority
+    cache_salt: str = ""
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[Logprob] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first schedule)
+    num_preemptions: int = 0
+    stop_reason: str | int | None = None
+    output_text: str = ""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self.status)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
