@@ -59,7 +59,6 @@ class SamplingParams:
     logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
@@ -75,7 +74,6 @@ class SamplingParams:
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs",
                f"must be >= 0, got {self.logprobs}")
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
-        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
 
     @property
     def is_greedy(self) -> bool:

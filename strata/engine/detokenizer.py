@@ -1,0 +1,76 @@
+"""Incremental detokenization and stop conditions.
+
+Text is released only when it is final: never in the middle of a multi-byte character, and
+never a tail that could still grow into a stop string (held back until decided).
+"""
+
+from __future__ import annotations
+
+from strata.engine.executor import TokenDecoder
+from strata.engine.request import Request, RequestStatus
+
+_PROMPT_CONTEXT_TOKENS = 5  # earlier tokens decoded alongside, for tokenizers with leading spaces
+
+
+class IncrementalDetokenizer:
+    def __init__(self, decoder: TokenDecoder, request: Request) -> None:
+        self._decoder = decoder
+        self._stops = request.sampling_params.stop
+        self._holdback = max((len(s) for s in self._stops), default=1) - 1
+        self._tokens = request.prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
+        self._prefix_offset = 0
+        self._read_offset = len(self._tokens)
+        self.text = ""
+        self.matched_stop: str | None = None
+        self._num_emitted = 0
+
+    def add_token(self, token_id: int) -> str | None:
+        """Append a token; returns the stop string if the text now contains one."""
+        self._tokens.append(token_id)
+        prefix = self._decoder.decode(self._tokens[self._prefix_offset : self._read_offset])
+        full = self._decoder.decode(self._tokens[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None
+        search_from = max(len(self.text) - self._holdback, 0)
+        self.text += full[len(prefix) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
+        return self._find_stop(search_from)
+
+    def _find_stop(self, search_from: int) -> str | None:
+        for stop in self._stops:
+            idx = self.text.find(stop, search_from)
+            if idx >= 0:
+                self.text = self.text[:idx]
+                self.matched_stop = stop
+                return stop
+        return None
+
+    def flush(self) -> None:
+        """At the end, release a trailing partial character as the replacement char."""
+        tail = self._decoder.decode(self._tokens[self._prefix_offset :])
+        prefix = self._decoder.decode(self._tokens[self._prefix_offset : self._read_offset])
+        if len(tail) > len(prefix):
+            self.text += tail[len(prefix) :]
+            self._prefix_offset = self._read_offset = len(self._tokens)
+
+    def take_new_text(self, finished: bool) -> str:
+        """The text that became final since the last call."""
+        end = len(self.text) if finished else max(len(self.text) - self._holdback, 0)
+        if end <= self._num_emitted:
+            return ""
+        new = self.text[self._num_emitted : end]
+        self._num_emitted = end
+        return new
+
+
+def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
+    """Token-level stop conditions, checked after the token was appended."""
+    params = request.sampling_params
+    if not params.ignore_eos and token_id in request.eos_token_ids:
+        return RequestStatus.FINISHED_STOPPED
+    if token_id in params.stop_token_ids:
+        request.stop_reason = token_id
+        return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None

@@ -1,0 +1,204 @@
+"""The engine: schedule -> execute -> update -> outputs, one step at a time.
+
+Not thread-safe: one thread owns it (the server runs it off the event loop). Only
+`validate_request` may be called from other threads: it reads configuration only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from strata.engine.config import CacheConfig, SchedulerConfig
+from strata.engine.detokenizer import IncrementalDetokenizer, check_stop
+from strata.engine.executor import (
+    ModelExecutor,
+    ModelInput,
+    ModelOutput,
+    ScheduledSequence,
+    TokenDecoder,
+)
+from strata.engine.kv_cache_manager import KVCacheManager
+from strata.engine.outputs import EngineStats, RequestOutput
+from strata.engine.request import Logprob, Request, RequestStatus
+from strata.engine.scheduler import Scheduler, SchedulerOutput
+from strata.errors import ContextLengthError, InvalidRequestError, OverloadedError
+from strata.types import RequestId
+
+
+class Engine:
+    def __init__(
+        self,
+        executor: ModelExecutor,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        decoder: TokenDecoder,
+        *,
+        vocab_size: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.executor = executor
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.decoder = decoder
+        self.vocab_size = vocab_size
+        self.clock = clock
+        self.kv = KVCacheManager(cache_config)
+        self.scheduler = Scheduler(scheduler_config, self.kv)
+        self._detok: dict[RequestId, IncrementalDetokenizer] = {}
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        executor.allocate_kv_cache(cache_config.num_blocks, cache_config.block_size)
+
+    def validate_request(self, request: Request) -> None:
+        """Refuse what can never run; safe from any thread."""
+        num_prompt = request.num_prompt_tokens
+        max_len = self.scheduler_config.max_model_len
+        if num_prompt == 0:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if self.vocab_size is not None and not all(
+            0 <= t < self.vocab_size for t in request.prompt_token_ids
+        ):
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {self.vocab_size})", param="prompt"
+            )
+        if num_prompt >= max_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {max_len} tokens, but the prompt has "
+                f"{num_prompt} tokens (leave room for at least one generated token)",
+                param="messages",
+            )
+        if num_prompt + request.sampling_params.max_tokens > max_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {max_len} tokens; the prompt has "
+                f"{num_prompt} tokens and max_tokens is {request.sampling_params.max_tokens} "
+                f"({num_prompt + request.sampling_params.max_tokens} in total). Lower max_tokens "
+                "or shorten the prompt.",
+                param="max_tokens",
+            )
+        num_blocks_needed = -(-(num_prompt + 1) // self.cache_config.block_size)
+        if num_blocks_needed > self.cache_config.num_blocks:
+            raise ContextLengthError(
+                f"the prompt needs {num_blocks_needed} KV blocks but the cache holds only "
+                f"{self.cache_config.num_blocks}; raise --kv-cache-gb",
+                param="prompt",
+            )
+        if self.scheduler.num_waiting >= self.scheduler_config.max_waiting:
+            raise OverloadedError(
+                f"the waiting queue is full ({self.scheduler_config.max_waiting} requests)"
+            )
+
+    def add_request(self, request: Request) -> None:
+        self.validate_request(request)
+        request.status = RequestStatus.WAITING
+        self.scheduler.add(request)
+        self._detok[request.request_id] = IncrementalDetokenizer(self.decoder, request)
+
+    def abort_request(self, request_id: RequestId) -> None:
+        request = self.scheduler.get(request_id)
+        if request is not None:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        self._detok.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        model_output = self.executor.execute(self._model_input(scheduled))
+        return self._update(scheduled, model_output)
+
+    def _model_input(self, scheduled: SchedulerOutput) -> ModelInput:
+        sequences = []
+        for request, num_new in scheduled.scheduled:
+            start = request.num_computed_tokens
+            sequences.append(
+                ScheduledSequence(
+                    request_id=request.request_id,
+                    token_ids=request.all_token_ids[start : start + num_new],
+                    start_pos=start,
+                    block_ids=self.kv.block_ids(request.request_id),
+                    needs_sample=start + num_new == request.num_tokens,
+                    sampling_params=request.sampling_params,
+                    output_token_ids=request.output_token_ids,
+                    prompt_token_ids=request.prompt_token_ids,
+                )
+            )
+        return ModelInput(sequences, self.cache_config.block_size)
+
+    def _update(self, scheduled: SchedulerOutput, model_output: ModelOutput) -> list[RequestOutput]:
+        outputs = []
+        for request, num_new in scheduled.scheduled:
+            if request.num_output_tokens == 0:
+                self.num_prompt_tokens += num_new
+            request.num_computed_tokens += num_new
+            self.kv.cache_full_blocks(request)
+            sampled = model_output.get(request.request_id)
+            if sampled is not None:
+                outputs.append(self._append_token(request, sampled.token_id, sampled.logprob))
+        return outputs
+
+    def _append_token(
+        self, request: Request, token_id: int, logprob: Logprob | None
+    ) -> RequestOutput:
+        request.output_token_ids.append(token_id)
+        if logprob is not None:
+            request.output_logprobs.append(logprob)
+        self.num_generated_tokens += 1
+        detok = self._detok[request.request_id]
+        status = self._finish_status(request, token_id, detok)
+        if status is not None:
+            self.scheduler.finish(request, status)
+            del self._detok[request.request_id]
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[token_id],
+            new_text=detok.take_new_text(finished=status is not None),
+            new_logprobs=[logprob] if logprob is not None else [],
+            finished=status is not None,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    def _finish_status(
+        self, request: Request, token_id: int, detok: IncrementalDetokenizer
+    ) -> RequestStatus | None:
+        """Token stops first (their text is never shown), then stop strings, then length."""
+        status = check_stop(request, token_id, self.scheduler_config.max_model_len)
+        if status == RequestStatus.FINISHED_STOPPED:
+            return status
+        if detok.add_token(token_id) is not None:
+            request.stop_reason = detok.matched_stop
+            return RequestStatus.FINISHED_STOPPED
+        if status is not None:
+            detok.flush()
+        return status
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_free_blocks=pool.num_free_blocks,
+            num_total_blocks=pool.num_blocks,
+            kv_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.num_queried_tokens,
+            prefix_cache_hits=self.kv.num_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+        )
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        for request in self.scheduler.running:
+            if request.status != RequestStatus.RUNNING:
+                raise RuntimeError(f"running_are_running: {request.request_id} is {request.status}")

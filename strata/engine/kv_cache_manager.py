@@ -1,0 +1,155 @@
+"""Per-request block tables over the block pool, with automatic prefix caching.
+
+Region map of one request's blocks (block_size B, num_computed_tokens C, num_tokens N):
+
+    [0, C // B)            full computed blocks; registered in the prefix cache once full
+    [C // B, ceil(N / B))  blocks being written this step (allocated by `allocate_slots`)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from strata.engine.block_pool import BlockPool, KVBlock
+from strata.engine.config import CacheConfig
+from strata.engine.prefix_cache import hash_blocks
+from strata.engine.request import Request
+from strata.types import BlockHash, RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class ComputedBlocks:
+    """The prefix-cache hit of a request: its first blocks, already holding KV."""
+
+    blocks: list[KVBlock] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+_NO_HIT = ComputedBlocks()
+
+
+class KVCacheManager:
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.pool = BlockPool(config.num_blocks)
+        self._blocks: dict[RequestId, list[KVBlock]] = {}
+        self._hashes: dict[RequestId, list[BlockHash]] = {}
+        self._num_cached: dict[RequestId, int] = {}
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-but-free blocks do not count)."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def block_ids(self, request_id: RequestId) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """Longest verified prefix hit; at least one token is always left to compute."""
+        if not self.config.enable_prefix_caching:
+            return _NO_HIT
+        hashes = self._block_hashes(request)
+        tokens = request.all_token_ids
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for i, block_hash in enumerate(hashes[:max_blocks]):
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            block = self.pool.lookup(block_hash, chunk)
+            if block is None:
+                break
+            hits.append(block)
+        return ComputedBlocks(hits, len(hits) * self.block_size)
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.num_queried_tokens += num_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed: ComputedBlocks = _NO_HIT
+    ) -> bool:
+        """Make room for `num_new_tokens` more tokens; False (nothing changed) if out of blocks.
+
+        `request.num_computed_tokens` already counts the hit tokens of `computed`.
+        """
+        held = self._blocks.setdefault(request.request_id, [])
+        num_total = request.num_computed_tokens + num_new_tokens
+        num_needed = -(-num_total // self.block_size) - len(held) - len(computed.blocks)
+        num_revived = sum(1 for b in computed.blocks if b.ref_cnt == 0)
+        if num_needed + num_revived > self.pool.num_free_blocks:
+            if not held:
+                del self._blocks[request.request_id]
+            return False
+        self.pool.touch(computed.blocks)
+        held.extend(computed.blocks)
+        if num_needed > 0:
+            held.extend(self.pool.get_new_blocks(num_needed))
+        self._num_cached.setdefault(request.request_id, len(computed.blocks))
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the blocks that became full and computed this step."""
+        if not self.config.enable_prefix_caching:
+            return
+        rid = request.request_id
+        num_full = request.num_computed_tokens // self.block_size
+        start = self._num_cached.get(rid, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request)
+        tokens, blocks = request.all_token_ids, self._blocks[rid]
+        for i in range(start, num_full):
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            self.pool.cache_block(blocks[i], hashes[i], chunk)
+        self._num_cached[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks; the tail is queued first so it is evicted first."""
+        rid = request.request_id
+        blocks = self._blocks.pop(rid, [])
+        self.pool.free_blocks(list(reversed(blocks)))
+        self._hashes.pop(rid, None)
+        self._num_cached.pop(rid, None)
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_cache()
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the request's full blocks, extended as its tokens grow."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        num_full = request.num_tokens // self.block_size
+        if len(hashes) < num_full:
+            namespace = f"{self.config.namespace}|{request.cache_salt}"
+            parent = hashes[-1] if hashes else None
+            hashes.extend(
+                hash_blocks(request.all_token_ids, self.block_size, namespace,
+                            parent=parent, start_block=len(hashes))
+            )
+        return hashes
+
+    def check_integrity(self) -> None:
+        """free + cached + in use == total, and ref counts match the block tables."""
+        pool = self.pool
+        refs: dict[int, int] = {}
+        for blocks in self._blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        in_use = cached = free = 0
+        for b in pool.blocks:
+            if b.ref_cnt != refs.get(b.block_id, 0):
+                raise RuntimeError(f"ref_cnt_matches_tables: {b} held by {refs.get(b.block_id, 0)}")
+            if (b.ref_cnt == 0) != (b in pool.free_queue):
+                raise RuntimeError(f"free_queue_holds_unreferenced: {b}")
+            in_use += b.ref_cnt > 0
+            cached += b.ref_cnt == 0 and b.is_cached
+            free += b.ref_cnt == 0 and not b.is_cached
+        if in_use + cached + free != pool.num_blocks or free + cached != pool.num_free_blocks:
+            raise RuntimeError(
+                f"blocks_accounted: free {free} + cached {cached} + in use {in_use} "
+                f"!= total {pool.num_blocks}"
+            )
+        for h, b in pool.cached.items():
+            if b.block_hash != h:
+                raise RuntimeError(f"cache_map_consistent: {b} listed under another hash")

@@ -1,0 +1,148 @@
+"""Continuous batching: decides how many tokens of which requests run in the next step.
+
+The scheduler speaks in token counts, not phases: a decode is 1 token, a prefill chunk is up to the
+remaining budget, a prefix hit simply starts a request with `num_computed_tokens > 0`.
+Running requests are served first (in priority order); when blocks run out the lowest-priority,
+latest-arriving running request is preempted (its blocks freed, recomputed later). Waiting
+requests are admitted by (priority, arrival) while budget, sequence slots and blocks last.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from strata.engine.config import SchedulerConfig
+from strata.engine.kv_cache_manager import KVCacheManager
+from strata.engine.request import Request, RequestStatus
+from strata.types import RequestId
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Requests to run this step, in batch order, with their number of new tokens."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.running: list[Request] = []
+        self._waiting: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+        self._requests: dict[RequestId, Request] = {}
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._requests) - len(self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def add(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def get(self, request_id: RequestId) -> Request | None:
+        return self._requests.get(request_id)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out of the scheduler with a final status and free its blocks."""
+        request.status = status
+        self._requests.pop(request.request_id, None)
+        if request in self.running:
+            self.running.remove(request)
+        self.kv.free(request)  # waiting requests are skipped lazily when popped
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_to_schedule(request, budget)
+            if num_new == 0:
+                break
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._waiting[0][3]
+            if self._requests.get(request.request_id) is not request:
+                heapq.heappop(self._waiting)  # finished (aborted) while waiting
+                continue
+            computed = self.kv.get_computed_blocks(request)
+            request.num_computed_tokens = computed.num_tokens
+            num_new = self._num_to_schedule(request, budget)
+            if num_new == 0 or not self.kv.allocate_slots(request, num_new, computed):
+                request.num_computed_tokens = 0
+                break
+            heapq.heappop(self._waiting)
+            self._admit(request, computed.num_tokens)
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+
+    def _num_to_schedule(self, request: Request, budget: int) -> int:
+        num_new = min(request.num_tokens_to_compute, budget)
+        if num_new < request.num_tokens_to_compute and not self.config.enable_chunked_prefill:
+            return 0
+        return num_new
+
+    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+        if request.status == RequestStatus.WAITING:
+            request.num_cached_tokens = num_hit_tokens
+            self.kv.record_lookup(request.num_prompt_tokens, num_hit_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self.running.sort(key=_priority_key)
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(request)
+        self._push_waiting(request)
+
+    def _push_waiting(self, request: Request) -> None:
+        heapq.heappush(
+            self._waiting,
+            (request.priority, request.arrival_time, next(self._counter), request),
+        )
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return (request.priority, request.arrival_time)
