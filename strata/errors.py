@@ -2,7 +2,7 @@
 
     StrataError
     ├── ConfigError                 a configuration value is invalid (says what to change)
-    ├── ModelLoadError              a model file is missing or malformed (names file and tensor/field)
+    ├── ModelLoadError              a model file is missing or malformed (names file, field)
     │   └── ModelFetchError         the default model could not be downloaded
     ├── RequestError                the caller's mistake; maps to a 4xx
     │   ├── InvalidRequestError     400: a parameter is invalid or out of limits
