@@ -1,0 +1,160 @@
+"""`TorchExecutor`: the `ModelExecutor` that runs a Llama-family model in PyTorch.
+
+Each `execute` turns the scheduler's `ModelInput` into one `StepBatch` (token ids, positions,
+write slots, padded decode gathers, per-chunk causal masks), runs one forward and samples the
+sequences that asked for a token. It keeps no state about requests between steps.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+from torch import Tensor
+
+from strata.engine.config import ModelConfig
+from strata.engine.executor import ModelInput, ModelOutput, ScheduledSequence
+from strata.errors import ConfigError
+from strata.model.llama import LlamaModel, PagedKVCache, PrefillChunk, StepBatch
+from strata.model.sampler import Sampler
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TorchExecutor:
+    """Runs the model over a step's batch and samples next tokens (see `ModelExecutor`).
+
+    `dtype` is the name of the weight and KV dtype ("float32", "bfloat16" or "float16");
+    `device` a torch device string ("cpu", "cuda", "cuda:1").
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, Tensor], *,
+                 dtype: str = "bfloat16", device: str = "cpu") -> None:
+        if dtype not in _DTYPES:
+            raise ConfigError(f"dtype {dtype!r} is not supported; choose one of {sorted(_DTYPES)}")
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.model = LlamaModel(config, weights, dtype=_DTYPES[dtype], device=device)
+        self.sampler = Sampler(device)
+        self.kv_cache: PagedKVCache | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token across all layers."""
+        return self.config.kv_bytes_per_token(self.dtype)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate `num_blocks` blocks of `block_size` slots (plus one zero null slot)."""
+        if num_blocks < 1 or block_size < 1:
+            raise ConfigError(f"num_blocks ({num_blocks}) and block_size ({block_size}) "
+                              "must be positive")
+        self.kv_cache = PagedKVCache(self.config, num_blocks, block_size,
+                                     _DTYPES[self.dtype], self.device)
+
+    def execute(self, model_input: ModelInput) -> ModelOutput:
+        """Compute the step's tokens; sample one token per sequence with `needs_sample`."""
+        kv = self.kv_cache
+        if kv is None:
+            raise RuntimeError("invariant kv_cache_allocated: call allocate_kv_cache() first")
+        if model_input.block_size != kv.block_size:
+            raise RuntimeError(f"invariant block_size: input uses {model_input.block_size}, "
+                               f"the KV cache was allocated with {kv.block_size}")
+        if not model_input.sequences:
+            return {}
+        # Decode rows (one new token) first, so the batched decode attention reads rows 0..D.
+        seqs = sorted(model_input.sequences, key=lambda s: len(s.token_ids) > 1)
+        with torch.inference_mode():
+            batch = build_step_batch(seqs, kv.block_size, kv.null_slot, self.device)
+            logits = self.model.forward(batch, kv)
+            sampled = [s for s in seqs if s.needs_sample]
+            if not sampled:
+                return {}
+            tokens = self.sampler.sample(logits, [s.sampling_params for s in sampled],
+                                         [s.output_token_ids for s in sampled])
+        return {s.request_id: t for s, t in zip(sampled, tokens, strict=True)}
+
+
+def build_step_batch(seqs: list[ScheduledSequence], block_size: int, null_slot: int,
+                     device: str) -> StepBatch:
+    """Indices for one forward; `seqs` must list the one-token sequences first."""
+    lengths = [len(s.token_ids) for s in seqs]
+    _check_block_tables(seqs, lengths, block_size)
+    input_ids = [t for s in seqs for t in s.token_ids]
+    positions = [p for s, n in zip(seqs, lengths, strict=True)
+                 for p in range(s.start_pos, s.start_pos + n)]
+    ends = list(accumulate(lengths))
+    sample_rows = [e - 1 for s, e in zip(seqs, ends, strict=True) if s.needs_sample]
+    table = _block_table(seqs, device)
+    pos = torch.tensor(positions, device=device)
+    row_seq = torch.repeat_interleave(torch.tensor(lengths, device=device))
+    slot_mapping = table[row_seq, pos // block_size] * block_size + pos % block_size
+    num_decodes = sum(1 for n in lengths if n == 1)
+    decode_slots, decode_mask = _decode_gather(seqs[:num_decodes], table, block_size, null_slot)
+    row_starts = [e - n for e, n in zip(ends, lengths, strict=True)]
+    prefills = [_prefill_chunk(seqs[i], table[i], row_starts[i], block_size)
+                for i in range(num_decodes, len(seqs))]
+    return StepBatch(
+        input_ids=torch.tensor(input_ids, device=device),
+        positions=pos,
+        slot_mapping=slot_mapping,
+        num_decodes=num_decodes,
+        decode_slots=decode_slots,
+        decode_mask=decode_mask,
+        prefills=prefills,
+        sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
+    )
+
+
+def _check_block_tables(seqs: list[ScheduledSequence], lengths: list[int],
+                        block_size: int) -> None:
+    for s, n in zip(seqs, lengths, strict=True):
+        if n == 0:
+            raise RuntimeError(f"invariant non_empty_step: {s.request_id} has no tokens")
+        if len(s.block_ids) * block_size < s.start_pos + n:
+            raise RuntimeError(
+                f"invariant block_table_covers_tokens: {s.request_id} has "
+                f"{len(s.block_ids)} blocks of {block_size} for {s.start_pos + n} positions"
+            )
+
+
+def _block_table(seqs: list[ScheduledSequence], device: str) -> Tensor:
+    """(num_seqs, max_blocks) block ids; padding entries are never read unmasked."""
+    width = max(len(s.block_ids) for s in seqs)
+    rows = [s.block_ids + [0] * (width - len(s.block_ids)) for s in seqs]
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _slots(table_rows: Tensor, pos: Tensor, block_size: int) -> Tensor:
+    """Slots of positions `pos` (L,) for each block-table row: (rows, L)."""
+    return table_rows[:, pos // block_size] * block_size + pos % block_size
+
+
+def _decode_gather(decodes: list[ScheduledSequence], table: Tensor, block_size: int,
+                   null_slot: int) -> tuple[Tensor, Tensor]:
+    device = table.device
+    if not decodes:
+        empty = torch.empty(0, 0, dtype=torch.long, device=device)
+        return empty, torch.empty(0, 1, 1, 0, dtype=torch.bool, device=device)
+    context_lens = torch.tensor([s.start_pos + 1 for s in decodes], device=device)
+    pos = torch.arange(max(s.start_pos + 1 for s in decodes), device=device)
+    mask = pos[None, :] < context_lens[:, None]
+    slots = _slots(table[: len(decodes)], pos, block_size)
+    slots = torch.where(mask, slots, torch.full_like(slots, null_slot))
+    return slots, mask[:, None, None, :]
+
+
+def _prefill_chunk(seq: ScheduledSequence, table_row: Tensor, row_start: int,
+                   block_size: int) -> PrefillChunk:
+    n = len(seq.token_ids)
+    if seq.start_pos == 0:
+        return PrefillChunk(row_start, row_start + n, None, None)
+    device = table_row.device
+    pos = torch.arange(seq.start_pos + n, device=device)
+    query_pos = torch.arange(seq.start_pos, seq.start_pos + n, device=device)
+    mask = pos[None, :] <= query_pos[:, None]
+    slots = _slots(table_row[None], pos, block_size)[0]
+    return PrefillChunk(row_start, row_start + n, slots, mask)
