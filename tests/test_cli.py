@@ -1,0 +1,206 @@
+"""The `strata` command line: flags, `models list`, and serve + chat + bench end to end."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from strata.cli import build_parser, cache_dir_from_env, main
+from strata.clients.chat import ChatOptions, run_chat
+
+# --- flags ----------------------------------------------------------------------------------------
+
+
+def test_serve_defaults() -> None:
+    args = build_parser().parse_args(["serve"])
+    assert args.model is None and args.served_model_name is None
+    assert (args.host, args.port) == ("127.0.0.1", 8000)
+    assert args.device is None  # cuda when available, else cpu, decided at start
+    assert args.dtype == "bfloat16"
+    assert args.max_model_len is None  # min(model context, 2048)
+    assert (args.kv_cache_gb, args.block_size) == (1.0, 16)
+    assert (args.max_num_seqs, args.max_num_batched_tokens) == (64, None)
+    assert not args.no_prefix_cache and not args.no_chunked_prefill
+    assert (args.max_waiting, args.threads, args.shutdown_timeout_s) == (1024, None, 30.0)
+    assert args.log_level == "info"
+
+
+def test_bench_and_chat_defaults_talk_to_loopback() -> None:
+    bench = build_parser().parse_args(["bench"])
+    assert bench.url == "http://127.0.0.1:8000"
+    assert (bench.workload, bench.num_requests, bench.input_len, bench.output_len) == (
+        "fixed", 32, 128, 64)
+    assert (bench.concurrency, bench.request_rate, bench.timeout_s) == (8, None, 600.0)
+    chat = build_parser().parse_args(["chat", "--once", "hi"])
+    assert (chat.url, chat.once, chat.model) == ("http://127.0.0.1:8000", "hi", None)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--port", "70000"], "argument --port: '70000' is not a port number (0-65535)"),
+        (["serve", "--kv-cache-gb", "-1"], "argument --kv-cache-gb: '-1' is not a positive number"),
+        (["serve", "--block-size", "x"], "argument --block-size: 'x' is not a positive integer"),
+        (["serve", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+        (["bench", "--concurrency", "2", "--request-rate", "3"],
+         "argument --request-rate: not allowed with argument --concurrency"),
+        (["bench", "--workload", "zipf"], "argument --workload: invalid choice: 'zipf'"),
+        (["models"], "the following arguments are required: {pull,list}"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_clear_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cache_dir_comes_from_strata_cache_dir_then_xdg_then_home() -> None:
+    assert cache_dir_from_env({"STRATA_CACHE_DIR": "/c", "XDG_CACHE_HOME": "/x"}) == Path("/c")
+    assert cache_dir_from_env({"XDG_CACHE_HOME": "/x"}) == Path("/x/strata")
+    assert cache_dir_from_env({}) == Path.home() / ".cache" / "strata"
+
+
+def test_models_list_shows_each_alias_and_whether_it_is_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    assert main(["models", "list"]) == 0
+    path = tmp_path / "models" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert capsys.readouterr().out.splitlines()[1].split() == [
+        "smollm2", "SmolLM2-135M-Instruct", "not", "cached", str(path), "(default)"]
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"GGUF")
+    assert main(["models", "list"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[2] == "cached"
+
+
+def test_serving_a_missing_path_is_an_error_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    assert main(["serve", str(tmp_path / "nope"), "--log-level", "error"]) == 1
+    err = capsys.readouterr().err
+    assert "strata serve: error:" in err and "not a known model alias" in err
+
+
+def test_bench_without_a_server_says_so_and_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    assert main(["bench", "--url", f"http://127.0.0.1:{port}", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"strata bench: error: cannot reach http://127.0.0.1:{port}" in err
+
+
+def test_chat_keeps_the_conversation_and_leaves_on_exit() -> None:
+    bodies: list[dict[str, object]] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        frames = [{"choices": [{"index": 0, "delta": {"content": piece}}]}
+                  for piece in ("Hel", "lo")]
+        sse = "".join(f"data: {json.dumps(f)}\n\n" for f in frames) + "data: [DONE]\n\n"
+        return httpx.Response(200, content=sse.encode())
+
+    lines = iter(["hi", "", "again", "/exit", "never sent"])
+    out = io.StringIO()
+    options = ChatOptions(url="http://fake", system="Be brief.", max_tokens=7)
+    assert run_chat(options, read_line=lambda _: next(lines), out=out,
+                    transport=httpx.MockTransport(server)) == 0
+    assert [[m["content"] for m in b["messages"]] for b in bodies] == [  # type: ignore[union-attr]
+        ["Be brief.", "hi"], ["Be brief.", "hi", "Hello", "again"]]
+    assert bodies[0]["max_tokens"] == 7 and bodies[0]["stream"] is True
+    assert "model" not in bodies[0]  # the server picks its own model
+    assert out.getvalue().count("Hello\n") == 2
+
+
+# --- a live tiny server ---------------------------------------------------------------------------
+
+
+@dataclass
+class LiveServer:
+    proc: subprocess.Popen[str]
+    url: str
+
+
+@pytest.fixture(scope="module")
+def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    from tiny_models import make_tiny_model_dir
+
+    root = tmp_path_factory.mktemp("cli")
+    model_dir = make_tiny_model_dir(root / "tiny")
+    cmd = [sys.executable, "-m", "strata.cli", "serve", str(model_dir), "--port", "0",
+           "--dtype", "float32", "--kv-cache-gb", "0.01", "--log-level", "warning",
+           "--served-model-name", "tiny", "--shutdown-timeout-s", "20"]
+    env = {**os.environ, "STRATA_CACHE_DIR": str(root / "cache")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    assert proc.stdout is not None
+    lines = []
+    while line := proc.stdout.readline():
+        lines.append(line)
+        if m := re.match(r"Strata serving tiny on (http://127\.0\.0\.1:\d+) \(ready in", line):
+            break
+    assert m, "".join(lines)
+    yield LiveServer(proc, m.group(1))
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    proc.stdout.close()
+
+
+def test_bench_against_a_live_server_writes_a_complete_report(
+    live_server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "report.json"
+    argv = ["bench", "--url", live_server.url, "--num-requests", "6", "--input-len", "16",
+            "--output-len", "5", "--concurrency", "3", "--no-progress", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["model"] == "tiny"
+    assert (report["num_completed"], report["num_failures"]) == (6, 0)
+    assert report["total_input_tokens"] == 6 * 16
+    assert report["total_output_tokens"] == 6 * 5  # ignore_eos: exactly output-len each
+    assert set(report["ttft_ms"]) == {"mean", "p50", "p90", "p99"}
+    assert "TTFT (MS)" in capsys.readouterr().out
+
+
+def test_multi_turn_bench_and_chat_once_against_a_live_server(
+    live_server: LiveServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "--url", live_server.url, "--workload", "multi-turn", "--sessions", "2",
+            "--turns", "2", "--input-len", "3", "--output-len", "3", "--no-progress"]
+    assert main(argv) == 0
+    assert "4 ok, 0 failed" in capsys.readouterr().out
+    assert main(["chat", "--url", live_server.url, "--once", "hello", "--max-tokens", "4"]) == 0
+    assert capsys.readouterr().out.endswith("\n")
+
+
+def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0(live_server: LiveServer) -> None:
+    # Stops the module's server: it stays the last test of this file.
+    body = {"prompt": "hi", "max_tokens": 120, "ignore_eos": True, "stream": True}
+    lines: list[str] = []
+    with httpx.Client(base_url=live_server.url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as resp:
+            stream = resp.iter_lines()
+            lines.append(next(stream))  # the stream is in flight
+            live_server.proc.send_signal(signal.SIGTERM)
+            lines += [line for line in stream if line]
+    assert lines[-1] == "data: [DONE]"
+    assert '"finish_reason":"length"' in "".join(lines)
+    assert live_server.proc.wait(timeout=30) == 0

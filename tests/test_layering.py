@@ -1,0 +1,171 @@
+"""The import rules of DESIGN.md, checked by parsing every module under strata/ with `ast`.
+
+- engine: only strata.types, strata.errors, strata.engine.*, the stdlib and numpy; no asyncio,
+  sockets or HTTP (it is pure compute and bookkeeping).
+- model: never server, gateway, cli (nor the HTTP clients, bench, or web frameworks).
+- server: only types, errors, engine, model, protocol, state, registry and itself; never cli.
+- gateway: never engine, model or server.
+- only strata/cli.py reads environment variables.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "strata"
+
+ENGINE_STRATA = {"strata.types", "strata.errors", "strata.engine"}
+ENGINE_THIRD_PARTY = {"numpy"}
+ENGINE_STDLIB_BANNED = {"asyncio", "socket", "http", "selectors", "ssl"}
+MODEL_BANNED = {"strata.server", "strata.gateway", "strata.cli", "strata.clients",
+                "strata.bench", "fastapi", "starlette", "uvicorn", "httpx"}
+PACKAGE_ROOT_NAMES = {"strata", "strata.__version__"}
+SERVER_STRATA = {"strata.types", "strata.errors", "strata.engine", "strata.model",
+                 "strata.protocol", "strata.state", "strata.registry", "strata.server"}
+GATEWAY_BANNED = {"strata.engine", "strata.model", "strata.server", "strata.cli"}
+ENV_READERS = {"environ", "environb", "getenv", "getenvb"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_names(tree: ast.AST, module: str, is_package: bool) -> list[tuple[str, int]]:
+    """(absolute module name, line) of every import, relative ones resolved."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found += [(f"{base}.{alias.name}", node.lineno) for alias in node.names]
+    return sorted(found, key=lambda item: item[1])
+
+
+def _under(name: str, prefixes: set[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _import_violation(layer: str, name: str) -> str | None:
+    top = name.split(".")[0]
+    if layer == "engine":
+        if top == "strata":
+            # `from strata import errors` resolves to strata.errors; bare `strata` is not allowed
+            return None if _under(name, ENGINE_STRATA) else "engine may not import it"
+        if top in ENGINE_STDLIB_BANNED:
+            return "engine has no asyncio, sockets or HTTP"
+        if top in sys.stdlib_module_names or top in ENGINE_THIRD_PARTY:
+            return None
+        return "engine imports only the stdlib and numpy"
+    if layer == "model" and _under(name, MODEL_BANNED):
+        return "model never imports server, gateway, cli, clients or web libraries"
+    if layer == "server" and top == "strata" and not (
+        name in PACKAGE_ROOT_NAMES or _under(name, SERVER_STRATA)
+    ):
+        return "server imports only engine, model, protocol, state, registry (never cli)"
+    if layer == "gateway" and _under(name, GATEWAY_BANNED):
+        return "gateway never imports engine, model or server"
+    return None
+
+
+def _reads_env(tree: ast.AST) -> list[int]:
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ENV_READERS:
+            if isinstance(node.value, ast.Name) and node.value.id == "os":
+                lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os":
+            if any(alias.name in ENV_READERS for alias in node.names):
+                lines.append(node.lineno)
+    return sorted(lines)
+
+
+def violations(module: str, source: str, *, is_package: bool = False) -> list[str]:
+    """Every broken rule in one module's source, as 'module:line: name: why'."""
+    tree = ast.parse(source)
+    parts = module.split(".")
+    layer = parts[1] if len(parts) > 1 else ""
+    found = []
+    for name, line in imported_names(tree, module, is_package):
+        why = _import_violation(layer, name)
+        if why:
+            found.append(f"{module}:{line}: {name}: {why}")
+    if module != "strata.cli":
+        found += [f"{module}:{line}: os.environ: only strata/cli.py reads the environment"
+                  for line in _reads_env(tree)]
+    return found
+
+
+def all_modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_the_tree_has_modules_in_every_built_layer() -> None:
+    names = {module_name(p) for p in all_modules()}
+    assert {"strata.types", "strata.errors", "strata.engine.config", "strata.cli"} <= names
+
+
+@pytest.mark.parametrize("path", all_modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_module_follows_the_import_rules(path: Path) -> None:
+    source = path.read_text(encoding="utf-8")
+    assert violations(module_name(path), source, is_package=path.name == "__init__.py") == []
+
+
+def test_checker_catches_engine_importing_torch_asyncio_and_server() -> None:
+    source = (
+        "import numpy as np\nimport torch\nimport asyncio\nfrom strata.server.app import x\n"
+        "from strata.engine.config import CacheConfig\nfrom ..errors import ConfigError\n"
+        "from ..model import llama\nimport httpx\n"
+    )
+    assert violations("strata.engine.scheduler", source) == [
+        "strata.engine.scheduler:2: torch: engine imports only the stdlib and numpy",
+        "strata.engine.scheduler:3: asyncio: engine has no asyncio, sockets or HTTP",
+        "strata.engine.scheduler:4: strata.server.app.x: engine may not import it",
+        "strata.engine.scheduler:7: strata.model.llama: engine may not import it",
+        "strata.engine.scheduler:8: httpx: engine imports only the stdlib and numpy",
+    ]
+
+
+def test_checker_catches_model_server_and_gateway_reaching_up() -> None:
+    assert violations("strata.model.loader", "from strata.cli import main\n") == [
+        "strata.model.loader:1: strata.cli.main: model never imports server, gateway, cli, "
+        "clients or web libraries"
+    ]
+    assert violations("strata.server.app", "def f():\n    from strata import cli\n") == [
+        "strata.server.app:2: strata.cli: server imports only engine, model, protocol, state, "
+        "registry (never cli)"
+    ]
+    assert violations("strata.gateway.pipeline", "from ..engine import engine\n") == [
+        "strata.gateway.pipeline:1: strata.engine.engine: gateway never imports engine, "
+        "model or server"
+    ]
+
+
+def test_checker_lets_only_cli_read_the_environment() -> None:
+    source = "import os\nfrom os import getenv\nx = os.environ.get('A')\ny = os.getenv('B')\n"
+    assert violations("strata.cli", source) == []
+    assert [v.split(": ")[0] for v in violations("strata.server.app", source)] == [
+        "strata.server.app:2", "strata.server.app:3", "strata.server.app:4"
+    ]
+
+
+def test_relative_imports_resolve_against_the_package() -> None:
+    tree = ast.parse("from . import block_pool\nfrom .. import errors\n")
+    assert imported_names(tree, "strata.engine", is_package=True) == [
+        ("strata.engine.block_pool", 1), ("strata.errors", 2)
+    ]
+    assert imported_names(tree, "strata.engine.scheduler", is_package=False) == [
+        ("strata.engine.block_pool", 1), ("strata.errors", 2)
+    ]
