@@ -1,0 +1,225 @@
+"""The OpenAI-compatible HTTP API over one engine. Routes only translate.
+
+    POST /v1/completions, /v1/chat/completions   (SSE when stream=true)
+    GET  /v1/models, /health, /ready, /metrics
+    POST /tokenize, /detokenize
+
+Draining (`app.state.draining`, set by `start_draining` or the lifespan shutdown): new requests
+get 503 with Retry-After while in-flight ones finish. uvicorn's graceful shutdown waits for open
+connections before the lifespan shutdown stops the engine, so streams in flight complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
+from starlette.types import Send
+
+from strata.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    OverloadedError,
+)
+from strata.protocol.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from strata.server import serving
+from strata.server.async_engine import AsyncEngine
+from strata.server.body_limit import BodyLimitMiddleware
+from strata.server.config import ServerConfig
+from strata.server.errors import install_error_handlers
+from strata.server.metrics import ServerMetrics
+from strata.server.translate import ServerTokenizer, chat_prompt
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+class _SSEResponse(StreamingResponse):
+    """Streams SSE frames; whatever ends the stream (done, error, client gone) runs `on_close`."""
+
+    def __init__(self, frames: AsyncGenerator[bytes, None],
+                 on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(frames, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._frames = frames
+        self._on_close = on_close
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self._frames.aclose()
+            await self._on_close()
+
+
+def start_draining(app: FastAPI) -> None:
+    """Refuse new requests (503 + Retry-After); in-flight ones go on."""
+    app.state.draining = True
+
+
+def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer,
+               config: ServerConfig) -> FastAPI:
+    """The FastAPI app serving `async_engine`; starts the engine thread."""
+    async_engine.start()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        start_draining(app)
+        await async_engine.shutdown(config.shutdown_timeout_s)
+
+    app = FastAPI(title="Strata", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.draining = False
+    app.state.metrics = ServerMetrics(config.served_model_name)
+    app.state.ctx = serving.ServingContext(async_engine, tokenizer, config, app.state.metrics)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
+    install_error_handlers(app)
+    _add_generation_routes(app)
+    _add_info_routes(app)
+    return app
+
+
+def _ctx(app: Any) -> serving.ServingContext:
+    ctx: serving.ServingContext = app.state.ctx
+    return ctx
+
+
+async def _parse(request: Request, model: type[M]) -> M:
+    """JSON body -> model; malformed JSON and wrong types raise (mapped to 400)."""
+    body = await request.body()
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError("request body must be a JSON object")
+    return model.model_validate(data)
+
+
+def _admit(request: Request, model_name: str | None) -> serving.ServingContext:
+    """Refuse when draining or dead, or for another model's name."""
+    ctx = _ctx(request.app)
+    if request.app.state.draining:
+        raise OverloadedError("the server is shutting down; retry on another instance",
+                              retry_after_s=ctx.config.retry_after_s, status_code=503)
+    if not ctx.engine.is_healthy:
+        raise EngineDeadError(ctx.engine.dead_reason or "the engine is not running")
+    served = ctx.config.served_model_name
+    if model_name is not None and model_name != served:
+        raise ModelNotFoundError(f"The model `{model_name}` does not exist; this server serves "
+                                 f"`{served}`", param="model")
+    return ctx
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts its engine requests) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientDisconnect()
+    finally:
+        task.cancel()
+
+
+def _add_generation_routes(app: FastAPI) -> None:
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        req = await _parse(request, CompletionRequest)
+        ctx = _admit(request, req.model)
+        started = await _unless_disconnected(request, serving.start_completion(ctx, req))
+        with_lps = req.logprobs is not None
+        if req.stream:
+            frames = serving.completion_stream(ctx, started, with_lps, req.include_usage)
+            return _SSEResponse(frames, started.generation.close)
+        body = await _unless_disconnected(
+            request, serving.completion_response(ctx, started, with_lps))
+        return JSONResponse(body.model_dump())
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Response:
+        req = await _parse(request, ChatCompletionRequest)
+        ctx = _admit(request, req.model)
+        started = await _unless_disconnected(request, serving.start_chat(ctx, req))
+        if req.stream:
+            frames = serving.chat_stream(ctx, started, req.logprobs, req.include_usage)
+            return _SSEResponse(frames, started.generation.close)
+        body = await _unless_disconnected(
+            request, serving.chat_response(ctx, started, req.logprobs))
+        return JSONResponse(body.model_dump())
+
+
+def _add_info_routes(app: FastAPI) -> None:
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        ctx = _ctx(request.app)
+        card = ModelCard(id=ctx.config.served_model_name, max_model_len=ctx.engine.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+    @app.get("/health")
+    async def health(request: Request) -> dict[str, str]:
+        engine = _ctx(request.app).engine
+        if not engine.is_healthy:
+            raise EngineDeadError(engine.dead_reason or "the engine thread is not running")
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request) -> dict[str, str]:
+        _admit(request, None)
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        ctx = _ctx(request.app)
+        return Response(ctx.metrics.render(ctx.engine.stats()), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = await _parse(request, TokenizeRequest)
+        ctx = _admit(request, req.model)
+        tokens = _tokenize(ctx, req)
+        return TokenizeResponse(tokens=tokens, count=len(tokens),
+                                max_model_len=ctx.engine.max_model_len).model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = await _parse(request, DetokenizeRequest)
+        ctx = _admit(request, req.model)
+        vocab = ctx.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise InvalidRequestError(f"tokens must be in [0, {vocab})", param="tokens")
+        return DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens)).model_dump()
+
+
+def _tokenize(ctx: serving.ServingContext, req: TokenizeRequest) -> list[int]:
+    if (req.prompt is None) == (req.messages is None):
+        raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
+    if req.messages is not None:
+        if not req.messages:
+            raise InvalidRequestError("messages must not be empty", param="messages")
+        return chat_prompt(req.messages, ctx.tokenizer, req.add_generation_prompt)
+    return ctx.tokenizer.encode(req.prompt or "", add_special_tokens=True)
+
+
+__all__ = ["create_app", "start_draining"]

@@ -1,0 +1,222 @@
+"""The engine loop off the event loop.
+
+One background thread owns the `Engine`: it alone calls add / abort / step (the engine is not
+thread-safe). Coroutines hand it commands through a thread-safe queue and receive outputs on a
+per-request `asyncio.Queue`, fed with `loop.call_soon_threadsafe`. When there is no work the
+thread sleeps on an Event; every command sets it.
+
+If `step()` raises, every in-flight request ends with finish_reason "error", the engine is marked
+dead (`is_healthy` turns false, new requests raise `EngineDeadError`) and the error is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Protocol
+
+from strata.engine.outputs import EngineStats, RequestOutput
+from strata.engine.request import FinishReason, Request
+from strata.errors import EngineDeadError
+from strata.types import RequestId
+
+logger = logging.getLogger("strata.server")
+
+
+class EngineCore(Protocol):
+    """What AsyncEngine needs of `strata.engine.engine.Engine`."""
+
+    def validate_request(self, request: Request) -> None: ...
+
+    def add_request(self, request: Request) -> None: ...
+
+    def abort_request(self, request_id: RequestId) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+_Command = tuple[str, Request | RequestId | None]
+
+
+class AsyncEngine:
+    """Serves one `Engine` to asyncio code. Call `start()` once (create_app's lifespan does)."""
+
+    def __init__(self, engine: EngineCore, *, max_model_len: int) -> None:
+        self.engine = engine
+        self.max_model_len = max_model_len
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[RequestId, _Stream] = {}
+        self._lock = threading.Lock()
+        self._stats = engine.stats()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead_reason: str | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def is_healthy(self) -> bool:
+        """True while the engine thread runs and has not died."""
+        return self._thread is not None and self._thread.is_alive() and self.dead_reason is None
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for in-flight requests, abort the rest, stop the thread."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.num_in_flight and loop.time() < deadline and self.is_healthy:
+            await asyncio.sleep(0.05)
+        with self._lock:
+            leftover = list(self._streams)
+        for request_id in leftover:
+            self._post(("abort", request_id))
+        self._stopping = True
+        self._post(("stop", None))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, max(timeout_s, 1.0))
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken by the engine thread after its last step or command."""
+        return self._stats
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def generate(self, request: Request) -> AsyncGenerator[RequestOutput, None]:
+        """Outputs of `request` until it finishes. Closing the iterator early aborts it.
+
+        Validation errors raise here, synchronously, before anything is queued; a refusal by the
+        engine thread (e.g. the waiting queue filled up meanwhile) raises at the first iteration.
+        The request is queued at the first iteration.
+        """
+        self._check_alive()
+        self.engine.validate_request(request)
+        return self._outputs(request)
+
+    async def _outputs(self, request: Request) -> AsyncGenerator[RequestOutput, None]:
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            self._streams[request.request_id] = stream
+        if self.dead_reason is not None:  # died between generate() and now: _die missed us
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+            raise EngineDeadError(self.dead_reason)
+        self._post(("add", request))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+            if not finished:
+                self._post(("abort", request.request_id))
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if self._stopping or not self.is_healthy:
+            raise EngineDeadError("the engine thread is not running")
+
+    def _post(self, command: _Command) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # --- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                self._dispatch(self.engine.step())
+                self._stats = self.engine.stats()
+        except Exception as exc:
+            self._die(exc)
+
+    def _apply_commands(self) -> None:
+        applied = False
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            applied = True
+            if kind == "stop":
+                self._stopping = True
+            elif kind == "abort":
+                self.engine.abort_request(RequestId(str(arg)))
+            elif isinstance(arg, Request):
+                self._add(arg)
+        if applied:
+            self._stats = self.engine.stats()
+
+    def _add(self, request: Request) -> None:
+        try:
+            self.engine.add_request(request)
+        except Exception as exc:  # a refusal is the caller's news, not the loop's death
+            stream = self._stream(request.request_id)
+            if stream is not None:
+                stream.put(exc)
+
+    def _stream(self, request_id: RequestId) -> _Stream | None:
+        with self._lock:
+            return self._streams.get(request_id)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._stream(output.request_id)
+            if stream is not None:
+                stream.put(output)
+            elif not output.finished:  # its consumer left before the abort arrived
+                self.engine.abort_request(output.request_id)
+
+    def _die(self, exc: Exception) -> None:
+        logger.error("engine step failed; the engine is dead", exc_info=exc)
+        self.dead_reason = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            streams = dict(self._streams)
+        for request_id, stream in streams.items():
+            stream.put(RequestOutput(request_id=request_id, new_token_ids=[], new_text="",
+                                     finished=True, finish_reason=FinishReason.ERROR))
+
+
+__all__ = ["AsyncEngine", "EngineCore"]

@@ -1,0 +1,113 @@
+"""Prometheus metrics of one server, on its own `CollectorRegistry` (never the global one).
+
+Per-request histograms and counters are recorded by the routes as outputs arrive; gauges and the
+preemption counter are refreshed from `AsyncEngine.stats()` at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from strata.engine.outputs import EngineStats, RequestOutput
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    """The `strata:*` metrics of one server."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self._model = model_name
+        reg = self.registry
+        self.ttft = Histogram("strata:time_to_first_token_seconds", "Time to first token.",
+                              labels, buckets=_LATENCY_BUCKETS_S, registry=reg)
+        self.tpot = Histogram("strata:time_per_output_token_seconds",
+                              "Mean time per output token after the first.", labels,
+                              buckets=_TOKEN_BUCKETS_S, registry=reg)
+        self.e2e = Histogram("strata:e2e_request_latency_seconds", "End-to-end request latency.",
+                             labels, buckets=_LATENCY_BUCKETS_S, registry=reg)
+        self.running = Gauge("strata:num_requests_running", "Requests running.", labels,
+                             registry=reg)
+        self.waiting = Gauge("strata:num_requests_waiting", "Requests waiting.", labels,
+                             registry=reg)
+        self.kv_usage = Gauge("strata:kv_cache_usage_ratio", "Fraction of KV blocks in use.",
+                              labels, registry=reg)
+        self.hit_rate = Gauge("strata:prefix_cache_hit_rate",
+                              "Prompt tokens served by the prefix cache / looked up.", labels,
+                              registry=reg)
+        self.prompt_tokens = Counter("strata:prompt_tokens_total", "Prompt tokens of requests.",
+                                     labels, registry=reg)
+        self.generation_tokens = Counter("strata:generation_tokens_total", "Generated tokens.",
+                                         labels, registry=reg)
+        self.preemptions = Counter("strata:num_preemptions_total", "Preemptions.", labels,
+                                   registry=reg)
+        self.success = Counter("strata:request_success_total", "Finished requests.",
+                               [*labels, "finish_reason"], registry=reg)
+        self._seen_preemptions = 0
+
+    def observe_finished(self, timing: RequestTiming, output: RequestOutput) -> None:
+        """Record one finished request."""
+        model = self._model
+        reason = output.finish_reason.value if output.finish_reason is not None else "unknown"
+        self.success.labels(model, reason).inc()
+        self.prompt_tokens.labels(model).inc(output.num_prompt_tokens)
+        self.generation_tokens.labels(model).inc(output.num_output_tokens)
+        e2e_s = timing.finish_s - timing.arrival_s
+        self.e2e.labels(model).observe(e2e_s)
+        if timing.first_token_s is not None:
+            self.ttft.labels(model).observe(timing.first_token_s - timing.arrival_s)
+            if output.num_output_tokens > 1:
+                decode_s = timing.finish_s - timing.first_token_s
+                self.tpot.labels(model).observe(decode_s / (output.num_output_tokens - 1))
+
+    def refresh(self, stats: EngineStats) -> None:
+        """Copy an engine snapshot into the gauges (called at scrape time)."""
+        model = self._model
+        self.running.labels(model).set(stats.num_running)
+        self.waiting.labels(model).set(stats.num_waiting)
+        self.kv_usage.labels(model).set(stats.kv_usage)
+        self.hit_rate.labels(model).set(stats.prefix_hit_rate)
+        if stats.num_preemptions > self._seen_preemptions:
+            self.preemptions.labels(model).inc(stats.num_preemptions - self._seen_preemptions)
+            self._seen_preemptions = stats.num_preemptions
+
+    def render(self, stats: EngineStats) -> bytes:
+        """The Prometheus text exposition, gauges refreshed from `stats`."""
+        self.refresh(stats)
+        return generate_latest(self.registry)
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    arrival_s: float
+    first_token_s: float | None = None
+    finish_s: float = 0.0
+
+
+async def track(outputs: AsyncGenerator[RequestOutput, None], metrics: ServerMetrics,
+                arrival_s: float, clock: Callable[[], float]
+                ) -> AsyncGenerator[RequestOutput, None]:
+    """Pass `outputs` through, recording TTFT, TPOT, latency and counts when it finishes.
+
+    Closing this generator closes `outputs` at once (which aborts an unfinished request).
+    """
+    timing = RequestTiming(arrival_s)
+    try:
+        async for output in outputs:
+            if timing.first_token_s is None and output.new_token_ids:
+                timing.first_token_s = clock()
+            if output.finished:
+                timing.finish_s = clock()
+                metrics.observe_finished(timing, output)
+            yield output
+    finally:
+        await outputs.aclose()
+
+
+__all__ = ["RequestTiming", "ServerMetrics", "track"]

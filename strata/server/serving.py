@@ -1,0 +1,197 @@
+"""Completions and chat completions: wire request -> engine requests -> wire responses / SSE."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+
+from strata import __version__
+from strata.engine.outputs import RequestOutput
+from strata.engine.request import Request
+from strata.protocol.openai import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+)
+from strata.protocol.sse import DONE_FRAME, encode_event
+from strata.server import translate as tr
+from strata.server.async_engine import AsyncEngine
+from strata.server.config import ServerConfig
+from strata.server.generation import ChoiceState, Generation, start, usage
+from strata.server.metrics import ServerMetrics
+
+FINGERPRINT = f"strata-{__version__}"
+
+
+@dataclass(slots=True)
+class ServingContext:
+    engine: AsyncEngine
+    tokenizer: tr.ServerTokenizer
+    config: ServerConfig
+    metrics: ServerMetrics
+    clock: Callable[[], float] = time.monotonic
+
+
+@dataclass(slots=True)
+class Started:
+    """A generation and the envelope fields of its response."""
+
+    id: str
+    model: str
+    generation: Generation
+    echo_texts: list[str]
+    created: int
+
+
+async def start_completion(ctx: ServingContext, req: CompletionRequest) -> Started:
+    tr.check_common_limits(req, ctx.config)
+    num_logprobs = tr.completion_num_logprobs(req, ctx.config)
+    prompts = tr.completion_prompts(req, ctx.tokenizer)
+    requests: list[Request] = []
+    indices: list[int] = []
+    rid = tr.new_id("cmpl")
+    arrival = ctx.clock()
+    for p, prompt in enumerate(prompts):
+        max_tokens = tr.resolve_max_tokens(req.max_tokens, tr.COMPLETIONS_DEFAULT_MAX_TOKENS,
+                                           len(prompt), ctx.engine.max_model_len)
+        for j in range(req.n):
+            params = tr.sampling_params(req, max_tokens=max_tokens, num_logprobs=num_logprobs,
+                                        choice=j)
+            requests.append(tr.engine_request(f"{rid}-{len(requests)}", prompt, params, req,
+                                              ctx.tokenizer, arrival))
+            indices.append(p)
+    echo = [ctx.tokenizer.decode(prompts[p]) if req.echo else "" for p in indices]
+    generation = await start(ctx.engine, requests, indices, ctx.metrics, ctx.clock)
+    return Started(rid, req.model or ctx.config.served_model_name, generation, echo,
+                   int(time.time()))
+
+
+async def start_chat(ctx: ServingContext, req: ChatCompletionRequest) -> Started:
+    tr.check_common_limits(req, ctx.config)
+    num_logprobs = tr.chat_num_logprobs(req, ctx.config)
+    prompt = tr.chat_prompt(req.messages, ctx.tokenizer)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None \
+        else req.max_tokens
+    max_tokens = tr.resolve_max_tokens(requested, None, len(prompt), ctx.engine.max_model_len)
+    rid, arrival = tr.new_id("chatcmpl"), ctx.clock()
+    requests = [
+        tr.engine_request(f"{rid}-{j}", prompt, tr.sampling_params(
+            req, max_tokens=max_tokens, num_logprobs=num_logprobs, choice=j),
+            req, ctx.tokenizer, arrival)
+        for j in range(req.n)
+    ]
+    generation = await start(ctx.engine, requests, [0] * req.n, ctx.metrics, ctx.clock)
+    return Started(rid, req.model or ctx.config.served_model_name, generation,
+                   [""] * req.n, int(time.time()))
+
+
+async def _collect(started: Started) -> list[ChoiceState]:
+    async for i, output in started.generation.outputs():
+        started.generation.choices[i].update(output)
+    return started.generation.choices
+
+
+async def completion_response(ctx: ServingContext, started: Started,
+                              with_logprobs: bool) -> CompletionResponse:
+    choices = await _collect(started)
+    out = []
+    for c in choices:
+        echo = started.echo_texts[c.index]
+        lps = tr.completion_logprobs(c.logprobs, ctx.tokenizer, len(echo)) \
+            if with_logprobs else None
+        out.append(CompletionChoice(index=c.index, text=echo + c.text, logprobs=lps,
+                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    return CompletionResponse(id=started.id, created=started.created, model=started.model,
+                              choices=out, usage=usage(choices), system_fingerprint=FINGERPRINT)
+
+
+async def chat_response(ctx: ServingContext, started: Started,
+                        with_logprobs: bool) -> ChatCompletionResponse:
+    choices = await _collect(started)
+    out = []
+    for c in choices:
+        lps = ChatLogprobs(content=tr.chat_logprobs(c.logprobs, ctx.tokenizer)) \
+            if with_logprobs else None
+        out.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                              logprobs=lps, finish_reason=c.finish_reason,
+                              stop_reason=c.stop_reason))
+    return ChatCompletionResponse(id=started.id, created=started.created, model=started.model,
+                                  choices=out, usage=usage(choices),
+                                  system_fingerprint=FINGERPRINT)
+
+
+async def completion_stream(ctx: ServingContext, started: Started, with_logprobs: bool,
+                            include_usage: bool) -> AsyncGenerator[bytes, None]:
+    """SSE frames of a streamed completion; the echo rides on each choice's first chunk."""
+    choices = started.generation.choices
+    offsets = [len(e) for e in started.echo_texts]
+
+    def chunk(items: list[CompletionChoice]) -> bytes:
+        return encode_event(CompletionStreamResponse(
+            id=started.id, created=started.created, model=started.model, choices=items,
+            system_fingerprint=FINGERPRINT))
+
+    async for i, output in started.generation.outputs():
+        choices[i].update(output)
+        echo, started.echo_texts[i] = started.echo_texts[i], ""
+        lps = None
+        if with_logprobs:
+            lps = tr.completion_logprobs(output.new_logprobs, ctx.tokenizer, offsets[i])
+            offsets[i] += sum(len(t) for t in lps.tokens)
+        if echo or output.new_text or output.finished or lps is not None:
+            yield chunk([CompletionChoice(index=i, text=echo + output.new_text, logprobs=lps,
+                                          finish_reason=_reason(output),
+                                          stop_reason=output.stop_reason)])
+    if include_usage:
+        yield encode_event(CompletionStreamResponse(
+            id=started.id, created=started.created, model=started.model, choices=[],
+            usage=usage(choices), system_fingerprint=FINGERPRINT))
+    yield DONE_FRAME
+
+
+async def chat_stream(ctx: ServingContext, started: Started, with_logprobs: bool,
+                      include_usage: bool) -> AsyncGenerator[bytes, None]:
+    """SSE frames of a streamed chat completion: a role chunk per choice, deltas, finish."""
+    choices = started.generation.choices
+
+    def chunk(items: list[ChatStreamChoice]) -> bytes:
+        return encode_event(ChatCompletionStreamResponse(
+            id=started.id, created=started.created, model=started.model, choices=items,
+            system_fingerprint=FINGERPRINT))
+
+    for c in choices:
+        yield chunk([ChatStreamChoice(index=c.index,
+                                      delta=DeltaMessage(role="assistant", content=""))])
+    async for i, output in started.generation.outputs():
+        choices[i].update(output)
+        lps = ChatLogprobs(content=tr.chat_logprobs(output.new_logprobs, ctx.tokenizer)) \
+            if with_logprobs else None
+        if output.new_text or output.finished or lps is not None:
+            delta = DeltaMessage(content=output.new_text or None)
+            yield chunk([ChatStreamChoice(index=i, delta=delta, logprobs=lps,
+                                          finish_reason=_reason(output))])
+    if include_usage:
+        yield encode_event(ChatCompletionStreamResponse(
+            id=started.id, created=started.created, model=started.model, choices=[],
+            usage=usage(choices), system_fingerprint=FINGERPRINT))
+    yield DONE_FRAME
+
+
+def _reason(output: RequestOutput) -> str | None:
+    if not output.finished or output.finish_reason is None:
+        return None
+    return output.finish_reason.value
+
+
+__all__ = ["ServingContext", "Started", "chat_response", "chat_stream", "completion_response",
+           "completion_stream", "start_chat", "start_completion"]

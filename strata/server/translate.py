@@ -1,0 +1,195 @@
+"""Wire requests -> engine `Request`s, and engine logprobs -> wire logprobs.
+
+Every per-request limit is checked here, before anything is queued, so a bad parameter is a 400
+at once. Token texts come from the tokenizer: `id_to_token_text` for logprobs.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Protocol
+
+from strata.engine.request import Logprob, Request, SamplingParams
+from strata.errors import InvalidRequestError
+from strata.protocol.openai import (
+    ChatCompletionRequest,
+    ChatLogprobToken,
+    ChatMessage,
+    ChatTopLogprob,
+    CompletionLogprobs,
+    CompletionRequest,
+)
+from strata.server.config import ServerConfig
+from strata.types import RequestId
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
+
+
+class ServerTokenizer(Protocol):
+    """The part of `strata.model.tokenizer.Tokenizer` the server uses."""
+
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str: ...
+
+    def id_to_token_text(self, token_id: int) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, object]], *,
+                            add_generation_prompt: bool = True) -> str: ...
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _fail(param: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{param} {message}", param=param)
+
+
+def check_common_limits(req: CompletionRequest | ChatCompletionRequest,
+                        config: ServerConfig) -> None:
+    """n and stop limits shared by both endpoints."""
+    if not 1 <= req.n <= config.max_n:
+        raise _fail("n", f"must be in 1..{config.max_n}, got {req.n}")
+    if len(req.stop_list) > config.max_stop_strings:
+        raise _fail("stop", f"allows at most {config.max_stop_strings} strings, "
+                            f"got {len(req.stop_list)}")
+    if req.stream_options is not None and not req.stream:
+        raise _fail("stream_options", "is only allowed when stream is true")
+
+
+def completion_num_logprobs(req: CompletionRequest, config: ServerConfig) -> int | None:
+    if req.logprobs is not None and not 0 <= req.logprobs <= config.max_top_logprobs:
+        raise _fail("logprobs", f"must be in 0..{config.max_top_logprobs}, got {req.logprobs}")
+    if req.echo and req.logprobs is not None:
+        raise _fail("echo", "is not supported together with logprobs (no prompt logprobs)")
+    return req.logprobs
+
+
+def chat_num_logprobs(req: ChatCompletionRequest, config: ServerConfig) -> int | None:
+    top = req.top_logprobs
+    if top is not None and not 0 <= top <= config.max_top_logprobs:
+        raise _fail("top_logprobs", f"must be in 0..{config.max_top_logprobs}, got {top}")
+    if top is not None and not req.logprobs:
+        raise _fail("top_logprobs", "requires logprobs to be true")
+    return (top or 0) if req.logprobs else None
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: ServerTokenizer) -> list[list[int]]:
+    """One token list per prompt (a list of strings or of token lists is a batch)."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt, add_special_tokens=True)]
+    if not prompt:
+        raise _fail("prompt", "must not be an empty list")
+    if isinstance(prompt[0], str):
+        return [tokenizer.encode(str(p), add_special_tokens=True) for p in prompt]
+    if isinstance(prompt[0], int):
+        return [[int(t) for t in prompt]]  # type: ignore[arg-type]
+    return [list(p) for p in prompt]  # type: ignore[arg-type]
+
+
+def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, object]]:
+    out: list[dict[str, object]] = []
+    for m in messages:
+        item: dict[str, object] = {"role": m.role, "content": m.text}
+        if m.name is not None:
+            item["name"] = m.name
+        out.append(item)
+    return out
+
+
+def chat_prompt(messages: Sequence[ChatMessage], tokenizer: ServerTokenizer,
+                add_generation_prompt: bool = True) -> list[int]:
+    text = tokenizer.apply_chat_template(chat_messages(messages),
+                                         add_generation_prompt=add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def resolve_max_tokens(requested: int | None, default: int | None, num_prompt: int,
+                       max_model_len: int) -> int:
+    """The explicit value as is (the engine refuses it if it does not fit); else the default
+    capped to the room left (at least 1, so an over-long prompt gets the context error)."""
+    if requested is not None:
+        return requested
+    room = max(max_model_len - num_prompt, 1)
+    return room if default is None else max(min(default, room), 1)
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
+                    num_logprobs: int | None, choice: int) -> SamplingParams:
+    """SamplingParams validates the ranges itself (InvalidRequestError naming the param)."""
+    seed = None if req.seed is None else req.seed + choice  # choices differ, runs reproduce
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        seed=seed,
+        stop=tuple(req.stop_list),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        logprobs=num_logprobs,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+    )
+
+
+def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
+                   req: CompletionRequest | ChatCompletionRequest,
+                   tokenizer: ServerTokenizer, arrival_s: float) -> Request:
+    return Request(request_id=RequestId(request_id), prompt_token_ids=prompt,
+                   sampling_params=params, eos_token_ids=tuple(tokenizer.eos_token_ids),
+                   arrival_time=arrival_s, priority=req.priority, cache_salt=req.cache_salt or "")
+
+
+def completion_logprobs(logprobs: list[Logprob], tokenizer: ServerTokenizer,
+                        offset: int) -> CompletionLogprobs:
+    """The completions format; `offset` is where the first token's text starts."""
+    out = CompletionLogprobs()
+    for lp in logprobs:
+        text = tokenizer.id_to_token_text(lp.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp.logprob)
+        top: dict[str, float] = {}
+        for token_id, value in lp.top:  # distinct ids may share a text: keep the likeliest
+            top.setdefault(tokenizer.id_to_token_text(token_id), value)
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(logprobs: list[Logprob], tokenizer: ServerTokenizer) -> list[ChatLogprobToken]:
+    """The chat format: token, logprob, UTF-8 bytes and the top alternatives."""
+    return [
+        ChatLogprobToken(**_top_entry(lp.token_id, lp.logprob, tokenizer).model_dump(),
+                         top_logprobs=[_top_entry(t, v, tokenizer) for t, v in lp.top])
+        for lp in logprobs
+    ]
+
+
+def _top_entry(token_id: int, logprob: float, tokenizer: ServerTokenizer) -> ChatTopLogprob:
+    text = tokenizer.id_to_token_text(token_id)
+    return ChatTopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+
+__all__ = [
+    "COMPLETIONS_DEFAULT_MAX_TOKENS",
+    "ServerTokenizer",
+    "chat_logprobs",
+    "chat_num_logprobs",
+    "chat_prompt",
+    "check_common_limits",
+    "completion_logprobs",
+    "completion_num_logprobs",
+    "completion_prompts",
+    "engine_request",
+    "new_id",
+    "resolve_max_tokens",
+    "sampling_params",
+]

@@ -1,0 +1,126 @@
+"""AsyncEngine with the fake executor: outputs, abort on close, and the engine's death."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from engine_fakes import ALPHABET, make_engine, make_request, prompt_of, reference_tokens
+
+from strata.engine.executor import ModelInput, ModelOutput
+from strata.errors import EngineDeadError, InvalidRequestError
+from strata.server.async_engine import AsyncEngine
+
+
+def test_generate_streams_the_reference_tokens_then_stops() -> None:
+    engine, _ = make_engine()
+    async_engine = AsyncEngine(engine, max_model_len=256)
+    async_engine.start()
+
+    async def story() -> list[int]:
+        tokens: list[int] = []
+        async for out in async_engine.generate(make_request(prompt_of(5), 6, ignore_eos=True)):
+            tokens += out.new_token_ids
+        await async_engine.shutdown(timeout_s=5)
+        return tokens
+
+    assert asyncio.run(story()) == reference_tokens(prompt_of(5), 6)
+    assert not async_engine.is_healthy  # shut down
+
+
+def test_validation_errors_raise_in_the_caller_before_queueing() -> None:
+    engine, _ = make_engine(max_model_len=16)
+    async_engine = AsyncEngine(engine, max_model_len=16)
+    async_engine.start()
+    with pytest.raises(InvalidRequestError, match="16"):
+        async_engine.generate(make_request(prompt_of(20), 2))
+    assert async_engine.num_in_flight == 0
+    asyncio.run(async_engine.shutdown(timeout_s=1))
+
+
+def test_refusal_in_the_engine_thread_raises_at_first_iteration() -> None:
+    engine, executor = make_engine(max_waiting=1, max_num_seqs=1)
+    entered, release = threading.Event(), threading.Event()
+    real_execute = executor.execute
+
+    def execute(model_input: ModelInput) -> ModelOutput:
+        entered.set()
+        release.wait()
+        return real_execute(model_input)
+
+    executor.execute = execute  # type: ignore[method-assign]
+    async_engine = AsyncEngine(engine, max_model_len=256)
+    async_engine.start()
+
+    async def story() -> list[str]:
+        gens = [async_engine.generate(make_request(prompt_of(4), 3)) for _ in range(3)]
+        first = asyncio.ensure_future(anext(gens[0]))
+        await asyncio.to_thread(entered.wait)  # the first request runs, the engine is stuck
+        others = [asyncio.ensure_future(anext(g)) for g in gens[1:]]
+        while async_engine.num_in_flight < 3:
+            await asyncio.sleep(0.01)
+        release.set()  # the second waits (max_waiting=1); the third is refused
+        results = await asyncio.gather(first, *others, return_exceptions=True)
+        for g in gens:
+            await g.aclose()
+        await async_engine.shutdown(timeout_s=5)
+        return [type(r).__name__ for r in results]
+
+    assert asyncio.run(story()) == ["RequestOutput", "RequestOutput", "OverloadedError"]
+
+
+def test_closing_the_stream_aborts_the_request_and_frees_its_blocks() -> None:
+    engine, _ = make_engine()
+    async_engine = AsyncEngine(engine, max_model_len=256)
+    async_engine.start()
+
+    async def story() -> None:
+        gen = async_engine.generate(make_request(prompt_of(9), 200, ignore_eos=True))
+        await anext(gen)
+        await gen.aclose()
+        while async_engine.stats().num_running or async_engine.stats().num_waiting:
+            await asyncio.sleep(0.01)
+        await async_engine.shutdown(timeout_s=5)
+
+    asyncio.run(story())
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.num_generated_tokens < 200
+    engine.check_integrity()
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def test_a_failing_step_ends_every_request_with_error_and_kills_the_engine() -> None:
+    engine, executor = make_engine()
+    calls = {"n": 0}
+    real_execute = executor.execute
+
+    def execute(model_input: ModelInput) -> ModelOutput:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise Boom("the GPU fell off")
+        return real_execute(model_input)
+
+    executor.execute = execute  # type: ignore[method-assign]
+    async_engine = AsyncEngine(engine, max_model_len=256)
+    async_engine.start()
+
+    async def story() -> list[str | None]:
+        async def run(n: int) -> str | None:
+            reason = None
+            async for out in async_engine.generate(make_request(prompt_of(n), 50, ignore_eos=True)):
+                reason = out.finish_reason.value if out.finish_reason else None
+            return reason
+
+        return list(await asyncio.gather(run(3), run(4)))
+
+    assert asyncio.run(story()) == ["error", "error"]
+    assert not async_engine.is_healthy
+    assert async_engine.dead_reason == "Boom: the GPU fell off"
+    with pytest.raises(EngineDeadError, match="GPU fell off"):
+        async_engine.generate(make_request(prompt_of(3), 2))
+    assert ALPHABET  # the fake decoder's alphabet is what text is made of
