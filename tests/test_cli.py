@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import re
 import signal
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+from serve_process import ServeProcess, start_serve
 
 from strata.cli import build_parser, cache_dir_from_env, main
 from strata.clients.chat import ChatOptions, run_chat
@@ -132,40 +128,21 @@ def test_chat_keeps_the_conversation_and_leaves_on_exit() -> None:
 # --- a live tiny server ---------------------------------------------------------------------------
 
 
-@dataclass
-class LiveServer:
-    proc: subprocess.Popen[str]
-    url: str
-
-
 @pytest.fixture(scope="module")
-def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     from tiny_models import make_tiny_model_dir
 
     root = tmp_path_factory.mktemp("cli")
     model_dir = make_tiny_model_dir(root / "tiny")
-    cmd = [sys.executable, "-m", "strata.cli", "serve", str(model_dir), "--port", "0",
-           "--dtype", "float32", "--kv-cache-gb", "0.01", "--log-level", "warning",
-           "--served-model-name", "tiny", "--shutdown-timeout-s", "20"]
-    env = {**os.environ, "STRATA_CACHE_DIR": str(root / "cache")}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
-    assert proc.stdout is not None
-    lines = []
-    while line := proc.stdout.readline():
-        lines.append(line)
-        if m := re.match(r"Strata serving tiny on (http://127\.0\.0\.1:\d+) \(ready in", line):
-            break
-    assert m, "".join(lines)
-    yield LiveServer(proc, m.group(1))
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
-    proc.stdout.close()
+    args = [str(model_dir), "--dtype", "float32", "--kv-cache-gb", "0.01", "--log-level",
+            "warning", "--served-model-name", "tiny", "--shutdown-timeout-s", "20"]
+    server = start_serve(args, cache_dir=root / "cache", timeout_s=120)
+    yield server
+    server.stop()
 
 
 def test_bench_against_a_live_server_writes_a_complete_report(
-    live_server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    live_server: ServeProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "report.json"
     argv = ["bench", "--url", live_server.url, "--num-requests", "6", "--input-len", "16",
@@ -181,7 +158,7 @@ def test_bench_against_a_live_server_writes_a_complete_report(
 
 
 def test_multi_turn_bench_and_chat_once_against_a_live_server(
-    live_server: LiveServer, capsys: pytest.CaptureFixture[str]
+    live_server: ServeProcess, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["bench", "--url", live_server.url, "--workload", "multi-turn", "--sessions", "2",
             "--turns", "2", "--input-len", "3", "--output-len", "3", "--no-progress"]
@@ -191,7 +168,7 @@ def test_multi_turn_bench_and_chat_once_against_a_live_server(
     assert capsys.readouterr().out.endswith("\n")
 
 
-def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0(live_server: LiveServer) -> None:
+def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0(live_server: ServeProcess) -> None:
     # Stops the module's server: it stays the last test of this file.
     body = {"prompt": "hi", "max_tokens": 120, "ignore_eos": True, "stream": True}
     lines: list[str] = []

@@ -71,14 +71,26 @@ def test_refusal_in_the_engine_thread_raises_at_first_iteration() -> None:
 
 
 def test_closing_the_stream_aborts_the_request_and_frees_its_blocks() -> None:
-    engine, _ = make_engine()
+    engine, executor = make_engine()
+    second_step, release = threading.Event(), threading.Event()
+    real_execute = executor.execute
+
+    def execute(model_input: ModelInput) -> ModelOutput:
+        if executor.num_steps >= 1:  # hold the second step until the stream is closed
+            second_step.set()
+            release.wait()
+        return real_execute(model_input)
+
+    executor.execute = execute  # type: ignore[method-assign]
     async_engine = AsyncEngine(engine, max_model_len=256)
     async_engine.start()
 
     async def story() -> None:
         gen = async_engine.generate(make_request(prompt_of(9), 200, ignore_eos=True))
         await anext(gen)
+        await asyncio.to_thread(second_step.wait)
         await gen.aclose()
+        release.set()
         while async_engine.stats().num_running or async_engine.stats().num_waiting:
             await asyncio.sleep(0.01)
         await async_engine.shutdown(timeout_s=5)
@@ -86,7 +98,7 @@ def test_closing_the_stream_aborts_the_request_and_frees_its_blocks() -> None:
     asyncio.run(story())
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
-    assert stats.num_generated_tokens < 200
+    assert stats.num_generated_tokens == 2  # the abort landed right after the held step
     engine.check_integrity()
 
 
