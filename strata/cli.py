@@ -6,7 +6,9 @@ model, the server) happen inside the subcommands so that `strata --help` and the
 fast.
 
 Environment: STRATA_CACHE_DIR (default `$XDG_CACHE_HOME/strata`, else `~/.cache/strata`) holds
-pulled models and dequantized weights.
+pulled models and dequantized weights; STRATA_RUN_DIR (default `$STRATA_CACHE_DIR/run`) what
+`strata up` keeps; STRATA_API_KEYS (comma separated) the accepted API keys; STRATA_REGISTRY the
+default registry URL.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from strata.commands.env import CliEnv
 from strata.errors import StrataError
 
 if TYPE_CHECKING:
@@ -33,6 +36,7 @@ DTYPES = ("bfloat16", "float32", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_MAX_MODEL_LEN = 2048
 log = logging.getLogger("strata")
+COMMAND_MODULES: tuple[str, ...] = ()  # modules of strata.commands, each a subcommand
 
 
 def cache_dir_from_env(env: Mapping[str, str]) -> Path:
@@ -42,6 +46,20 @@ def cache_dir_from_env(env: Mapping[str, str]) -> Path:
     if env.get("XDG_CACHE_HOME"):
         return Path(env["XDG_CACHE_HOME"]).expanduser() / "strata"
     return Path.home() / ".cache" / "strata"
+
+
+def cli_env_from(env: Mapping[str, str]) -> CliEnv:
+    cache_dir = cache_dir_from_env(env)
+    run_dir = Path(env["STRATA_RUN_DIR"]).expanduser() if env.get("STRATA_RUN_DIR") else None
+    keys = tuple(k.strip() for k in env.get("STRATA_API_KEYS", "").split(",") if k.strip())
+    return CliEnv(cache_dir=cache_dir, run_dir=run_dir or cache_dir / "run", api_keys=keys,
+                  registry_url=env.get("STRATA_REGISTRY") or None)
+
+
+def _command_modules() -> list[Any]:
+    import importlib
+
+    return [importlib.import_module(f"strata.commands.{name}") for name in COMMAND_MODULES]
 
 
 def _number(cast: Callable[[str], Any], check: Callable[[Any], bool], what: str) -> Callable:
@@ -146,10 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="strata", description="Strata LLM serving.")
     parser.add_argument("--version", action="version", version=f"strata {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{serve,models,chat,bench}")
+    names = ["serve", "models", "chat", "bench", *COMMAND_MODULES]
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(names) + "}")
     for add in (_add_serve, _add_models, _add_chat, _add_bench):
         add(sub)
+    for module in _command_modules():
+        module.add_parser(sub)
     return parser
 
 
@@ -288,8 +308,12 @@ async def _announce_when_started(server: Any, args: argparse.Namespace, name: st
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `strata` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
-    cache_dir = cache_dir_from_env(os.environ)
+    env = cli_env_from(os.environ)
+    cache_dir = env.cache_dir
     try:
+        if args.command in COMMAND_MODULES:
+            module = _command_modules()[COMMAND_MODULES.index(args.command)]
+            return int(module.run(args, env))
         if args.command == "serve":
             return cmd_serve(args, cache_dir)
         if args.command == "models":
