@@ -4,7 +4,8 @@
   sockets or HTTP (it is pure compute and bookkeeping).
 - model: never server, gateway, cli (nor the HTTP clients, bench, or web frameworks).
 - server: only types, errors, engine, model, protocol, state, registry and itself; never cli.
-- gateway: never engine, model or server.
+- gateway: only types, errors, protocol, state, registry and itself (never engine, model, server).
+- protocol, state, registry, store: never engine, model, server, gateway, cluster or cli.
 - only strata/cli.py reads environment variables.
 """
 
@@ -28,6 +29,11 @@ PACKAGE_ROOT_NAMES = {"strata", "strata.__version__"}
 SERVER_STRATA = {"strata.types", "strata.errors", "strata.engine", "strata.model",
                  "strata.protocol", "strata.state", "strata.registry", "strata.server"}
 GATEWAY_BANNED = {"strata.engine", "strata.model", "strata.server", "strata.cli"}
+GATEWAY_STRATA = {"strata.types", "strata.errors", "strata.protocol", "strata.state",
+                  "strata.registry", "strata.gateway"}
+LOWER_LAYERS = {"protocol", "state", "registry", "store"}
+LOWER_BANNED = {"strata.engine", "strata.model", "strata.server", "strata.gateway",
+                "strata.cluster", "strata.cli", "strata.commands", "strata.sim"}
 ENV_READERS = {"environ", "environb", "getenv", "getenvb"}
 
 
@@ -77,6 +83,12 @@ def _import_violation(layer: str, name: str) -> str | None:
         return "server imports only engine, model, protocol, state, registry (never cli)"
     if layer == "gateway" and _under(name, GATEWAY_BANNED):
         return "gateway never imports engine, model or server"
+    if layer == "gateway" and top == "strata" and not (
+        name in PACKAGE_ROOT_NAMES or _under(name, GATEWAY_STRATA)
+    ):
+        return "gateway imports only protocol, state, registry"
+    if layer in LOWER_LAYERS and _under(name, LOWER_BANNED):
+        return f"{layer} is below engine, server and gateway and never imports them"
     return None
 
 
@@ -151,6 +163,17 @@ def test_checker_catches_model_server_and_gateway_reaching_up() -> None:
         "strata.gateway.pipeline:1: strata.engine.engine: gateway never imports engine, "
         "model or server"
     ]
+
+
+def test_checker_keeps_lower_layers_and_the_gateway_apart() -> None:
+    assert violations("strata.registry.sqlite", "from strata.server import app\n") == [
+        "strata.registry.sqlite:1: strata.server.app: registry is below engine, server and "
+        "gateway and never imports them"
+    ]
+    assert violations("strata.gateway.app", "import strata.store.s3\n") == [
+        "strata.gateway.app:1: strata.store.s3: gateway imports only protocol, state, registry"
+    ]
+    assert violations("strata.gateway.app", "from strata.registry import create_registry\n") == []
 
 
 def test_checker_lets_only_cli_read_the_environment() -> None:
