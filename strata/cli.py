@@ -20,10 +20,17 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from strata.commands.argtypes import (
+    non_negative_float,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
 from strata.commands.env import CliEnv
 from strata.errors import StrataError
 
@@ -60,28 +67,6 @@ def _command_modules() -> list[Any]:
     import importlib
 
     return [importlib.import_module(f"strata.commands.{name}") for name in COMMAND_MODULES]
-
-
-def _number(cast: Callable[[str], Any], check: Callable[[Any], bool], what: str) -> Callable:
-    """An argparse type: a bad value is a usage error (exit 2) that says what is expected."""
-
-    def parse(text: str) -> Any:
-        try:
-            value = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not check(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
-        return value
-
-    return parse
-
-
-positive_int = _number(int, lambda v: v > 0, "a positive integer")
-non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
-positive_float = _number(float, lambda v: v > 0, "a positive number")
-non_negative_float = _number(float, lambda v: v >= 0, "a number >= 0")
-port_number = _number(int, lambda v: 0 <= v <= 65535, "a port number (0-65535)")
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
