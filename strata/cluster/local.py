@@ -1,0 +1,187 @@
+"""`strata up`: a registry, N instances and a gateway as local processes, supervised.
+
+The supervisor owns every process it starts: it restarts a crashed instance (same id, same port,
+so it rejoins where it was) after an exponential backoff, and on stop sends SIGTERM to all of them,
+waits for their graceful shutdown and only then SIGKILLs what is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from strata.errors import ConfigError
+
+log = logging.getLogger("strata.up")
+
+
+@dataclass(frozen=True, slots=True)
+class LocalClusterConfig:
+    """What `strata up` starts. `serve_args` are passed through to every `strata serve`."""
+
+    replicas: int
+    run_dir: Path
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    serve_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    restart_backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    stable_after_s: float = 30.0  # an instance up this long has its backoff reset
+    stop_timeout_s: float = 30.0
+    threads_per_instance: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ConfigError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.restart_backoff_s <= 0 or self.max_backoff_s < self.restart_backoff_s:
+            raise ConfigError("restart backoff must be > 0 and <= the maximum backoff")
+
+    @property
+    def registry_url(self) -> str:
+        return f"sqlite:///{self.run_dir / 'registry.db'}"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.run_dir / "logs"
+
+
+@dataclass(slots=True)
+class Child:
+    """One supervised process and its restart bookkeeping."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    num_restarts: int = 0
+    backoff_s: float = 0.0
+    restart_at: float | None = None
+    log_file: IO[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def is_running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class Supervisor:
+    """Starts, watches and stops the processes of one local cluster."""
+
+    def __init__(self, config: LocalClusterConfig, *, python: str = sys.executable,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.python = python
+        self.clock = clock
+        self.instances = [self._instance_child(i) for i in range(config.replicas)]
+        self.gateway = Child("gateway", self._gateway_argv(), config.log_dir / "gateway.log")
+
+    @property
+    def children(self) -> list[Child]:
+        return [*self.instances, self.gateway]
+
+    def _instance_child(self, index: int) -> Child:
+        c = self.config
+        instance_id = f"instance-{index}"
+        port = free_port(c.host)
+        argv = [self.python, "-m", "strata.cli", "serve", *([c.model] if c.model else []),
+                "--host", c.host, "--port", str(port), "--registry", c.registry_url,
+                "--instance-id", instance_id, "--advertise-url", f"http://{c.host}:{port}"]
+        if c.threads_per_instance:
+            argv += ["--threads", str(c.threads_per_instance)]
+        return Child(instance_id, [*argv, *c.serve_args], c.log_dir / f"{instance_id}.log")
+
+    def _gateway_argv(self) -> list[str]:
+        c = self.config
+        return [self.python, "-m", "strata.cli", "gateway", "--host", c.host, "--port",
+                str(c.port), "--registry", c.registry_url, *c.gateway_args]
+
+    def start(self) -> None:
+        """Start from a clean registry (this cluster owns it), then every process."""
+        self.config.log_dir.mkdir(parents=True, exist_ok=True)
+        for suffix in ("", "-wal", "-shm"):
+            db = self.config.run_dir / f"registry.db{suffix}"
+            if db.exists():
+                db.unlink()
+        for child in self.children:
+            self._spawn(child)
+        self._write_pids()
+
+    def _spawn(self, child: Child) -> None:
+        if child.log_file is None:
+            child.log_file = open(child.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        child.proc = subprocess.Popen(child.argv, stdout=child.log_file,
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        child.started_at = self.clock()
+        child.restart_at = None
+        log.info("started %s (pid %d), log %s", child.name, child.proc.pid, child.log_path)
+
+    def _write_pids(self) -> None:
+        lines = [f"{c.name} {c.proc.pid}" for c in self.children if c.proc is not None]
+        (self.config.run_dir / "pids").write_text("\n".join(lines) + "\n")
+
+    def poll(self) -> None:
+        """One supervision round: schedule restarts of crashed children, run due ones."""
+        now = self.clock()
+        for child in self.children:
+            if child.is_running:
+                if now - child.started_at >= self.config.stable_after_s:
+                    child.backoff_s = 0.0
+                continue
+            if child.restart_at is None:
+                self._schedule_restart(child, now)
+            elif now >= child.restart_at:
+                child.num_restarts += 1
+                self._spawn(child)
+                self._write_pids()
+
+    def _schedule_restart(self, child: Child, now: float) -> None:
+        c = self.config
+        child.backoff_s = min(max(child.backoff_s * 2, c.restart_backoff_s), c.max_backoff_s)
+        child.restart_at = now + child.backoff_s
+        code = child.proc.returncode if child.proc is not None else None
+        log.warning("%s exited with %s; restarting in %.1fs (see %s)", child.name, code,
+                    child.backoff_s, child.log_path)
+
+    def stop(self) -> None:
+        """SIGTERM everything (gateway first, so no new traffic), wait, then SIGKILL."""
+        for child in [self.gateway, *self.instances]:
+            if child.is_running and child.proc is not None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = self.clock() + self.config.stop_timeout_s
+        for child in self.children:
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(timeout=max(deadline - self.clock(), 0.1))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time; killing it", child.name)
+                child.proc.kill()
+                child.proc.wait()
+            if child.log_file is not None:
+                child.log_file.close()
+                child.log_file = None
+        pid_file = self.config.run_dir / "pids"
+        if pid_file.exists():
+            os.unlink(pid_file)
+
+    def run_forever(self, should_stop: Callable[[], bool], interval_s: float = 0.5) -> None:
+        while not should_stop():
+            self.poll()
+            time.sleep(interval_s)

@@ -1,0 +1,113 @@
+"""`strata up`: N instances behind the gateway, where `strata serve` would listen."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+from strata.cluster.local import LocalClusterConfig, Supervisor
+from strata.commands.argtypes import port_number, positive_float, positive_int
+from strata.commands.env import CliEnv
+from strata.errors import StrataError
+
+log = logging.getLogger("strata.up")
+
+# flags of `strata serve` that `strata up` passes through to every instance
+_SERVE_FLAGS: tuple[tuple[str, Any], ...] = (
+    ("--served-model-name", str), ("--model-version", str), ("--dtype", str),
+    ("--max-model-len", positive_int), ("--kv-cache-gb", positive_float),
+    ("--block-size", positive_int), ("--max-num-seqs", positive_int), ("--simulate", str),
+)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start N instances behind the gateway on one machine")
+    p.add_argument("model", nargs="?", default=None, help="as for `strata serve`")
+    p.add_argument("--replicas", type=positive_int, default=2)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=port_number, default=8000, help="the gateway's port")
+    p.add_argument("--policy", default=None, help="gateway routing policy")
+    p.add_argument("--threads-per-instance", type=positive_int, default=None,
+                   help="torch threads per instance (default: cores / replicas, at least 1)")
+    p.add_argument("--ready-timeout-s", type=positive_float, default=600.0)
+    p.add_argument("--log-level", default="info")
+    for flag, kind in _SERVE_FLAGS:
+        p.add_argument(flag, type=kind, default=None, help="passed to every instance")
+
+
+def run(args: argparse.Namespace, env: CliEnv) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    config = _config(args, env)
+    _prefetch(args, env)
+    supervisor = Supervisor(config)
+    stop = {"now": False}
+
+    def request_stop(*_: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    supervisor.start()
+    try:
+        _wait_ready(supervisor, config, args.ready_timeout_s, lambda: stop["now"])
+        if not stop["now"]:
+            print(f"Strata cluster: {config.replicas} instances behind "
+                  f"http://{config.host}:{config.port} (logs in {config.log_dir})", flush=True)
+        supervisor.run_forever(lambda: stop["now"])
+    finally:
+        print("stopping the cluster...", flush=True)
+        supervisor.stop()
+    return 0
+
+
+def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
+    serve_args: list[str] = ["--log-level", "warning"]
+    for flag, _ in _SERVE_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            serve_args += [flag, str(value)]
+    threads = args.threads_per_instance or max(1, (os.cpu_count() or 1) // args.replicas)
+    gateway_args = ["--policy", args.policy] if args.policy else []
+    return LocalClusterConfig(
+        replicas=args.replicas, run_dir=env.run_dir, model=args.model, host=args.host,
+        port=args.port, serve_args=tuple(serve_args), gateway_args=tuple(gateway_args),
+        threads_per_instance=None if args.simulate else threads,
+    )
+
+
+def _prefetch(args: argparse.Namespace, env: CliEnv) -> None:
+    """Pull the model once before N instances would all want it."""
+    if args.simulate:
+        return
+    from strata.model.fetch import resolve_model
+
+    resolve_model(args.model, cache_dir=env.cache_dir, progress=True)
+
+
+def _wait_ready(supervisor: Supervisor, config: LocalClusterConfig, timeout_s: float,
+                should_stop: Any) -> None:
+    from strata.registry import create_registry
+    from strata.registry.records import InstanceState
+
+    async def num_ready() -> int:
+        registry = create_registry(config.registry_url)
+        try:
+            records = await registry.list_instances()
+        finally:
+            await registry.close()
+        return sum(r.state == InstanceState.READY for r in records)
+
+    deadline = time.monotonic() + timeout_s
+    while not should_stop():
+        supervisor.poll()
+        if asyncio.run(num_ready()) >= config.replicas:
+            return
+        if time.monotonic() > deadline:
+            raise StrataError(f"the instances were not ready after {timeout_s:.0f}s; "
+                              f"see the logs in {config.log_dir}")
+        time.sleep(0.5)
