@@ -40,6 +40,7 @@ class LocalClusterConfig:
     stable_after_s: float = 30.0  # an instance up this long has its backoff reset
     stop_timeout_s: float = 30.0
     threads_per_instance: int | None = None
+    registry: str | None = None  # default: SQLite in run_dir (one machine)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -49,7 +50,7 @@ class LocalClusterConfig:
 
     @property
     def registry_url(self) -> str:
-        return f"sqlite:///{self.run_dir / 'registry.db'}"
+        return self.registry or f"sqlite:///{self.run_dir / 'registry.db'}"
 
     @property
     def log_dir(self) -> Path:
@@ -81,15 +82,31 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def instance_argv(
+    config: LocalClusterConfig, instance_id: str, port: int, python: str
+) -> list[str]:
+    """The `strata serve` command line of one instance of the cluster."""
+    c = config
+    argv = [python, "-m", "strata.cli", "serve", *([c.model] if c.model else []),
+            "--host", c.host, "--port", str(port), "--registry", c.registry_url,
+            "--instance-id", instance_id, "--advertise-url", f"http://{c.host}:{port}"]
+    if c.threads_per_instance:
+        argv += ["--threads", str(c.threads_per_instance)]
+    return [*argv, *c.serve_args]
+
+
 class Supervisor:
     """Starts, watches and stops the processes of one local cluster."""
 
     def __init__(self, config: LocalClusterConfig, *, python: str = sys.executable,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 supervise_instances: bool = True) -> None:
+        """With `supervise_instances=False` only the gateway is a child (Ray owns instances)."""
         self.config = config
         self.python = python
         self.clock = clock
-        self.instances = [self._instance_child(i) for i in range(config.replicas)]
+        self.instances = ([self._instance_child(i) for i in range(config.replicas)]
+                          if supervise_instances else [])
         self.gateway = Child("gateway", self._gateway_argv(), config.log_dir / "gateway.log")
 
     @property
@@ -97,15 +114,9 @@ class Supervisor:
         return [*self.instances, self.gateway]
 
     def _instance_child(self, index: int) -> Child:
-        c = self.config
         instance_id = f"instance-{index}"
-        port = free_port(c.host)
-        argv = [self.python, "-m", "strata.cli", "serve", *([c.model] if c.model else []),
-                "--host", c.host, "--port", str(port), "--registry", c.registry_url,
-                "--instance-id", instance_id, "--advertise-url", f"http://{c.host}:{port}"]
-        if c.threads_per_instance:
-            argv += ["--threads", str(c.threads_per_instance)]
-        return Child(instance_id, [*argv, *c.serve_args], c.log_dir / f"{instance_id}.log")
+        argv = instance_argv(self.config, instance_id, free_port(self.config.host), self.python)
+        return Child(instance_id, argv, self.config.log_dir / f"{instance_id}.log")
 
     def _gateway_argv(self) -> list[str]:
         c = self.config

@@ -8,12 +8,26 @@ import logging
 import os
 import signal
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from strata.cluster.local import LocalClusterConfig, Supervisor
 from strata.commands.argtypes import port_number, positive_float, positive_int
 from strata.commands.env import CliEnv
 from strata.errors import StrataError
+
+
+class Launcher(Protocol):
+    """The local supervisor and the Ray launcher alike."""
+
+    def start(self) -> None: ...
+
+    def poll(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def run_forever(self, should_stop: Callable[[], bool], interval_s: float = 0.5) -> None: ...
+
 
 log = logging.getLogger("strata.up")
 
@@ -36,6 +50,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="torch threads per instance (default: cores / replicas, at least 1)")
     p.add_argument("--ready-timeout-s", type=positive_float, default=600.0)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--registry", default=None,
+                   help="registry URL (default: SQLite in the run dir; Redis for several nodes)")
+    p.add_argument("--ray", action="store_true", help="run the instances as Ray actors")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: local Ray)")
+    p.add_argument("--num-cpus-per-instance", type=positive_float, default=0.5,
+                   help="Ray CPUs reserved per instance actor (fractions allowed)")
     for flag, kind in _SERVE_FLAGS:
         p.add_argument(flag, type=kind, default=None, help="passed to every instance")
 
@@ -44,7 +64,7 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = _config(args, env)
     _prefetch(args, env)
-    supervisor = Supervisor(config)
+    supervisor = _launcher(args, config)
     stop = {"now": False}
 
     def request_stop(*_: object) -> None:
@@ -65,6 +85,15 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
     return 0
 
 
+def _launcher(args: argparse.Namespace, config: LocalClusterConfig) -> Launcher:
+    if not args.ray:
+        return Supervisor(config)
+    from strata.cluster.ray_launcher import RayClusterConfig, RayLauncher
+
+    return RayLauncher(RayClusterConfig(config, address=args.address,
+                                        num_cpus_per_instance=args.num_cpus_per_instance))
+
+
 def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
     serve_args: list[str] = ["--log-level", "warning"]
     for flag, _ in _SERVE_FLAGS:
@@ -76,7 +105,7 @@ def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
     return LocalClusterConfig(
         replicas=args.replicas, run_dir=env.run_dir, model=args.model, host=args.host,
         port=args.port, serve_args=tuple(serve_args), gateway_args=tuple(gateway_args),
-        threads_per_instance=None if args.simulate else threads,
+        threads_per_instance=None if args.simulate else threads, registry=args.registry,
     )
 
 
@@ -89,7 +118,7 @@ def _prefetch(args: argparse.Namespace, env: CliEnv) -> None:
     resolve_model(args.model, cache_dir=env.cache_dir, progress=True)
 
 
-def _wait_ready(supervisor: Supervisor, config: LocalClusterConfig, timeout_s: float,
+def _wait_ready(supervisor: Launcher, config: LocalClusterConfig, timeout_s: float,
                 should_stop: Any) -> None:
     from strata.registry import create_registry
     from strata.registry.records import InstanceState
