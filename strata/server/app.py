@@ -1,12 +1,14 @@
 """The OpenAI-compatible HTTP API over one engine. Routes only translate.
 
     POST /v1/completions, /v1/chat/completions   (SSE when stream=true)
-    GET  /v1/models, /health, /ready, /metrics
-    POST /tokenize, /detokenize
+    GET  /v1/models, /health, /ready, /metrics, /load
+    POST /tokenize, /detokenize, /admin/drain
 
-Draining (`app.state.draining`, set by `start_draining` or the lifespan shutdown): new requests
-get 503 with Retry-After while in-flight ones finish. uvicorn's graceful shutdown waits for open
-connections before the lifespan shutdown stops the engine, so streams in flight complete.
+Draining (`app.state.draining`, set by `start_draining`, POST /admin/drain or the lifespan
+shutdown): new requests get 503 with Retry-After while in-flight ones finish. uvicorn's graceful
+shutdown waits for open connections before the lifespan shutdown stops the engine, so streams in
+flight complete. With a `Registration`, the lifespan keeps the instance in the registry; a drain
+reports DRAINING and deregisters once no request is in flight.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from strata.server.body_limit import BodyLimitMiddleware
 from strata.server.config import ServerConfig
 from strata.server.errors import install_error_handlers
 from strata.server.metrics import ServerMetrics
+from strata.server.registration import Registration, engine_load
 from strata.server.translate import ServerTokenizer, chat_prompt
 
 M = TypeVar("M", bound=BaseModel)
@@ -75,19 +78,49 @@ def start_draining(app: FastAPI) -> None:
     app.state.draining = True
 
 
-def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer,
-               config: ServerConfig) -> FastAPI:
-    """The FastAPI app serving `async_engine`; starts the engine thread."""
+def begin_drain(app: FastAPI) -> None:
+    """Refuse new requests; with a registration, report DRAINING and deregister once idle."""
+    start_draining(app)
+    registration: Registration | None = app.state.registration
+    if registration is not None and app.state.drain_task is None:
+        app.state.drain_task = asyncio.create_task(
+            _drain_registration(registration, _ctx(app).engine, _ctx(app).config))
+
+
+async def _drain_registration(registration: Registration, engine: AsyncEngine,
+                              config: ServerConfig) -> None:
+    await registration.drain()
+    await asyncio.sleep(config.drain_poll_s)  # lets a request admitted just before reach the engine
+    while engine.num_in_flight and engine.is_healthy:
+        await asyncio.sleep(config.drain_poll_s)
+    await registration.stop()
+
+
+def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: ServerConfig,
+               *, registration: Registration | None = None) -> FastAPI:
+    """The FastAPI app serving `async_engine`; starts the engine thread.
+
+    With `registration`, the lifespan registers the instance, heartbeats and deregisters it."""
     async_engine.start()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if registration is not None:
+            registration.start()
         yield
         start_draining(app)
+        if registration is not None:
+            await registration.drain()
         await async_engine.shutdown(config.shutdown_timeout_s)
+        if app.state.drain_task is not None:  # ends now: the engine has no request left
+            await app.state.drain_task
+        if registration is not None:
+            await registration.stop()
 
     app = FastAPI(title="Strata", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.draining = False
+    app.state.registration = registration
+    app.state.drain_task = None
     app.state.metrics = ServerMetrics(config.served_model_name)
     app.state.ctx = serving.ServingContext(async_engine, tokenizer, config, app.state.metrics)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
@@ -194,6 +227,18 @@ def _add_info_routes(app: FastAPI) -> None:
         ctx = _ctx(request.app)
         return Response(ctx.metrics.render(ctx.engine.stats()), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/load")
+    async def load(request: Request) -> dict[str, Any]:
+        ctx = _ctx(request.app)
+        return {**engine_load(ctx.engine)().to_json(), "draining": request.app.state.draining}
+
+    @app.post("/admin/drain")
+    async def drain(request: Request) -> JSONResponse:
+        begin_drain(request.app)
+        num_in_flight = _ctx(request.app).engine.num_in_flight
+        return JSONResponse({"status": "draining", "num_in_flight": num_in_flight},
+                            status_code=202)
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         req = await _parse(request, TokenizeRequest)
@@ -222,4 +267,4 @@ def _tokenize(ctx: serving.ServingContext, req: TokenizeRequest) -> list[int]:
     return ctx.tokenizer.encode(req.prompt or "", add_special_tokens=True)
 
 
-__all__ = ["create_app", "start_draining"]
+__all__ = ["begin_drain", "create_app", "start_draining"]

@@ -24,6 +24,7 @@ class ServerConfig:
     max_stop_strings: int = 16
     shutdown_timeout_s: float = 30.0
     retry_after_s: float = 1.0
+    drain_poll_s: float = 0.05  # how often a drain checks whether in-flight requests are done
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -37,6 +38,8 @@ class ServerConfig:
             raise ConfigError(f"max_top_logprobs must be >= 0, got {self.max_top_logprobs}")
         if self.shutdown_timeout_s < 0:
             raise ConfigError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        if self.drain_poll_s <= 0:
+            raise ConfigError(f"drain_poll_s must be positive, got {self.drain_poll_s}")
         if self.retry_after_s <= 0:
             raise ConfigError(f"retry_after_s must be positive, got {self.retry_after_s}")
 

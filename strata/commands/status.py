@@ -1,0 +1,63 @@
+"""`strata status`: the instances in the registry, their states and load, as a table."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import Sequence
+
+from strata.commands.env import CliEnv
+from strata.registry import InstanceRecord, create_registry
+
+COLUMNS = ("INSTANCE", "URL", "MODEL", "ROLE", "POOL", "STATE", "RUN/WAIT", "KV", "HEARTBEAT")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `strata status [--registry URL]`."""
+    p = sub.add_parser("status", help="show the instances in the registry, their state and load")
+    p.add_argument("--registry", default=None, metavar="URL",
+                   help="registry URL (default: $STRATA_REGISTRY, else the SQLite registry of "
+                        "`strata up` in the run directory)")
+
+
+def default_registry_url(env: CliEnv) -> str:
+    return env.registry_url or f"sqlite:///{env.run_dir.resolve() / 'registry.db'}"
+
+
+def run(args: argparse.Namespace, env: CliEnv) -> int:
+    """Print the table; exit 0 (also when the registry is empty)."""
+    url = args.registry or default_registry_url(env)
+    records = asyncio.run(_list(url))
+    if not records:
+        print(f"no instances registered in {url}")
+        return 0
+    print(format_table(records, now=time.time()))
+    return 0
+
+
+async def _list(url: str) -> list[InstanceRecord]:
+    registry = create_registry(url)
+    try:
+        return await registry.list_instances()
+    finally:
+        await registry.close()
+
+
+def _row(record: InstanceRecord, now: float) -> tuple[str, ...]:
+    load = record.load
+    model = record.model_version + (" (simulated)" if record.simulated else "")
+    return (record.instance_id, record.url, model, record.role.value, record.pool,
+            record.state.value, f"{load.num_running}/{load.num_waiting}",
+            f"{load.kv_usage:.0%}", f"{max(0.0, now - record.last_heartbeat):.1f}s ago")
+
+
+def format_table(records: Sequence[InstanceRecord], *, now: float) -> str:
+    """Aligned columns, one line per instance, in the registry's order (by instance id)."""
+    rows = [COLUMNS, *(_row(r, now) for r in records)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+                     for r in rows)
+
+
+__all__ = ["add_parser", "default_registry_url", "format_table", "run"]

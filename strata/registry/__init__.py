@@ -1,0 +1,41 @@
+"""The instance registry: where instances announce themselves and routers find them.
+
+    create_registry("memory://")                 one process (tests)
+    create_registry("sqlite:///abs/path.db")     one machine, many processes (`strata up`)
+    create_registry("redis://127.0.0.1:6379/0")  many machines
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from strata.errors import ConfigError
+from strata.registry.base import Registry, RegistryError
+from strata.registry.memory import MemoryRegistry
+from strata.registry.records import InstanceLoad, InstanceRecord, InstanceState, Role
+from strata.registry.sqlite import SqliteRegistry
+
+SCHEMES = ("memory://", "sqlite:///PATH", "redis://HOST:PORT/DB", "rediss://HOST:PORT/DB")
+
+
+def create_registry(url: str, *, ttl_s: float = 5.0,
+                    clock: Callable[[], float] = time.time) -> Registry:
+    """The registry backend named by `url`'s scheme; records expire `ttl_s` after a heartbeat."""
+    if url == "memory://" or url == "memory":
+        return MemoryRegistry(ttl_s=ttl_s, clock=clock)
+    if url.startswith("sqlite://"):
+        path = url[len("sqlite://"):]
+        if not path.startswith("/") or len(path) < 2:
+            raise ConfigError(f"sqlite registry URL {url!r} needs an absolute path, "
+                              "e.g. sqlite:///var/run/strata/registry.db")
+        return SqliteRegistry(path, ttl_s=ttl_s, clock=clock)
+    if url.startswith(("redis://", "rediss://")):
+        from strata.registry.redis import RedisRegistry  # lazy: redis is only needed here
+
+        return RedisRegistry(url, ttl_s=ttl_s, clock=clock)
+    raise ConfigError(f"unknown registry URL {url!r}; use one of: {', '.join(SCHEMES)}")
+
+
+__all__ = ["SCHEMES", "InstanceLoad", "InstanceRecord", "InstanceState", "MemoryRegistry",
+           "Registry", "RegistryError", "Role", "SqliteRegistry", "create_registry"]

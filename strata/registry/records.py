@@ -1,0 +1,101 @@
+"""Instance records: who serves what, where, in which state, under how much load.
+
+Records cross process boundaries as JSON only (`to_json` / `from_json`); never pickle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+
+from strata.errors import ConfigError
+
+
+class Role(StrEnum):
+    """What part of a request an instance serves."""
+
+    MIXED = "mixed"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class InstanceState(StrEnum):
+    """starting -> ready -> draining -> deregistered; DEAD: the heartbeat is older than the TTL."""
+
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    DEAD = "dead"
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLoad:
+    """The load an instance last reported."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    num_in_flight: int = 0  # HTTP-level requests not finished yet
+
+    def to_json(self) -> dict[str, Any]:
+        return {"num_running": self.num_running, "num_waiting": self.num_waiting,
+                "kv_usage": self.kv_usage, "num_in_flight": self.num_in_flight}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> InstanceLoad:
+        return cls(num_running=int(data.get("num_running", 0)),
+                   num_waiting=int(data.get("num_waiting", 0)),
+                   kv_usage=float(data.get("kv_usage", 0.0)),
+                   num_in_flight=int(data.get("num_in_flight", 0)))
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceRecord:
+    """One instance as the registry knows it."""
+
+    instance_id: str
+    url: str
+    model: str
+    version: str = "default"
+    role: Role = Role.MIXED
+    pool: str = "default"
+    state: InstanceState = InstanceState.STARTING
+    load: InstanceLoad = field(default_factory=InstanceLoad)
+    last_heartbeat: float = 0.0  # seconds, on the registry's clock
+    simulated: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.instance_id:
+            raise ConfigError("instance_id must not be empty; pass --instance-id")
+        if not self.url:
+            raise ConfigError("url must not be empty; pass --advertise-url")
+
+    @property
+    def model_version(self) -> str:
+        return f"{self.model}@{self.version}"
+
+    def with_state(self, state: InstanceState) -> InstanceRecord:
+        return replace(self, state=state)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-safe dict (str/float/int/bool/dict only)."""
+        return {"instance_id": self.instance_id, "url": self.url, "model": self.model,
+                "version": self.version, "role": self.role.value, "pool": self.pool,
+                "state": self.state.value, "load": self.load.to_json(),
+                "last_heartbeat": self.last_heartbeat, "simulated": self.simulated}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> InstanceRecord:
+        """The inverse of `to_json`; unknown keys are ignored (newer writers)."""
+        return cls(instance_id=str(data["instance_id"]), url=str(data["url"]),
+                   model=str(data["model"]), version=str(data.get("version", "default")),
+                   role=Role(data.get("role", Role.MIXED.value)),
+                   pool=str(data.get("pool", "default")),
+                   state=InstanceState(data.get("state", InstanceState.STARTING.value)),
+                   load=InstanceLoad.from_json(data.get("load") or {}),
+                   last_heartbeat=float(data.get("last_heartbeat", 0.0)),
+                   simulated=bool(data.get("simulated", False)))
+
+
+__all__ = ["InstanceLoad", "InstanceRecord", "InstanceState", "Role"]

@@ -1,0 +1,119 @@
+"""The SQLite registry: one file, many processes on one machine (the default of `strata up`).
+
+One table, one JSON document per instance. Every operation is one short statement in its own
+transaction (heartbeat is a single `UPDATE ... json_set`, so concurrent writers never lose a
+field); WAL lets readers run beside the writer and `busy_timeout` makes writers wait for the lock
+instead of failing. Blocking calls run in a worker thread (`asyncio.to_thread`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+from strata.registry.base import RegistryError, as_seen, check_ttl, unknown_instance
+from strata.registry.records import InstanceLoad, InstanceRecord, InstanceState
+
+T = TypeVar("T")
+_SCHEMA = ("CREATE TABLE IF NOT EXISTS instances "
+           "(instance_id TEXT PRIMARY KEY, record TEXT NOT NULL)")
+
+
+class SqliteRegistry:
+    """A Registry in a SQLite file shared by every process that opens the same path."""
+
+    def __init__(self, path: str | Path, *, ttl_s: float = 5.0,
+                 clock: Callable[[], float] = time.time, busy_timeout_ms: int = 10_000) -> None:
+        check_ttl(ttl_s)
+        self.path = Path(path)
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._busy_timeout_ms = busy_timeout_ms
+        self._lock = threading.Lock()  # one connection, used by one worker thread at a time
+        self._conn: sqlite3.Connection | None = None
+
+    # --- Registry -----------------------------------------------------------------------------
+
+    async def register(self, record: InstanceRecord) -> None:
+        data = json.dumps(replace(record, last_heartbeat=self.clock()).to_json())
+        await self._run("INSERT INTO instances (instance_id, record) VALUES (?, ?) "
+                        "ON CONFLICT(instance_id) DO UPDATE SET record = excluded.record",
+                        (record.instance_id, data))
+
+    async def heartbeat(self, instance_id: str, *, state: InstanceState | None = None,
+                        load: InstanceLoad | None = None) -> None:
+        paths = ["'$.last_heartbeat', ?"]
+        params: list[Any] = [self.clock()]
+        if state is not None:
+            paths.append("'$.state', ?")
+            params.append(state.value)
+        if load is not None:
+            paths.append("'$.load', json(?)")
+            params.append(json.dumps(load.to_json()))
+        sql = f"UPDATE instances SET record = json_set(record, {', '.join(paths)}) " \
+              "WHERE instance_id = ?"
+        if await self._run(sql, (*params, instance_id)) == 0:
+            raise unknown_instance(instance_id)
+
+    async def deregister(self, instance_id: str) -> None:
+        await self._run("DELETE FROM instances WHERE instance_id = ?", (instance_id,))
+
+    async def get(self, instance_id: str) -> InstanceRecord | None:
+        rows = await self._select("SELECT record FROM instances WHERE instance_id = ?",
+                                  (instance_id,))
+        return self._decode(rows[0][0], self.clock()) if rows else None
+
+    async def list_instances(self) -> list[InstanceRecord]:
+        rows = await self._select("SELECT record FROM instances ORDER BY instance_id", ())
+        now = self.clock()
+        return [self._decode(row[0], now) for row in rows]
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._close)
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _decode(self, text: str, now: float) -> InstanceRecord:
+        return as_seen(InstanceRecord.from_json(json.loads(text)), now, self.ttl_s)
+
+    async def _run(self, sql: str, params: tuple[Any, ...]) -> int:
+        """Execute one write in its own transaction; the number of rows it changed."""
+        return await asyncio.to_thread(self._locked, lambda c: c.execute(sql, params).rowcount)
+
+    async def _select(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        return await asyncio.to_thread(self._locked, lambda c: c.execute(sql, params).fetchall())
+
+    def _locked(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        with self._lock:
+            try:
+                return work(self._connection())
+            except sqlite3.Error as exc:
+                raise RegistryError(f"sqlite registry {self.path}: {exc}") from exc
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # autocommit (isolation_level=None): each statement is its own short transaction
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                                   timeout=self._busy_timeout_ms / 1000)
+            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute(_SCHEMA)
+            self._conn = conn
+        return self._conn
+
+    def _close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+__all__ = ["SqliteRegistry"]

@@ -1,0 +1,67 @@
+"""`strata status` over a SQLite registry in a temp directory."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from strata.commands import status
+from strata.commands.env import CliEnv
+from strata.registry import InstanceLoad, InstanceRecord, InstanceState, Role, create_registry
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="strata")
+    status.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+async def _fill(url: str) -> None:
+    long_ago = create_registry(url, clock=lambda: time.time() - 60)
+    await long_ago.register(InstanceRecord("i-dead", "http://127.0.0.1:8002", "tiny",
+                                           state=InstanceState.READY))
+    await long_ago.close()
+    registry = create_registry(url)
+    await registry.register(InstanceRecord(
+        "i-live", "http://127.0.0.1:8001", "tiny", version="v2", role=Role.DECODE, pool="gpu",
+        state=InstanceState.READY, simulated=True,
+        load=InstanceLoad(num_running=3, num_waiting=1, kv_usage=0.25)))
+    await registry.close()
+
+
+def test_status_lists_instances_of_the_run_dir_registry(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    env = CliEnv(cache_dir=tmp_path, run_dir=tmp_path / "run")
+    asyncio.run(_fill(status.default_registry_url(env)))
+    assert status.run(parse(["status"]), env) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["INSTANCE", "URL", "MODEL", "ROLE", "POOL", "STATE", "RUN/WAIT",
+                                "KV", "HEARTBEAT"]
+    assert lines[1].split()[:7] == ["i-dead", "http://127.0.0.1:8002", "tiny@default", "mixed",
+                                    "default", "dead", "0/0"]
+    assert lines[2].split()[:9] == ["i-live", "http://127.0.0.1:8001", "tiny@v2", "(simulated)",
+                                    "decode", "gpu", "ready", "3/1", "25%"]
+    assert lines[1].split()[-2].startswith("6") and lines[1].endswith("s ago")  # about 60 s
+    assert len(lines) == 3
+
+
+def test_status_flag_and_env_choose_the_registry(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"sqlite:///{tmp_path / 'elsewhere.db'}"
+    env = CliEnv(cache_dir=tmp_path, run_dir=tmp_path / "run", registry_url=url)
+    assert status.default_registry_url(env) == url
+    assert status.run(parse(["status", "--registry", "memory://"]), env) == 0
+    assert capsys.readouterr().out == "no instances registered in memory://\n"
+
+
+def test_format_table_aligns_columns() -> None:
+    record = InstanceRecord("a", "http://h:1", "m", last_heartbeat=100.0,
+                            load=InstanceLoad(kv_usage=0.5))
+    assert status.format_table([record], now=101.25).splitlines() == [
+        "INSTANCE  URL         MODEL      ROLE   POOL     STATE     RUN/WAIT  KV   HEARTBEAT",
+        "a         http://h:1  m@default  mixed  default  starting  0/0       50%  1.2s ago",
+    ]
