@@ -1,7 +1,8 @@
 """`strata`: the command line and the only composition root.
 
 This is the one module that reads environment variables and the one that wires layers together:
-model -> executor -> engine -> async engine -> HTTP app -> uvicorn. Heavy imports (torch, the
+model -> executor -> engine -> async engine -> HTTP app -> uvicorn (`strata.commands.serve`),
+gateways and launchers (`strata.commands.*`). Heavy imports (torch, the
 model, the server) happen inside the subcommands so that `strata --help` and the clients start
 fast.
 
@@ -17,33 +18,24 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
-import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from strata.commands.argtypes import (
     non_negative_float,
     non_negative_int,
-    port_number,
     positive_float,
     positive_int,
 )
 from strata.commands.env import CliEnv
 from strata.errors import StrataError
 
-if TYPE_CHECKING:
-    from strata.model.loader import LoadedModel
-    from strata.server.async_engine import AsyncEngine
-
 DEFAULT_URL = "http://127.0.0.1:8000"
-DTYPES = ("bfloat16", "float32", "float16")
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-DEFAULT_MAX_MODEL_LEN = 2048
 log = logging.getLogger("strata")
-COMMAND_MODULES: tuple[str, ...] = ()  # modules of strata.commands, each a subcommand
+# modules of strata.commands, one subcommand each (add_parser + run)
+COMMAND_MODULES: tuple[str, ...] = ("serve", "up", "status")
 
 
 def cache_dir_from_env(env: Mapping[str, str]) -> Path:
@@ -67,35 +59,6 @@ def _command_modules() -> list[Any]:
     import importlib
 
     return [importlib.import_module(f"strata.commands.{name}") for name in COMMAND_MODULES]
-
-
-def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("model", nargs="?", default=None,
-                   help="HF model directory, .gguf file or alias (default: smollm2)")
-    p.add_argument("--served-model-name", default=None,
-                   help="name clients send as `model` (default: the model's own name)")
-    p.add_argument("--model-version", default=None,
-                   help="version label; part of every prefix-cache key (default: 'default')")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=port_number, default=8000)
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    p.add_argument("--max-model-len", type=positive_int, default=None,
-                   help=f"context length (default: min(model context, {DEFAULT_MAX_MODEL_LEN}))")
-    p.add_argument("--kv-cache-gb", type=positive_float, default=1.0)
-    p.add_argument("--block-size", type=positive_int, default=16)
-    p.add_argument("--max-num-seqs", type=positive_int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
-                   help="token budget per step (default: 512; max-model-len without chunking)")
-    p.add_argument("--no-prefix-cache", action="store_true")
-    p.add_argument("--no-chunked-prefill", action="store_true")
-    p.add_argument("--max-waiting", type=positive_int, default=1024,
-                   help="queued requests beyond which new ones get 429")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
-    p.add_argument("--shutdown-timeout-s", type=non_negative_float, default=30.0,
-                   help="on SIGTERM/SIGINT, how long in-flight requests may finish")
-    p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 
 def _add_models(sub: argparse._SubParsersAction) -> None:
@@ -149,9 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="strata", description="Strata LLM serving.")
     parser.add_argument("--version", action="version", version=f"strata {__version__}")
-    names = ["serve", "models", "chat", "bench", *COMMAND_MODULES]
+    names = ["models", "chat", "bench", *COMMAND_MODULES]
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(names) + "}")
-    for add in (_add_serve, _add_models, _add_chat, _add_bench):
+    for add in (_add_models, _add_chat, _add_bench):
         add(sub)
     for module in _command_modules():
         module.add_parser(sub)
@@ -205,91 +168,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if report["num_completed"] else 1
 
 
-def cmd_serve(args: argparse.Namespace, cache_dir: Path) -> int:
-    """Load the model, build the engine stack and serve until SIGTERM/SIGINT."""
-    started = time.perf_counter()
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    from strata.model.fetch import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
-    from strata.model.loader import load_model
-
-    path = resolve_model(args.model, cache_dir=cache_dir, progress=True)
-    log.info("loading %s", path)
-    loaded = load_model(path, dtype=args.dtype, cache_dir=cache_dir)
-    alias = KNOWN_MODELS.get(args.model or DEFAULT_MODEL)
-    name = args.served_model_name or (alias.served_name if alias else loaded.name)
-    async_engine = build_async_engine(args, loaded, name)
-    return asyncio.run(_serve_http(args, async_engine, loaded, name, started))
-
-
-def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str) -> AsyncEngine:
-    """model -> TorchExecutor -> Engine -> AsyncEngine, configured from the flags."""
-    import torch
-
-    from strata.engine.config import CacheConfig, SchedulerConfig
-    from strata.engine.engine import Engine
-    from strata.model.executor import TorchExecutor
-    from strata.server.async_engine import AsyncEngine
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    executor = TorchExecutor(loaded.config, loaded.weights, dtype=args.dtype, device=device)
-    max_model_len = args.max_model_len or min(loaded.config.max_position_embeddings,
-                                              DEFAULT_MAX_MODEL_LEN)
-    chunked = not args.no_chunked_prefill
-    budget = args.max_num_batched_tokens or (512 if chunked else max(512, max_model_len))
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
-        max_model_len=max_model_len, enable_chunked_prefill=chunked, max_waiting=args.max_waiting,
-    )
-    cache_config = CacheConfig(
-        block_size=args.block_size,
-        num_blocks=CacheConfig.blocks_for_gb(args.kv_cache_gb, executor.kv_bytes_per_token(),
-                                             args.block_size),
-        enable_prefix_caching=not args.no_prefix_cache,
-        namespace=f"{name}@{args.model_version or 'default'}",
-    )
-    log.info("device %s, dtype %s, %d KV blocks of %d tokens, max_model_len %d", device,
-             args.dtype, cache_config.num_blocks, cache_config.block_size, max_model_len)
-    engine = Engine(executor, cache_config, scheduler_config, loaded.tokenizer,
-                    vocab_size=loaded.config.vocab_size)
-    return AsyncEngine(engine, max_model_len=max_model_len)
-
-
-async def _serve_http(args: argparse.Namespace, async_engine: AsyncEngine, loaded: LoadedModel,
-                      name: str, started: float) -> int:
-    import uvicorn
-
-    from strata.server.app import create_app
-    from strata.server.config import ServerConfig
-
-    server_config = ServerConfig(served_model_name=name, host=args.host, port=args.port,
-                                 shutdown_timeout_s=args.shutdown_timeout_s)
-    app = create_app(async_engine, loaded.tokenizer, server_config)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level,
-        access_log=args.log_level == "debug", timeout_graceful_shutdown=args.shutdown_timeout_s,
-    ))
-    # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown; these handlers
-    # absorb it so that a requested stop exits 0.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    announce = asyncio.create_task(_announce_when_started(server, args, name, started))
-    await server.serve()  # the app's lifespan shutdown drains and stops the engine
-    announce.cancel()
-    return 0
-
-
-async def _announce_when_started(server: Any, args: argparse.Namespace, name: str,
-                                 started: float) -> None:
-    while not server.started:
-        await asyncio.sleep(0.05)
-    ready_s = time.perf_counter() - started
-    port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
-    print(f"Strata serving {name} on http://{args.host}:{port} (ready in {ready_s:.1f}s)",
-          flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `strata` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
@@ -299,8 +177,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in COMMAND_MODULES:
             module = _command_modules()[COMMAND_MODULES.index(args.command)]
             return int(module.run(args, env))
-        if args.command == "serve":
-            return cmd_serve(args, cache_dir)
         if args.command == "models":
             if args.models_command == "pull":
                 return cmd_models_pull(args.name, cache_dir)

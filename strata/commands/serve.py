@@ -1,0 +1,190 @@
+"""`strata serve`: one instance: model -> executor -> engine -> async engine -> HTTP app.
+
+With `--registry` the instance registers itself (starting -> ready), heartbeats its load and
+deregisters on shutdown; with `--simulate PROFILE` a latency model stands in for the maths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from strata.commands.argtypes import (
+    non_negative_float,
+    port_number,
+    positive_float,
+    positive_int,
+)
+from strata.commands.env import CliEnv
+
+if TYPE_CHECKING:
+    from strata.model.loader import LoadedModel
+    from strata.server.async_engine import AsyncEngine
+    from strata.server.registration import Registration
+
+DTYPES = ("bfloat16", "float32", "float16")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DEFAULT_MAX_MODEL_LEN = 2048
+log = logging.getLogger("strata")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF model directory, .gguf file or alias (default: smollm2)")
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients send as `model` (default: the model's own name)")
+    p.add_argument("--model-version", default=None,
+                   help="version label; part of every prefix-cache key (default: 'default')")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=port_number, default=8000)
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help=f"context length (default: min(model context, {DEFAULT_MAX_MODEL_LEN}))")
+    p.add_argument("--kv-cache-gb", type=positive_float, default=1.0)
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--max-num-seqs", type=positive_int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                   help="token budget per step (default: 512; max-model-len without chunking)")
+    p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--max-waiting", type=positive_int, default=1024,
+                   help="queued requests beyond which new ones get 429")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--shutdown-timeout-s", type=non_negative_float, default=30.0,
+                   help="on SIGTERM/SIGINT, how long in-flight requests may finish")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    _add_cluster_flags(p)
+
+
+def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--registry", default=None, metavar="URL",
+                   help="register in this registry (memory://, sqlite:///PATH, "
+                        "redis://HOST:PORT/DB); default $STRATA_REGISTRY; none: do not register")
+    p.add_argument("--instance-id", default=None, help="default: HOSTNAME-PORT")
+    p.add_argument("--advertise-url", default=None,
+                   help="URL routers use to reach this instance (default http://HOST:PORT)")
+    p.add_argument("--role", choices=("mixed", "prefill", "decode"), default="mixed")
+    p.add_argument("--pool", default="default")
+
+
+def run(args: argparse.Namespace, env: CliEnv) -> int:
+    """Load the model, build the engine stack and serve until SIGTERM/SIGINT."""
+    started = time.perf_counter()
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from strata.model.fetch import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
+    from strata.model.loader import load_model
+
+    path = resolve_model(args.model, cache_dir=env.cache_dir, progress=True)
+    log.info("loading %s", path)
+    loaded = load_model(path, dtype=args.dtype, cache_dir=env.cache_dir)
+    alias = KNOWN_MODELS.get(args.model or DEFAULT_MODEL)
+    name = args.served_model_name or (alias.served_name if alias else loaded.name)
+    async_engine = build_async_engine(args, loaded, name)
+    return asyncio.run(serve_http(args, env, async_engine, loaded.tokenizer, name, started))
+
+
+def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str) -> AsyncEngine:
+    """model -> TorchExecutor -> Engine -> AsyncEngine, configured from the flags."""
+    import torch
+
+    from strata.engine.config import CacheConfig
+    from strata.engine.engine import Engine
+    from strata.model.executor import TorchExecutor
+    from strata.server.async_engine import AsyncEngine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    executor = TorchExecutor(loaded.config, loaded.weights, dtype=args.dtype, device=device)
+    max_model_len = args.max_model_len or min(loaded.config.max_position_embeddings,
+                                              DEFAULT_MAX_MODEL_LEN)
+    scheduler_config = scheduler_config_from(args, max_model_len)
+    cache_config = CacheConfig(
+        block_size=args.block_size,
+        num_blocks=CacheConfig.blocks_for_gb(args.kv_cache_gb, executor.kv_bytes_per_token(),
+                                             args.block_size),
+        enable_prefix_caching=not args.no_prefix_cache,
+        namespace=f"{name}@{args.model_version or 'default'}",
+    )
+    log.info("device %s, dtype %s, %d KV blocks of %d tokens, max_model_len %d", device,
+             args.dtype, cache_config.num_blocks, cache_config.block_size, max_model_len)
+    engine = Engine(executor, cache_config, scheduler_config, loaded.tokenizer,
+                    vocab_size=loaded.config.vocab_size)
+    return AsyncEngine(engine, max_model_len=max_model_len)
+
+
+def scheduler_config_from(args: argparse.Namespace, max_model_len: int) -> Any:
+    from strata.engine.config import SchedulerConfig
+
+    chunked = not args.no_chunked_prefill
+    budget = args.max_num_batched_tokens or (512 if chunked else max(512, max_model_len))
+    return SchedulerConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+        max_model_len=max_model_len, enable_chunked_prefill=chunked, max_waiting=args.max_waiting,
+    )
+
+
+async def serve_http(args: argparse.Namespace, env: CliEnv, async_engine: AsyncEngine,
+                     tokenizer: Any, name: str, started: float, *, simulated: bool = False) -> int:
+    """Bind, register (if asked), serve; SIGTERM/SIGINT drain in-flight requests, exit 0."""
+    import uvicorn
+
+    from strata.server.app import create_app
+    from strata.server.config import ServerConfig
+
+    sock = _bind(args.host, args.port)
+    port = sock.getsockname()[1]
+    registration = _registration(args, env, async_engine, name, port, simulated)
+    server_config = ServerConfig(served_model_name=name, host=args.host, port=port,
+                                 shutdown_timeout_s=args.shutdown_timeout_s)
+    app = create_app(async_engine, tokenizer, server_config, registration=registration)
+    server = uvicorn.Server(uvicorn.Config(
+        app, log_level=args.log_level, access_log=args.log_level == "debug",
+        timeout_graceful_shutdown=args.shutdown_timeout_s,
+    ))
+    # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown; these handlers
+    # absorb it so that a requested stop exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    announce = asyncio.create_task(_announce_when_started(server, args.host, port, name, started))
+    await server.serve(sockets=[sock])  # the lifespan shutdown drains, deregisters, stops
+    announce.cancel()
+    return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind before serving so that `--port 0` yields a known URL to advertise."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def _registration(args: argparse.Namespace, env: CliEnv, async_engine: AsyncEngine, name: str,
+                  port: int, simulated: bool) -> Registration | None:
+    registry_url = args.registry or env.registry_url
+    if not registry_url:
+        return None
+    from strata.server.registration import build_registration
+
+    return build_registration(
+        registry_url, instance_id=args.instance_id or f"{socket.gethostname()}-{port}",
+        advertise_url=args.advertise_url or f"http://{args.host}:{port}", model=name,
+        async_engine=async_engine, version=args.model_version or "default",
+        role=args.role, pool=args.pool, simulated=simulated,
+    )
+
+
+async def _announce_when_started(server: Any, host: str, port: int, name: str,
+                                 started: float) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    ready_s = time.perf_counter() - started
+    print(f"Strata serving {name} on http://{host}:{port} (ready in {ready_s:.1f}s)", flush=True)
