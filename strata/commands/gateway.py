@@ -1,0 +1,136 @@
+"""`strata gateway`: the load balancer in front of instances (from a registry or static URLs).
+
+SIGTERM/SIGINT stop accepting connections, let requests in flight finish (streams included, up to
+--shutdown-timeout-s) and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from strata.commands.argtypes import (
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
+from strata.commands.env import CliEnv
+from strata.errors import ConfigError
+from strata.gateway.config import POLICY_NAMES, AdmissionConfig, GatewayConfig, RetryConfig
+from strata.gateway.sources import InstanceSource, RegistrySource, StaticSource
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Adds `strata gateway` and its flags."""
+    p = sub.add_parser("gateway", help="route OpenAI requests over many instances")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=port_number, default=8000)
+    p.add_argument("--registry", default=None,
+                   help="registry URL (memory://, sqlite:///abs/path.db, redis://...); "
+                        "default STRATA_REGISTRY")
+    p.add_argument("--instances", nargs="+", default=None, metavar="URL",
+                   help="static instance URLs instead of a registry")
+    p.add_argument("--policy", choices=POLICY_NAMES, default="power_of_two")
+    p.add_argument("--max-in-flight", type=positive_int, default=256)
+    p.add_argument("--max-queue", type=non_negative_int, default=512)
+    p.add_argument("--queue-timeout-s", type=positive_float, default=10.0)
+    p.add_argument("--max-retries", type=non_negative_int, default=2)
+    p.add_argument("--health-check-interval-s", type=positive_float, default=1.0)
+    p.add_argument("--api-key-file", type=Path, default=None,
+                   help="file with one API key per line (STRATA_API_KEYS adds more)")
+    p.add_argument("--rate-limit-per-s", type=positive_float, default=None,
+                   help="requests per second allowed per API key")
+    p.add_argument("--shutdown-timeout-s", type=positive_float, default=30.0)
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+
+
+def read_api_keys(path: Path | None, env_keys: tuple[str, ...]) -> tuple[str, ...]:
+    """Keys from the file (one per line; blank lines and # comments skipped) then the env."""
+    keys: list[str] = []
+    if path is not None:
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --api-key-file {path}: {exc}") from None
+        keys = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    return tuple(dict.fromkeys([*keys, *env_keys]))
+
+
+def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
+    """The GatewayConfig the flags and environment describe."""
+    registry = args.registry or (None if args.instances else env.registry_url)
+    if not registry and not args.instances:
+        raise ConfigError("give --registry URL or --instances URL [URL ...] "
+                          "(or set STRATA_REGISTRY)")
+    return GatewayConfig(
+        host=args.host, port=args.port, policy=args.policy,
+        instance_urls=tuple(args.instances or ()), registry_url=registry,
+        health_check_interval_s=args.health_check_interval_s,
+        retry=RetryConfig(max_retries=args.max_retries),
+        admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue,
+                                  queue_timeout_s=args.queue_timeout_s),
+        api_keys=read_api_keys(args.api_key_file, env.api_keys),
+        rate_limit_per_s=args.rate_limit_per_s, shutdown_timeout_s=args.shutdown_timeout_s)
+
+
+def build_source(config: GatewayConfig,
+                 control: httpx.AsyncClient) -> tuple[InstanceSource, Any | None]:
+    """(source, a registry to close at exit or None). Static sources use `control`, the
+    gateway's control-plane client (closed by the gateway)."""
+    if config.registry_url:
+        from strata.registry import create_registry
+
+        registry = create_registry(config.registry_url)
+        return RegistrySource(registry), registry
+    return StaticSource(config.instance_urls, control), None
+
+
+def run(args: argparse.Namespace, env: CliEnv) -> int:
+    """Serves until SIGTERM/SIGINT; returns the exit code."""
+    config = build_config(args, env)
+    return asyncio.run(_serve(config, args.log_level, time.perf_counter()))
+
+
+async def _serve(config: GatewayConfig, log_level: str, started: float) -> int:
+    import uvicorn
+
+    from strata.gateway.app import create_gateway_app
+
+    control = httpx.AsyncClient(timeout=httpx.Timeout(config.health_timeout_s))
+    source, registry = build_source(config, control)
+    app = create_gateway_app(config, source, control_client=control)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=log_level, access_log=False,
+        timeout_graceful_shutdown=math.ceil(config.shutdown_timeout_s)))
+    # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown; absorb it: exit 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    announce = asyncio.create_task(_announce(server, config, started))
+    try:
+        await server.serve()
+    finally:
+        announce.cancel()
+        if registry is not None:
+            await registry.close()
+    return 0
+
+
+async def _announce(server: Any, config: GatewayConfig, started: float) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1] if server.servers else config.port
+    ready_s = time.perf_counter() - started
+    print(f"Strata gateway on http://{config.host}:{port} (ready in {ready_s:.1f}s)", flush=True)
+
+
+__all__ = ["add_parser", "build_config", "read_api_keys", "run"]

@@ -1,0 +1,73 @@
+"""The gateway's HTTP app: the OpenAI endpoints of an instance, proxied; its own probes, metrics
+and admin endpoints.
+
+    POST /v1/completions, /v1/chat/completions   admitted, routed, proxied (SSE relayed)
+    POST /tokenize, /detokenize                   routed to any instance serving the model
+    GET  /v1/models                               aggregated over routable instances
+    GET  /health (the process), /ready (>= 1 routable instance), /metrics
+    GET  /admin/instances                         the gateway's view of each instance
+    POST /admin/instances/{id}/drain              stop routing there, forward POST /admin/drain
+
+Only what routing needs is read from a body (model, stream, max_tokens); the bytes are forwarded
+untouched. `X-Model-Version` pins a version, `X-Strata-Pool` a pool. Every proxied answer carries
+`X-Strata-Instance: <instance id>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+
+import httpx
+from starlette.applications import Starlette
+
+from strata.gateway.components import Gateway, build_gateway
+from strata.gateway.config import GatewayConfig
+from strata.gateway.routes import build_routes
+from strata.gateway.sources import InstanceSource
+from strata.protocol.auth import ApiKeyAuth
+
+
+def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
+                       transport: httpx.AsyncBaseTransport | None = None,
+                       control_client: httpx.AsyncClient | None = None,
+                       clock: Callable[[], float] = time.monotonic,
+                       rng: random.Random | None = None,
+                       run_background: bool = True) -> Starlette:
+    """The gateway ASGI app over `source`'s instances. With `run_background`, its lifespan
+    refreshes the set every `poll_interval_s` and health-checks every
+    `health_check_interval_s`; tests of single steps turn that off and call them directly."""
+    gateway = build_gateway(config, source, transport=transport, control_client=control_client,
+                            clock=clock, rng=rng)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        tasks = await _start_background(gateway) if run_background else []
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await gateway.close()
+
+    app = Starlette(routes=build_routes(), lifespan=lifespan)
+    app.state.gateway = gateway
+    if config.api_keys:
+        app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
+                           rate_limit_per_s=config.rate_limit_per_s)
+    return app
+
+
+async def _start_background(gateway: Gateway) -> list[asyncio.Task[None]]:
+    config = gateway.config
+    await gateway.source.refresh()
+    return [asyncio.create_task(gateway.every(config.poll_interval_s, gateway.source.refresh)),
+            asyncio.create_task(gateway.every(config.health_check_interval_s,
+                                              gateway.health.check_once))]
+
+
+__all__ = ["Gateway", "create_gateway_app"]

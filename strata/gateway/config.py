@@ -1,0 +1,118 @@
+"""Configuration of the gateway: frozen dataclasses, one per concern, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from strata.errors import ConfigError
+
+POLICY_NAMES = ("power_of_two", "round_robin", "least_load")
+
+
+def _positive(owner: object, *names: str) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        if value <= 0:
+            raise ConfigError(f"{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class EjectionConfig:
+    """Passive outlier ejection: `consecutive_failures` in a row eject an instance for
+    `base_ejection_s * 2**k` (k = earlier ejections, capped at `max_ejection_s`); never more than
+    `max_ejected_fraction` of the fleet is ejected at once."""
+
+    consecutive_failures: int = 3
+    base_ejection_s: float = 2.0
+    max_ejection_s: float = 60.0
+    max_ejected_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        _positive(self, "consecutive_failures", "base_ejection_s", "max_ejection_s")
+        if self.max_ejection_s < self.base_ejection_s:
+            raise ConfigError("max_ejection_s must be >= base_ejection_s")
+        if not 0.0 <= self.max_ejected_fraction <= 1.0:
+            raise ConfigError(f"max_ejected_fraction must be in [0, 1], "
+                              f"got {self.max_ejected_fraction}")
+
+
+@dataclass(frozen=True, slots=True)
+class RetryConfig:
+    """Retries before the first byte: at most `max_retries` per request, backoff
+    `backoff_base_s * 2**attempt` (capped), and a budget: over `budget_window_s`, retries may
+    not exceed `budget_ratio` of requests plus `budget_min_per_s` per second."""
+
+    max_retries: int = 2
+    backoff_base_s: float = 0.02
+    backoff_max_s: float = 1.0
+    budget_ratio: float = 0.2
+    budget_min_per_s: float = 3.0
+    budget_window_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0:
+            raise ConfigError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.backoff_base_s < 0 or self.budget_ratio < 0 or self.budget_min_per_s < 0:
+            raise ConfigError("backoff_base_s, budget_ratio and budget_min_per_s must be >= 0")
+        _positive(self, "backoff_max_s", "budget_window_s")
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """At most `max_in_flight` proxied requests; up to `max_queue` more wait (FIFO) for at most
+    `queue_timeout_s`. A full queue answers 429, a timeout 503, both with Retry-After."""
+
+    max_in_flight: int = 256
+    max_queue: int = 512
+    queue_timeout_s: float = 10.0
+    retry_after_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_in_flight", "queue_timeout_s", "retry_after_s")
+        if self.max_queue < 0:
+            raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """Everything `strata gateway` needs; instances come from `registry_url` or
+    `instance_urls` (at most one of them; an app built with its own instance source needs
+    neither)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "power_of_two"
+    instance_urls: tuple[str, ...] = ()
+    registry_url: str | None = None
+    poll_interval_s: float = 0.5
+    health_check_interval_s: float = 1.0
+    health_timeout_s: float = 1.0
+    connect_timeout_s: float = 1.0
+    read_timeout_s: float = 120.0
+    max_connections: int = 1000
+    ejection: EjectionConfig = field(default_factory=EjectionConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    api_keys: tuple[str, ...] = ()
+    rate_limit_per_s: float | None = None
+    shutdown_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if self.policy not in POLICY_NAMES:
+            raise ConfigError(f"unknown policy {self.policy!r}; valid: {', '.join(POLICY_NAMES)}")
+        if self.instance_urls and self.registry_url:
+            raise ConfigError("give either --registry or --instances, not both")
+        for url in self.instance_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"instance URL {url!r} must start with http:// or https://")
+        _positive(self, "poll_interval_s", "health_check_interval_s", "health_timeout_s",
+                  "connect_timeout_s", "read_timeout_s", "max_connections")
+        if self.rate_limit_per_s is not None and self.rate_limit_per_s <= 0:
+            raise ConfigError(f"rate_limit_per_s must be positive, got {self.rate_limit_per_s}")
+        if any(not key for key in self.api_keys):
+            raise ConfigError("api keys must not be empty strings")
+
+
+__all__ = ["POLICY_NAMES", "AdmissionConfig", "EjectionConfig", "GatewayConfig", "RetryConfig"]

@@ -1,0 +1,57 @@
+"""Prometheus metrics of one gateway, on its own `CollectorRegistry` (never the global one).
+
+`strata:gateway_added_latency_seconds` is the gateway's overhead on a request: from the moment the
+request was received to the moment its upstream request was sent, plus the time from the upstream
+headers (and first chunk) arriving to their being handed to the client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_OVERHEAD_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                       0.25, 1.0)
+
+
+class GatewayMetrics:
+    """The `strata:gateway_*` metrics."""
+
+    def __init__(self) -> None:
+        self.registry = reg = CollectorRegistry()
+        self.requests = Counter("strata:gateway_requests_total", "Requests received.",
+                                ["endpoint"], registry=reg)
+        self.errors = Counter("strata:gateway_errors_total",
+                              "Requests answered with an error by the gateway itself.",
+                              ["reason"], registry=reg)
+        self.retries = Counter("strata:gateway_retries_total", "Retries on another instance.",
+                               registry=reg)
+        self.ejections = Counter("strata:gateway_ejections_total", "Instances ejected.",
+                                 ["instance"], registry=reg)
+        self.routed = Counter("strata:gateway_routing_decisions_total",
+                              "Attempts sent to each instance.", ["instance"], registry=reg)
+        self.upstream_failures = Counter("strata:gateway_upstream_failures_total",
+                                         "Failed attempts per instance.", ["instance"],
+                                         registry=reg)
+        self.broken_streams = Counter("strata:gateway_broken_streams_total",
+                                      "Streams cut by an instance failure after they started.",
+                                      registry=reg)
+        self.in_flight = Gauge("strata:gateway_requests_in_flight", "Requests admitted.",
+                               registry=reg)
+        self.queued = Gauge("strata:gateway_requests_queued", "Requests waiting for admission.",
+                            registry=reg)
+        self.routable = Gauge("strata:gateway_instances_routable", "Instances taking requests.",
+                              registry=reg)
+        self.added_latency = Histogram("strata:gateway_added_latency_seconds",
+                                       "Time the gateway adds to a request.",
+                                       buckets=_OVERHEAD_BUCKETS_S, registry=reg)
+
+    def render(self, refresh: Callable[[GatewayMetrics], None] | None = None) -> bytes:
+        """The exposition text; `refresh` sets gauges first."""
+        if refresh is not None:
+            refresh(self)
+        return generate_latest(self.registry)
+
+
+__all__ = ["GatewayMetrics"]

@@ -1,0 +1,50 @@
+"""What the gateway reads from a request to route it (the body is forwarded untouched)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from strata.gateway.policies.base import RouteRequest
+
+VERSION_HEADER = "x-model-version"
+POOL_HEADER = "x-strata-pool"
+SESSION_HEADER = "x-session-id"
+DEFAULT_MAX_TOKENS = 16
+BYTES_PER_TOKEN = 4  # a rough prompt-size estimate; only used to weigh load
+
+
+class RequestParseError(ValueError):
+    """The body is not a JSON object or a routing field has the wrong type (answered 400)."""
+
+
+def _field(data: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = data.get(name)
+    is_bool_for_int = isinstance(value, bool) and kind is int
+    if value is not None and (not isinstance(value, kind) or is_bool_for_int):
+        raise RequestParseError(f"{name}: has the wrong type ({type(value).__name__})")
+    return value
+
+
+def route_request(body: bytes, headers: Mapping[str, str]) -> RouteRequest:
+    """RouteRequest from a JSON body (model, stream, max_tokens) and the routing headers."""
+    try:
+        data = json.loads(body) if body else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestParseError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise RequestParseError("request body must be a JSON object")
+    max_tokens = _field(data, "max_tokens", int) or DEFAULT_MAX_TOKENS
+    return RouteRequest(
+        model=_field(data, "model", str),
+        version=headers.get(VERSION_HEADER),
+        pool=headers.get(POOL_HEADER),
+        session_id=headers.get(SESSION_HEADER),
+        is_stream=bool(_field(data, "stream", bool)),
+        num_tokens=len(body) // BYTES_PER_TOKEN + max_tokens,
+    )
+
+
+__all__ = ["POOL_HEADER", "SESSION_HEADER", "VERSION_HEADER", "RequestParseError",
+           "route_request"]

@@ -1,0 +1,140 @@
+"""The gateway's route handlers; thin: parse what routing needs, then hand over."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from strata.errors import OverloadedError
+from strata.gateway.components import Gateway
+from strata.gateway.metrics import GatewayMetrics
+from strata.gateway.proxy import ProxyRequest
+from strata.gateway.requests import RequestParseError, route_request
+from strata.gateway.upstream import RelayResponse, error_response
+
+
+def _gateway(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+async def generate(request: Request) -> Response:
+    """/v1/completions and /v1/chat/completions: admitted, then proxied."""
+    return await _proxied(request, is_admitted=True)
+
+
+async def tokenizer_call(request: Request) -> Response:
+    """/tokenize and /detokenize: cheap, so not counted by admission."""
+    return await _proxied(request, is_admitted=False)
+
+
+async def _proxied(request: Request, *, is_admitted: bool) -> Response:
+    gateway = _gateway(request)
+    received_at = gateway.proxy.clock()
+    gateway.metrics.requests.labels(request.url.path).inc()
+    body = await request.body()
+    try:
+        route = route_request(body, request.headers)
+    except RequestParseError as exc:
+        gateway.metrics.errors.labels("bad_request").inc()
+        return error_response(400, str(exc))
+    preq = ProxyRequest(request.method, request.url.path, body, list(request.headers.items()),
+                        route, received_at)
+    if not is_admitted:
+        return await gateway.proxy.forward(preq)
+    return await _with_slot(gateway, preq)
+
+
+async def _with_slot(gateway: Gateway, preq: ProxyRequest) -> Response:
+    """Holds an admission slot until the response is fully sent (streams: until they end)."""
+    try:
+        await gateway.admission.acquire()
+    except OverloadedError as exc:
+        gateway.metrics.errors.labels(f"admission_{exc.status_code}").inc()
+        return error_response(exc.status_code, exc.message, retry_after_s=exc.retry_after_s)
+    try:
+        response = await gateway.proxy.forward(preq)
+    except BaseException:
+        gateway.admission.release()
+        raise
+    if isinstance(response, RelayResponse):
+        response.on_close.append(gateway.admission.release)
+    else:
+        gateway.admission.release()
+    return response
+
+
+async def models(request: Request) -> Response:
+    """The models of routable instances, each once."""
+    gateway = _gateway(request)
+    names = sorted({v.model for v in gateway.source.instances.snapshot()
+                    if v.is_routable and v.model})
+    cards = [{"id": name, "object": "model", "owned_by": "strata"} for name in names]
+    return JSONResponse({"object": "list", "data": cards})
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    views = _gateway(request).source.instances.snapshot()
+    num_routable = sum(v.is_routable for v in views)
+    if num_routable == 0:
+        return error_response(503, "no instance is ready", retry_after_s=1.0)
+    return JSONResponse({"status": "ready", "num_routable": num_routable})
+
+
+async def metrics(request: Request) -> Response:
+    gateway = _gateway(request)
+
+    def refresh(m: GatewayMetrics) -> None:
+        m.in_flight.set(gateway.admission.num_in_flight)
+        m.queued.set(gateway.admission.num_queued)
+        m.routable.set(sum(v.is_routable for v in gateway.source.instances.snapshot()))
+
+    return Response(gateway.metrics.render(refresh), media_type=CONTENT_TYPE_LATEST)
+
+
+async def list_instances(request: Request) -> Response:
+    views = _gateway(request).source.instances.snapshot()
+    return JSONResponse({"instances": [v.describe() for v in views]})
+
+
+async def drain_instance(request: Request) -> Response:
+    """Stops routing to the instance at once, then asks it to drain (POST {url}/admin/drain)."""
+    gateway = _gateway(request)
+    instance_id = request.path_params["instance_id"]
+    view = gateway.source.instances.get(instance_id)
+    if view is None:
+        return error_response(404, f"unknown instance {instance_id!r}; see GET /admin/instances")
+    view.is_draining = True
+    result: dict[str, Any] = {"instance_id": instance_id, "draining": True}
+    try:
+        answer = await gateway.control.post(f"{view.url}/admin/drain")
+        result["instance_status"] = answer.status_code
+    except Exception as exc:  # the instance may be gone; we stop routing there regardless
+        result["instance_error"] = f"{type(exc).__name__}: {exc}"
+    return JSONResponse(result, status_code=202)
+
+
+def build_routes() -> list[Route]:
+    return [
+        Route("/v1/completions", generate, methods=["POST"]),
+        Route("/v1/chat/completions", generate, methods=["POST"]),
+        Route("/tokenize", tokenizer_call, methods=["POST"]),
+        Route("/detokenize", tokenizer_call, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/admin/instances", list_instances, methods=["GET"]),
+        Route("/admin/instances/{instance_id}/drain", drain_instance, methods=["POST"]),
+    ]
+
+
+__all__ = ["build_routes"]

@@ -1,0 +1,128 @@
+"""API keys for the gateway and the instance server: an ASGI middleware.
+
+`Authorization: Bearer KEY` must name one of the configured keys; the comparison is constant-time
+(`hmac.compare_digest` against every key, no early exit). Each key has its own token bucket when a
+rate limit is set. Answers, with OpenAI error bodies:
+
+    missing or unknown key   -> 401 invalid_api_key (WWW-Authenticate: Bearer)
+    key over its rate        -> 429 rate_limit_exceeded (Retry-After)
+
+Probes and scrapes (/health, /ready, /metrics, /load) need no key.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from strata.errors import ConfigError
+
+EXEMPT_PATHS = frozenset({"/health", "/ready", "/metrics", "/load"})
+Compare = Callable[[bytes, bytes], bool]
+
+
+@dataclass(slots=True)
+class TokenBucket:
+    """`capacity` tokens, refilled at `rate_per_s`; one request takes one token."""
+
+    rate_per_s: float
+    capacity: float
+    tokens: float
+    updated_at: float
+
+    def try_take(self, now: float) -> float:
+        """0.0 when a token was taken, else the seconds until one is available."""
+        elapsed = max(0.0, now - self.updated_at)
+        self.tokens = min(self.capacity, self.tokens + elapsed * self.rate_per_s)
+        self.updated_at = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / self.rate_per_s
+
+
+def match_key(presented: bytes, keys: Sequence[bytes], compare: Compare) -> int | None:
+    """Index of the key equal to `presented`, comparing against every key (no early exit)."""
+    found = None
+    for index, key in enumerate(keys):
+        if compare(presented, key):
+            found = index
+    return found
+
+
+class ApiKeyAuth:
+    """ASGI middleware: `app.add_middleware(ApiKeyAuth, keys=[...], rate_limit_per_s=5.0)`."""
+
+    def __init__(self, app: ASGIApp, keys: Sequence[str], *, rate_limit_per_s: float | None = None,
+                 burst: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 compare: Compare = hmac.compare_digest,
+                 exempt_paths: frozenset[str] = EXEMPT_PATHS) -> None:
+        if not keys or any(not key for key in keys):
+            raise ConfigError("API keys must be a non-empty list of non-empty strings; "
+                              "leave auth off instead of passing no keys")
+        if rate_limit_per_s is not None and rate_limit_per_s <= 0:
+            raise ConfigError(f"rate_limit_per_s must be positive, got {rate_limit_per_s}")
+        self.app = app
+        self.keys = [key.encode() for key in keys]
+        self.rate_limit_per_s = rate_limit_per_s
+        self.burst = burst if burst is not None else max(1, math.ceil(rate_limit_per_s or 1))
+        self.clock = clock
+        self.compare = compare
+        self.exempt_paths = exempt_paths
+        self._buckets: dict[int, TokenBucket] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.exempt_paths:
+            await self.app(scope, receive, send)
+            return
+        index = match_key(_bearer(scope), self.keys, self.compare)
+        if index is None:
+            await _reject(send, 401, "invalid_request_error", "invalid_api_key",
+                          "Incorrect or missing API key; send `Authorization: Bearer <key>`",
+                          [(b"www-authenticate", b"Bearer")])
+            return
+        wait_s = self._take(index)
+        if wait_s > 0:
+            retry_after = str(max(1, math.ceil(wait_s))).encode()
+            await _reject(send, 429, "rate_limit_error", "rate_limit_exceeded",
+                          f"Rate limit of {self.rate_limit_per_s:g} requests/s exceeded for "
+                          "this API key; retry later", [(b"retry-after", retry_after)])
+            return
+        await self.app(scope, receive, send)
+
+    def _take(self, index: int) -> float:
+        if self.rate_limit_per_s is None:
+            return 0.0
+        now = self.clock()
+        bucket = self._buckets.get(index)
+        if bucket is None:
+            bucket = TokenBucket(self.rate_limit_per_s, float(self.burst), float(self.burst), now)
+            self._buckets[index] = bucket
+        return bucket.try_take(now)
+
+
+def _bearer(scope: Scope) -> bytes:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, token = bytes(value).partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else b""
+    return b""
+
+
+async def _reject(send: Send, status: int, kind: str, code: str, message: str,
+                  extra_headers: list[tuple[bytes, bytes]]) -> None:
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None,
+                                 "code": code}}).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode()), *extra_headers]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+__all__ = ["EXEMPT_PATHS", "ApiKeyAuth", "TokenBucket", "match_key"]

@@ -1,0 +1,138 @@
+"""Real instance servers behind cuttable TCP relays, and a real gateway, all on 127.0.0.1.
+
+`Relay.kill()` drops every connection and stops listening, which looks to the gateway like an
+instance killed with SIGKILL (connections reset, new ones refused); `Relay.restart()` listens on
+the same port again (the instance behind it never stopped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import uvicorn
+from live_server import LiveServer
+from starlette.applications import Starlette
+
+
+def free_socket(port: int = 0) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    return sock
+
+
+class Relay:
+    """A TCP relay 127.0.0.1:port -> target_port, one thread per direction per connection."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self.restart()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def restart(self) -> None:
+        listener = free_socket(self.port)
+        listener.listen(64)
+        self.port = listener.getsockname()[1]
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def kill(self) -> None:
+        """Reset every connection and stop listening."""
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00"
+                                b"\x00\x00")
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, upstream]
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+
+@dataclass
+class ServedApp:
+    """An ASGI app served by uvicorn in a thread."""
+
+    server: uvicorn.Server
+    thread: threading.Thread
+    url: str
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def serve_app(app: Starlette) -> ServedApp:
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the gateway did not start")
+        time.sleep(0.02)
+    return ServedApp(server, thread, f"http://127.0.0.1:{port}")
+
+
+@dataclass
+class Fleet:
+    """Instances, each behind a relay, and the gateway in front of the relays."""
+
+    servers: list[LiveServer]
+    relays: list[Relay]
+    gateway: ServedApp | None = None
+    gates: list[object] = field(default_factory=list)
+
+    def stop(self) -> None:
+        for gate in self.gates:
+            gate.open()  # type: ignore[attr-defined]
+        if self.gateway is not None:
+            self.gateway.stop()
+        for relay in self.relays:
+            relay.kill()
+        for server in self.servers:
+            server.stop()

@@ -1,0 +1,176 @@
+"""The gateway app over scripted upstreams (httpx.MockTransport): routing, retries before the
+first byte, broken streams, aggregation, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+from gateway_fakes import FakeClock, FixedSource, Upstreams, json_answer, sse_answer, view
+
+from strata.gateway.app import create_gateway_app
+from strata.gateway.components import Gateway
+from strata.gateway.config import GatewayConfig, RetryConfig
+from strata.gateway.instances import InstanceView
+from strata.protocol.sse import parse_events
+
+CONFIG = GatewayConfig(policy="round_robin", retry=RetryConfig(max_retries=2, backoff_base_s=0.0))
+COMPLETION = {"id": "cmpl-1", "object": "text_completion", "choices": []}
+
+
+def call(upstreams: Upstreams, views: list[InstanceView], requests: list[tuple[str, str, Any]],
+         config: GatewayConfig = CONFIG) -> tuple[list[httpx.Response], Gateway]:
+    """Runs `requests` (method, path, json body) through a gateway app, in order."""
+    app = create_gateway_app(config, FixedSource(*views), transport=upstreams.transport(),
+                             clock=FakeClock(), run_background=False)
+
+    async def run() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            return [await client.request(m, p, content=_body(b)) for m, p, b in requests]
+
+    return asyncio.run(run()), app.state.gateway
+
+
+def _body(body: Any) -> bytes | None:
+    if body is None or isinstance(body, bytes):
+        return body
+    return json.dumps(body).encode()
+
+
+def completion(request: httpx.Request) -> httpx.Response:
+    return json_answer(COMPLETION | {"echo": json.loads(request.content)})
+
+
+def test_bodies_are_forwarded_untouched_and_answers_name_their_instance() -> None:
+    upstreams = Upstreams(a=completion, b=completion)
+    body = b'{"model": "m",   "prompt": "hi", "extra_field": [1, 2]}'
+    responses, _ = call(upstreams, [view("a"), view("b")],
+                        [("POST", "/v1/completions", body)] * 3)
+    assert [r.headers["x-strata-instance"] for r in responses] == ["a", "b", "a"]
+    assert responses[0].json()["echo"] == json.loads(body)
+    assert upstreams.calls == [("a", "/v1/completions"), ("b", "/v1/completions"),
+                               ("a", "/v1/completions")]
+
+
+def test_a_refused_connection_is_retried_on_another_instance() -> None:
+    upstreams = Upstreams(b=completion)  # a refuses connections
+    responses, gateway = call(upstreams, [view("a"), view("b")],
+                              [("POST", "/v1/chat/completions", {"model": "m"})])
+    assert responses[0].status_code == 200
+    assert responses[0].headers["x-strata-instance"] == "b"
+    assert upstreams.calls == [("a", "/v1/chat/completions"), ("b", "/v1/chat/completions")]
+    assert gateway.source.instances.get("a").consecutive_failures == 1  # type: ignore[union-attr]
+    assert _metric(gateway, "strata:gateway_retries_total") == 1.0
+    assert gateway.source.instances.get("a").num_in_flight == 0  # type: ignore[union-attr]
+
+
+def test_when_every_attempt_fails_the_last_5xx_answer_is_passed_through() -> None:
+    def broken(request: httpx.Request) -> httpx.Response:
+        return json_answer({"error": {"message": f"engine dead on {request.url.host}"}}, 503)
+
+    upstreams = Upstreams(a=broken, b=broken, c=broken)
+    responses, gateway = call(upstreams, [view("a"), view("b"), view("c")],
+                              [("POST", "/v1/completions", {"model": "m"})])
+    assert responses[0].status_code == 503
+    assert responses[0].json()["error"]["message"] == "engine dead on b"
+    # 1 try + max_retries=2, each on an instance not tried yet (round robin over the rest)
+    assert [h for h, _ in upstreams.calls] == ["a", "c", "b"]
+
+
+def test_repeated_failures_eject_an_instance_and_traffic_moves_away() -> None:
+    upstreams = Upstreams(b=completion)
+    views = [view("a"), view("b")]
+    config = GatewayConfig(policy="round_robin", retry=RetryConfig(max_retries=0))
+    requests = [("POST", "/v1/completions", {"model": "m"})] * 8
+    responses, gateway = call(upstreams, views, requests, config)
+    assert [r.status_code for r in responses] == [502, 200, 502, 200, 502, 200, 200, 200]
+    assert views[0].is_ejected
+    assert _metric(gateway, "strata:gateway_ejections_total", instance="a") == 1.0
+    assert responses[0].json()["error"]["type"] == "upstream_error"
+
+
+def test_a_stream_that_breaks_after_its_first_frame_ends_with_an_error_event_and_done() -> None:
+    frames = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\ndata: {"n"', b': 3}']  # dies mid-frame
+    upstreams = Upstreams(a=lambda r: sse_answer(*frames, breaks=True))
+    responses, gateway = call(upstreams, [view("a")],
+                              [("POST", "/v1/completions", {"model": "m", "stream": True})])
+    events = list(parse_events([responses[0].content]))
+    assert events[:2] == ['{"n": 1}', '{"n": 2}']  # the partial third frame is dropped
+    assert json.loads(events[2])["error"]["type"] == "upstream_error"
+    assert "RemoteProtocolError" in json.loads(events[2])["error"]["message"]
+    assert events[3:] == ["[DONE]"]
+    assert _metric(gateway, "strata:gateway_broken_streams_total") == 1.0
+    assert gateway.admission.num_in_flight == 0
+
+
+def test_a_stream_that_breaks_before_its_first_frame_is_retried() -> None:
+    upstreams = Upstreams(a=lambda r: sse_answer(b'data: {"n"', breaks=True),
+                          b=lambda r: sse_answer(b'data: {"n": 1}\n\n', b"data: [DONE]\n\n"))
+    responses, _ = call(upstreams, [view("a"), view("b")],
+                        [("POST", "/v1/completions", {"model": "m", "stream": True})])
+    assert responses[0].headers["x-strata-instance"] == "b"
+    assert list(parse_events([responses[0].content])) == ['{"n": 1}', "[DONE]"]
+
+
+def test_models_are_aggregated_over_routable_instances_each_once() -> None:
+    views = [view("a", model="m"), view("b", model="m"), view("c", model="x"),
+             view("d", model="y", state="starting")]
+    responses, _ = call(Upstreams(), views, [("GET", "/v1/models", None), ("GET", "/ready", None)])
+    assert [card["id"] for card in responses[0].json()["data"]] == ["m", "x"]
+    assert responses[1].json() == {"status": "ready", "num_routable": 3}
+
+
+def test_unknown_model_bad_json_and_no_instance_answers() -> None:
+    requests = [("POST", "/v1/completions", {"model": "nope"}),
+                ("POST", "/v1/completions", b"{not json"),
+                ("POST", "/v1/completions", {"model": "m", "max_tokens": "9"}),
+                ("GET", "/ready", None)]
+    responses, _ = call(Upstreams(), [view("a", state="starting")], requests)
+    assert [r.status_code for r in responses] == [404, 400, 400, 503]
+    assert responses[0].json()["error"]["type"] == "not_found_error"
+    assert responses[2].json()["error"]["message"] == "max_tokens: has the wrong type (str)"
+    assert responses[3].headers["retry-after"] == "1"
+
+
+def test_drain_stops_routing_at_once_and_asks_the_instance_to_drain() -> None:
+    upstreams = Upstreams(a=completion, b=lambda r: json_answer({"status": "draining"}, 202))
+    views = [view("a"), view("b")]
+    responses, _ = call(upstreams, views, [
+        ("POST", "/admin/instances/b/drain", None),
+        ("POST", "/admin/instances/zz/drain", None),
+        ("POST", "/v1/completions", {"model": "m"}),
+        ("POST", "/v1/completions", {"model": "m"}),
+        ("GET", "/admin/instances", None),
+    ])
+    assert responses[0].status_code == 202
+    assert responses[0].json() == {"instance_id": "b", "draining": True, "instance_status": 202}
+    assert responses[1].status_code == 404
+    assert [r.headers["x-strata-instance"] for r in responses[2:4]] == ["a", "a"]
+    listed = {i["instance_id"]: i for i in responses[4].json()["instances"]}
+    assert (listed["b"]["draining"], listed["b"]["routable"]) == (True, False)
+    assert ("b", "/admin/drain") in upstreams.calls
+
+
+def _metric(gateway: Gateway, name: str, **labels: str) -> float | None:
+    value = gateway.metrics.registry.get_sample_value(name, labels or None)
+    return value
+
+
+
+def test_a_gateway_with_api_keys_checks_them_before_routing() -> None:
+    config = GatewayConfig(api_keys=("secret",))
+    app = create_gateway_app(config, FixedSource(view("a")), transport=Upstreams().transport(),
+                             run_background=False)
+
+    async def run() -> list[int]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            return [(await client.get("/v1/models")).status_code,
+                    (await client.get("/v1/models", headers={"Authorization": "Bearer secret"})
+                     ).status_code,
+                    (await client.get("/health")).status_code]
+
+    assert asyncio.run(run()) == [401, 200, 200]
