@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from strata.errors import ConfigError
+
 
 @dataclass(frozen=True, slots=True)
 class CliEnv:
@@ -12,3 +14,15 @@ class CliEnv:
     run_dir: Path  # `strata up`: registry database, logs, pid files
     api_keys: tuple[str, ...] = ()  # STRATA_API_KEYS, comma separated
     registry_url: str | None = None  # STRATA_REGISTRY
+
+
+def read_api_keys(path: Path | None, env_keys: tuple[str, ...]) -> tuple[str, ...]:
+    """Keys from the file (one per line; blank lines and # comments skipped) then the env."""
+    keys: list[str] = []
+    if path is not None:
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --api-key-file {path}: {exc}") from None
+        keys = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    return tuple(dict.fromkeys([*keys, *env_keys]))

@@ -22,7 +22,7 @@ from strata.commands.argtypes import (
     positive_float,
     positive_int,
 )
-from strata.commands.env import CliEnv
+from strata.commands.env import CliEnv, read_api_keys
 from strata.errors import ConfigError
 from strata.gateway.config import POLICY_NAMES, AdmissionConfig, GatewayConfig, RetryConfig
 from strata.gateway.sources import InstanceSource, RegistrySource, StaticSource
@@ -52,18 +52,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="requests per second allowed per API key")
     p.add_argument("--shutdown-timeout-s", type=positive_float, default=30.0)
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
-
-
-def read_api_keys(path: Path | None, env_keys: tuple[str, ...]) -> tuple[str, ...]:
-    """Keys from the file (one per line; blank lines and # comments skipped) then the env."""
-    keys: list[str] = []
-    if path is not None:
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except OSError as exc:
-            raise ConfigError(f"cannot read --api-key-file {path}: {exc}") from None
-        keys = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-    return tuple(dict.fromkeys([*keys, *env_keys]))
 
 
 def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:

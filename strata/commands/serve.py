@@ -12,6 +12,7 @@ import logging
 import signal
 import socket
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from strata.commands.argtypes import (
@@ -20,7 +21,7 @@ from strata.commands.argtypes import (
     positive_float,
     positive_int,
 )
-from strata.commands.env import CliEnv
+from strata.commands.env import CliEnv, read_api_keys
 
 if TYPE_CHECKING:
     from strata.model.loader import LoadedModel
@@ -72,6 +73,10 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="URL routers use to reach this instance (default http://HOST:PORT)")
     p.add_argument("--role", choices=("mixed", "prefill", "decode"), default="mixed")
     p.add_argument("--pool", default="default")
+    p.add_argument("--api-key-file", type=Path, default=None,
+                   help="file with one API key per line (STRATA_API_KEYS adds more)")
+    p.add_argument("--rate-limit-per-s", type=positive_float, default=None,
+                   help="requests per second allowed per API key")
 
 
 def run(args: argparse.Namespace, env: CliEnv) -> int:
@@ -143,7 +148,9 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, async_engine: AsyncE
     port = sock.getsockname()[1]
     registration = _registration(args, env, async_engine, name, port, simulated)
     server_config = ServerConfig(served_model_name=name, host=args.host, port=port,
-                                 shutdown_timeout_s=args.shutdown_timeout_s)
+                                 shutdown_timeout_s=args.shutdown_timeout_s,
+                                 api_keys=read_api_keys(args.api_key_file, env.api_keys),
+                                 rate_limit_per_s=args.rate_limit_per_s)
     app = create_app(async_engine, tokenizer, server_config, registration=registration)
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=args.log_level, access_log=args.log_level == "debug",

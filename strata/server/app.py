@@ -32,6 +32,7 @@ from strata.errors import (
     ModelNotFoundError,
     OverloadedError,
 )
+from strata.protocol.auth import ApiKeyAuth
 from strata.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -124,6 +125,9 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
     app.state.metrics = ServerMetrics(config.served_model_name)
     app.state.ctx = serving.ServingContext(async_engine, tokenizer, config, app.state.metrics)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
+    if config.api_keys:
+        app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
+                           rate_limit_per_s=config.rate_limit_per_s)
     install_error_handlers(app)
     _add_generation_routes(app)
     _add_info_routes(app)
