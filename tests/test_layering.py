@@ -6,6 +6,7 @@
 - server: only types, errors, engine, model, protocol, state, registry and itself; never cli.
 - gateway: only types, errors, protocol, state, registry and itself (never engine, model, server).
 - protocol, state, registry, store: never engine, model, server, gateway, cluster or cli.
+- sim: no torch (64 simulated instances share one machine); of the model only the tokenizer.
 - only strata/cli.py reads environment variables.
 """
 
@@ -32,6 +33,7 @@ GATEWAY_BANNED = {"strata.engine", "strata.model", "strata.server", "strata.cli"
 GATEWAY_STRATA = {"strata.types", "strata.errors", "strata.protocol", "strata.state",
                   "strata.registry", "strata.gateway"}
 LOWER_LAYERS = {"protocol", "state", "registry", "store"}
+SIM_BANNED = {"torch", "strata.gateway", "strata.cluster", "strata.cli", "strata.commands"}
 LOWER_BANNED = {"strata.engine", "strata.model", "strata.server", "strata.gateway",
                 "strata.cluster", "strata.cli", "strata.commands", "strata.sim"}
 ENV_READERS = {"environ", "environb", "getenv", "getenvb"}
@@ -87,6 +89,9 @@ def _import_violation(layer: str, name: str) -> str | None:
         name in PACKAGE_ROOT_NAMES or _under(name, GATEWAY_STRATA)
     ):
         return "gateway imports only protocol, state, registry"
+    if layer == "sim" and (_under(name, SIM_BANNED) or (
+            _under(name, {"strata.model"}) and not _under(name, {"strata.model.tokenizer"}))):
+        return "sim runs without torch: of the model it uses only the tokenizer"
     if layer in LOWER_LAYERS and _under(name, LOWER_BANNED):
         return f"{layer} is below engine, server and gateway and never imports them"
     return None
@@ -174,6 +179,14 @@ def test_checker_keeps_lower_layers_and_the_gateway_apart() -> None:
         "strata.gateway.app:1: strata.store.s3: gateway imports only protocol, state, registry"
     ]
     assert violations("strata.gateway.app", "from strata.registry import create_registry\n") == []
+
+
+def test_checker_keeps_torch_out_of_the_simulator() -> None:
+    source = "import torch\nfrom strata.model.llama import LlamaModel\n" \
+             "from strata.model.tokenizer import Tokenizer\n"
+    assert [v.split(": ")[0] for v in violations("strata.sim.executor", source)] == [
+        "strata.sim.executor:1", "strata.sim.executor:2"
+    ]
 
 
 def test_checker_lets_only_cli_read_the_environment() -> None:

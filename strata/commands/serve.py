@@ -22,6 +22,7 @@ from strata.commands.argtypes import (
     positive_int,
 )
 from strata.commands.env import CliEnv, read_api_keys
+from strata.errors import ConfigError
 
 if TYPE_CHECKING:
     from strata.model.loader import LoadedModel
@@ -73,6 +74,11 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="URL routers use to reach this instance (default http://HOST:PORT)")
     p.add_argument("--role", choices=("mixed", "prefill", "decode"), default="mixed")
     p.add_argument("--pool", default="default")
+    p.add_argument("--simulate", default=None, metavar="PROFILE",
+                   help="answer from a latency model instead of the maths (a profile JSON or a "
+                        "bundled name such as smollm2-cpu); labelled simulated everywhere")
+    p.add_argument("--s3-endpoint-url", default=None,
+                   help="S3-compatible endpoint for s3:// model URIs")
     p.add_argument("--api-key-file", type=Path, default=None,
                    help="file with one API key per line (STRATA_API_KEYS adds more)")
     p.add_argument("--rate-limit-per-s", type=positive_float, default=None,
@@ -83,16 +89,50 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
     """Load the model, build the engine stack and serve until SIGTERM/SIGINT."""
     started = time.perf_counter()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    from strata.model.fetch import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
+    if args.simulate:
+        return _run_simulated(args, env, started)
+    from strata.model.fetch import DEFAULT_MODEL, KNOWN_MODELS
     from strata.model.loader import load_model
 
-    path = resolve_model(args.model, cache_dir=env.cache_dir, progress=True)
+    path = _model_path(args, env)
     log.info("loading %s", path)
     loaded = load_model(path, dtype=args.dtype, cache_dir=env.cache_dir)
     alias = KNOWN_MODELS.get(args.model or DEFAULT_MODEL)
     name = args.served_model_name or (alias.served_name if alias else loaded.name)
     async_engine = build_async_engine(args, loaded, name)
     return asyncio.run(serve_http(args, env, async_engine, loaded.tokenizer, name, started))
+
+
+def _model_path(args: argparse.Namespace, env: CliEnv) -> Path:
+    """An alias is pulled; a path, file:// or s3:// URI is verified against its manifest."""
+    from strata.model.fetch import resolve_model
+    from strata.store import is_model_uri, resolve_model_uri
+
+    if args.model is not None and (is_model_uri(args.model) or Path(args.model).exists()):
+        return resolve_model_uri(args.model, cache_dir=env.cache_dir,
+                                 s3_endpoint_url=args.s3_endpoint_url, progress=True)
+    return resolve_model(args.model, cache_dir=env.cache_dir, progress=True)
+
+
+def _run_simulated(args: argparse.Namespace, env: CliEnv, started: float) -> int:
+    """The same server and engine; a latency model instead of the maths (no torch)."""
+    from strata.sim import load_profile
+    from strata.sim.server import build_simulated_async_engine, sim_kv_blocks
+
+    if args.no_chunked_prefill:
+        raise ConfigError("--no-chunked-prefill is not supported with --simulate")
+    profile = load_profile(args.simulate)
+    name = args.served_model_name or profile.model
+    async_engine, tokenizer = build_simulated_async_engine(
+        profile, max_num_seqs=args.max_num_seqs,
+        kv_blocks=sim_kv_blocks(profile, args.kv_cache_gb, args.block_size),
+        block_size=args.block_size, max_model_len=args.max_model_len or DEFAULT_MAX_MODEL_LEN,
+        max_num_batched_tokens=args.max_num_batched_tokens or 512,
+        enable_prefix_caching=not args.no_prefix_cache, max_waiting=args.max_waiting,
+        namespace=f"{name}@{args.model_version or 'default'}",
+    )
+    return asyncio.run(serve_http(args, env, async_engine, tokenizer, name, started,
+                                  simulated=True))
 
 
 def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str) -> AsyncEngine:
@@ -150,7 +190,7 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, async_engine: AsyncE
     server_config = ServerConfig(served_model_name=name, host=args.host, port=port,
                                  shutdown_timeout_s=args.shutdown_timeout_s,
                                  api_keys=read_api_keys(args.api_key_file, env.api_keys),
-                                 rate_limit_per_s=args.rate_limit_per_s)
+                                 rate_limit_per_s=args.rate_limit_per_s, simulated=simulated)
     app = create_app(async_engine, tokenizer, server_config, registration=registration)
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=args.log_level, access_log=args.log_level == "debug",

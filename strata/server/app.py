@@ -122,7 +122,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
     app.state.draining = False
     app.state.registration = registration
     app.state.drain_task = None
-    app.state.metrics = ServerMetrics(config.served_model_name)
+    app.state.metrics = ServerMetrics(config.served_model_name, simulated=config.simulated)
     app.state.ctx = serving.ServingContext(async_engine, tokenizer, config, app.state.metrics)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
     if config.api_keys:
@@ -211,8 +211,13 @@ def _add_info_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         ctx = _ctx(request.app)
-        card = ModelCard(id=ctx.config.served_model_name, max_model_len=ctx.engine.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        simulated = ctx.config.simulated
+        card = ModelCard(id=ctx.config.served_model_name, max_model_len=ctx.engine.max_model_len,
+                         owned_by="strata-simulated" if simulated else "strata")
+        body = ModelList(data=[card]).model_dump()
+        if simulated:
+            body["data"][0]["simulated"] = True
+        return body
 
     @app.get("/health")
     async def health(request: Request) -> dict[str, str]:

@@ -25,6 +25,7 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0
     retry_after_s: float = 1.0
     drain_poll_s: float = 0.05  # how often a drain checks whether in-flight requests are done
+    simulated: bool = False  # a latency model stands in for the maths: always labelled
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     rate_limit_per_s: float | None = None  # per API key
 

@@ -20,11 +20,13 @@ _TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 class ServerMetrics:
     """The `strata:*` metrics of one server."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, *, simulated: bool = False) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         self._model = model_name
         reg = self.registry
+        Gauge("strata:simulated", "1 when a latency model stands in for the model (simulated).",
+              registry=reg).set(1 if simulated else 0)
         self.ttft = Histogram("strata:time_to_first_token_seconds", "Time to first token.",
                               labels, buckets=_LATENCY_BUCKETS_S, registry=reg)
         self.tpot = Histogram("strata:time_per_output_token_seconds",

@@ -3,7 +3,6 @@ that the simulated path never imports torch."""
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 import subprocess
 import sys
@@ -24,7 +23,6 @@ from strata.sim.server import build_simulated_async_engine
 
 PROFILE = LatencyProfile(model="sim", source="synthetic", prefill_ms_base=0.2,
                          prefill_ms_per_token=0.001, decode_ms_base=0.5, decode_ms_per_seq=0.05)
-HAS_SIMULATED_FLAG = "simulated" in {f.name for f in dataclasses.fields(ServerConfig)}
 
 
 @dataclass
@@ -38,9 +36,8 @@ class Live:
 def live() -> Iterator[Live]:
     async_engine, tokenizer = build_simulated_async_engine(
         PROFILE, max_num_seqs=8, kv_blocks=256, max_model_len=512)
-    options = {"simulated": True} if HAS_SIMULATED_FLAG else {}
-    app = create_app(async_engine, tokenizer, ServerConfig(served_model_name="sim-model",
-                                                           **options))  # type: ignore[arg-type]
+    app = create_app(async_engine, tokenizer,
+                     ServerConfig(served_model_name="sim-model", simulated=True))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
@@ -98,7 +95,6 @@ def test_streamed_completion_with_stop_string(client: openai.OpenAI) -> None:
     assert stopped == full.choices[0].text[:full.choices[0].text.index(stop)]
 
 
-@pytest.mark.skipif(not HAS_SIMULATED_FLAG, reason="ServerConfig.simulated not wired yet")
 def test_models_and_metrics_say_simulated(live: Live) -> None:
     card = httpx.get(f"{live.url}/v1/models").json()["data"][0]
     assert card["simulated"] is True
