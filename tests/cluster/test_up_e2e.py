@@ -1,0 +1,225 @@
+"""`strata up --replicas 3` end to end: real processes, the real gateway, the openai client.
+
+Simulated instances (a fast synthetic latency profile) make failover stories quick and exact; the
+last test serves the default model for real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+from serve_process import shared_model_cache
+
+from strata.cluster.local import free_port
+from strata.sim.profile import LatencyProfile
+
+MODEL = "sim-model"
+# 20 ms per decode step: a 50-token stream lasts about a second
+PROFILE = LatencyProfile(model=MODEL, source="synthetic", prefill_ms_base=2.0,
+                         prefill_ms_per_token=0.05, decode_ms_base=20.0, decode_ms_per_seq=0.2)
+
+
+@dataclass
+class Cluster:
+    proc: subprocess.Popen[str]
+    url: str
+    run_dir: Path
+    output: list[str] = field(default_factory=list)
+
+    def pids(self) -> dict[str, int]:
+        lines = (self.run_dir / "pids").read_text().split("\n")
+        return {name: int(pid) for name, pid in (line.split() for line in lines if line)}
+
+    def instances(self) -> dict[str, dict]:
+        body = httpx.get(f"{self.url}/admin/instances", timeout=5).json()
+        return {i["instance_id"]: i for i in body["instances"]}
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(timeout=60)
+
+
+def start_cluster(args: list[str], root: Path, env_extra: dict[str, str] | None = None,
+                  timeout_s: float = 300) -> Cluster:
+    port = free_port()
+    run_dir = root / "run"
+    env = {**os.environ, "STRATA_RUN_DIR": str(run_dir), **(env_extra or {})}
+    cmd = [sys.executable, "-m", "strata.cli", "up", "--replicas", "3", "--port", str(port),
+           "--log-level", "warning", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    assert proc.stdout is not None
+    timer = _kill_after(proc, timeout_s)
+    lines: list[str] = []
+    try:
+        while line := proc.stdout.readline():
+            lines.append(line)
+            if m := re.search(r"instances behind (http://127\.0\.0\.1:\d+)", line):
+                return Cluster(proc, m.group(1), run_dir, lines)
+    finally:
+        timer.cancel()
+    raise AssertionError("strata up did not start:\n" + "".join(lines[-30:]))
+
+
+def _kill_after(proc: subprocess.Popen[str], timeout_s: float) -> Any:
+    import threading
+
+    timer = threading.Timer(timeout_s, proc.kill)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Poll until true; returns the seconds it took (bounded: never hangs)."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("up")
+    PROFILE.save(root / "profile.json")
+    started = start_cluster(["--simulate", str(root / "profile.json"),
+                             "--served-model-name", MODEL], root)
+    yield started
+    assert started.stop() == 0
+    assert not (started.run_dir / "pids").exists()
+
+
+@dataclass
+class StreamResult:
+    instance: str
+    first_event_at: float | None = None
+    events: list[dict] = field(default_factory=list)
+    error_at: float | None = None
+    done: bool = False
+
+    @property
+    def finish_reason(self) -> str | None:
+        reasons = [e["choices"][0]["finish_reason"] for e in self.events if e.get("choices")]
+        return next((r for r in reasons if r), None)
+
+
+async def stream_one(client: httpx.AsyncClient, max_tokens: int) -> StreamResult:
+    body = {"model": MODEL, "prompt": "tell me a story", "max_tokens": max_tokens,
+            "stream": True, "ignore_eos": True}
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        result = StreamResult(resp.headers["x-strata-instance"])
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                result.done = True
+                break
+            event = json.loads(line[6:])
+            if "error" in event:
+                result.error_at = time.monotonic()
+            else:
+                result.first_event_at = result.first_event_at or time.monotonic()
+                result.events.append(event)
+    return result
+
+
+def test_openai_client_through_the_gateway_spreads_over_instances(cluster: Cluster) -> None:
+    client = OpenAI(base_url=f"{cluster.url}/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    chat = client.chat.completions.create(model=MODEL, max_tokens=6,
+                                          messages=[{"role": "user", "content": "hi"}])
+    assert chat.usage is not None and chat.usage.completion_tokens == 6
+    stream = client.completions.create(model=MODEL, prompt="hi", max_tokens=5, stream=True)
+    assert sum(1 for chunk in stream if chunk.choices and chunk.choices[0].text) >= 1
+    served_by = {httpx.post(f"{cluster.url}/v1/completions", timeout=30,
+                            json={"model": MODEL, "prompt": "x", "max_tokens": 2}
+                            ).headers["x-strata-instance"] for _ in range(12)}
+    assert len(served_by) >= 2
+    states = httpx.get(f"{cluster.url}/v1/models").json()["data"]
+    assert [m["id"] for m in states] == [MODEL]
+
+
+def test_sigkill_under_load_fails_over_and_the_instance_rejoins(cluster: Cluster) -> None:
+    victim = "instance-1"
+
+    async def story() -> tuple[list[StreamResult], float]:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=30) as client:
+            tasks = [asyncio.create_task(stream_one(client, 50)) for _ in range(12)]
+            await asyncio.sleep(0.4)  # streams are flowing on every instance
+            killed_at = time.monotonic()
+            os.kill(cluster.pids()[victim], signal.SIGKILL)
+            late = [asyncio.create_task(stream_one(client, 10)) for _ in range(9)]
+            return list(await asyncio.gather(*tasks, *late)), killed_at
+
+    results, killed_at = asyncio.run(story())
+    broken = [r for r in results if r.error_at is not None]
+    for r in results:
+        assert r.done, "every stream ends with [DONE]"
+        if r.error_at is None:
+            assert r.finish_reason == "length"
+        else:  # only streams already flowing from the killed instance may break
+            assert r.instance == victim and r.first_event_at is not None
+            assert r.first_event_at < killed_at
+            assert r.error_at - killed_at < 5.0, "a broken stream ends promptly, never hangs"
+    assert all(r.error_at is None for r in results[12:]), "new requests all succeed"
+    assert broken, "the killed instance had streams in flight"
+
+    def ejected() -> bool:
+        view = cluster.instances().get(victim)
+        return view is None or not view["routable"]
+
+    wait_until(ejected, 10, f"{victim} ejected")
+    wait_until(lambda: cluster.instances().get(victim, {}).get("routable", False), 90,
+               f"{victim} back after its restart")
+    assert cluster.pids()[victim] != 0
+
+
+def test_drain_loses_no_request(cluster: Cluster) -> None:
+    wait_until(lambda: sum(i["routable"] for i in cluster.instances().values()) == 3, 90,
+               "3 routable instances")
+    target = "instance-2"
+
+    async def story() -> list[StreamResult]:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=30) as client:
+            tasks = [asyncio.create_task(stream_one(client, 30)) for _ in range(9)]
+            await asyncio.sleep(0.3)
+            resp = await client.post(f"/admin/instances/{target}/drain")
+            assert resp.status_code in (200, 202), resp.text
+            later = [asyncio.create_task(stream_one(client, 5)) for _ in range(6)]
+            return list(await asyncio.gather(*tasks, *later))
+
+    results = asyncio.run(story())
+    assert all(r.done and r.error_at is None and r.finish_reason == "length" for r in results)
+    assert all(r.instance != target for r in results[9:]), "a draining instance gets no new work"
+
+
+@pytest.mark.network
+def test_up_serves_the_default_model_through_the_gateway(tmp_path: Path) -> None:
+    started = start_cluster(["--kv-cache-gb", "0.1"], tmp_path,
+                            {"STRATA_CACHE_DIR": str(shared_model_cache())}, timeout_s=600)
+    try:
+        client = OpenAI(base_url=f"{started.url}/v1", api_key="unused")
+        reply = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", max_tokens=32, temperature=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in (reply.choices[0].message.content or "")
+    finally:
+        assert started.stop() == 0
