@@ -118,6 +118,18 @@ def _prefetch(args: argparse.Namespace, env: CliEnv) -> None:
     resolve_model(args.model, cache_dir=env.cache_dir, progress=True)
 
 
+def _gateway_routes_all(config: LocalClusterConfig) -> bool:
+    """True once the gateway answers and would route to every instance."""
+    import httpx
+
+    try:
+        resp = httpx.get(f"http://{config.host}:{config.port}/admin/instances", timeout=2)
+        views = resp.json()["instances"] if resp.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, KeyError):
+        return False
+    return sum(bool(v.get("routable")) for v in views) >= config.replicas
+
+
 def _wait_ready(supervisor: Launcher, config: LocalClusterConfig, timeout_s: float,
                 should_stop: Any) -> None:
     from strata.registry import create_registry
@@ -134,7 +146,7 @@ def _wait_ready(supervisor: Launcher, config: LocalClusterConfig, timeout_s: flo
     deadline = time.monotonic() + timeout_s
     while not should_stop():
         supervisor.poll()
-        if asyncio.run(num_ready()) >= config.replicas:
+        if asyncio.run(num_ready()) >= config.replicas and _gateway_routes_all(config):
             return
         if time.monotonic() > deadline:
             raise StrataError(f"the instances were not ready after {timeout_s:.0f}s; "
