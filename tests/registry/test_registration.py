@@ -57,7 +57,7 @@ def test_instance_registers_heartbeats_drains_and_leaves(tiny_model: LoadedModel
         body: list[str] = []
         stream = threading.Thread(target=lambda: body.append(_stream_completion(url)))
         stream.start()
-        assert wait_until(lambda: srv.gate.num_blocked == 1)
+        assert wait_until(lambda: srv.gate.num_blocked == 2)  # step 1 passed, step 2 is held
         load = httpx.get(f"{url}/load").json()
         assert (load["num_in_flight"], load["num_running"] + load["num_waiting"],
                 load["draining"]) == (1, 1, False)
