@@ -78,6 +78,9 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=None)
     p.add_argument("--once", default=None, metavar="PROMPT",
                    help="send one prompt, print the answer and exit")
+    p.add_argument("--session", default=None, metavar="ID",
+                   help="continue the server-side session ID (history kept by the server)")
+    p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -141,11 +144,13 @@ def cmd_models_pull(name: str | None, cache_dir: Path) -> int:
     return 0
 
 
-def cmd_chat(args: argparse.Namespace) -> int:
+def cmd_chat(args: argparse.Namespace, env: CliEnv) -> int:
     from strata.clients.chat import ChatOptions, run_chat
 
+    api_key = args.api_key or (env.api_keys[0] if env.api_keys else None)
     options = ChatOptions(url=args.url, model=args.model, system=args.system,
-                          temperature=args.temperature, max_tokens=args.max_tokens)
+                          temperature=args.temperature, max_tokens=args.max_tokens,
+                          session_id=args.session, api_key=api_key)
     return run_chat(options, once=args.once)
 
 
@@ -182,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 return cmd_models_pull(args.name, cache_dir)
             return cmd_models_list(cache_dir)
         if args.command == "chat":
-            return cmd_chat(args)
+            return cmd_chat(args, env)
         return cmd_bench(args)
     except StrataError as e:
         print(f"strata {args.command}: error: {e}", file=sys.stderr)

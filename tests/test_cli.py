@@ -125,6 +125,24 @@ def test_chat_keeps_the_conversation_and_leaves_on_exit() -> None:
     assert out.getvalue().count("Hello\n") == 2
 
 
+def test_chat_with_a_session_sends_only_what_the_server_has_not_seen() -> None:
+    seen: list[tuple[list[str], str | None, str | None]] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append(([m["content"] for m in body["messages"]],
+                     request.headers.get("x-session-id"), request.headers.get("authorization")))
+        frame = {"choices": [{"index": 0, "delta": {"content": "ok"}}]}
+        sse = f"data: {json.dumps(frame)}\n\ndata: [DONE]\n\n"
+        return httpx.Response(200, content=sse.encode())
+
+    lines = iter(["one", "two", "/exit"])
+    options = ChatOptions(url="http://fake", system="Be brief.", session_id="s-1", api_key="k")
+    assert run_chat(options, read_line=lambda _: next(lines), out=io.StringIO(),
+                    transport=httpx.MockTransport(server)) == 0
+    assert seen == [(["Be brief.", "one"], "s-1", "Bearer k"), (["two"], "s-1", "Bearer k")]
+
+
 # --- a live tiny server ---------------------------------------------------------------------------
 
 

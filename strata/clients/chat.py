@@ -2,6 +2,9 @@
 
 Type a message and press Enter; `/exit` or Ctrl-D leaves; Ctrl-C while an answer streams stops
 that answer (the partial text stays out of the history).
+
+With a session id the history lives on the server (its session store): each turn sends only the
+new message with `X-Session-Id`, so the conversation survives the client, an instance or a gateway.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ class ChatOptions:
     temperature: float | None = None
     max_tokens: int | None = None
     timeout_s: float = 600.0
+    session_id: str | None = None  # history kept by the server under this id
+    api_key: str | None = None
 
 
 class ChatError(Exception):
@@ -42,16 +47,20 @@ class Conversation:
         self.client = client
         self.options = options
         self.messages: list[dict[str, str]] = []
+        self._num_on_server = 0
         if options.system:
             self.messages.append({"role": "system", "content": options.system})
 
     def ask(self, prompt: str, on_text: Callable[[str], None]) -> str:
         """Send `prompt` with the history, call `on_text` with each streamed piece, return the
         answer. The turn enters the history only when the answer completed."""
-        body = self._body([*self.messages, {"role": "user", "content": prompt}])
+        # with a session the server holds what it has seen: send only what it has not
+        unsent = self.messages[self._num_on_server:] if self.options.session_id else self.messages
+        body = self._body([*unsent, {"role": "user", "content": prompt}])
         pieces: list[str] = []
         try:
-            with self.client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            with self.client.stream("POST", "/v1/chat/completions", json=body,
+                                    headers=self._headers()) as resp:
                 if resp.status_code != 200:
                     resp.read()
                     raise ChatError(error_message(resp))
@@ -69,7 +78,16 @@ class Conversation:
         answer = "".join(pieces)
         self.messages += [{"role": "user", "content": prompt},
                           {"role": "assistant", "content": answer}]
+        self._num_on_server = len(self.messages)
         return answer
+
+    def _headers(self) -> dict[str, str]:
+        headers = {}
+        if self.options.session_id:
+            headers["X-Session-Id"] = self.options.session_id
+        if self.options.api_key:
+            headers["Authorization"] = f"Bearer {self.options.api_key}"
+        return headers
 
     def _body(self, messages: list[dict[str, str]]) -> dict[str, Any]:
         body: dict[str, Any] = {"messages": messages, "stream": True}
