@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions   (SSE when stream=true)
     GET  /v1/models, /health, /ready, /metrics, /load
+    GET  /v1/sessions, GET|DELETE /v1/sessions/{id}   (sessions.py, session_routes.py)
     POST /tokenize, /detokenize, /admin/drain
 
 Draining (`app.state.draining`, set by `start_draining`, POST /admin/drain or the lifespan
@@ -44,13 +45,16 @@ from strata.protocol.openai import (
     TokenizeResponse,
 )
 from strata.server import serving
+from strata.server import sessions as sess
 from strata.server.async_engine import AsyncEngine
 from strata.server.body_limit import BodyLimitMiddleware
 from strata.server.config import ServerConfig
 from strata.server.errors import install_error_handlers
 from strata.server.metrics import ServerMetrics
 from strata.server.registration import Registration, engine_load
+from strata.server.session_routes import install_session_routes, sessions_of
 from strata.server.translate import ServerTokenizer, chat_prompt
+from strata.state.sessions import SessionStore, create_session_store
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -60,9 +64,11 @@ class _SSEResponse(StreamingResponse):
     """Streams SSE frames; whatever ends the stream (done, error, client gone) runs `on_close`."""
 
     def __init__(self, frames: AsyncGenerator[bytes, None],
-                 on_close: Callable[[], Awaitable[None]]) -> None:
+                 on_close: Callable[[], Awaitable[None]],
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(frames, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                  **(headers or {})})
         self._frames = frames
         self._on_close = on_close
 
@@ -98,14 +104,18 @@ async def _drain_registration(registration: Registration, engine: AsyncEngine,
 
 
 def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: ServerConfig,
-               *, registration: Registration | None = None) -> FastAPI:
+               *, registration: Registration | None = None,
+               session_store: SessionStore | None = None) -> FastAPI:
     """The FastAPI app serving `async_engine`; starts the engine thread.
 
-    With `registration`, the lifespan registers the instance, heartbeats and deregisters it."""
+    With `registration`, the lifespan registers the instance, heartbeats and deregisters it.
+    Sessions use `session_store`, else the lifespan opens (and closes) the store named by
+    `config.session_store_url`; with neither, a request with a session id is a 400."""
     async_engine.start()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        owned = _open_sessions(app, session_store, async_engine, tokenizer, config)
         if registration is not None:
             registration.start()
         yield
@@ -117,6 +127,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
             await app.state.drain_task
         if registration is not None:
             await registration.stop()
+        if owned is not None:  # last: streams that finished during the drain stored their turn
+            await owned.close()
 
     app = FastAPI(title="Strata", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.draining = False
@@ -130,8 +142,21 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
                            rate_limit_per_s=config.rate_limit_per_s)
     install_error_handlers(app)
     _add_generation_routes(app)
+    install_session_routes(app)
     _add_info_routes(app)
     return app
+
+
+def _open_sessions(app: FastAPI, store: SessionStore | None, async_engine: AsyncEngine,
+                   tokenizer: ServerTokenizer, config: ServerConfig) -> SessionStore | None:
+    """Sessions over `store` or the configured URL's store; returns a store the app opened."""
+    owned = None
+    if store is None and config.session_store_url is not None:
+        store = owned = create_session_store(
+            config.session_store_url, redis_appendfsync=config.session_redis_appendfsync)
+    if store is not None:
+        app.state.sessions = sess.Sessions(store, config, async_engine.max_model_len, tokenizer)
+    return owned
 
 
 def _ctx(app: Any) -> serving.ServingContext:
@@ -198,13 +223,44 @@ def _add_generation_routes(app: FastAPI) -> None:
     async def chat_completions(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest)
         ctx = _admit(request, req.model)
-        started = await _unless_disconnected(request, serving.start_chat(ctx, req))
-        if req.stream:
-            frames = serving.chat_stream(ctx, started, req.logprobs, req.include_usage)
+        session_id = sess.session_id_of(request, await request.body())
+        if session_id is None:
+            return await _chat(request, ctx, req, None)
+        turn = await sessions_of(request.app).begin(request, req, session_id)
+        try:
+            response = await _chat(request, ctx, turn.request, turn)
+        except BaseException:
+            turn.release()
+            raise
+        if not isinstance(response, _SSEResponse):  # a stream releases the turn when it ends
+            turn.release()
+        return response
+
+
+async def _chat(request: Request, ctx: serving.ServingContext, req: ChatCompletionRequest,
+                turn: sess.SessionTurn | None) -> Response:
+    """Generate; with a session `turn`, store the turn after the last token (see sessions.py)."""
+    started = await _unless_disconnected(request, serving.start_chat(ctx, req))
+    if req.stream:
+        frames = serving.chat_stream(ctx, started, req.logprobs, req.include_usage)
+        if turn is None:
             return _SSEResponse(frames, started.generation.close)
-        body = await _unless_disconnected(
-            request, serving.chat_response(ctx, started, req.logprobs))
-        return JSONResponse(body.model_dump())
+
+        async def close() -> None:
+            try:
+                await started.generation.close()
+            finally:
+                turn.release()
+
+        return _SSEResponse(turn.stream(frames, started.generation.choices), close,
+                            turn.headers())
+    body = await _unless_disconnected(request, serving.chat_response(ctx, started, req.logprobs))
+    data = body.model_dump()
+    if turn is None:
+        return JSONResponse(data)
+    await turn.commit(started.generation.choices)
+    data["strata"] = turn.info()
+    return JSONResponse(data, headers=turn.headers())
 
 
 def _add_info_routes(app: FastAPI) -> None:

@@ -28,6 +28,10 @@ class ServerConfig:
     simulated: bool = False  # a latency model stands in for the maths: always labelled
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     rate_limit_per_s: float | None = None  # per API key
+    model_version: str = "default"  # stored with each session
+    session_store_url: str | None = None  # memory://, sqlite:///PATH, redis://...; None: off
+    session_ttl_s: float | None = 86_400.0  # sliding: each stored turn restarts it; None: never
+    session_redis_appendfsync: str | None = None  # "always": CONFIG SET AOF on the Redis store
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -43,6 +47,9 @@ class ServerConfig:
             raise ConfigError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         if self.drain_poll_s <= 0:
             raise ConfigError(f"drain_poll_s must be positive, got {self.drain_poll_s}")
+        if self.session_ttl_s is not None and self.session_ttl_s <= 0:
+            raise ConfigError(f"session_ttl_s must be positive, got {self.session_ttl_s}; "
+                              "pass None for sessions that never expire")
         if self.retry_after_s <= 0:
             raise ConfigError(f"retry_after_s must be positive, got {self.retry_after_s}")
 
