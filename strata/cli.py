@@ -35,7 +35,9 @@ from strata.errors import StrataError
 DEFAULT_URL = "http://127.0.0.1:8000"
 log = logging.getLogger("strata")
 # modules of strata.commands, one subcommand each (add_parser + run)
-COMMAND_MODULES: tuple[str, ...] = ("serve", "gateway", "up", "status", "store", "profile")
+COMMAND_MODULES: tuple[str, ...] = (
+    "serve", "gateway", "up", "status", "sessions", "store", "profile",
+)
 
 
 def cache_dir_from_env(env: Mapping[str, str]) -> Path:

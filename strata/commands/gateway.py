@@ -24,7 +24,14 @@ from strata.commands.argtypes import (
 )
 from strata.commands.env import CliEnv, read_api_keys
 from strata.errors import ConfigError
-from strata.gateway.config import POLICY_NAMES, AdmissionConfig, GatewayConfig, RetryConfig
+from strata.gateway.config import (
+    POLICY_NAMES,
+    SESSION_ROUTING_MODES,
+    AdmissionConfig,
+    GatewayConfig,
+    RetryConfig,
+    SessionRoutingConfig,
+)
 from strata.gateway.sources import InstanceSource, RegistrySource, StaticSource
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -51,6 +58,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rate-limit-per-s", type=positive_float, default=None,
                    help="requests per second allowed per API key")
     p.add_argument("--shutdown-timeout-s", type=positive_float, default=30.0)
+    p.add_argument("--session-routing", choices=SESSION_ROUTING_MODES, default="none",
+                   help="requests with a session id: none/external (normal policy), sticky "
+                        "(pinned, bounded-load consistent hash), hybrid (sticky; moves rebuild "
+                        "from the session store)")
+    p.add_argument("--session-store", default=None, metavar="URL",
+                   help="pin table shared by every gateway (memory://, sqlite:///abs/path.db, "
+                        "redis://...); default memory:// (this gateway only)")
+    p.add_argument("--session-epsilon", type=positive_float, default=0.25,
+                   help="bounded loads: an instance holds at most ceil((1+eps) * mean) sessions")
+    p.add_argument("--session-pin-ttl-s", type=positive_float, default=3600.0,
+                   help="a pin unused this long expires")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 
@@ -68,7 +86,15 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
         admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue,
                                   queue_timeout_s=args.queue_timeout_s),
         api_keys=read_api_keys(args.api_key_file, env.api_keys),
-        rate_limit_per_s=args.rate_limit_per_s, shutdown_timeout_s=args.shutdown_timeout_s)
+        rate_limit_per_s=args.rate_limit_per_s, shutdown_timeout_s=args.shutdown_timeout_s,
+        sessions=_session_config(args))
+
+
+def _session_config(args: argparse.Namespace) -> SessionRoutingConfig:
+    """Pins are only kept for sticky and hybrid; other modes ignore --session-store (the
+    instances read history from their own --session-store)."""
+    return SessionRoutingConfig(mode=args.session_routing, store_url=args.session_store,
+                                epsilon=args.session_epsilon, pin_ttl_s=args.session_pin_ttl_s)
 
 
 def build_source(config: GatewayConfig,

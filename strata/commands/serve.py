@@ -74,6 +74,13 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="URL routers use to reach this instance (default http://HOST:PORT)")
     p.add_argument("--role", choices=("mixed", "prefill", "decode"), default="mixed")
     p.add_argument("--pool", default="default")
+    p.add_argument("--session-store", default=None, metavar="URL",
+                   help="keep chat sessions in this store (memory://, sqlite:///PATH, "
+                        "redis://HOST:PORT/DB); default: sessions off")
+    p.add_argument("--session-ttl-s", type=positive_float, default=86_400.0,
+                   help="a session expires this long after its last stored turn")
+    p.add_argument("--session-redis-appendfsync", choices=("always", "everysec", "no"),
+                   default=None, help="set Redis AOF fsync for the session store (CONFIG SET)")
     p.add_argument("--simulate", default=None, metavar="PROFILE",
                    help="answer from a latency model instead of the maths (a profile JSON or a "
                         "bundled name such as smollm2-cpu); labelled simulated everywhere")
@@ -190,7 +197,11 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, async_engine: AsyncE
     server_config = ServerConfig(served_model_name=name, host=args.host, port=port,
                                  shutdown_timeout_s=args.shutdown_timeout_s,
                                  api_keys=read_api_keys(args.api_key_file, env.api_keys),
-                                 rate_limit_per_s=args.rate_limit_per_s, simulated=simulated)
+                                 rate_limit_per_s=args.rate_limit_per_s, simulated=simulated,
+                                 model_version=args.model_version or "default",
+                                 session_store_url=args.session_store,
+                                 session_ttl_s=args.session_ttl_s,
+                                 session_redis_appendfsync=args.session_redis_appendfsync)
     app = create_app(async_engine, tokenizer, server_config, registration=registration)
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=args.log_level, access_log=args.log_level == "debug",

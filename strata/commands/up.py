@@ -36,6 +36,7 @@ _SERVE_FLAGS: tuple[tuple[str, Any], ...] = (
     ("--served-model-name", str), ("--model-version", str), ("--dtype", str),
     ("--max-model-len", positive_int), ("--kv-cache-gb", positive_float),
     ("--block-size", positive_int), ("--max-num-seqs", positive_int), ("--simulate", str),
+    ("--session-store", str),
 )
 
 

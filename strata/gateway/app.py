@@ -7,10 +7,13 @@ and admin endpoints.
     GET  /health (the process), /ready (>= 1 routable instance), /metrics
     GET  /admin/instances                         the gateway's view of each instance
     POST /admin/instances/{id}/drain              stop routing there, forward POST /admin/drain
+    GET  /v1/sessions, GET/DELETE /v1/sessions/{id}   passed to any instance (the session store
+                                                  is shared); a DELETE also unpins the session
 
 Only what routing needs is read from a body (model, stream, max_tokens); the bytes are forwarded
 untouched. `X-Model-Version` pins a version, `X-Strata-Pool` a pool. Every proxied answer carries
-`X-Strata-Instance: <instance id>`.
+`X-Strata-Instance: <instance id>`. `--session-routing` decides where requests with a session id
+go (strata/gateway/sessions.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from strata.gateway.config import GatewayConfig
 from strata.gateway.routes import build_routes
 from strata.gateway.sources import InstanceSource
 from strata.protocol.auth import ApiKeyAuth
+from strata.state.pins import PinStore
 
 
 def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
@@ -36,12 +40,14 @@ def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
                        control_client: httpx.AsyncClient | None = None,
                        clock: Callable[[], float] = time.monotonic,
                        rng: random.Random | None = None,
-                       run_background: bool = True) -> Starlette:
+                       run_background: bool = True,
+                       pin_store: PinStore | None = None) -> Starlette:
     """The gateway ASGI app over `source`'s instances. With `run_background`, its lifespan
     refreshes the set every `poll_interval_s` and health-checks every
-    `health_check_interval_s`; tests of single steps turn that off and call them directly."""
+    `health_check_interval_s`; tests of single steps turn that off and call them directly.
+    `pin_store` replaces the one `config.sessions.store_url` names (sticky/hybrid routing)."""
     gateway = build_gateway(config, source, transport=transport, control_client=control_client,
-                            clock=clock, rng=rng)
+                            clock=clock, rng=rng, pin_store=pin_store)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

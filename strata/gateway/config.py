@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 from strata.errors import ConfigError
 
-POLICY_NAMES = ("power_of_two", "round_robin", "least_load")
+POLICY_NAMES = ("power_of_two", "round_robin", "least_load", "consistent_hash")
+SESSION_ROUTING_MODES = ("none", "external", "sticky", "hybrid")
 
 
 def _positive(owner: object, *names: str) -> None:
@@ -74,6 +75,34 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SessionRoutingConfig:
+    """How requests carrying a session id are routed (`mode`, see strata/gateway/sessions.py).
+    `store_url` holds the pin table shared by every gateway (None: in this process only);
+    `epsilon` bounds each instance to ceil((1+epsilon) * mean) pinned sessions; a pin unused for
+    `pin_ttl_s` expires."""
+
+    mode: str = "none"
+    store_url: str | None = None
+    epsilon: float = 0.25
+    num_vnodes: int = 100
+    pin_ttl_s: float = 3600.0
+    counts_max_age_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in SESSION_ROUTING_MODES:
+            raise ConfigError(f"unknown session routing {self.mode!r}; "
+                              f"valid: {', '.join(SESSION_ROUTING_MODES)}")
+        _positive(self, "epsilon", "num_vnodes", "pin_ttl_s")
+        if self.counts_max_age_s < 0:
+            raise ConfigError(f"counts_max_age_s must be >= 0, got {self.counts_max_age_s}")
+
+    @property
+    def is_pinning(self) -> bool:
+        """Whether sessions are pinned to instances (sticky or hybrid)."""
+        return self.mode in ("sticky", "hybrid")
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """Everything `strata gateway` needs; instances come from `registry_url` or
     `instance_urls` (at most one of them; an app built with its own instance source needs
@@ -96,6 +125,7 @@ class GatewayConfig:
     api_keys: tuple[str, ...] = ()
     rate_limit_per_s: float | None = None
     shutdown_timeout_s: float = 30.0
+    sessions: SessionRoutingConfig = field(default_factory=SessionRoutingConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -115,4 +145,5 @@ class GatewayConfig:
             raise ConfigError("api keys must not be empty strings")
 
 
-__all__ = ["POLICY_NAMES", "AdmissionConfig", "EjectionConfig", "GatewayConfig", "RetryConfig"]
+__all__ = ["POLICY_NAMES", "SESSION_ROUTING_MODES", "AdmissionConfig", "EjectionConfig",
+           "GatewayConfig", "RetryConfig", "SessionRoutingConfig"]

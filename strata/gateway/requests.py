@@ -28,7 +28,8 @@ def _field(data: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> An
 
 
 def route_request(body: bytes, headers: Mapping[str, str]) -> RouteRequest:
-    """RouteRequest from a JSON body (model, stream, max_tokens) and the routing headers."""
+    """RouteRequest from a JSON body (model, stream, max_tokens, session_id) and the routing
+    headers (the `X-Session-Id` header wins over the body's `session_id`)."""
     try:
         data = json.loads(body) if body else {}
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -40,7 +41,7 @@ def route_request(body: bytes, headers: Mapping[str, str]) -> RouteRequest:
         model=_field(data, "model", str),
         version=headers.get(VERSION_HEADER),
         pool=headers.get(POOL_HEADER),
-        session_id=headers.get(SESSION_HEADER),
+        session_id=headers.get(SESSION_HEADER) or _field(data, "session_id", str),
         is_stream=bool(_field(data, "stream", bool)),
         num_tokens=len(body) // BYTES_PER_TOKEN + max_tokens,
     )

@@ -12,6 +12,7 @@ from starlette.routing import Route
 from strata.errors import OverloadedError
 from strata.gateway.components import Gateway
 from strata.gateway.metrics import GatewayMetrics
+from strata.gateway.policies.base import RouteRequest
 from strata.gateway.proxy import ProxyRequest
 from strata.gateway.requests import RequestParseError, route_request
 from strata.gateway.upstream import RelayResponse, error_response
@@ -57,7 +58,7 @@ async def _with_slot(gateway: Gateway, preq: ProxyRequest) -> Response:
         gateway.metrics.errors.labels(f"admission_{exc.status_code}").inc()
         return error_response(exc.status_code, exc.message, retry_after_s=exc.retry_after_s)
     try:
-        response = await gateway.proxy.forward(preq)
+        response = await gateway.forward(preq)
     except BaseException:
         gateway.admission.release()
         raise
@@ -65,6 +66,21 @@ async def _with_slot(gateway: Gateway, preq: ProxyRequest) -> Response:
         response.on_close.append(gateway.admission.release)
     else:
         gateway.admission.release()
+    return response
+
+
+async def session_call(request: Request) -> Response:
+    """GET /v1/sessions[/{id}] and DELETE /v1/sessions/{id}: passed to any routable instance
+    (every instance reads the same session store); a successful DELETE also unpins the session."""
+    gateway = _gateway(request)
+    path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    preq = ProxyRequest(request.method, path, await request.body(),
+                        list(request.headers.items()), RouteRequest(), gateway.proxy.clock())
+    response = await gateway.proxy.forward(preq)
+    session_id = request.path_params.get("session_id")
+    if (request.method == "DELETE" and response.status_code < 300 and session_id
+            and gateway.sessions is not None):
+        await gateway.sessions.forget(session_id)
     return response
 
 
@@ -129,6 +145,8 @@ def build_routes() -> list[Route]:
         Route("/tokenize", tokenizer_call, methods=["POST"]),
         Route("/detokenize", tokenizer_call, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/sessions", session_call, methods=["GET"]),
+        Route("/v1/sessions/{session_id}", session_call, methods=["GET", "DELETE"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -3,8 +3,7 @@
     round_robin    candidates in turn
     least_load     the least loaded (gateway accounting + instance-reported load)
     power_of_two   the less loaded of two random candidates (default)
-
-Stage 3 adds `consistent_hash` (bounded loads) here: one module, one entry in `_FACTORIES`.
+    consistent_hash  a session's requests to one instance, bounded loads (ceil((1+eps)*mean))
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from collections.abc import Callable
 
 from strata.errors import ConfigError
 from strata.gateway.policies.base import RouteRequest, RoutingPolicy, StatelessPolicy
+from strata.gateway.policies.consistent_hash import ConsistentHashPolicy
 from strata.gateway.policies.least_load import LeastLoadPolicy
 from strata.gateway.policies.power_of_two import PowerOfTwoPolicy
 from strata.gateway.policies.round_robin import RoundRobinPolicy
@@ -22,6 +22,7 @@ _FACTORIES: dict[str, Callable[[random.Random | None], RoutingPolicy]] = {
     "power_of_two": lambda rng: PowerOfTwoPolicy(rng),
     "round_robin": lambda rng: RoundRobinPolicy(),
     "least_load": lambda rng: LeastLoadPolicy(),
+    "consistent_hash": lambda rng: ConsistentHashPolicy(),
 }
 
 
@@ -34,5 +35,5 @@ def create_policy(name: str, *, rng: random.Random | None = None) -> RoutingPoli
     return factory(rng)
 
 
-__all__ = ["LeastLoadPolicy", "PowerOfTwoPolicy", "RoundRobinPolicy", "RouteRequest",
-           "RoutingPolicy", "StatelessPolicy", "create_policy"]
+__all__ = ["ConsistentHashPolicy", "LeastLoadPolicy", "PowerOfTwoPolicy", "RoundRobinPolicy",
+           "RouteRequest", "RoutingPolicy", "StatelessPolicy", "create_policy"]

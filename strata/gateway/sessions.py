@@ -1,0 +1,177 @@
+"""Session routing: where a request carrying a session id (`X-Session-Id` or the body's
+`session_id`) goes, per `--session-routing`:
+
+    none       the normal policy; the session id is forwarded untouched (the default)
+    external   the same: any instance, which loads the history from the session store
+    sticky     the session's pinned instance while it is a routable candidate and not over the
+               bound; otherwise (new session, instance gone, ejected or over the bound) the
+               bounded-load consistent hash places it and the pin is written by compare-and-set
+               (a gateway that loses the race follows the winner's pin)
+    hybrid     sticky, and a moved session's request carries `X-Strata-Session-Moved: 1` so the
+               instance knows to rebuild it from the session store
+
+The bound is ceil((1+epsilon) * mean) pinned sessions per candidate instance, counted over the
+pin store that every gateway shares, so every gateway makes the same decision. Answers of sticky
+and hybrid routing carry `X-Strata-Session-Routing: pinned|placed|moved` (or `unpinned` when the
+pin store could not be reached: the request then goes where the plain consistent hash puts it).
+Requests without a session id use the normal policy in every mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from starlette.responses import Response
+
+from strata.gateway.config import SessionRoutingConfig
+from strata.gateway.instances import InstanceView
+from strata.gateway.policies.base import RouteRequest
+from strata.gateway.policies.consistent_hash import RingCache, is_over_bound, place
+from strata.gateway.proxy import Proxy, ProxyRequest
+from strata.state.pins import PinStore, PinStoreError
+
+logger = logging.getLogger("strata.gateway.sessions")
+
+ROUTING_HEADER = "x-strata-session-routing"
+MOVED_HEADER = "x-strata-session-moved"
+PINNED, PLACED, MOVED, UNPINNED = "pinned", "placed", "moved", "unpinned"
+MAX_CAS_ROUNDS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a session goes and why (`outcome`: pinned, placed, moved or unpinned)."""
+
+    instance_id: str | None
+    outcome: str
+
+    @property
+    def is_moved(self) -> bool:
+        return self.outcome == MOVED
+
+
+class SessionRouter:
+    """Pins sessions to instances (sticky and hybrid modes); one per gateway.
+
+    `place` reads and writes the shared pin store; `prefer` is the pipeline's synchronous hook,
+    answering from the placements this gateway made last (bounded, most recent kept)."""
+
+    def __init__(self, config: SessionRoutingConfig, pins: PinStore, *,
+                 clock: Callable[[], float] = time.monotonic, max_local: int = 65536) -> None:
+        self.config = config
+        self.pins = pins
+        self.clock = clock
+        self.rings = RingCache(config.num_vnodes)
+        self.max_local = max_local
+        self._local: OrderedDict[str, str] = OrderedDict()
+        self._counts: dict[str, int] = {}
+        self._counts_at = -math.inf
+
+    async def place(self, session_id: str, candidates: Sequence[InstanceView],
+                    foreign: Collection[str] = ()) -> Placement:
+        """The instance for `session_id` among `candidates` (non-empty), pinning it if needed.
+
+        The mean load counts every pinned session except those on `foreign` instances (ones
+        serving other models): sessions of instances that left are coming to the candidates."""
+        ids = [view.instance_id for view in candidates]
+        for _ in range(MAX_CAS_ROUNDS):
+            pinned = await self.pins.get(session_id)
+            counts = await self._fresh_counts()
+            total = sum(n for iid, n in counts.items() if iid not in foreign)
+            if pinned is not None and pinned in ids and not is_over_bound(
+                    pinned, counts, ids, epsilon=self.config.epsilon, total=total):
+                return self._remember(session_id, pinned, PINNED)
+            target = self._target(session_id, pinned, counts, ids, total)
+            if await self.pins.set_if(session_id, target, expected=pinned):
+                self._count_move(pinned, target)
+                return self._remember(session_id, target, PLACED if pinned is None else MOVED)
+            winner = await self.pins.get(session_id)  # lost the race: follow the winner
+            if winner in ids:
+                self._counts_at = -math.inf
+                return self._remember(session_id, winner, PLACED if pinned is None else MOVED)
+        raise PinStoreError(f"session {session_id!r}: the pin kept changing under "
+                            f"{MAX_CAS_ROUNDS} compare-and-set rounds")
+
+    def prefer(self, request: RouteRequest, candidates: list[InstanceView]) -> InstanceView | None:
+        """The candidate this gateway placed the session on; else (that one failed or was never
+        placed) the bounded consistent hash over the candidates; None without a session id."""
+        if request.session_id is None:
+            return None
+        by_id = {view.instance_id: view for view in candidates}
+        pinned = self._local.get(request.session_id)
+        if pinned in by_id:
+            return by_id[pinned]
+        ring = self.rings.ring_for(by_id)
+        return by_id[place(ring, request.session_id, self._counts, epsilon=self.config.epsilon,
+                           allowed=by_id)]
+
+    async def forget(self, session_id: str) -> None:
+        """Unpin a deleted session."""
+        self._local.pop(session_id, None)
+        await self.pins.delete(session_id)
+        self._counts_at = -math.inf
+
+    async def forward(self, proxy: Proxy, request: ProxyRequest) -> Response:
+        """Place the request's session, then forward it; the answer says what happened."""
+        session_id = request.route.session_id
+        candidates = proxy.pipeline.candidates(request.route)
+        if session_id is None or not candidates:
+            return await proxy.forward(request)
+        foreign = [view.instance_id for view in proxy.pipeline.instances.snapshot()
+                   if request.route.model is not None and view.model != request.route.model]
+        placement = await self._place_or_unpinned(session_id, candidates, foreign)
+        is_hybrid_move = placement.is_moved and self.config.mode == "hybrid"
+        if is_hybrid_move:
+            request = dataclasses.replace(request, headers=[*request.headers, (MOVED_HEADER, "1")])
+        response = await proxy.forward(request)
+        response.headers[ROUTING_HEADER] = placement.outcome
+        if is_hybrid_move:
+            response.headers[MOVED_HEADER] = "1"
+        return response
+
+    async def _place_or_unpinned(self, session_id: str, candidates: Sequence[InstanceView],
+                                 foreign: Collection[str]) -> Placement:
+        try:
+            return await self.place(session_id, candidates, foreign)
+        except PinStoreError as exc:
+            logger.warning("session %s routed without a pin: %s", session_id, exc)
+            self._local.pop(session_id, None)
+            return Placement(None, UNPINNED)
+
+    def _target(self, session_id: str, pinned: str | None, counts: dict[str, int],
+                ids: list[str], total: int) -> str:
+        loads = dict(counts)
+        if pinned is not None and loads.get(pinned, 0) > 0:
+            loads[pinned] -= 1  # the session leaves its old instance
+            total -= 1
+        ring = self.rings.ring_for(ids)
+        return place(ring, session_id, loads, epsilon=self.config.epsilon, allowed=ids,
+                     total=total)
+
+    async def _fresh_counts(self) -> dict[str, int]:
+        if self.clock() - self._counts_at >= self.config.counts_max_age_s:
+            self._counts = await self.pins.counts()
+            self._counts_at = self.clock()
+        return self._counts
+
+    def _count_move(self, old: str | None, new: str) -> None:
+        if old is not None and self._counts.get(old, 0) > 0:
+            self._counts[old] -= 1
+        self._counts[new] = self._counts.get(new, 0) + 1
+
+    def _remember(self, session_id: str, instance_id: str, outcome: str) -> Placement:
+        self._local[session_id] = instance_id
+        self._local.move_to_end(session_id)
+        if len(self._local) > self.max_local:
+            self._local.popitem(last=False)
+        return Placement(instance_id, outcome)
+
+
+__all__ = ["MOVED", "MOVED_HEADER", "PINNED", "PLACED", "ROUTING_HEADER", "UNPINNED",
+           "Placement", "SessionRouter"]

@@ -1,0 +1,230 @@
+"""The session pin table: which instance a session sticks to, shared by every gateway.
+
+    create_pin_store("memory://")                 one gateway (tests)
+    create_pin_store("sqlite:///abs/path.db")     gateways on one machine (table `session_pins`)
+    create_pin_store("redis://127.0.0.1:6379/0")  gateways on many machines (keys `strata:pins:*`)
+
+Contract (one test suite runs it over all three backends):
+- `set_if(session, instance, expected=e)` is a compare-and-set: it writes only when the current
+  pin equals `e` (None = no live pin), atomically across processes; of racing writers exactly one
+  wins. Writing the pin it already has (e == instance) refreshes its expiry.
+- A pin expires `ttl_s` after it was last written or read (`get` slides the expiry), so idle
+  sessions unpin; expiry is judged on the store's injected clock (wall time by default, shared by
+  every process), never on Redis key TTLs alone.
+- `counts()` is the number of live pins per instance (the bounded-load input of every gateway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from strata.errors import ConfigError, StrataError
+
+T = TypeVar("T")
+Clock = Callable[[], float]
+SCHEMES = ("memory://", "sqlite:///PATH", "redis://HOST:PORT/DB", "rediss://HOST:PORT/DB")
+
+
+class PinStoreError(StrataError):
+    """The pin store could not be reached or answered an error."""
+
+
+class PinStore(Protocol):
+    """Session id -> instance id, with compare-and-set writes and sliding expiry."""
+
+    async def get(self, session_id: str) -> str | None:
+        """The live pin of `session_id` (and its expiry slides), or None."""
+        ...
+
+    async def set_if(self, session_id: str, instance_id: str, *, expected: str | None) -> bool:
+        """Pin `session_id` to `instance_id` if its live pin is `expected`; True if written."""
+        ...
+
+    async def delete(self, session_id: str) -> None:
+        """Unpin `session_id` (no error when it had no pin)."""
+        ...
+
+    async def counts(self) -> dict[str, int]:
+        """Live pins per instance id (instances with none are absent)."""
+        ...
+
+    async def close(self) -> None:
+        ...
+
+
+class MemoryPinStore:
+    """A PinStore in this process (single-threaded asyncio: no awaits inside an operation)."""
+
+    def __init__(self, *, ttl_s: float = 3600.0, clock: Clock = time.time) -> None:
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._pins: dict[str, tuple[str, float]] = {}  # session -> (instance, expires_at)
+
+    def _live(self, session_id: str) -> str | None:
+        pin = self._pins.get(session_id)
+        if pin is None or pin[1] <= self.clock():
+            self._pins.pop(session_id, None)
+            return None
+        return pin[0]
+
+    async def get(self, session_id: str) -> str | None:
+        instance_id = self._live(session_id)
+        if instance_id is not None:
+            self._pins[session_id] = (instance_id, self.clock() + self.ttl_s)
+        return instance_id
+
+    async def set_if(self, session_id: str, instance_id: str, *, expected: str | None) -> bool:
+        if self._live(session_id) != expected:
+            return False
+        self._pins[session_id] = (instance_id, self.clock() + self.ttl_s)
+        return True
+
+    async def delete(self, session_id: str) -> None:
+        self._pins.pop(session_id, None)
+
+    async def counts(self) -> dict[str, int]:
+        now = self.clock()
+        result: dict[str, int] = {}
+        for instance_id, expires_at in self._pins.values():
+            if expires_at > now:
+                result[instance_id] = result.get(instance_id, 0) + 1
+        return result
+
+    async def close(self) -> None:
+        return None
+
+
+_SQL_SCHEMA = ("CREATE TABLE IF NOT EXISTS session_pins (session_id TEXT PRIMARY KEY, "
+               "instance_id TEXT NOT NULL, expires_at REAL NOT NULL)")
+# every write is one statement (atomic across processes); the WHERE clauses are the CAS
+_SQL_CREATE = ("INSERT INTO session_pins VALUES (?1, ?2, ?3) ON CONFLICT(session_id) DO UPDATE "
+               "SET instance_id = ?2, expires_at = ?3 WHERE session_pins.expires_at <= ?4")
+_SQL_SWAP = ("UPDATE session_pins SET instance_id = ?2, expires_at = ?3 "
+             "WHERE session_id = ?1 AND instance_id = ?5 AND expires_at > ?4")
+_SQL_GET = ("UPDATE session_pins SET expires_at = ?2 WHERE session_id = ?1 AND expires_at > ?3 "
+            "RETURNING instance_id")
+
+
+class SqlitePinStore:
+    """A PinStore in a SQLite file (WAL) shared by every process that opens the same path."""
+
+    def __init__(self, path: str | Path, *, ttl_s: float = 3600.0, clock: Clock = time.time,
+                 busy_timeout_ms: int = 10_000) -> None:
+        self.path = Path(path)
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._busy_timeout_ms = busy_timeout_ms
+        self._lock = threading.Lock()  # one connection, used by one worker thread at a time
+        self._conn: sqlite3.Connection | None = None
+
+    async def get(self, session_id: str) -> str | None:
+        now = self.clock()
+        rows = await self._run(_SQL_GET, (session_id, now + self.ttl_s, now), fetch=True)
+        return str(rows[0][0]) if rows else None
+
+    async def set_if(self, session_id: str, instance_id: str, *, expected: str | None) -> bool:
+        now = self.clock()
+        params: tuple[Any, ...] = (session_id, instance_id, now + self.ttl_s, now)
+        if expected is None:
+            return bool(await self._run(_SQL_CREATE, params))
+        return bool(await self._run(_SQL_SWAP, (*params, expected)))
+
+    async def delete(self, session_id: str) -> None:
+        await self._run("DELETE FROM session_pins WHERE session_id = ?", (session_id,))
+
+    async def counts(self) -> dict[str, int]:
+        now = self.clock()
+        await self._run("DELETE FROM session_pins WHERE expires_at <= ?", (now,))
+        rows = await self._run("SELECT instance_id, COUNT(*) FROM session_pins "
+                               "WHERE expires_at > ? GROUP BY instance_id", (now,), fetch=True)
+        return {str(instance_id): int(count) for instance_id, count in rows}
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._close)
+
+    async def _run(self, sql: str, params: tuple[Any, ...], *, fetch: bool = False) -> Any:
+        """One statement in its own transaction: the rows (fetch) or the rows changed."""
+        def work(conn: sqlite3.Connection) -> Any:
+            cursor = conn.execute(sql, params)
+            return cursor.fetchall() if fetch else cursor.rowcount
+
+        return await asyncio.to_thread(self._locked, work)
+
+    def _locked(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        with self._lock:
+            try:
+                return work(self._connection())
+            except sqlite3.Error as exc:
+                raise PinStoreError(f"sqlite pin store {self.path}: {exc}") from exc
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                                   timeout=self._busy_timeout_ms / 1000)
+            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
+            _set_up(conn, self._busy_timeout_ms / 1000)
+            self._conn = conn
+        return self._conn
+
+    def _close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+def _set_up(conn: sqlite3.Connection, timeout_s: float) -> None:
+    """WAL and the schema. Switching to WAL can answer "locked" at once (without the busy
+    handler) while other processes open the same new file, so that step is retried."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute(_SQL_SCHEMA)
+            conn.execute("CREATE INDEX IF NOT EXISTS session_pins_by_instance "
+                         "ON session_pins (instance_id)")
+            return
+        except sqlite3.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def create_pin_store(url: str, *, ttl_s: float = 3600.0, clock: Clock = time.time) -> PinStore:
+    """The pin store named by `url`'s scheme; pins expire `ttl_s` after their last use."""
+    if ttl_s <= 0:
+        raise ConfigError(f"pin ttl_s must be positive, got {ttl_s}")
+    if url in ("memory://", "memory"):
+        return MemoryPinStore(ttl_s=ttl_s, clock=clock)
+    if url.startswith("sqlite://"):
+        path = url[len("sqlite://"):]
+        if not path.startswith("/") or len(path) < 2:
+            raise ConfigError(f"sqlite pin store URL {url!r} needs an absolute path, "
+                              "e.g. sqlite:///var/run/strata/sessions.db")
+        return SqlitePinStore(path, ttl_s=ttl_s, clock=clock)
+    if url.startswith(("redis://", "rediss://")):
+        from strata.state.pins_redis import RedisPinStore  # lazy: redis is only needed here
+
+        return RedisPinStore(url, ttl_s=ttl_s, clock=clock)
+    raise ConfigError(f"unknown session store URL {url!r}; use one of: {', '.join(SCHEMES)}")
+
+
+async def call_redis(url: str, work: Awaitable[T]) -> T:
+    """`work`, with Redis errors raised as PinStoreError."""
+    from redis.exceptions import RedisError
+
+    try:
+        return await work
+    except RedisError as exc:
+        raise PinStoreError(f"redis pin store {url}: {exc}") from exc
+
+
+__all__ = ["SCHEMES", "MemoryPinStore", "PinStore", "PinStoreError", "SqlitePinStore",
+           "call_redis", "create_pin_store"]
