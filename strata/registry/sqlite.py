@@ -8,20 +8,17 @@ instead of failing. Blocking calls run in a worker thread (`asyncio.to_thread`).
 
 from __future__ import annotations
 
-import asyncio
 import json
-import sqlite3
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from strata.registry.base import RegistryError, as_seen, check_ttl, unknown_instance
 from strata.registry.records import InstanceLoad, InstanceRecord, InstanceState
+from strata.state.sqlite_db import SqliteDatabase
 
-T = TypeVar("T")
 _SCHEMA = ("CREATE TABLE IF NOT EXISTS instances "
            "(instance_id TEXT PRIMARY KEY, record TEXT NOT NULL)")
 
@@ -35,9 +32,8 @@ class SqliteRegistry:
         self.path = Path(path)
         self.ttl_s = ttl_s
         self.clock = clock
-        self._busy_timeout_ms = busy_timeout_ms
-        self._lock = threading.Lock()  # one connection, used by one worker thread at a time
-        self._conn: sqlite3.Connection | None = None
+        self._db = SqliteDatabase(self.path, schema=[_SCHEMA], error=RegistryError,
+                                  what="sqlite registry", busy_timeout_ms=busy_timeout_ms)
 
     # --- Registry -----------------------------------------------------------------------------
 
@@ -76,7 +72,7 @@ class SqliteRegistry:
         return [self._decode(row[0], now) for row in rows]
 
     async def close(self) -> None:
-        await asyncio.to_thread(self._close)
+        await self._db.aclose()
 
     # --- internals ----------------------------------------------------------------------------
 
@@ -85,35 +81,10 @@ class SqliteRegistry:
 
     async def _run(self, sql: str, params: tuple[Any, ...]) -> int:
         """Execute one write in its own transaction; the number of rows it changed."""
-        return await asyncio.to_thread(self._locked, lambda c: c.execute(sql, params).rowcount)
+        return await self._db.call(lambda c: c.execute(sql, params).rowcount)
 
     async def _select(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        return await asyncio.to_thread(self._locked, lambda c: c.execute(sql, params).fetchall())
-
-    def _locked(self, work: Callable[[sqlite3.Connection], T]) -> T:
-        with self._lock:
-            try:
-                return work(self._connection())
-            except sqlite3.Error as exc:
-                raise RegistryError(f"sqlite registry {self.path}: {exc}") from exc
-
-    def _connection(self) -> sqlite3.Connection:
-        if self._conn is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            # autocommit (isolation_level=None): each statement is its own short transaction
-            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
-                                   timeout=self._busy_timeout_ms / 1000)
-            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
-            conn.execute("PRAGMA journal_mode = WAL")
-            conn.execute(_SCHEMA)
-            self._conn = conn
-        return self._conn
-
-    def _close(self) -> None:
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+        return await self._db.call(lambda c: c.execute(sql, params).fetchall())
 
 
 __all__ = ["SqliteRegistry"]

@@ -16,15 +16,14 @@ Contract (one test suite runs it over all three backends):
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from strata.errors import ConfigError, StrataError
+from strata.state.sqlite_db import SqliteDatabase
 
 T = TypeVar("T")
 Clock = Callable[[], float]
@@ -101,7 +100,8 @@ class MemoryPinStore:
 
 
 _SQL_SCHEMA = ("CREATE TABLE IF NOT EXISTS session_pins (session_id TEXT PRIMARY KEY, "
-               "instance_id TEXT NOT NULL, expires_at REAL NOT NULL)")
+               "instance_id TEXT NOT NULL, expires_at REAL NOT NULL)",
+               "CREATE INDEX IF NOT EXISTS session_pins_by_instance ON session_pins (instance_id)")
 # every write is one statement (atomic across processes); the WHERE clauses are the CAS
 _SQL_CREATE = ("INSERT INTO session_pins VALUES (?1, ?2, ?3) ON CONFLICT(session_id) DO UPDATE "
                "SET instance_id = ?2, expires_at = ?3 WHERE session_pins.expires_at <= ?4")
@@ -119,9 +119,8 @@ class SqlitePinStore:
         self.path = Path(path)
         self.ttl_s = ttl_s
         self.clock = clock
-        self._busy_timeout_ms = busy_timeout_ms
-        self._lock = threading.Lock()  # one connection, used by one worker thread at a time
-        self._conn: sqlite3.Connection | None = None
+        self._db = SqliteDatabase(self.path, schema=_SQL_SCHEMA, error=PinStoreError,
+                                  what="sqlite pin store", busy_timeout_ms=busy_timeout_ms)
 
     async def get(self, session_id: str) -> str | None:
         now = self.clock()
@@ -146,7 +145,7 @@ class SqlitePinStore:
         return {str(instance_id): int(count) for instance_id, count in rows}
 
     async def close(self) -> None:
-        await asyncio.to_thread(self._close)
+        await self._db.aclose()
 
     async def _run(self, sql: str, params: tuple[Any, ...], *, fetch: bool = False) -> Any:
         """One statement in its own transaction: the rows (fetch) or the rows changed."""
@@ -154,47 +153,7 @@ class SqlitePinStore:
             cursor = conn.execute(sql, params)
             return cursor.fetchall() if fetch else cursor.rowcount
 
-        return await asyncio.to_thread(self._locked, work)
-
-    def _locked(self, work: Callable[[sqlite3.Connection], T]) -> T:
-        with self._lock:
-            try:
-                return work(self._connection())
-            except sqlite3.Error as exc:
-                raise PinStoreError(f"sqlite pin store {self.path}: {exc}") from exc
-
-    def _connection(self) -> sqlite3.Connection:
-        if self._conn is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
-                                   timeout=self._busy_timeout_ms / 1000)
-            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
-            _set_up(conn, self._busy_timeout_ms / 1000)
-            self._conn = conn
-        return self._conn
-
-    def _close(self) -> None:
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-
-
-def _set_up(conn: sqlite3.Connection, timeout_s: float) -> None:
-    """WAL and the schema. Switching to WAL can answer "locked" at once (without the busy
-    handler) while other processes open the same new file, so that step is retried."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            conn.execute("PRAGMA journal_mode = WAL")
-            conn.execute(_SQL_SCHEMA)
-            conn.execute("CREATE INDEX IF NOT EXISTS session_pins_by_instance "
-                         "ON session_pins (instance_id)")
-            return
-        except sqlite3.OperationalError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
+        return await self._db.call(work)
 
 
 def create_pin_store(url: str, *, ttl_s: float = 3600.0, clock: Clock = time.time) -> PinStore:

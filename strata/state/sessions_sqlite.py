@@ -9,10 +9,8 @@ the lock. Blocking calls run in a worker thread (`asyncio.to_thread`), one at a 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sqlite3
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,6 +24,7 @@ from strata.state.sessions import (
     cas_failure,
     check_append,
 )
+from strata.state.sqlite_db import SqliteDatabase
 
 T = TypeVar("T")
 _SCHEMA = """CREATE TABLE IF NOT EXISTS sessions (
@@ -56,12 +55,11 @@ class SqliteSessionStore:
                  busy_timeout_ms: int = 10_000) -> None:
         self.path = Path(path)
         self.clock = clock
-        self._busy_timeout_ms = busy_timeout_ms
-        self._lock = threading.Lock()  # one connection, used by one worker thread at a time
-        self._conn: sqlite3.Connection | None = None
+        self._db = SqliteDatabase(self.path, schema=[_SCHEMA], error=SessionStoreUnavailableError,
+                                  what="sqlite session store", busy_timeout_ms=busy_timeout_ms)
 
     async def get(self, session_id: str, *, tenant: str) -> SessionRecord | None:
-        rows = await self._call(lambda c: c.execute(
+        rows = await self._db.call(lambda c: c.execute(
             f"SELECT {_COLUMNS} FROM sessions WHERE tenant = ? AND session_id = ? AND {_LIVE}",
             (tenant, session_id, self.clock())).fetchall())
         return _decode(rows[0]) if rows else None
@@ -86,10 +84,10 @@ class SqliteSessionStore:
                 raise cas_failure(session_id, expected_revision, 0 if row is None else row[3])
             return _decode(row)
 
-        return await self._call(lambda conn: _in_transaction(conn, work))
+        return await self._db.call(lambda conn: _in_transaction(conn, work))
 
     async def delete(self, session_id: str, *, tenant: str) -> bool:
-        changed: int = await self._call(lambda c: c.execute(
+        changed: int = await self._db.call(lambda c: c.execute(
             f"DELETE FROM sessions WHERE tenant = ? AND session_id = ? AND {_LIVE}",
             (tenant, session_id, self.clock())).rowcount)
         return changed > 0
@@ -99,42 +97,13 @@ class SqliteSessionStore:
         params: list[Any] = [self.clock()]
         if tenant is not None:
             where, params = where + " AND tenant = ?", [*params, tenant]
-        rows = await self._call(lambda c: c.execute(
+        rows = await self._db.call(lambda c: c.execute(
             f"SELECT {_COLUMNS} FROM sessions {where} ORDER BY updated_at DESC, session_id "
             "LIMIT ?", (*params, limit)).fetchall())
         return [_decode(row) for row in rows]
 
     async def close(self) -> None:
-        await asyncio.to_thread(self._close)
-
-    async def _call(self, work: Callable[[sqlite3.Connection], T]) -> T:
-        return await asyncio.to_thread(self._locked, work)
-
-    def _locked(self, work: Callable[[sqlite3.Connection], T]) -> T:
-        with self._lock:
-            try:
-                return work(self._connection())
-            except sqlite3.Error as exc:
-                raise SessionStoreUnavailableError(
-                    f"sqlite session store {self.path}: {exc}") from exc
-
-    def _connection(self) -> sqlite3.Connection:
-        if self._conn is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            # autocommit (isolation_level=None): each statement is its own short transaction
-            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
-                                   timeout=self._busy_timeout_ms / 1000)
-            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
-            conn.execute("PRAGMA journal_mode = WAL")
-            conn.execute(_SCHEMA)
-            self._conn = conn
-        return self._conn
-
-    def _close(self) -> None:
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+        await self._db.aclose()
 
 
 def _update(conn: sqlite3.Connection, key: tuple[str, str], expected_revision: int,
