@@ -15,7 +15,9 @@ from torch import Tensor
 from strata.engine.config import ModelConfig
 from strata.engine.executor import ModelInput, ModelOutput, ScheduledSequence
 from strata.errors import ConfigError
-from strata.model.llama import LlamaModel, PagedKVCache, PrefillChunk, StepBatch
+from strata.model import cpu_kernels
+from strata.model.attention import PagedKVCache, PrefillChunk, StepBatch
+from strata.model.llama import LlamaModel
 from strata.model.sampler import Sampler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,6 +39,7 @@ class TorchExecutor:
         self.device = device
         self.model = LlamaModel(config, weights, dtype=_DTYPES[dtype], device=device)
         self.sampler = Sampler(device)
+        cpu_kernels.supports(_DTYPES[dtype], device)  # builds the CPU kernel now, not mid-step
         self.kv_cache: PagedKVCache | None = None
 
     @property
@@ -93,7 +96,7 @@ def build_step_batch(seqs: list[ScheduledSequence], block_size: int, null_slot: 
     row_seq = torch.repeat_interleave(torch.tensor(lengths, device=device))
     slot_mapping = table[row_seq, pos // block_size] * block_size + pos % block_size
     num_decodes = sum(1 for n in lengths if n == 1)
-    decode_slots, decode_mask = _decode_gather(seqs[:num_decodes], table, block_size, null_slot)
+    decode_lens = [s.start_pos + 1 for s in seqs[:num_decodes]]
     row_starts = [e - n for e, n in zip(ends, lengths, strict=True)]
     prefills = [_prefill_chunk(seqs[i], table[i], row_starts[i], block_size)
                 for i in range(num_decodes, len(seqs))]
@@ -102,10 +105,11 @@ def build_step_batch(seqs: list[ScheduledSequence], block_size: int, null_slot: 
         positions=pos,
         slot_mapping=slot_mapping,
         num_decodes=num_decodes,
-        decode_slots=decode_slots,
-        decode_mask=decode_mask,
+        decode_block_table=table[:num_decodes],
+        decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=device),
         prefills=prefills,
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
+        block_size=block_size,
     )
 
 
@@ -131,20 +135,6 @@ def _block_table(seqs: list[ScheduledSequence], device: str) -> Tensor:
 def _slots(table_rows: Tensor, pos: Tensor, block_size: int) -> Tensor:
     """Slots of positions `pos` (L,) for each block-table row: (rows, L)."""
     return table_rows[:, pos // block_size] * block_size + pos % block_size
-
-
-def _decode_gather(decodes: list[ScheduledSequence], table: Tensor, block_size: int,
-                   null_slot: int) -> tuple[Tensor, Tensor]:
-    device = table.device
-    if not decodes:
-        empty = torch.empty(0, 0, dtype=torch.long, device=device)
-        return empty, torch.empty(0, 1, 1, 0, dtype=torch.bool, device=device)
-    context_lens = torch.tensor([s.start_pos + 1 for s in decodes], device=device)
-    pos = torch.arange(max(s.start_pos + 1 for s in decodes), device=device)
-    mask = pos[None, :] < context_lens[:, None]
-    slots = _slots(table[: len(decodes)], pos, block_size)
-    slots = torch.where(mask, slots, torch.full_like(slots, null_slot))
-    return slots, mask[:, None, None, :]
 
 
 def _prefill_chunk(seq: ScheduledSequence, table_row: Tensor, row_start: int,

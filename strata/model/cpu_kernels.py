@@ -1,0 +1,254 @@
+"""CPU kernels in C: paged decode attention and a fused residual-add + RMSNorm.
+
+Paged decode attention: the torch path gathers every decode row's K and V into padded
+(D, L, ...) tensors, per layer, per step, then runs a masked SDPA: three passes over the KV bytes
+and a slow masked kernel. This kernel reads each cached key and value once, in place, in float32,
+with OpenMP over decode rows.
+
+The fused add + norm replaces about nine torch ops (each a pass over memory and a dispatch) with
+one, keeping HF's bf16 rounding points: 3x faster than the torch ops at 32 and 512 rows.
+
+The library is compiled at first use with the system C compiler (a plain C file, under a
+second) into a private temporary directory and loaded with ctypes; it links `libgomp.so.1` by
+soname, so it shares torch's already-loaded OpenMP runtime and thread count. When no compiler
+is available, `supports` is false and callers use their torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+_KERNEL = r"""
+void NAME(const T *q, const T *k, const T *v, const int64_t *table, const int64_t *lens,
+          T *out, int64_t q_stride, int64_t D, int64_t H, int64_t KVH, int64_t HD, int64_t bs,
+          int64_t W, float scale) {
+  const int64_t G = H / KVH, stride = KVH * HD;
+  int64_t maxL = 1;
+  for (int64_t d = 0; d < D; d++) if (lens[d] > maxL) maxL = lens[d];
+  #pragma omp parallel
+  {
+    float *s = malloc(sizeof(float) * H * maxL);
+    float *qf = malloc(sizeof(float) * H * HD);
+    float *acc = malloc(sizeof(float) * H * HD);
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t d = 0; d < D; d++) {
+      /* One task per sequence: every slot's K (then V) row of all kv heads is read once,
+         contiguously, while the next block is prefetched. */
+      const int64_t L = lens[d], nb = (L + bs - 1) / bs;
+      const int64_t *row = table + d * W;
+      const T *qd = q + d * q_stride;
+      for (int64_t i = 0; i < H * HD; i++) { qf[i] = LD(qd, i); acc[i] = 0.f; }
+      for (int64_t b = 0, l = 0; b < nb; b++) {
+        const T *kb = k + row[b] * bs * stride;
+        const char *next = b + 1 < nb ? (const char *)(k + row[b + 1] * bs * stride) : 0;
+        for (int64_t j = 0; j < bs && l < L; j++, l++) {
+          const T *kp = kb + j * stride;
+          if (next) for (int64_t c = 0; c < stride * (int64_t)sizeof(T); c += 64)
+            __builtin_prefetch(next + j * stride * sizeof(T) + c);
+          for (int64_t hg = 0; hg < H; hg++)
+            s[hg * maxL + l] = DOT(qd + hg * HD, qf + hg * HD, kp + (hg / G) * HD, HD) * scale;
+        }
+      }
+      for (int64_t hg = 0; hg < H; hg++) {
+        float *sg = s + hg * maxL, m = sg[0], sum = 0.f;
+        for (int64_t l = 1; l < L; l++) m = sg[l] > m ? sg[l] : m;
+        for (int64_t l = 0; l < L; l++) { sg[l] = expf(sg[l] - m); sum += sg[l]; }
+        const float inv = 1.f / sum;
+        for (int64_t l = 0; l < L; l++) sg[l] *= inv;
+      }
+      for (int64_t b = 0, l = 0; b < nb; b++) {
+        const T *vb = v + row[b] * bs * stride;
+        const char *next = b + 1 < nb ? (const char *)(v + row[b + 1] * bs * stride) : 0;
+        for (int64_t j = 0; j < bs && l < L; j++, l++) {
+          const T *vp = vb + j * stride;
+          if (next) for (int64_t c = 0; c < stride * (int64_t)sizeof(T); c += 64)
+            __builtin_prefetch(next + j * stride * sizeof(T) + c);
+          for (int64_t hg = 0; hg < H; hg++) {
+            const float p = s[hg * maxL + l];
+            const T *vh = vp + (hg / G) * HD;
+            float *ag = acc + hg * HD;
+            #pragma omp simd
+            for (int64_t i = 0; i < HD; i++) ag[i] += p * LD(vh, i);
+          }
+        }
+      }
+      T *od = out + d * H * HD;
+      for (int64_t i = 0; i < H * HD; i++) ST(od, i, acc[i]);
+    }
+    free(s); free(qf); free(acc);
+  }
+}
+
+/* x += delta (rounded to T, skipped when delta is NULL);
+   out = weight * T(x * rsqrt(mean x^2 + eps)): the rounding steps of HF's add and RMSNorm. */
+void NAME_add_rms_norm(T *x, const T *delta, const T *w, T *out, int64_t rows, int64_t n,
+                       float eps) {
+  #pragma omp parallel for schedule(static) if (rows > 1)
+  for (int64_t r = 0; r < rows; r++) {
+    T *xr = x + r * n, *o = out + r * n;
+    float ss = 0.f;
+    if (delta) {
+      const T *dr = delta + r * n;
+      #pragma omp simd
+      for (int64_t i = 0; i < n; i++) ST(xr, i, LD(xr, i) + LD(dr, i));
+    }
+    #pragma omp simd reduction(+:ss)
+    for (int64_t i = 0; i < n; i++) { const float v = LD(xr, i); ss += v * v; }
+    const float inv = 1.f / sqrtf(ss / (float)n + eps);
+    #pragma omp simd
+    for (int64_t i = 0; i < n; i++) ST(o, i, RT(LD(xr, i) * inv) * LD(w, i));
+  }
+}
+"""
+
+_PRELUDE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+static inline float ld_bf16(const uint16_t *p, int64_t i) {
+  uint32_t u = (uint32_t)p[i] << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline void st_bf16(uint16_t *p, int64_t i, float f) {  /* round to nearest even */
+  uint32_t u; memcpy(&u, &f, 4); u += 0x7FFFu + ((u >> 16) & 1u); p[i] = (uint16_t)(u >> 16); }
+static inline float rt_bf16(float f) { uint16_t b; st_bf16(&b, 0, f); return ld_bf16(&b, 0); }
+static inline float ld_f32(const float *p, int64_t i) { return p[i]; }
+static inline float rt_f32(float f) { return f; }
+static inline void st_f32(float *p, int64_t i, float f) { p[i] = f; }
+static inline float dot_f32(const float *qraw, const float *qf, const float *kp, int64_t n) {
+  float dot = 0.f;
+  #pragma omp simd reduction(+:dot)
+  for (int64_t i = 0; i < n; i++) dot += qf[i] * kp[i];
+  return dot; }
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+static inline float dot_bf16(const uint16_t *qraw, const float *qf, const uint16_t *kp,
+                             int64_t n) {  /* bf16 x bf16 products are exact in float32 */
+  if (n % 32 == 0) {
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 32)
+      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qraw + i),
+                           (__m512bh)_mm512_loadu_si512(kp + i));
+    return _mm512_reduce_add_ps(a);
+  }
+  float dot = 0.f;
+  for (int64_t i = 0; i < n; i++) dot += qf[i] * ld_bf16(kp, i);
+  return dot; }
+#else
+static inline float dot_bf16(const uint16_t *qraw, const float *qf, const uint16_t *kp,
+                             int64_t n) {
+  float dot = 0.f;
+  #pragma omp simd reduction(+:dot)
+  for (int64_t i = 0; i < n; i++) dot += qf[i] * ld_bf16(kp, i);
+  return dot; }
+#endif
+"""
+
+_VARIANTS = {torch.bfloat16: ("decode_bf16", "uint16_t", "bf16"),
+             torch.float32: ("decode_f32", "float", "f32")}
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _source() -> str:
+    parts = [_PRELUDE]
+    for name, ctype, suffix in _VARIANTS.values():
+        parts.append(_KERNEL.replace("NAME", name).replace("T *", f"{ctype} *")
+                     .replace("sizeof(T)", f"sizeof({ctype})")
+                     .replace("LD(", f"ld_{suffix}(").replace("ST(", f"st_{suffix}(")
+                     .replace("DOT(", f"dot_{suffix}(").replace("RT(", f"rt_{suffix}("))
+    return "\n".join(parts)
+
+
+def _compile() -> ctypes.CDLL | None:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler found: attention and norms use the slower torch paths")
+        return None
+    # The directory goes once the library is loaded: the mapping outlives the file.
+    with tempfile.TemporaryDirectory(prefix="strata-kernels-") as tmp:
+        src, lib = Path(tmp) / "cpu_kernels.c", Path(tmp) / "cpu_kernels.so"
+        src.write_text(_source())
+        cmd = [cc, "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC",
+               str(src), "-o", str(lib), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            log.warning("compiling the CPU kernels failed (%s); using the torch paths",
+                        done.stderr.strip()[-500:])
+            return None
+        handle = ctypes.CDLL(str(lib))
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    for name, *_ in _VARIANTS.values():
+        _declare(handle, name, [ptr] * 6 + [i64] * 7 + [ctypes.c_float])
+        _declare(handle, f"{name}_add_rms_norm", [ptr] * 4 + [i64] * 2 + [ctypes.c_float])
+    return handle
+
+
+def _declare(handle: ctypes.CDLL, name: str, argtypes: list) -> None:
+    fn = getattr(handle, name)
+    fn.argtypes = argtypes
+    fn.restype = None
+
+
+def kernel_library() -> ctypes.CDLL | None:
+    """The compiled kernels, building them on first call; None when they cannot be built."""
+    global _lib, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            _lib = _compile()
+    return _lib
+
+
+def supports(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether `decode_attention` runs for tensors of this dtype on this device."""
+    return (torch.device(device).type == "cpu" and dtype in _VARIANTS
+            and kernel_library() is not None)
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+                     context_lens: Tensor, block_size: int) -> Tensor:
+    """Attention of one query row per sequence over its cached positions 0 .. len - 1.
+
+    q: (D, heads, head_dim), rows may be strided; k_cache, v_cache: (slots, kv_heads, head_dim),
+    contiguous; block_table: (D, W) int64; context_lens: (D,) int64. Returns (D, heads, head_dim).
+    Call only when `supports(q.dtype, q.device)` is true.
+    """
+    lib = kernel_library()
+    assert lib is not None, "invariant kernel_built: check supports() first"
+    d, heads, head_dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    fn = getattr(lib, _VARIANTS[q.dtype][0])
+    fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
+       context_lens.data_ptr(), out.data_ptr(), q.stride(0), d, heads, k_cache.shape[1], head_dim,
+       block_size, block_table.shape[1], head_dim ** -0.5)
+    return out
+
+
+def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> Tensor:
+    """`x += delta` in place (when given), then RMSNorm(x) * weight, rounded as HF rounds.
+
+    x, delta: (rows, n) contiguous of one dtype; weight: (n,). Requires `supports(x.dtype, ...)`.
+    """
+    lib = kernel_library()
+    assert lib is not None, "invariant kernel_built: check supports() first"
+    assert x.is_contiguous() and (delta is None or delta.is_contiguous())
+    out = torch.empty_like(x)
+    fn = getattr(lib, f"{_VARIANTS[x.dtype][0]}_add_rms_norm")
+    fn(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+       out.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out
+

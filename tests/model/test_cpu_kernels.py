@@ -1,0 +1,110 @@
+"""The C kernels against plain torch references, and the model on its torch fallback paths.
+
+Story: five sequences of 1 to 37 cached positions read a cache whose blocks are handed out in a
+scattered order and whose unused slots hold NaN; the kernel's output must equal softmax attention
+computed in float64 over exactly the positions each sequence owns. Then the whole model, forced
+onto the torch fallback paths, must still produce the same greedy tokens. The fused add + norm
+kernel must round where torch (and HF) round.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model.test_llama_parity import make_executor, prompts, run_greedy, tiny_hf_model
+from torch import Tensor
+
+from strata.model import cpu_kernels
+
+BLOCK = 4
+HEADS, KV_HEADS, HEAD_DIM = 6, 2, 64
+LENGTHS = [1, 4, 5, 17, 37]
+
+
+def scattered_cache(dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """q, K, V, block table and lengths; slots no sequence owns are NaN."""
+    gen = torch.Generator().manual_seed(11)
+    num_blocks = 64
+    k = torch.full((num_blocks * BLOCK, KV_HEADS, HEAD_DIM), float("nan"))
+    v = torch.full_like(k, float("nan"))
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(-(-n // BLOCK) for n in LENGTHS) + 1  # one unused column of padding
+    table = torch.zeros(len(LENGTHS), width, dtype=torch.long)
+    for row, n in enumerate(LENGTHS):
+        for b in range(-(-n // BLOCK)):
+            table[row, b] = order.pop()
+            for j in range(min(BLOCK, n - b * BLOCK)):
+                slot = int(table[row, b]) * BLOCK + j
+                k[slot] = torch.randn(KV_HEADS, HEAD_DIM, generator=gen)
+                v[slot] = torch.randn(KV_HEADS, HEAD_DIM, generator=gen)
+    q = torch.randn(len(LENGTHS), HEADS, HEAD_DIM, generator=gen)
+    lens = torch.tensor(LENGTHS, dtype=torch.long)
+    return q.to(dtype), k.to(dtype), v.to(dtype), table, lens
+
+
+def reference(q: Tensor, k: Tensor, v: Tensor, table: Tensor, lens: Tensor) -> Tensor:
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = HEADS // KV_HEADS
+    for row, n in enumerate(lens.tolist()):
+        slots = [int(table[row, p // BLOCK]) * BLOCK + p % BLOCK for p in range(n)]
+        keys = k[slots].double().repeat_interleave(group, dim=1)  # (n, heads, hd)
+        values = v[slots].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[row].double(), keys) / HEAD_DIM ** 0.5
+        out[row] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
+    return out
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_kernel_equals_reference_and_never_reads_unowned_slots(dtype: torch.dtype,
+                                                               atol: float) -> None:
+    if not cpu_kernels.supports(dtype, "cpu"):
+        pytest.skip("no C compiler: the kernel cannot be built here")
+    q, k, v, table, lens = scattered_cache(dtype)
+    out = cpu_kernels.decode_attention(q, k, v, table, lens, BLOCK)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), reference(q, k, v, table, lens), atol=atol, rtol=0)
+
+
+def test_kernel_reads_query_rows_with_a_stride() -> None:
+    if not cpu_kernels.supports(torch.float32, "cpu"):
+        pytest.skip("no C compiler: the kernel cannot be built here")
+    q, k, v, table, lens = scattered_cache(torch.float32)
+    wide = torch.cat([q, torch.zeros(len(LENGTHS), 2, HEAD_DIM)], dim=1)  # as q of a fused qk
+    strided = wide[:, :HEADS]
+    assert not strided.is_contiguous()
+    expected = cpu_kernels.decode_attention(q, k, v, table, lens, BLOCK)
+    got = cpu_kernels.decode_attention(strided, k, v, table, lens, BLOCK)
+    assert torch.equal(got, expected)
+
+
+def test_torch_fallback_path_keeps_hf_parity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the kernel (no compiler, fp16, GPU), decode rows use the padded gather + SDPA."""
+    hf = tiny_hf_model("llama")
+    token_lists = prompts()
+    with_kernel = run_greedy(make_executor(hf), token_lists, num_new=8)
+    monkeypatch.setattr(cpu_kernels, "supports", lambda dtype, device: False)
+    executor = make_executor(hf)
+    assert executor.kv_cache is not None
+    executor.kv_cache.data[:, :, : executor.kv_cache.null_slot] = float("nan")
+    assert run_greedy(executor, token_lists, num_new=8) == with_kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm_updates_the_residual_and_rounds_like_torch(dtype: torch.dtype) -> None:
+    if not cpu_kernels.supports(dtype, "cpu"):
+        pytest.skip("no C compiler: the kernel cannot be built here")
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(7, 96, generator=gen) * 3).to(dtype)
+    delta = torch.randn(7, 96, generator=gen).to(dtype)
+    weight = (torch.randn(96, generator=gen) * 0.2 + 1).to(dtype)
+    expected_x = x + delta  # torch rounds the sum to `dtype`, as the kernel must
+    x32 = expected_x.float()
+    expected = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    out = cpu_kernels.add_rms_norm(x, delta, weight, 1e-5)
+    assert torch.equal(x, expected_x)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: at most one rounding step apart
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    again = cpu_kernels.add_rms_norm(x, None, weight, 1e-5)  # no delta: x stays as it is
+    assert torch.equal(x, expected_x) and torch.equal(again, out)
+
