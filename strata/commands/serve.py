@@ -107,6 +107,7 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
     alias = KNOWN_MODELS.get(args.model or DEFAULT_MODEL)
     name = args.served_model_name or (alias.served_name if alias else loaded.name)
     async_engine = build_async_engine(args, loaded, name)
+    loaded.weights.clear()  # the executor holds its own (packed) copies
     return asyncio.run(serve_http(args, env, async_engine, loaded.tokenizer, name, started))
 
 
