@@ -199,3 +199,15 @@ def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0(live_server: Serve
     assert lines[-1] == "data: [DONE]"
     assert '"finish_reason":"length"' in "".join(lines)
     assert live_server.proc.wait(timeout=30) == 0
+
+
+def test_serve_binds_a_tcp_socket_so_asyncio_disables_nagle() -> None:
+    # asyncio sets TCP_NODELAY on accepted connections only when the listening socket's protocol
+    # is TCP; with protocol 0 a proxied stream's first chunk waits ~40 ms for a delayed ACK.
+    from strata.commands.serve import _bind
+
+    sock = _bind("127.0.0.1", 0)
+    try:
+        assert sock.proto == socket.IPPROTO_TCP
+    finally:
+        sock.close()

@@ -219,8 +219,11 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, async_engine: AsyncE
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """Bind before serving so that `--port 0` yields a known URL to advertise."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    """Bind before serving so that `--port 0` yields a known URL to advertise.
+
+    IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets whose protocol is TCP; with
+    protocol 0, Nagle stays on and a proxied stream's first chunk waits ~40 ms for a delayed ACK."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     return sock
