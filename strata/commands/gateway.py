@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from strata.commands import aio
 from strata.commands.argtypes import (
     non_negative_int,
     port_number,
@@ -112,7 +113,7 @@ def build_source(config: GatewayConfig,
 def run(args: argparse.Namespace, env: CliEnv) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit code."""
     config = build_config(args, env)
-    return asyncio.run(_serve(config, args.log_level, time.perf_counter()))
+    return aio.run(_serve(config, args.log_level, time.perf_counter()))
 
 
 async def _serve(config: GatewayConfig, log_level: str, started: float) -> int:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from strata.commands import aio
 from strata.commands.argtypes import (
     non_negative_float,
     port_number,
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
     name = args.served_model_name or (alias.served_name if alias else loaded.name)
     async_engine = build_async_engine(args, loaded, name)
     loaded.weights.clear()  # the executor holds its own (packed) copies
-    return asyncio.run(serve_http(args, env, async_engine, loaded.tokenizer, name, started))
+    return aio.run(serve_http(args, env, async_engine, loaded.tokenizer, name, started))
 
 
 def _model_path(args: argparse.Namespace, env: CliEnv) -> Path:
@@ -139,7 +140,7 @@ def _run_simulated(args: argparse.Namespace, env: CliEnv, started: float) -> int
         enable_prefix_caching=not args.no_prefix_cache, max_waiting=args.max_waiting,
         namespace=f"{name}@{args.model_version or 'default'}",
     )
-    return asyncio.run(serve_http(args, env, async_engine, tokenizer, name, started,
+    return aio.run(serve_http(args, env, async_engine, tokenizer, name, started,
                                   simulated=True))
 
 
