@@ -233,7 +233,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def _registration(args: argparse.Namespace, env: CliEnv, async_engine: AsyncEngine, name: str,
                   port: int, simulated: bool) -> Registration | None:
     registry_url = args.registry or env.registry_url
-    if not registry_url:
+    if not registry_url or registry_url == "none":
         return None
     from strata.server.registration import build_registration
 
