@@ -34,6 +34,7 @@ from strata.gateway.instances import InstanceView
 from strata.gateway.policies.base import RouteRequest
 from strata.gateway.policies.consistent_hash import RingCache, is_over_bound, place
 from strata.gateway.proxy import Proxy, ProxyRequest
+from strata.gateway.upstream import INSTANCE_HEADER
 from strata.state.pins import PinStore, PinStoreError
 
 logger = logging.getLogger("strata.gateway.sessions")
@@ -41,6 +42,9 @@ logger = logging.getLogger("strata.gateway.sessions")
 ROUTING_HEADER = "x-strata-session-routing"
 MOVED_HEADER = "x-strata-session-moved"
 PINNED, PLACED, MOVED, UNPINNED = "pinned", "placed", "moved", "unpinned"
+# served off its placement by a retry (its instance failed this once); the pin stays until the
+# instance is ejected, leaves or is over the bound
+REROUTED = "rerouted"
 MAX_CAS_ROUNDS = 4
 
 
@@ -130,7 +134,10 @@ class SessionRouter:
         if is_hybrid_move:
             request = dataclasses.replace(request, headers=[*request.headers, (MOVED_HEADER, "1")])
         response = await proxy.forward(request)
-        response.headers[ROUTING_HEADER] = placement.outcome
+        served_by = response.headers.get(INSTANCE_HEADER)
+        rerouted = placement.instance_id is not None and served_by not in (None,
+                                                                            placement.instance_id)
+        response.headers[ROUTING_HEADER] = REROUTED if rerouted else placement.outcome
         if is_hybrid_move:
             response.headers[MOVED_HEADER] = "1"
         return response
@@ -173,5 +180,5 @@ class SessionRouter:
         return Placement(instance_id, outcome)
 
 
-__all__ = ["MOVED", "MOVED_HEADER", "PINNED", "PLACED", "ROUTING_HEADER", "UNPINNED",
+__all__ = ["MOVED", "MOVED_HEADER", "PINNED", "PLACED", "REROUTED", "ROUTING_HEADER", "UNPINNED",
            "Placement", "SessionRouter"]

@@ -107,6 +107,32 @@ def test_an_ejected_instance_moves_its_session_once_and_the_pin_is_rewritten() -
     run(story)
 
 
+def test_a_turn_retried_off_its_pin_says_rerouted_and_the_pin_stays() -> None:
+    fleet = Fleet([view("a"), view("b"), view("c")])
+    refuse = {"host": ""}
+
+    def flaky(request: httpx.Request) -> httpx.Response:
+        if request.url.host == refuse["host"]:
+            refuse["host"] = ""  # fails once, as a just-killed instance does
+            raise httpx.ConnectError("connection refused", request=request)
+        return answer(request)
+
+    upstreams = Upstreams(**{v.instance_id: flaky for v in fleet.views})
+    fleet.apps = [create_gateway_app(config(), FixedSource(*fleet.views),
+                                     transport=upstreams.transport(), clock=fleet.clock,
+                                     run_background=False, pin_store=fleet.pins)]
+
+    async def story() -> None:
+        home, _ = served(await fleet.chat("chat-r"))
+        refuse["host"] = home
+        other, outcome = served(await fleet.chat("chat-r"))
+        assert other != home and outcome == "rerouted"
+        assert await fleet.pins.get("chat-r") == home  # one failure does not move a session
+        assert served(await fleet.chat("chat-r")) == (home, "pinned")
+
+    run(story)
+
+
 def test_two_gateways_over_one_pin_store_agree() -> None:
     fleet = Fleet([view("a"), view("b"), view("c"), view("d")], num_gateways=2)
 
