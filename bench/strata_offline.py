@@ -172,6 +172,7 @@ def interference(engine: Engine, streams: int, long_len: int, vocab: int) -> dic
     itls = sorted(x for r in reqs for x in tl.itls(r.request_id))
     return {"itl_p50": _pct(itls, 50), "itl_p99": _pct(itls, 99), "itl_max": itls[-1],
             "p99_over_p50": _pct(itls, 99) / _pct(itls, 50),
+            "max_over_p50": itls[-1] / _pct(itls, 50),
             "long_prompt_ttft": tl.ttft(big.request_id)}
 
 

@@ -37,7 +37,8 @@ PAIRS: dict[str, list[tuple[str, list[str]]]] = {
 }
 KEYS = {"single": ["decode_tokens_per_s", "fraction_of_bandwidth_ceiling"],
         "prefix": ["ttft_p50"], "unique": ["prompt_tokens_per_s"],
-        "interference": ["itl_p50", "itl_p99", "p99_over_p50"]}
+        "interference": ["itl_p50", "itl_p99", "p99_over_p50", "itl_max", "max_over_p50",
+                         "long_prompt_ttft"]}
 
 
 def offline(args: list[str]) -> dict:
