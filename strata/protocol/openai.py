@@ -1,7 +1,9 @@
 """OpenAI wire models (pydantic v2), shared by the instance server and the gateway.
 
 Requests ignore unknown fields (OpenAI clients send some we do not use) but are strict about types:
-`"n": "2"` or `"stream": 1` is a 400, not a silent coercion.
+`"n": "2"` or `"stream": 1` is a 400, not a silent coercion. OpenAI features that Strata does not
+implement (tools, logit_bias, structured output, best_of, suffix) are refused with a 400 that names
+them, never silently ignored: a caller relying on them would get wrong answers.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -70,6 +72,15 @@ class _SamplingFields(_Request):
     priority: int = 0
     cache_salt: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: object) -> object:
+        if isinstance(data, dict):
+            for name, is_used in _UNSUPPORTED.items():
+                if name in data and is_used(data[name]):
+                    raise ValueError(f"{name} is not supported by Strata; remove it")
+        return data
+
     @property
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -79,6 +90,23 @@ class _SamplingFields(_Request):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _is_set(value: object) -> bool:
+    return value not in (None, False, "", [], {})
+
+
+_UNSUPPORTED = {
+    "logit_bias": _is_set,
+    "tools": _is_set,
+    "functions": _is_set,
+    "tool_choice": lambda v: _is_set(v) and v != "none",
+    "function_call": lambda v: _is_set(v) and v != "none",
+    "response_format": lambda v: _is_set(v) and not (isinstance(v, dict)
+                                                      and v.get("type") == "text"),
+    "best_of": lambda v: _is_set(v) and v != 1,
+    "suffix": _is_set,
+}
 
 
 class CompletionRequest(_SamplingFields):

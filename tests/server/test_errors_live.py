@@ -57,6 +57,20 @@ def test_invalid_parameters_are_400(live: LiveServer, change: dict[str, Any],
     assert error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("change", [
+    {"logit_bias": {"5": 10}},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+    {"response_format": {"type": "json_object"}},
+])
+def test_unsupported_openai_features_are_refused_not_ignored(live: LiveServer,
+                                                             change: dict[str, Any]) -> None:
+    name = next(iter(change))
+    assert_error(post(live, "/v1/chat/completions", CHAT | change), 400,
+                 contains=(f"{name} is not supported",))
+    ok = post(live, "/v1/chat/completions", CHAT | {"response_format": {"type": "text"}})
+    assert ok.status_code == 200
+
+
 def test_openai_client_sees_bad_request(live: LiveServer) -> None:
     client = openai.OpenAI(base_url=live.v1, api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
