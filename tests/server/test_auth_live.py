@@ -15,7 +15,8 @@ def test_instance_requires_a_valid_key_and_leaves_probes_open(tiny_model: Loaded
     server = start_server(tiny_model, api_keys=("secret-1", "secret-2"), rate_limit_per_s=1000.0)
     try:
         good = OpenAI(base_url=server.v1, api_key="secret-2")
-        out = good.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
+        out = good.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2,
+                                      extra_body={"ignore_eos": True})
         assert out.usage is not None and out.usage.completion_tokens == 2
         with pytest.raises(openai.AuthenticationError) as err:
             OpenAI(base_url=server.v1, api_key="wrong").models.list()
