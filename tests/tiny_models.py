@@ -19,6 +19,8 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from strata.sim.tokenizer import byte_alphabet
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"),
           ("Ġ", "w"), ("l", "l"), ("e", "ll"), ("h", "ell"), ("Ġ", "s"), ("o", "r"), ("a", "t")]
@@ -32,22 +34,9 @@ _HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "mistral": "MistralForCausalLM"}
 
 
-def _byte_alphabet() -> list[str]:
-    """GPT-2's bytes_to_unicode, in byte order: token id == byte value."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return [table[b] for b in range(256)]
-
-
 def make_tiny_tokenizer_json() -> str:
     """A byte-level BPE tokenizer.json: 256 byte tokens, a few merges, 3 special tokens."""
-    vocab = {tok: i for i, tok in enumerate(_byte_alphabet())}
+    vocab = {tok: i for i, tok in enumerate(byte_alphabet())}
     for a, b in MERGES:
         vocab[a + b] = len(vocab)
     tk = Tokenizer(models.BPE(vocab=vocab, merges=MERGES))

@@ -26,6 +26,7 @@ from strata.commands.env import CliEnv, read_api_keys
 from strata.errors import ConfigError
 
 if TYPE_CHECKING:
+    from strata.engine.config import SchedulerConfig
     from strata.model.loader import LoadedModel
     from strata.server.async_engine import AsyncEngine
     from strata.server.registration import Registration
@@ -174,7 +175,7 @@ def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str)
     return AsyncEngine(engine, max_model_len=max_model_len)
 
 
-def scheduler_config_from(args: argparse.Namespace, max_model_len: int) -> Any:
+def scheduler_config_from(args: argparse.Namespace, max_model_len: int) -> SchedulerConfig:
     from strata.engine.config import SchedulerConfig
 
     chunked = not args.no_chunked_prefill

@@ -42,7 +42,7 @@ WORDS = (
 ).split()
 
 
-def _byte_alphabet() -> list[str]:
+def byte_alphabet() -> list[str]:
     """GPT-2's bytes_to_unicode, in byte order: token id == byte value."""
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     table: dict[int, str] = {}
@@ -69,7 +69,7 @@ def _word_merges(words: tuple[str, ...] | list[str]) -> list[tuple[str, str]]:
 
 
 def build_hf_tokenizer() -> HFTokenizer:
-    vocab = {tok: i for i, tok in enumerate(_byte_alphabet())}
+    vocab = {tok: i for i, tok in enumerate(byte_alphabet())}
     merges = _word_merges(WORDS)
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))

@@ -160,12 +160,14 @@ def test_openai_client_through_the_gateway_spreads_over_instances(cluster: Clust
 def test_sigkill_under_load_fails_over_and_the_instance_rejoins(cluster: Cluster) -> None:
     victim = "instance-1"
 
+    killed_pid = cluster.pids()[victim]
+
     async def story() -> tuple[list[StreamResult], float]:
         async with httpx.AsyncClient(base_url=cluster.url, timeout=30) as client:
             tasks = [asyncio.create_task(stream_one(client, 50)) for _ in range(12)]
             await asyncio.sleep(0.4)  # streams are flowing on every instance
             killed_at = time.monotonic()
-            os.kill(cluster.pids()[victim], signal.SIGKILL)
+            os.kill(killed_pid, signal.SIGKILL)
             late = [asyncio.create_task(stream_one(client, 10)) for _ in range(9)]
             return list(await asyncio.gather(*tasks, *late)), killed_at
 
@@ -189,7 +191,7 @@ def test_sigkill_under_load_fails_over_and_the_instance_rejoins(cluster: Cluster
     wait_until(ejected, 10, f"{victim} ejected")
     wait_until(lambda: cluster.instances().get(victim, {}).get("routable", False), 90,
                f"{victim} back after its restart")
-    assert cluster.pids()[victim] != 0
+    assert cluster.pids()[victim] != killed_pid, "the supervisor restarted it as a new process"
 
 
 def test_drain_loses_no_request(cluster: Cluster) -> None:

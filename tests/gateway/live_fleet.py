@@ -10,11 +10,10 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-import time
 from dataclasses import dataclass, field
 
 import uvicorn
-from live_server import LiveServer
+from live_server import LiveServer, serve_in_thread
 from starlette.applications import Starlette
 
 
@@ -106,15 +105,7 @@ class ServedApp:
 def serve_app(app: Starlette) -> ServedApp:
     sock = free_socket()
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the gateway did not start")
-        time.sleep(0.02)
+    server, thread = serve_in_thread(app, sock, timeout_graceful_shutdown=5)
     return ServedApp(server, thread, f"http://127.0.0.1:{port}")
 
 

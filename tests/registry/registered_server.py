@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import uvicorn
-from live_server import MAX_MODEL_LEN, MODEL_NAME, GatedExecutor
+from live_server import MAX_MODEL_LEN, MODEL_NAME, GatedExecutor, serve_in_thread
 
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.engine import Engine
@@ -52,12 +51,5 @@ def start_registered(model: LoadedModel,
     registration = make_registration(base_url, async_engine)
     app = create_app(async_engine, model.tokenizer, ServerConfig(served_model_name=MODEL_NAME),
                      registration=registration)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the registered server did not start")
-        time.sleep(0.02)
+    server, thread = serve_in_thread(app, sock)
     return RegisteredServer(base_url, gate, registration, server, thread)

@@ -67,15 +67,22 @@ def start_server(model: LoadedModel, *, max_waiting: int = 64, max_num_seqs: int
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server, thread = serve_in_thread(app, sock)
+    return LiveServer(f"http://127.0.0.1:{port}", engine, async_engine, config, server, thread)
+
+
+def serve_in_thread(app: Any, sock: socket.socket, **config: Any
+                    ) -> tuple[uvicorn.Server, threading.Thread]:
+    """Run `app` with uvicorn on `sock` in a daemon thread; returns once it accepts connections."""
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", **config))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the live server did not start")
+            raise RuntimeError("the server did not start")
         time.sleep(0.02)
-    return LiveServer(f"http://127.0.0.1:{port}", engine, async_engine, config, server, thread)
+    return server, thread
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
