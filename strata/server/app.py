@@ -47,7 +47,7 @@ from strata.protocol.openai import (
 from strata.server import serving
 from strata.server import sessions as sess
 from strata.server.async_engine import AsyncEngine
-from strata.server.body_limit import BodyLimitMiddleware
+from strata.server.body_limit import BodyLimitMiddleware, ModelVersionHeader
 from strata.server.config import ServerConfig
 from strata.server.errors import install_error_handlers
 from strata.server.metrics import ServerMetrics
@@ -137,6 +137,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
     app.state.metrics = ServerMetrics(config.served_model_name, simulated=config.simulated)
     app.state.ctx = serving.ServingContext(async_engine, tokenizer, config, app.state.metrics)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(ModelVersionHeader,
+                       value=f"{config.served_model_name}@{config.model_version}")
     if config.api_keys:
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
                            rate_limit_per_s=config.rate_limit_per_s)
@@ -184,11 +186,20 @@ def _admit(request: Request, model_name: str | None) -> serving.ServingContext:
                               retry_after_s=ctx.config.retry_after_s, status_code=503)
     if not ctx.engine.is_healthy:
         raise EngineDeadError(ctx.engine.dead_reason or "the engine is not running")
-    served = ctx.config.served_model_name
-    if model_name is not None and model_name != served:
+    _check_model(ctx.config, model_name)
+    return ctx
+
+
+def _check_model(config: ServerConfig, model_name: str | None) -> None:
+    """`name` or `name@version` must be what this instance serves: never silently another."""
+    served, version = config.served_model_name, config.model_version
+    name, _, wanted = (model_name or served).partition("@")
+    if name != served:
         raise ModelNotFoundError(f"The model `{model_name}` does not exist; this server serves "
                                  f"`{served}`", param="model")
-    return ctx
+    if wanted and wanted != version:
+        raise ModelNotFoundError(f"Version `{wanted}` of `{served}` is not served here; this "
+                                 f"instance serves `{served}@{version}`", param="model")
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

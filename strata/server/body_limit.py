@@ -1,4 +1,4 @@
-"""ASGI middleware: refuse request bodies larger than a cap with 413.
+"""ASGI middleware: refuse request bodies larger than a cap with 413; name the model version.
 
 The declared Content-Length is checked before the app runs; a body streamed without one (chunked)
 is counted as it arrives and the read fails with `PayloadTooLargeError` once past the cap.
@@ -48,6 +48,26 @@ class BodyLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
 
+class ModelVersionHeader:
+    """Every response says which model version answered: `X-Model-Version: name@version`."""
+
+    def __init__(self, app: ASGIApp, value: str) -> None:
+        self.app = app
+        self.header = (b"x-model-version", value.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
 def _content_length(scope: Scope) -> int | None:
     for name, value in scope.get("headers", []):
         if name == b"content-length":
@@ -58,4 +78,4 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-__all__ = ["BodyLimitMiddleware"]
+__all__ = ["BodyLimitMiddleware", "ModelVersionHeader"]

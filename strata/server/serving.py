@@ -30,7 +30,11 @@ from strata.server.config import ServerConfig
 from strata.server.generation import ChoiceState, Generation, start, usage
 from strata.server.metrics import ServerMetrics
 
-FINGERPRINT = f"strata-{__version__}"
+
+
+def fingerprint(config: ServerConfig) -> str:
+    """`system_fingerprint`: the Strata release and the model version that computed the answer."""
+    return f"strata-{__version__}:{config.served_model_name}@{config.model_version}"
 
 
 @dataclass(slots=True)
@@ -112,7 +116,8 @@ async def completion_response(ctx: ServingContext, started: Started,
         out.append(CompletionChoice(index=c.index, text=echo + c.text, logprobs=lps,
                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     return CompletionResponse(id=started.id, created=started.created, model=started.model,
-                              choices=out, usage=usage(choices), system_fingerprint=FINGERPRINT)
+                              choices=out, usage=usage(choices),
+                              system_fingerprint=fingerprint(ctx.config))
 
 
 async def chat_response(ctx: ServingContext, started: Started,
@@ -127,7 +132,7 @@ async def chat_response(ctx: ServingContext, started: Started,
                               stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=started.id, created=started.created, model=started.model,
                                   choices=out, usage=usage(choices),
-                                  system_fingerprint=FINGERPRINT)
+                                  system_fingerprint=fingerprint(ctx.config))
 
 
 async def completion_stream(ctx: ServingContext, started: Started, with_logprobs: bool,
@@ -139,7 +144,7 @@ async def completion_stream(ctx: ServingContext, started: Started, with_logprobs
     def chunk(items: list[CompletionChoice]) -> bytes:
         return encode_event(CompletionStreamResponse(
             id=started.id, created=started.created, model=started.model, choices=items,
-            system_fingerprint=FINGERPRINT))
+            system_fingerprint=fingerprint(ctx.config)))
 
     async for i, output in started.generation.outputs():
         choices[i].update(output)
@@ -155,7 +160,7 @@ async def completion_stream(ctx: ServingContext, started: Started, with_logprobs
     if include_usage:
         yield encode_event(CompletionStreamResponse(
             id=started.id, created=started.created, model=started.model, choices=[],
-            usage=usage(choices), system_fingerprint=FINGERPRINT))
+            usage=usage(choices), system_fingerprint=fingerprint(ctx.config)))
     yield DONE_FRAME
 
 
@@ -167,7 +172,7 @@ async def chat_stream(ctx: ServingContext, started: Started, with_logprobs: bool
     def chunk(items: list[ChatStreamChoice]) -> bytes:
         return encode_event(ChatCompletionStreamResponse(
             id=started.id, created=started.created, model=started.model, choices=items,
-            system_fingerprint=FINGERPRINT))
+            system_fingerprint=fingerprint(ctx.config)))
 
     for c in choices:
         yield chunk([ChatStreamChoice(index=c.index,
@@ -183,7 +188,7 @@ async def chat_stream(ctx: ServingContext, started: Started, with_logprobs: bool
     if include_usage:
         yield encode_event(ChatCompletionStreamResponse(
             id=started.id, created=started.created, model=started.model, choices=[],
-            usage=usage(choices), system_fingerprint=FINGERPRINT))
+            usage=usage(choices), system_fingerprint=fingerprint(ctx.config)))
     yield DONE_FRAME
 
 

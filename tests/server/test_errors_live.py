@@ -98,6 +98,21 @@ def test_unknown_model_is_404(live: LiveServer) -> None:
     assert error["type"] == "not_found_error"
 
 
+def test_model_version_is_checked_never_silently_another(live: LiveServer) -> None:
+    """`name@version` names the version; another version of the model is a 404, and every
+    answer says which version computed it."""
+    body = {"model": f"{MODEL_NAME}@v9", "prompt": "x", "max_tokens": 1}
+    error = assert_error(post(live, "/v1/completions", body), 404, param="model",
+                         contains=("v9", f"{MODEL_NAME}@default"))
+    assert error["type"] == "not_found_error"
+    r = post(live, "/v1/completions", body | {"model": f"{MODEL_NAME}@default"})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-model-version"] == f"{MODEL_NAME}@default"
+    assert r.json()["system_fingerprint"].endswith(f":{MODEL_NAME}@default")
+    assert post(live, "/v1/completions", {"prompt": "x", "max_tokens": 1}
+                ).headers["x-model-version"] == f"{MODEL_NAME}@default"
+
+
 def test_oversized_body_is_413(live: LiveServer) -> None:
     huge = {"model": MODEL_NAME, "prompt": "x" * (live.config.max_body_bytes + 1)}
     assert_error(post(live, "/v1/completions", huge), 413)
