@@ -99,49 +99,64 @@ class MemoryPinStore:
         return None
 
 
-_SQL_SCHEMA = ("CREATE TABLE IF NOT EXISTS session_pins (session_id TEXT PRIMARY KEY, "
-               "instance_id TEXT NOT NULL, expires_at REAL NOT NULL)",
-               "CREATE INDEX IF NOT EXISTS session_pins_by_instance ON session_pins (instance_id)")
-# every write is one statement (atomic across processes); the WHERE clauses are the CAS
-_SQL_CREATE = ("INSERT INTO session_pins VALUES (?1, ?2, ?3) ON CONFLICT(session_id) DO UPDATE "
-               "SET instance_id = ?2, expires_at = ?3 WHERE session_pins.expires_at <= ?4")
-_SQL_SWAP = ("UPDATE session_pins SET instance_id = ?2, expires_at = ?3 "
-             "WHERE session_id = ?1 AND instance_id = ?5 AND expires_at > ?4")
-_SQL_GET = ("UPDATE session_pins SET expires_at = ?2 WHERE session_id = ?1 AND expires_at > ?3 "
-            "RETURNING instance_id")
+def _sql(namespace: str) -> dict[str, Any]:
+    """The statements over table `session_{namespace}`; every write is one statement (atomic
+    across processes) and the WHERE clauses are the compare-and-set."""
+    t = f"session_{namespace}"
+    return {
+        "schema": (f"CREATE TABLE IF NOT EXISTS {t} (session_id TEXT PRIMARY KEY, "
+                   "instance_id TEXT NOT NULL, expires_at REAL NOT NULL)",
+                   f"CREATE INDEX IF NOT EXISTS {t}_by_instance ON {t} (instance_id)"),
+        "create": (f"INSERT INTO {t} VALUES (?1, ?2, ?3) ON CONFLICT(session_id) DO UPDATE "
+                   f"SET instance_id = ?2, expires_at = ?3 WHERE {t}.expires_at <= ?4"),
+        "swap": (f"UPDATE {t} SET instance_id = ?2, expires_at = ?3 "
+                 "WHERE session_id = ?1 AND instance_id = ?5 AND expires_at > ?4"),
+        "get": (f"UPDATE {t} SET expires_at = ?2 WHERE session_id = ?1 AND expires_at > ?3 "
+                "RETURNING instance_id"),
+        "delete": f"DELETE FROM {t} WHERE session_id = ?",
+        "expire": f"DELETE FROM {t} WHERE expires_at <= ?",
+        "counts": (f"SELECT instance_id, COUNT(*) FROM {t} WHERE expires_at > ? "
+                   "GROUP BY instance_id"),
+    }
+
+
+def check_namespace(namespace: str) -> str:
+    if not namespace.isidentifier() or not namespace.isascii():
+        raise ConfigError(f"pin store namespace must be a plain identifier, got {namespace!r}")
+    return namespace
 
 
 class SqlitePinStore:
     """A PinStore in a SQLite file (WAL) shared by every process that opens the same path."""
 
     def __init__(self, path: str | Path, *, ttl_s: float = 3600.0, clock: Clock = time.time,
-                 busy_timeout_ms: int = 10_000) -> None:
+                 busy_timeout_ms: int = 10_000, namespace: str = "pins") -> None:
         self.path = Path(path)
         self.ttl_s = ttl_s
         self.clock = clock
-        self._db = SqliteDatabase(self.path, schema=_SQL_SCHEMA, error=PinStoreError,
+        self._sql = _sql(check_namespace(namespace))
+        self._db = SqliteDatabase(self.path, schema=self._sql["schema"], error=PinStoreError,
                                   what="sqlite pin store", busy_timeout_ms=busy_timeout_ms)
 
     async def get(self, session_id: str) -> str | None:
         now = self.clock()
-        rows = await self._run(_SQL_GET, (session_id, now + self.ttl_s, now), fetch=True)
+        rows = await self._run(self._sql["get"], (session_id, now + self.ttl_s, now), fetch=True)
         return str(rows[0][0]) if rows else None
 
     async def set_if(self, session_id: str, instance_id: str, *, expected: str | None) -> bool:
         now = self.clock()
         params: tuple[Any, ...] = (session_id, instance_id, now + self.ttl_s, now)
         if expected is None:
-            return bool(await self._run(_SQL_CREATE, params))
-        return bool(await self._run(_SQL_SWAP, (*params, expected)))
+            return bool(await self._run(self._sql["create"], params))
+        return bool(await self._run(self._sql["swap"], (*params, expected)))
 
     async def delete(self, session_id: str) -> None:
-        await self._run("DELETE FROM session_pins WHERE session_id = ?", (session_id,))
+        await self._run(self._sql["delete"], (session_id,))
 
     async def counts(self) -> dict[str, int]:
         now = self.clock()
-        await self._run("DELETE FROM session_pins WHERE expires_at <= ?", (now,))
-        rows = await self._run("SELECT instance_id, COUNT(*) FROM session_pins "
-                               "WHERE expires_at > ? GROUP BY instance_id", (now,), fetch=True)
+        await self._run(self._sql["expire"], (now,))
+        rows = await self._run(self._sql["counts"], (now,), fetch=True)
         return {str(instance_id): int(count) for instance_id, count in rows}
 
     async def close(self) -> None:
@@ -156,10 +171,14 @@ class SqlitePinStore:
         return await self._db.call(work)
 
 
-def create_pin_store(url: str, *, ttl_s: float = 3600.0, clock: Clock = time.time) -> PinStore:
-    """The pin store named by `url`'s scheme; pins expire `ttl_s` after their last use."""
+def create_pin_store(url: str, *, ttl_s: float = 3600.0, clock: Clock = time.time,
+                     namespace: str = "pins") -> PinStore:
+    """The pin store named by `url`'s scheme; pins expire `ttl_s` after their last use.
+    `namespace` separates tables of pins in one store: "pins" (session -> instance, the sticky
+    routing table) and "versions" (session -> model version) share a backend, not their keys."""
     if ttl_s <= 0:
         raise ConfigError(f"pin ttl_s must be positive, got {ttl_s}")
+    check_namespace(namespace)
     if url in ("memory://", "memory"):
         return MemoryPinStore(ttl_s=ttl_s, clock=clock)
     if url.startswith("sqlite://"):
@@ -167,11 +186,11 @@ def create_pin_store(url: str, *, ttl_s: float = 3600.0, clock: Clock = time.tim
         if not path.startswith("/") or len(path) < 2:
             raise ConfigError(f"sqlite pin store URL {url!r} needs an absolute path, "
                               "e.g. sqlite:///var/run/strata/sessions.db")
-        return SqlitePinStore(path, ttl_s=ttl_s, clock=clock)
+        return SqlitePinStore(path, ttl_s=ttl_s, clock=clock, namespace=namespace)
     if url.startswith(("redis://", "rediss://")):
         from strata.state.pins_redis import RedisPinStore  # lazy: redis is only needed here
 
-        return RedisPinStore(url, ttl_s=ttl_s, clock=clock)
+        return RedisPinStore(url, ttl_s=ttl_s, clock=clock, prefix=f"strata:{namespace}")
     raise ConfigError(f"unknown session store URL {url!r}; use one of: {', '.join(SCHEMES)}")
 
 

@@ -146,3 +146,31 @@ def test_factory_urls(tmp_path: Path, redis_url: str) -> None:  # noqa: F811
         create_pin_store("etcd://x")
     with pytest.raises(ConfigError, match="positive"):
         create_pin_store("memory://", ttl_s=0)
+
+
+@pytest.mark.parametrize("scheme", ["sqlite", "redis"])
+def test_namespaces_share_a_backend_not_their_pins(scheme: str, tmp_path: Path,
+                                                   request: pytest.FixtureRequest) -> None:
+    """Session -> instance pins and session -> version pins live side by side in one store."""
+    url = (f"sqlite:///{tmp_path / 'pins.db'}" if scheme == "sqlite"
+           else request.getfixturevalue("redis_url"))
+    instances = create_pin_store(url, namespace="pins")
+    versions = create_pin_store(url, namespace="versions")
+
+    async def story() -> None:
+        await instances.delete("s1")
+        await versions.delete("s1")
+        assert await instances.set_if("s1", "instance-0", expected=None) is True
+        assert await versions.set_if("s1", "v1", expected=None) is True
+        assert await instances.get("s1") == "instance-0"
+        assert await versions.get("s1") == "v1"
+        assert await versions.counts() == {"v1": 1}
+        await versions.delete("s1")
+        assert await instances.get("s1") == "instance-0"
+
+    asyncio.run(closing([instances, versions], story()))
+
+
+def test_a_namespace_must_be_an_identifier() -> None:
+    with pytest.raises(ConfigError, match="identifier"):
+        create_pin_store("memory://", namespace="x; DROP TABLE")
