@@ -1,0 +1,36 @@
+"""The model registry's factory: the ModelRegistry backend named by a URL.
+
+    create_model_registry("memory://")                 one process (tests); a fresh one per call
+    create_model_registry("sqlite:///abs/path.db")     one machine, many processes (`strata up`;
+                                                       may share the instance registry's file)
+    create_model_registry("redis://127.0.0.1:6379/0")  many machines
+
+The URL schemes are the instance registry's (`create_registry`), so one URL names both.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from strata.errors import ConfigError
+from strata.registry.models import ModelRegistry
+from strata.registry.models_memory import MemoryModelRegistry
+
+MODEL_REGISTRY_SCHEMES = ("memory://", "sqlite:///PATH", "redis://HOST:PORT/DB",
+                          "rediss://HOST:PORT/DB")
+
+
+def create_model_registry(url: str, *,
+                          clock: Callable[[], float] = time.time) -> ModelRegistry:
+    """The backend named by `url`'s scheme; `clock` stamps created_at / updated_at."""
+    if url in ("memory://", "memory"):
+        return MemoryModelRegistry(clock=clock)
+    if url.startswith(("sqlite://", "redis://", "rediss://")):
+        raise ConfigError(f"model registry URL {url!r}: the sqlite and redis backends are not "
+                          "built yet; use memory://")
+    raise ConfigError(f"unknown model registry URL {url!r}; "
+                      f"use one of: {', '.join(MODEL_REGISTRY_SCHEMES)}")
+
+
+__all__ = ["MODEL_REGISTRY_SCHEMES", "create_model_registry"]
