@@ -11,9 +11,10 @@ and admin endpoints.
                                                   is shared); a DELETE also unpins the session
 
 Only what routing needs is read from a body (model, stream, max_tokens); the bytes are forwarded
-untouched. `X-Model-Version` pins a version, `X-Strata-Pool` a pool. Every proxied answer carries
-`X-Strata-Instance: <instance id>`. `--session-routing` decides where requests with a session id
-go (strata/gateway/sessions.py).
+untouched. `X-Model-Version` (or `model: "name@version"`) names a version, `X-Strata-Pool` a
+pool; with a model registry the gateway otherwise picks the version (strata/gateway/versions.py).
+Every proxied answer carries `X-Strata-Instance: <instance id>`. `--session-routing` decides
+where requests with a session id go (strata/gateway/sessions.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from strata.gateway.config import GatewayConfig
 from strata.gateway.routes import build_routes
 from strata.gateway.sources import InstanceSource
 from strata.protocol.auth import ApiKeyAuth
+from strata.registry.models import ModelRegistry
 from strata.state.pins import PinStore
 
 
@@ -41,13 +43,16 @@ def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
                        clock: Callable[[], float] = time.monotonic,
                        rng: random.Random | None = None,
                        run_background: bool = True,
-                       pin_store: PinStore | None = None) -> Starlette:
+                       pin_store: PinStore | None = None,
+                       models: ModelRegistry | None = None) -> Starlette:
     """The gateway ASGI app over `source`'s instances. With `run_background`, its lifespan
     refreshes the set every `poll_interval_s` and health-checks every
     `health_check_interval_s`; tests of single steps turn that off and call them directly.
-    `pin_store` replaces the one `config.sessions.store_url` names (sticky/hybrid routing)."""
+    `pin_store` replaces the one `config.sessions.store_url` names (sticky/hybrid routing).
+    With `models` (the model registry), requests are routed by version and the routing records
+    are re-read every `config.versions.routing_poll_s`."""
     gateway = build_gateway(config, source, transport=transport, control_client=control_client,
-                            clock=clock, rng=rng, pin_store=pin_store)
+                            clock=clock, rng=rng, pin_store=pin_store, models=models)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -71,9 +76,15 @@ def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
 async def _start_background(gateway: Gateway) -> list[asyncio.Task[None]]:
     config = gateway.config
     await gateway.source.refresh()
-    return [asyncio.create_task(gateway.every(config.poll_interval_s, gateway.source.refresh)),
-            asyncio.create_task(gateway.every(config.health_check_interval_s,
-                                              gateway.health.check_once))]
+    tasks = [asyncio.create_task(gateway.every(config.poll_interval_s, gateway.source.refresh)),
+             asyncio.create_task(gateway.every(config.health_check_interval_s,
+                                               gateway.health.check_once))]
+    if gateway.versions is not None:
+        with contextlib.suppress(Exception):  # logged by `every` from then on
+            await gateway.versions.refresh()
+        tasks.append(asyncio.create_task(gateway.every(config.versions.routing_poll_s,
+                                                       gateway.versions.refresh)))
+    return tasks
 
 
 __all__ = ["Gateway", "create_gateway_app"]

@@ -9,7 +9,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 from starlette.responses import Response
@@ -17,6 +17,7 @@ from starlette.responses import Response
 from strata.gateway.admission import Admission
 from strata.gateway.config import GatewayConfig
 from strata.gateway.health import HealthChecker, OutlierDetector
+from strata.gateway.instances import InstanceView
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.pipeline import RoutingPipeline
 from strata.gateway.policies import create_policy
@@ -24,7 +25,9 @@ from strata.gateway.proxy import Proxy, ProxyRequest
 from strata.gateway.retry import RetryBudget
 from strata.gateway.sessions import SessionRouter
 from strata.gateway.sources import InstanceSource
-from strata.gateway.upstream import create_client
+from strata.gateway.upstream import create_client, error_response
+from strata.gateway.versions import MOVED_HEADER, VersionChoice, VersionRouter, VersionStats
+from strata.registry.models import ModelRegistry
 from strata.state.pins import PinStore, create_pin_store
 
 logger = logging.getLogger("strata.gateway")
@@ -45,12 +48,37 @@ class Gateway:
     metrics: GatewayMetrics
     sessions: SessionRouter | None = None  # sticky and hybrid session routing
     owns_pins: bool = False  # the pin store was created here (closed with the gateway)
+    versions: VersionRouter | None = None  # with a model registry: live, canary, pinned versions
+    stats: VersionStats | None = None
 
     async def forward(self, request: ProxyRequest) -> Response:
-        """Route (placing the request's session first when sessions are pinned) and forward."""
+        """Choose the version, route (placing the request's session first when sessions are
+        pinned) and forward."""
+        choice = await self._version(request)
+        if choice is not None and choice.status_code != 200:
+            self.metrics.errors.labels(f"version_{choice.status_code}").inc()
+            return error_response(choice.status_code, choice.reason)
+        if choice is not None:
+            request = replace(request, route=replace(request.route, version=choice.version))
         if self.sessions is not None:
-            return await self.sessions.forward(self.proxy, request)
-        return await self.proxy.forward(request)
+            response = await self.sessions.forward(self.proxy, request)
+        else:
+            response = await self.proxy.forward(request)
+        if choice is not None and choice.moved_from is not None:
+            response.headers[MOVED_HEADER] = f"{choice.moved_from}->{choice.version}"
+        return response
+
+    async def _version(self, request: ProxyRequest) -> VersionChoice | None:
+        if self.versions is None:
+            return None
+        route = request.route
+        return await self.versions.choose(route.model, route.version, route.session_id)
+
+    def observe(self, view: InstanceView, is_error: bool, ttft_s: float | None) -> None:
+        """Per-version outcomes (what a canary is judged on)."""
+        if self.stats is not None and view.model:
+            ttft_ms = ttft_s * 1000 if ttft_s is not None else None
+            self.stats.record(view.model, view.version, is_error=is_error, ttft_ms=ttft_ms)
 
     async def every(self, interval_s: float, step: Callable[[], Awaitable[None]]) -> None:
         """Runs `step` forever, `interval_s` apart; a failing step is logged, not fatal."""
@@ -69,6 +97,9 @@ class Gateway:
         if self.sessions is not None and self.owns_pins:
             with contextlib.suppress(Exception):
                 await self.sessions.pins.close()
+        if self.versions is not None and self.versions.pins is not None:
+            with contextlib.suppress(Exception):
+                await self.versions.pins.close()
 
 
 def build_gateway(config: GatewayConfig, source: InstanceSource, *,
@@ -76,10 +107,12 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
                   control_client: httpx.AsyncClient | None = None,
                   clock: Callable[[], float] = time.monotonic,
                   rng: random.Random | None = None,
-                  pin_store: PinStore | None = None) -> Gateway:
+                  pin_store: PinStore | None = None,
+                  models: ModelRegistry | None = None) -> Gateway:
     """Wires the parts; `clock` drives ejection, the retry budget and the age of the session
     counts (tests inject one). `pin_store` overrides `config.sessions.store_url` (tests share
-    one store between gateway objects)."""
+    one store between gateway objects). With `models` (the model registry), requests are routed
+    by version (live, canary, session pins) and releases can be driven from here."""
     metrics = GatewayMetrics()
     instances = source.instances
     detector = OutlierDetector(instances, config.ejection, clock,
@@ -93,8 +126,22 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
     sessions = _session_router(config, pin_store, clock)
     if sessions is not None:
         pipeline.prefer = sessions.prefer
-    return Gateway(config, source, pipeline, proxy, Admission(config.admission), detector,
-                   health, control, metrics, sessions, owns_pins=pin_store is None)
+    gateway = Gateway(config, source, pipeline, proxy, Admission(config.admission), detector,
+                      health, control, metrics, sessions, owns_pins=pin_store is None)
+    if models is not None:
+        gateway.versions = VersionRouter(models, instances, _version_pins(config), rng=rng)
+        gateway.stats = VersionStats(config.versions.stats_window_s)
+        proxy.observers.append(gateway.observe)
+    return gateway
+
+
+def _version_pins(config: GatewayConfig) -> PinStore:
+    """Session -> version pins, in the store every gateway of the cluster shares."""
+    url = config.versions.pin_store_url or config.sessions.store_url
+    if url is None and config.registry_url and not config.registry_url.startswith("memory"):
+        url = config.registry_url
+    return create_pin_store(url or "memory://", ttl_s=config.versions.pin_ttl_s,
+                            namespace="versions")
 
 
 def _session_router(config: GatewayConfig, pin_store: PinStore | None,

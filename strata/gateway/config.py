@@ -103,6 +103,23 @@ class SessionRoutingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class VersionConfig:
+    """Version routing and releases (on when the gateway has a model registry).
+
+    `pin_store_url` holds the session -> version pins every gateway shares (None: the session
+    routing store, else the registry's URL when it is SQLite or Redis, else this process)."""
+
+    routing_poll_s: float = 0.2
+    pin_store_url: str | None = None
+    pin_ttl_s: float = 86_400.0
+    stats_window_s: float = 60.0
+    warm_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "routing_poll_s", "pin_ttl_s", "stats_window_s", "warm_timeout_s")
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """Everything `strata gateway` needs; instances come from `registry_url` or
     `instance_urls` (at most one of them; an app built with its own instance source needs
@@ -126,6 +143,9 @@ class GatewayConfig:
     rate_limit_per_s: float | None = None
     shutdown_timeout_s: float = 30.0
     sessions: SessionRoutingConfig = field(default_factory=SessionRoutingConfig)
+    versions: VersionConfig = field(default_factory=VersionConfig)
+    response_cache_url: str | None = None  # opt-in: deterministic answers, keyed by version
+    response_cache_ttl_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -141,9 +161,10 @@ class GatewayConfig:
                   "connect_timeout_s", "read_timeout_s", "max_connections")
         if self.rate_limit_per_s is not None and self.rate_limit_per_s <= 0:
             raise ConfigError(f"rate_limit_per_s must be positive, got {self.rate_limit_per_s}")
+        _positive(self, "response_cache_ttl_s")
         if any(not key for key in self.api_keys):
             raise ConfigError("api keys must not be empty strings")
 
 
 __all__ = ["POLICY_NAMES", "SESSION_ROUTING_MODES", "AdmissionConfig", "EjectionConfig",
-           "GatewayConfig", "RetryConfig", "SessionRoutingConfig"]
+           "GatewayConfig", "RetryConfig", "SessionRoutingConfig", "VersionConfig"]

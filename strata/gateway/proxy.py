@@ -79,6 +79,8 @@ class Proxy:
         self.metrics = metrics
         self.max_retries = max_retries
         self.clock = clock
+        # every attempt's outcome: (instance, is_error, time to the first byte in s or None)
+        self.observers: list[Callable[[InstanceView, bool, float | None], None]] = []
 
     async def forward(self, request: ProxyRequest) -> Response:
         """The client's response (a `RelayResponse` for a relayed stream)."""
@@ -158,7 +160,9 @@ class Proxy:
             await close_quietly(response)
         headers = response_headers(response, attempt.view.instance_id)
         self._finish(attempt, is_success=True)
-        self._observe_overhead(attempt, self.clock())
+        answered_at = self.clock()
+        self._notify(attempt.view, False, answered_at - attempt.sent_at)
+        self._observe_overhead(attempt, answered_at)
         return Response(body, response.status_code, headers=headers)
 
     async def _open_stream(self, attempt: Attempt, response: httpx.Response) -> Response | Failure:
@@ -169,6 +173,7 @@ class Proxy:
             await close_quietly(response)
             return self._failed(attempt, Failure(_describe(attempt.view, exc)))
         first_at = self.clock()
+        self._notify(attempt.view, False, first_at - attempt.sent_at)
         relay = RelayResponse(self._relay(attempt, response, chunks, first, rest, is_eof),
                               response.status_code,
                               response_headers(response, attempt.view.instance_id))
@@ -191,6 +196,7 @@ class Proxy:
         except httpx.HTTPError as exc:
             self.metrics.broken_streams.inc()
             self.detector.record_failure(attempt.view)
+            self._notify(attempt.view, True, None)
             yield broken_stream_frames(f"the stream broke: {_describe(attempt.view, exc)}")
         finally:
             await close_quietly(response)
@@ -219,7 +225,12 @@ class Proxy:
         self.metrics.upstream_failures.labels(attempt.view.instance_id).inc()
         if failure.counts_as_failure:
             self.detector.record_failure(attempt.view)
+            self._notify(attempt.view, True, None)
         return failure
+
+    def _notify(self, view: InstanceView, is_error: bool, ttft_s: float | None) -> None:
+        for observe in self.observers:
+            observe(view, is_error, ttft_s)
 
     def _observe_overhead(self, attempt: Attempt, answer_at: float) -> None:
         before = attempt.sent_at - attempt.request.received_at

@@ -27,9 +27,24 @@ def _field(data: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> An
     return value
 
 
+def _model_and_version(model: str | None,
+                       header: str | None) -> tuple[str | None, str | None]:
+    """`model: "name@version"` names a version as `X-Model-Version` does; both must agree."""
+    if model is None or "@" not in model:
+        return model, header or None
+    name, _, version = model.partition("@")
+    if not name or not version:
+        raise RequestParseError(f"model: expected NAME or NAME@VERSION, got {model!r}")
+    if header and header != version:
+        raise RequestParseError(f"the X-Model-Version header asks for {header!r} but model "
+                                f"asks for {model!r}; send one of them")
+    return name, version
+
+
 def route_request(body: bytes, headers: Mapping[str, str]) -> RouteRequest:
     """RouteRequest from a JSON body (model, stream, max_tokens, session_id) and the routing
-    headers (the `X-Session-Id` header wins over the body's `session_id`)."""
+    headers (the `X-Session-Id` header wins over the body's `session_id`; `model: "name@version"`
+    and `X-Model-Version` select a version)."""
     try:
         data = json.loads(body) if body else {}
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -37,9 +52,10 @@ def route_request(body: bytes, headers: Mapping[str, str]) -> RouteRequest:
     if not isinstance(data, dict):
         raise RequestParseError("request body must be a JSON object")
     max_tokens = _field(data, "max_tokens", int) or DEFAULT_MAX_TOKENS
+    model, version = _model_and_version(_field(data, "model", str), headers.get(VERSION_HEADER))
     return RouteRequest(
-        model=_field(data, "model", str),
-        version=headers.get(VERSION_HEADER),
+        model=model,
+        version=version,
         pool=headers.get(POOL_HEADER),
         session_id=headers.get(SESSION_HEADER) or _field(data, "session_id", str),
         is_stream=bool(_field(data, "stream", bool)),
