@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from strata.errors import ConfigError
 from strata.state.response_cache import ResponseCache, ResponseCacheError
 
 logger = logging.getLogger("strata.gateway.response_cache")
@@ -81,6 +82,8 @@ class ResponseCacheLayer:
 
     def __init__(self, cache: ResponseCache, *, ttl_s: float | None = None,
                  clock: Callable[[], float] = time.time) -> None:
+        if ttl_s is not None and ttl_s <= 0:
+            raise ConfigError(f"response cache ttl_s must be positive, got {ttl_s}")
         self.cache = cache
         self.ttl_s = ttl_s  # None: the cache's own TTL
         self.clock = clock

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from redis_server import RedisServer
 
+from strata.errors import ConfigError
 from strata.gateway.response_cache import ResponseCacheLayer, cache_key, is_deterministic
 from strata.state.response_cache import MemoryResponseCache, create_response_cache
 
@@ -196,3 +197,8 @@ def test_a_stopped_redis_is_counted_and_logged_once_never_raised(
     assert messages[0].startswith("response cache lookup failed, serving uncached: redis "
                                   f"response cache {server.url}")
     assert messages[1] == "response cache answers again"
+
+
+def test_the_layer_refuses_a_ttl_that_is_not_positive() -> None:
+    with pytest.raises(ConfigError, match="ttl_s must be positive, got 0"):
+        ResponseCacheLayer(MemoryResponseCache(), ttl_s=0)
