@@ -16,6 +16,7 @@ from collections.abc import Callable
 from strata.errors import ConfigError
 from strata.registry.models import ModelRegistry
 from strata.registry.models_memory import MemoryModelRegistry
+from strata.registry.models_sqlite import SqliteModelRegistry
 
 MODEL_REGISTRY_SCHEMES = ("memory://", "sqlite:///PATH", "redis://HOST:PORT/DB",
                           "rediss://HOST:PORT/DB")
@@ -26,9 +27,14 @@ def create_model_registry(url: str, *,
     """The backend named by `url`'s scheme; `clock` stamps created_at / updated_at."""
     if url in ("memory://", "memory"):
         return MemoryModelRegistry(clock=clock)
-    if url.startswith(("sqlite://", "redis://", "rediss://")):
-        raise ConfigError(f"model registry URL {url!r}: the sqlite and redis backends are not "
-                          "built yet; use memory://")
+    if url.startswith("sqlite://"):
+        path = url[len("sqlite://"):]
+        if not path.startswith("/") or len(path) < 2:
+            raise ConfigError(f"sqlite model registry URL {url!r} needs an absolute path, "
+                              "e.g. sqlite:///var/run/strata/registry.db")
+        return SqliteModelRegistry(path, clock=clock)
+    if url.startswith(("redis://", "rediss://")):
+        raise ConfigError(f"model registry URL {url!r}: the redis backend is not built yet")
     raise ConfigError(f"unknown model registry URL {url!r}; "
                       f"use one of: {', '.join(MODEL_REGISTRY_SCHEMES)}")
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
+import sys
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,7 @@ import pytest
 from redis_server import redis_server, redis_url  # noqa: F401
 
 from strata.errors import ConfigError
+from strata.registry import InstanceRecord, create_registry
 from strata.registry.model_registry import create_model_registry
 from strata.registry.models import (
     ConflictError,
@@ -28,7 +32,7 @@ from strata.registry.models import (
     Strategy,
 )
 
-BACKENDS = ["memory"]
+BACKENDS = ["memory", "sqlite"]
 
 
 class FakeClock:
@@ -313,3 +317,72 @@ def test_memory_urls_give_fresh_registries_and_bad_urls_say_what_to_use() -> Non
     asyncio.run(main())
     with pytest.raises(ConfigError, match="use one of: memory://, sqlite:///PATH, redis://"):
         create_model_registry("etcd://127.0.0.1")
+    with pytest.raises(ConfigError, match="needs an absolute path"):
+        create_model_registry("sqlite://relative.db")
+
+
+# --- many processes ---------------------------------------------------------------------------
+
+_INCREMENTS = """
+import asyncio, sys
+from strata.registry.model_registry import create_model_registry
+from strata.registry.models import ConflictError
+
+async def main(url: str, count: int) -> None:
+    reg = create_model_registry(url)
+    retries = 0
+    for _ in range(count):
+        while True:
+            d = next(x for x in await reg.list_deployments() if x.key == "chat@v1")
+            try:
+                await reg.put_deployment(d.__class__(d.name, d.version, d.replicas + 1),
+                                         expected_revision=d.revision)
+                break
+            except ConflictError:
+                retries += 1
+    await reg.close()
+    print(retries)
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"""
+
+
+@pytest.mark.parametrize("make", ["sqlite"], indirect=True)
+def test_two_processes_incrementing_by_cas_lose_no_update(make: Make) -> None:
+    async def body(reg: ModelRegistry, clock: FakeClock) -> None:
+        await reg.put_deployment(Deployment("chat", "v1", 0), expected_revision=0)
+        url = reg_url(reg)
+        procs = [await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _INCREMENTS, url, "100", stdout=asyncio.subprocess.PIPE)
+            for _ in range(2)]
+        outputs = [await p.communicate() for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outputs
+        (final,) = await reg.list_deployments()
+        assert (final.replicas, final.revision) == (200, 201)  # every increment landed once
+
+    story(make, body)
+
+
+def reg_url(reg: ModelRegistry) -> str:
+    path = getattr(reg, "path", None)
+    return f"sqlite:///{path}" if path is not None else str(reg.url)  # type: ignore[attr-defined]
+
+
+def test_sqlite_shares_the_instance_registry_file_and_stores_json(tmp_path: Path) -> None:
+    path = tmp_path / "registry.db"
+
+    async def main() -> None:
+        instances = create_registry(f"sqlite:///{path}")
+        models = create_model_registry(f"sqlite:///{path}", clock=FakeClock())
+        try:
+            await instances.register(InstanceRecord("i-1", "http://127.0.0.1:9", "chat"))
+            stored = await models.put_release(full_records()[3], expected_revision=0)
+            assert [r.instance_id for r in await instances.list_instances()] == ["i-1"]
+        finally:
+            await instances.close()
+            await models.close()
+        with closing(sqlite3.connect(path)) as conn:
+            (text,) = conn.execute("SELECT record FROM releases").fetchone()
+        assert json.loads(text) == stored.to_json()
+
+    asyncio.run(main())

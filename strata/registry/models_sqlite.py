@@ -1,0 +1,228 @@
+"""The SQLite ModelRegistry: one file, many processes on one machine (`strata up`).
+
+Four tables, one JSON document per row plus the columns the writes test. It may share the
+instance registry's file (whose table is `instances`), so a cluster keeps one registry.db.
+
+    model_versions  (name, version) -> created_at, record        INSERT only: immutable
+    model_routing   name -> revision, record                     compare-and-set
+    deployments     key (name@version) -> revision, record       compare-and-set; deleted
+    releases        release_id -> name, revision, created_at, is_terminal, record
+
+A compare-and-set is one statement: `UPDATE ... WHERE key = ? AND revision = ?`, or for
+revision 0 an INSERT that does nothing on an existing row. "One release in progress per
+model" is a partial unique index on releases(name) WHERE is_terminal = 0, so SQLite itself
+refuses a second one, whichever process writes it. Each write runs in one IMMEDIATE
+transaction together with the reads that explain a refusal, so a ConflictError names what was
+really there.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from strata.registry.base import RegistryError
+from strata.registry.models import ConflictError, Deployment, ModelRouting, ModelVersion, Release
+from strata.registry.models_cas import (
+    next_revision,
+    release_in_progress,
+    same_version,
+    stale,
+    stamp_version,
+    version_conflict,
+)
+from strata.state.sqlite_db import SqliteDatabase
+
+T = TypeVar("T")
+Conn = sqlite3.Connection
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS model_versions (name TEXT NOT NULL, version TEXT NOT NULL, "
+    "created_at REAL NOT NULL, record TEXT NOT NULL, PRIMARY KEY (name, version))",
+    "CREATE TABLE IF NOT EXISTS model_routing (name TEXT PRIMARY KEY, "
+    "revision INTEGER NOT NULL, record TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS deployments (key TEXT PRIMARY KEY, "
+    "revision INTEGER NOT NULL, record TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS releases (release_id TEXT PRIMARY KEY, name TEXT NOT NULL, "
+    "revision INTEGER NOT NULL, created_at REAL NOT NULL, is_terminal INTEGER NOT NULL, "
+    "record TEXT NOT NULL)",
+    "CREATE UNIQUE INDEX IF NOT EXISTS releases_one_in_progress ON releases (name) "
+    "WHERE is_terminal = 0",
+)
+
+
+class SqliteModelRegistry:
+    """A ModelRegistry in a SQLite file shared by every process that opens the same path."""
+
+    def __init__(self, path: str | Path, *, clock: Callable[[], float] = time.time,
+                 busy_timeout_ms: int = 10_000) -> None:
+        self.path = Path(path)
+        self.clock = clock
+        self._db = SqliteDatabase(self.path, schema=_SCHEMA, error=RegistryError,
+                                  what="sqlite model registry", busy_timeout_ms=busy_timeout_ms)
+
+    # --- versions ---------------------------------------------------------------------------
+
+    async def add_version(self, version: ModelVersion) -> ModelVersion:
+        new = stamp_version(version, self.clock())
+
+        def work(conn: Conn) -> str | None:
+            if conn.execute("INSERT INTO model_versions (name, version, created_at, record) "
+                            "VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                            (new.name, new.version, new.created_at, _dump(new))).rowcount:
+                return None
+            return _one(conn, "SELECT record FROM model_versions WHERE name = ? AND version = ?",
+                        (new.name, new.version))
+
+        existing_text = await self._db.call(lambda c: _in_transaction(c, work))
+        if existing_text is None:
+            return new
+        existing = ModelVersion.from_json(json.loads(existing_text))
+        if not same_version(existing, version):
+            raise version_conflict(existing, version)
+        return existing
+
+    async def get_version(self, name: str, version: str) -> ModelVersion | None:
+        rows = await self._select("SELECT record FROM model_versions WHERE name = ? AND "
+                                  "version = ?", (name, version))
+        return ModelVersion.from_json(json.loads(rows[0])) if rows else None
+
+    async def list_versions(self, name: str | None = None) -> list[ModelVersion]:
+        where, params = ("WHERE name = ?", (name,)) if name is not None else ("", ())
+        rows = await self._select(f"SELECT record FROM model_versions {where} "
+                                  "ORDER BY name, created_at, version", params)
+        return [ModelVersion.from_json(json.loads(r)) for r in rows]
+
+    # --- routing ------------------------------------------------------------------------------
+
+    async def get_routing(self, name: str) -> ModelRouting | None:
+        rows = await self._select("SELECT record FROM model_routing WHERE name = ?", (name,))
+        return ModelRouting.from_json(json.loads(rows[0])) if rows else None
+
+    async def list_routing(self) -> list[ModelRouting]:
+        rows = await self._select("SELECT record FROM model_routing ORDER BY name", ())
+        return [ModelRouting.from_json(json.loads(r)) for r in rows]
+
+    async def set_routing(self, routing: ModelRouting, *,
+                          expected_revision: int) -> ModelRouting:
+        new = next_revision(routing, expected_revision, self.clock())
+        await self._cas("model_routing", "name", "routing", new.name, expected_revision, new)
+        return new
+
+    # --- deployments --------------------------------------------------------------------------
+
+    async def put_deployment(self, deployment: Deployment, *,
+                             expected_revision: int) -> Deployment:
+        new = next_revision(deployment, expected_revision, self.clock())
+        await self._cas("deployments", "key", "deployment", new.key, expected_revision, new)
+        return new
+
+    async def delete_deployment(self, name: str, version: str) -> None:
+        key = f"{name}@{version}"
+        await self._db.call(lambda c: c.execute("DELETE FROM deployments WHERE key = ?", (key,)))
+
+    async def list_deployments(self) -> list[Deployment]:
+        rows = await self._select("SELECT record FROM deployments ORDER BY key", ())
+        return [Deployment.from_json(json.loads(r)) for r in rows]
+
+    # --- releases -----------------------------------------------------------------------------
+
+    async def put_release(self, release: Release, *, expected_revision: int) -> Release:
+        new = next_revision(release, expected_revision, self.clock())
+        columns = (new.name, new.revision, new.created_at, int(new.is_terminal), _dump(new))
+
+        def write(conn: Conn) -> None:
+            if expected_revision == 0:
+                cursor = conn.execute("INSERT INTO releases (name, revision, created_at, "
+                                      "is_terminal, record, release_id) VALUES (?, ?, ?, ?, ?, ?) "
+                                      "ON CONFLICT DO NOTHING", (*columns, new.release_id))
+            else:
+                cursor = conn.execute("UPDATE OR IGNORE releases SET name = ?, revision = ?, "
+                                      "created_at = ?, is_terminal = ?, record = ? "
+                                      "WHERE release_id = ? AND revision = ?",
+                                      (*columns, new.release_id, expected_revision))
+            if cursor.rowcount == 0:
+                raise _release_refusal(conn, new, expected_revision)
+
+        await self._db.call(lambda c: _in_transaction(c, write))
+        return new
+
+    async def get_release(self, release_id: str) -> Release | None:
+        rows = await self._select("SELECT record FROM releases WHERE release_id = ?",
+                                  (release_id,))
+        return Release.from_json(json.loads(rows[0])) if rows else None
+
+    async def list_releases(self, name: str | None = None) -> list[Release]:
+        where, params = ("WHERE name = ?", (name,)) if name is not None else ("", ())
+        rows = await self._select(f"SELECT record FROM releases {where} "
+                                  "ORDER BY created_at, release_id", params)
+        return [Release.from_json(json.loads(r)) for r in rows]
+
+    async def close(self) -> None:
+        await self._db.aclose()
+
+    # --- internals ----------------------------------------------------------------------------
+
+    async def _cas(self, table: str, key_column: str, kind: str, key: str,
+                   expected_revision: int, new: ModelRouting | Deployment) -> None:
+        """Write `new` under `key` if the stored revision is `expected_revision` (0: absent)."""
+        if expected_revision == 0:
+            sql = (f"INSERT INTO {table} (revision, record, {key_column}) VALUES (?, ?, ?) "
+                   "ON CONFLICT DO NOTHING")
+            params: tuple[Any, ...] = (new.revision, _dump(new), key)
+        else:
+            sql = f"UPDATE {table} SET revision = ?, record = ? WHERE {key_column} = ? " \
+                  "AND revision = ?"
+            params = (new.revision, _dump(new), key, expected_revision)
+
+        def write(conn: Conn) -> None:
+            if conn.execute(sql, params).rowcount == 0:
+                stored = _one(conn, f"SELECT revision FROM {table} WHERE {key_column} = ?",
+                              (key,))
+                raise stale(kind, key, expected_revision, stored or 0)
+
+        await self._db.call(lambda c: _in_transaction(c, write))
+
+    async def _select(self, sql: str, params: tuple[Any, ...]) -> list[Any]:
+        """The first column of every row."""
+        return await self._db.call(lambda c: [r[0] for r in c.execute(sql, params)])
+
+
+def _release_refusal(conn: Conn, new: Release, expected_revision: int) -> ConflictError:
+    stored = _one(conn, "SELECT revision FROM releases WHERE release_id = ?", (new.release_id,))
+    if (stored or 0) != expected_revision:
+        return stale("release", new.release_id, expected_revision, stored or 0)
+    other = conn.execute("SELECT release_id, record FROM releases WHERE name = ? AND "
+                         "is_terminal = 0", (new.name,)).fetchone()
+    if other is None:  # unreachable while the index holds: the write can only lose to these two
+        return ConflictError(f"release {new.release_id!r} was refused; read it and retry")
+    return release_in_progress(new.name, other[0], json.loads(other[1])["state"])
+
+
+def _in_transaction(conn: Conn, work: Callable[[Conn], T]) -> T:
+    """`work` inside BEGIN IMMEDIATE: it holds the write lock from its first read, and a
+    ConflictError it raises rolls back whatever it wrote."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        result = work(conn)
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+    return result
+
+
+def _one(conn: Conn, sql: str, params: tuple[Any, ...]) -> Any:
+    row = conn.execute(sql, params).fetchone()
+    return None if row is None else row[0]
+
+
+def _dump(record: ModelVersion | ModelRouting | Deployment | Release) -> str:
+    return json.dumps(record.to_json())
+
+
+__all__ = ["SqliteModelRegistry"]
