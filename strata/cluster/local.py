@@ -1,8 +1,20 @@
-"""`strata up`: a registry, N instances and a gateway as local processes, supervised.
+"""`strata up`: a registry, instances and a gateway as local processes, supervised.
+
+Which instances run is not fixed at start: each round (every `reconcile_interval_s`) the
+supervisor reads the deployments in the model registry and reconciles toward them (see
+strata/cluster/deployments.py): an ACTIVE name@version keeps exactly `replicas` instances
+`{name}-{version}-{index}`; a RETIRING one is drained (SIGTERM: in-flight requests finish, the
+instance deregisters and exits) and its record deleted once none is left. This is how a release
+(`strata release`) starts new instances and retires old ones without starting processes itself.
 
 The supervisor owns every process it starts: it restarts a crashed instance (same id, same port,
-so it rejoins where it was) after an exponential backoff, and on stop sends SIGTERM to all of them,
-waits for their graceful shutdown and only then SIGKILLs what is left.
+so it rejoins where it was) after an exponential backoff, never restarts one it drained, and on
+stop sends SIGTERM to all of them, waits for their graceful shutdown and only then SIGKILLs what
+is left.
+
+The registry across restarts of `strata up`: the model catalogue (versions) is kept; instance
+records, deployments and routing are re-seeded from the flags by `strata up`
+(strata/cluster/seed.py), and releases left unfinished are marked failed.
 """
 
 from __future__ import annotations
@@ -19,14 +31,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from strata.cluster.deployments import Slot, instance_id_of, serve_model_args
+from strata.cluster.registry_link import Reconciler, RegistryLink
 from strata.errors import ConfigError
+from strata.registry.models import ModelVersion
 
 log = logging.getLogger("strata.up")
 
 
 @dataclass(frozen=True, slots=True)
 class LocalClusterConfig:
-    """What `strata up` starts. `serve_args` are passed through to every `strata serve`."""
+    """What `strata up` starts. `serve_args` are passed through to every `strata serve`
+    (less --simulate, --model-version and --served-model-name: each version decides those)."""
 
     replicas: int
     run_dir: Path
@@ -41,16 +57,19 @@ class LocalClusterConfig:
     stop_timeout_s: float = 30.0
     threads_per_instance: int | None = None
     registry: str | None = None  # default: SQLite in run_dir (one machine)
+    reconcile_interval_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ConfigError(f"--replicas must be >= 1, got {self.replicas}")
         if self.restart_backoff_s <= 0 or self.max_backoff_s < self.restart_backoff_s:
             raise ConfigError("restart backoff must be > 0 and <= the maximum backoff")
+        if self.reconcile_interval_s <= 0:
+            raise ConfigError(f"reconcile_interval_s must be > 0, got {self.reconcile_interval_s}")
 
     @property
     def registry_url(self) -> str:
-        return self.registry or f"sqlite:///{self.run_dir / 'registry.db'}"
+        return self.registry or f"sqlite:///{self.run_dir.resolve() / 'registry.db'}"
 
     @property
     def log_dir(self) -> Path:
@@ -70,6 +89,9 @@ class Child:
     backoff_s: float = 0.0
     restart_at: float | None = None
     log_file: IO[bytes] | None = field(default=None, repr=False)
+    deployment: str = ""  # name@version of an instance; "" for the gateway
+    index: int = 0
+    is_draining: bool = False  # sent SIGTERM by a reconcile: never restarted
 
     @property
     def is_running(self) -> bool:
@@ -82,17 +104,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def instance_argv(
-    config: LocalClusterConfig, instance_id: str, port: int, python: str
-) -> list[str]:
-    """The `strata serve` command line of one instance of the cluster."""
+def instance_argv(config: LocalClusterConfig, version: ModelVersion, instance_id: str,
+                  port: int, python: str) -> list[str]:
+    """The `strata serve` command line of one instance of `version` in the cluster."""
     c = config
-    argv = [python, "-m", "strata.cli", "serve", *([c.model] if c.model else []),
+    argv = [python, "-m", "strata.cli", "serve", *serve_model_args(version, c.serve_args),
             "--host", c.host, "--port", str(port), "--registry", c.registry_url,
             "--instance-id", instance_id, "--advertise-url", f"http://{c.host}:{port}"]
-    if c.threads_per_instance:
+    if c.threads_per_instance and not version.is_simulated:
         argv += ["--threads", str(c.threads_per_instance)]
-    return [*argv, *c.serve_args]
+    return argv
 
 
 class Supervisor:
@@ -100,23 +121,22 @@ class Supervisor:
 
     def __init__(self, config: LocalClusterConfig, *, python: str = sys.executable,
                  clock: Callable[[], float] = time.monotonic,
-                 supervise_instances: bool = True) -> None:
-        """With `supervise_instances=False` only the gateway is a child (Ray owns instances)."""
+                 supervise_instances: bool = True, link: RegistryLink | None = None) -> None:
+        """With `supervise_instances=False` only the gateway is a child (Ray owns instances).
+        `link` reaches the registries (default: opened at start from the config's URL)."""
         self.config = config
+        self._link = link
         self.python = python
         self.clock = clock
-        self.instances = ([self._instance_child(i) for i in range(config.replicas)]
-                          if supervise_instances else [])
+        self.supervise_instances = supervise_instances
+        self.instances: dict[str, Child] = {}  # instance id -> child
         self.gateway = Child("gateway", self._gateway_argv(), config.log_dir / "gateway.log")
+        self._reconciler: Reconciler | None = None
+        self._next_round_at = 0.0
 
     @property
     def children(self) -> list[Child]:
-        return [*self.instances, self.gateway]
-
-    def _instance_child(self, index: int) -> Child:
-        instance_id = f"instance-{index}"
-        argv = instance_argv(self.config, instance_id, free_port(self.config.host), self.python)
-        return Child(instance_id, argv, self.config.log_dir / f"{instance_id}.log")
+        return [*self.instances.values(), self.gateway]
 
     def _gateway_argv(self) -> list[str]:
         c = self.config
@@ -124,14 +144,13 @@ class Supervisor:
                 str(c.port), "--registry", c.registry_url, *c.gateway_args]
 
     def start(self) -> None:
-        """Start from a clean registry (this cluster owns it), then every process."""
+        """Start the gateway, then the instances the registry's deployments ask for."""
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
-        for suffix in ("", "-wal", "-shm"):
-            db = self.config.run_dir / f"registry.db{suffix}"
-            if db.exists():
-                db.unlink()
-        for child in self.children:
-            self._spawn(child)
+        self._spawn(self.gateway)
+        if self.supervise_instances:
+            link = self._link or RegistryLink(self.config.registry_url)
+            self._reconciler = Reconciler(link, start=self._start_instance, drain=self._drain)
+            self._reconcile(self.clock())
         self._write_pids()
 
     def _spawn(self, child: Child) -> None:
@@ -148,9 +167,15 @@ class Supervisor:
         (self.config.run_dir / "pids").write_text("\n".join(lines) + "\n")
 
     def poll(self) -> None:
-        """One supervision round: schedule restarts of crashed children, run due ones."""
+        """One round: forget drained instances that exited, reconcile with the registry when
+        due, then restart crashed children whose backoff has passed."""
         now = self.clock()
+        self._collect_drained()
+        if self._reconciler is not None and now >= self._next_round_at:
+            self._reconcile(now)
         for child in self.children:
+            if child.is_draining:
+                continue
             if child.is_running:
                 if now - child.started_at >= self.config.stable_after_s:
                     child.backoff_s = 0.0
@@ -162,6 +187,41 @@ class Supervisor:
                 self._spawn(child)
                 self._write_pids()
 
+    def _reconcile(self, now: float) -> None:
+        assert self._reconciler is not None
+        self._next_round_at = now + self.config.reconcile_interval_s
+        owned = {iid: Slot(c.deployment, c.index, c.is_draining)
+                 for iid, c in self.instances.items()}
+        actions = self._reconciler.round(owned)
+        if actions is not None and not actions.is_empty:
+            self._write_pids()
+
+    def _start_instance(self, version: ModelVersion, index: int) -> None:
+        instance_id = instance_id_of(version.name, version.version, index)
+        argv = instance_argv(self.config, version, instance_id, free_port(self.config.host),
+                             self.python)
+        child = Child(instance_id, argv, self.config.log_dir / f"{instance_id}.log",
+                      deployment=version.key, index=index)
+        self.instances[instance_id] = child
+        self._spawn(child)
+
+    def _drain(self, instance_id: str) -> None:
+        child = self.instances[instance_id]
+        child.is_draining = True
+        if child.is_running and child.proc is not None:
+            child.proc.send_signal(signal.SIGTERM)
+            log.info("draining %s (pid %d)", instance_id, child.proc.pid)
+
+    def _collect_drained(self) -> None:
+        gone = [c for c in self.instances.values() if c.is_draining and not c.is_running]
+        for child in gone:
+            code = child.proc.returncode if child.proc is not None else None
+            log.info("%s drained and exited with %s", child.name, code)
+            _close_log(child)
+            del self.instances[child.name]
+        if gone:
+            self._write_pids()
+
     def _schedule_restart(self, child: Child, now: float) -> None:
         c = self.config
         child.backoff_s = min(max(child.backoff_s * 2, c.restart_backoff_s), c.max_backoff_s)
@@ -172,7 +232,7 @@ class Supervisor:
 
     def stop(self) -> None:
         """SIGTERM everything (gateway first, so no new traffic), wait, then SIGKILL."""
-        for child in [self.gateway, *self.instances]:
+        for child in [self.gateway, *self.instances.values()]:
             if child.is_running and child.proc is not None:
                 child.proc.send_signal(signal.SIGTERM)
         deadline = self.clock() + self.config.stop_timeout_s
@@ -185,9 +245,10 @@ class Supervisor:
                 log.warning("%s did not stop in time; killing it", child.name)
                 child.proc.kill()
                 child.proc.wait()
-            if child.log_file is not None:
-                child.log_file.close()
-                child.log_file = None
+            _close_log(child)
+        if self._reconciler is not None:
+            self._reconciler.link.close()
+            self._reconciler = None
         pid_file = self.config.run_dir / "pids"
         if pid_file.exists():
             os.unlink(pid_file)
@@ -196,3 +257,9 @@ class Supervisor:
         while not should_stop():
             self.poll()
             time.sleep(interval_s)
+
+
+def _close_log(child: Child) -> None:
+    if child.log_file is not None:
+        child.log_file.close()
+        child.log_file = None

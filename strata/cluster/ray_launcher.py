@@ -4,6 +4,11 @@ Each actor owns one `strata serve` child process (started with PDEATHSIG so that
 actor). When the child exits unexpectedly the actor exits too, and Ray restarts the actor, which
 starts a new child on the same port with the same instance id: it re-registers and the gateway
 sees it rejoin. The gateway itself runs on the driver, supervised like `strata up`.
+
+Which actors exist follows the deployments in the model registry, reconciled by the driver each
+round exactly as the local supervisor does (strata/cluster/deployments.py): one actor per
+instance `{name}-{version}-{index}`; an instance to drain gets `actor.stop` (SIGTERM: it drains,
+deregisters, exits) and, once that returns, its actor is killed for good (no restart).
 Ray is imported lazily: it is an optional dependency (`pip install 'strata[ray]'`).
 """
 
@@ -17,12 +22,15 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from strata.cluster.deployments import Slot, instance_id_of
 from strata.cluster.local import LocalClusterConfig, Supervisor, free_port, instance_argv
+from strata.cluster.registry_link import Reconciler, RegistryLink
 from strata.errors import ConfigError
+from strata.registry.models import ModelVersion
 
 log = logging.getLogger("strata.up.ray")
 _PR_SET_PDEATHSIG = 1
@@ -87,14 +95,29 @@ class RayClusterConfig:
             )
 
 
+@dataclass(slots=True)
+class InstanceHandle:
+    """One instance actor the driver owns; `stopping` is the pending `stop` call of a drain."""
+
+    actor: Any
+    slot: Slot
+    stopping: Any = field(default=None, repr=False)
+
+
 class RayLauncher:
-    """Starts the actors and the gateway; stop() ends them in the right order."""
+    """Starts the gateway, reconciles instance actors with the deployments, stops in order."""
 
     def __init__(self, config: RayClusterConfig) -> None:
         self.config = config
-        self.actors: list[Any] = []
+        self.instances: dict[str, InstanceHandle] = {}  # instance id -> its actor
         self.gateway = Supervisor(config.cluster, supervise_instances=False)
+        self._reconciler: Reconciler | None = None
+        self._next_round_at = 0.0
         self._started_ray = False
+
+    @property
+    def actors(self) -> list[Any]:
+        return [h.actor for h in self.instances.values()]
 
     def start(self) -> None:
         import ray
@@ -103,35 +126,75 @@ class RayLauncher:
             ray.init(address=self.config.address, include_dashboard=False,
                      log_to_driver=False, configure_logging=False)
             self._started_ray = True
-        self.gateway.start()  # first: it resets the cluster's registry file
-        remote = ray.remote(InstanceActor)
-        c = self.config.cluster
-        for index in range(c.replicas):
-            instance_id = f"instance-{index}"
-            argv = instance_argv(c, instance_id, free_port(c.host), sys.executable)
-            actor = remote.options(
-                name=f"strata-{instance_id}", num_cpus=self.config.num_cpus_per_instance,
-                max_restarts=-1, max_task_retries=-1,
-            ).remote(argv, str(c.log_dir / f"{instance_id}.log"))
-            self.actors.append(actor)
+        self.gateway.start()
+        link = RegistryLink(self.config.cluster.registry_url)
+        self._reconciler = Reconciler(link, start=self._start_instance, drain=self._drain)
+        self._reconcile()
         ray.get([a.pid.remote() for a in self.actors])  # every actor constructed
-        log.info("%d instance actors started", len(self.actors))
+        log.info("%d instance actors started", len(self.instances))
+
+    def _start_instance(self, version: ModelVersion, index: int) -> None:
+        import ray
+
+        c = self.config.cluster
+        instance_id = instance_id_of(version.name, version.version, index)
+        argv = instance_argv(c, version, instance_id, free_port(c.host), sys.executable)
+        actor = ray.remote(InstanceActor).options(
+            name=f"strata-{instance_id}", num_cpus=self.config.num_cpus_per_instance,
+            max_restarts=-1, max_task_retries=-1,
+        ).remote(argv, str(c.log_dir / f"{instance_id}.log"))
+        self.instances[instance_id] = InstanceHandle(actor, Slot(version.key, index))
+
+    def _drain(self, instance_id: str) -> None:
+        handle = self.instances[instance_id]
+        handle.slot = Slot(handle.slot.deployment, handle.slot.index, is_draining=True)
+        handle.stopping = handle.actor.stop.remote(self.config.cluster.stop_timeout_s)
+        log.info("draining %s", instance_id)
+
+    def _collect_drained(self) -> None:
+        """Kill (for good) the actors whose drain finished; their ids become free again."""
+        import ray
+
+        draining = {iid: h for iid, h in self.instances.items() if h.stopping is not None}
+        if not draining:
+            return
+        done, _ = ray.wait([h.stopping for h in draining.values()],
+                           num_returns=len(draining), timeout=0)
+        for iid, handle in draining.items():
+            if handle.stopping in done:
+                ray.kill(handle.actor, no_restart=True)
+                del self.instances[iid]
+                log.info("%s drained; its actor is gone", iid)
+
+    def _reconcile(self) -> None:
+        assert self._reconciler is not None
+        self._next_round_at = time.monotonic() + self.config.cluster.reconcile_interval_s
+        self._reconciler.round({iid: h.slot for iid, h in self.instances.items()})
 
     def poll(self) -> None:
         self.gateway.poll()  # Ray restarts the actors; the driver keeps the gateway alive
+        if self._reconciler is None:
+            return
+        self._collect_drained()
+        if time.monotonic() >= self._next_round_at:
+            self._reconcile()
 
     def stop(self) -> None:
         import ray
 
         timeout_s = self.config.cluster.stop_timeout_s
         self.gateway.stop()
-        stops = [a.stop.remote(timeout_s) for a in self.actors]
+        stops = [h.stopping or h.actor.stop.remote(timeout_s) for h in self.instances.values()]
         try:
             ray.get(stops, timeout=timeout_s + 5)
         except Exception as e:  # an actor that is restarting cannot answer; kill it anyway
             log.warning("some instances did not stop cleanly: %s", e)
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
+        self.instances.clear()
+        if self._reconciler is not None:
+            self._reconciler.link.close()
+            self._reconciler = None
         if self._started_ray:
             ray.shutdown()
 

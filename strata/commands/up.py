@@ -1,20 +1,32 @@
-"""`strata up`: N instances behind the gateway, where `strata serve` would listen."""
+"""`strata up`: N instances behind the gateway, where `strata serve` would listen.
+
+Before it starts anything it seeds the registry (strata/cluster/seed.py): the flags' model
+becomes NAME@VERSION in the catalogue (NAME: the name `strata serve` would serve it under;
+VERSION: --model-version, default "default"), deployed with --replicas instances and live. Once
+the cluster is ready it writes {run_dir}/cluster.json (gateway and registry URLs, pid), which
+`strata models|release|rollback` read to find the local cluster; stopping removes it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
+from strata.cluster.deployments import VERSION_FLAGS
 from strata.cluster.local import LocalClusterConfig, Supervisor
+from strata.cluster.seed import ClusterSeed, seed_registry
 from strata.commands.argtypes import port_number, positive_float, positive_int
 from strata.commands.env import CliEnv
-from strata.errors import StrataError
+from strata.errors import ConfigError, StrataError
+from strata.registry.models import ModelVersion
 
 
 class Launcher(Protocol):
@@ -64,7 +76,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, env: CliEnv) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = _config(args, env)
+    _check_not_running(config.run_dir)
+    config.run_dir.mkdir(parents=True, exist_ok=True)
     _prefetch(args, env)
+    seed = ClusterSeed(seed_version(args), replicas=args.replicas)
+    asyncio.run(_seed(config.registry_url, seed))
     supervisor = _launcher(args, config)
     stop = {"now": False}
 
@@ -77,13 +93,104 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
     try:
         _wait_ready(supervisor, config, args.ready_timeout_s, lambda: stop["now"])
         if not stop["now"]:
-            print(f"Strata cluster: {config.replicas} instances behind "
+            _write_cluster_file(config)
+            print(f"Strata cluster: {config.replicas} instances of {seed.version.key} behind "
                   f"http://{config.host}:{config.port} (logs in {config.log_dir})", flush=True)
         supervisor.run_forever(lambda: stop["now"])
     finally:
         print("stopping the cluster...", flush=True)
+        _cluster_file(config.run_dir).unlink(missing_ok=True)
         supervisor.stop()
     return 0
+
+
+def seed_version(args: argparse.Namespace) -> ModelVersion:
+    """The catalogue entry of the flags' model: NAME is what `strata serve` would call it."""
+    version = args.model_version or "default"
+    if args.simulate:
+        from strata.sim import load_profile
+
+        name = args.served_model_name or load_profile(args.simulate).model
+        return ModelVersion(name, version, f"sim:{_absolute_if_local(args.simulate)}")
+    from strata.model.fetch import DEFAULT_MODEL
+
+    model = args.model or DEFAULT_MODEL
+    uri = _absolute_if_local(model)
+    name = args.served_model_name or _served_name(model)
+    return ModelVersion(name, version, uri, manifest_sha256=_manifest_sha256(uri))
+
+
+def _absolute_if_local(model: str) -> str:
+    """A path is stored absolute: the catalogue outlives the directory `strata up` ran in."""
+    return str(Path(model).resolve()) if Path(model).exists() else model
+
+
+def _served_name(model: str) -> str:
+    """`strata serve`'s default name, without loading the model: an alias's served name, a GGUF
+    file's `general.name`, else the directory's (or URI's) last part."""
+    from strata.model.fetch import KNOWN_MODELS
+
+    if model in KNOWN_MODELS:
+        return KNOWN_MODELS[model].served_name
+    path = Path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        field = GGUFReader(path).get_field("general.name")
+        return str(field.contents()) if field is not None else path.stem
+    return model.rstrip("/").rpartition("/")[2] if "://" in model else path.resolve().name
+
+
+def _manifest_sha256(uri: str) -> str:
+    """The sha256 of a local model's manifest ("" without one, or for a remote URI)."""
+    from strata.store.manifest import MANIFEST_NAME, manifest_digest
+
+    path = Path(uri)
+    if not path.exists():
+        return ""
+    manifest = (path if path.is_dir() else path.parent) / MANIFEST_NAME
+    return manifest_digest(manifest.read_bytes()) if manifest.is_file() else ""
+
+
+async def _seed(registry_url: str, seed: ClusterSeed) -> None:
+    from strata.registry import create_registry
+    from strata.registry.model_registry import create_model_registry
+
+    models, instances = create_model_registry(registry_url), create_registry(registry_url)
+    try:
+        await seed_registry(models, instances, seed)
+    finally:
+        await models.close()
+        await instances.close()
+
+
+def _cluster_file(run_dir: Path) -> Path:
+    return run_dir / "cluster.json"
+
+
+def _check_not_running(run_dir: Path) -> None:
+    """Two clusters on one run dir would reset each other's registry."""
+    try:
+        pid = int(json.loads(_cluster_file(run_dir).read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return  # a stale file: that cluster died without removing it
+    except PermissionError:
+        pass
+    raise ConfigError(f"a cluster (pid {pid}) is already running with run dir {run_dir}; stop "
+                      "it first, or set STRATA_RUN_DIR to another directory")
+
+
+def _write_cluster_file(config: LocalClusterConfig) -> None:
+    data = {"gateway_url": f"http://{config.host}:{config.port}",
+            "registry_url": config.registry_url, "pid": os.getpid()}
+    path = _cluster_file(config.run_dir)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)  # readers never see half a file
 
 
 def _launcher(args: argparse.Namespace, config: LocalClusterConfig) -> Launcher:
@@ -98,6 +205,8 @@ def _launcher(args: argparse.Namespace, config: LocalClusterConfig) -> Launcher:
 def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
     serve_args: list[str] = ["--log-level", "warning"]
     for flag, _ in _SERVE_FLAGS:
+        if flag in VERSION_FLAGS:
+            continue  # each instance gets these from its model version
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             serve_args += [flag, str(value)]

@@ -1,17 +1,28 @@
-"""The local supervisor with real child processes and an injected clock."""
+"""The local supervisor with real child processes, an injected clock and an in-process registry.
+
+The children are a stand-in `python` (a shell script) that sleeps, or crashes for one instance
+id: supervision and reconciliation are about processes, not about what they serve.
+"""
 
 from __future__ import annotations
 
-import sys
+import logging
+import stat
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
-from strata.cluster.local import LocalClusterConfig, Supervisor
+from strata.cluster.local import LocalClusterConfig, Supervisor, instance_argv
+from strata.cluster.registry_link import RegistryLink
 from strata.errors import ConfigError
+from strata.registry import create_registry
+from strata.registry.model_registry import create_model_registry
+from strata.registry.models import Deployment, DeploymentState, ModelRegistry, ModelVersion
 
-SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
-CRASHER = [sys.executable, "-c", "raise SystemExit(3)"]
+T = TypeVar("T")
+V1 = ModelVersion("m", "v1", "/models/m1")
 
 
 class Clock:
@@ -22,72 +33,168 @@ class Clock:
         return self.now
 
 
-def make_supervisor(tmp_path: Path, clock: Clock, replicas: int = 2) -> Supervisor:
-    config = LocalClusterConfig(replicas=replicas, run_dir=tmp_path, restart_backoff_s=1.0,
-                                max_backoff_s=4.0, stable_after_s=10.0, stop_timeout_s=5.0)
-    sup = Supervisor(config, clock=clock)
-    for child in sup.children:
-        child.argv = list(SLEEPER)
-    return sup
+def fake_python(tmp_path: Path, crash_id: str = "none") -> str:
+    """Sleeps like a server; exits 3 at once when it is instance `crash_id`."""
+    script = tmp_path / "fake-python"
+    script.write_text(f'#!/bin/sh\ncase "$*" in *"--instance-id {crash_id} "*) exit 3;; esac\n'
+                      "exec sleep 60\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return str(script)
 
 
-def test_instances_get_distinct_ports_ids_and_the_shared_registry(tmp_path: Path) -> None:
-    sup = Supervisor(LocalClusterConfig(replicas=3, run_dir=tmp_path, model="m",
-                                        serve_args=("--dtype", "float32")))
-    argvs = [c.argv for c in sup.instances]
-    ports = {a[a.index("--port") + 1] for a in argvs}
-    assert len(ports) == 3
-    assert [a[a.index("--instance-id") + 1] for a in argvs] == [
-        "instance-0", "instance-1", "instance-2"]
-    assert all(a[a.index("--registry") + 1] == f"sqlite:///{tmp_path}/registry.db" for a in argvs)
-    assert all(a[4] == "m" and a[-2:] == ["--dtype", "float32"] for a in argvs)
-    assert sup.gateway.argv[sup.gateway.argv.index("--registry") + 1] == sup.config.registry_url
+class Harness:
+    """A supervisor over a memory model registry that the test writes deployments into."""
+
+    def __init__(self, tmp_path: Path, crash_id: str = "none") -> None:
+        self.clock = Clock()
+        self.models: ModelRegistry = create_model_registry("memory://")
+        link = RegistryLink("memory://", models=self.models,
+                            instances=create_registry("memory://"))
+        self.link = link
+        config = LocalClusterConfig(replicas=2, run_dir=tmp_path, restart_backoff_s=1.0,
+                                    max_backoff_s=4.0, stable_after_s=10.0, stop_timeout_s=5.0,
+                                    reconcile_interval_s=0.5)
+        self.sup = Supervisor(config, python=fake_python(tmp_path, crash_id), clock=self.clock,
+                              link=link)
+
+    def write(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.link.run(coro)
+
+    def deploy(self, replicas: int, state: DeploymentState = DeploymentState.ACTIVE) -> None:
+        async def put() -> None:
+            await self.models.add_version(V1)
+            current = {d.key: d for d in await self.models.list_deployments()}.get(V1.key)
+            await self.models.put_deployment(
+                Deployment("m", "v1", replicas, state),
+                expected_revision=current.revision if current else 0)
+
+        self.write(put())
+
+    def round(self) -> None:
+        """Advance past the reconcile interval and poll."""
+        self.clock.now += 0.5
+        self.sup.poll()
+
+
+@pytest.fixture
+def harness(tmp_path: Path) -> Iterator[Harness]:
+    h = Harness(tmp_path)
+    yield h
+    h.sup.stop()
+
+
+def test_argv_of_an_instance_names_its_version_port_id_and_the_shared_registry(
+    tmp_path: Path,
+) -> None:
+    config = LocalClusterConfig(replicas=1, run_dir=tmp_path, threads_per_instance=2,
+                                serve_args=("--dtype", "float32", "--simulate", "x"))
+    assert instance_argv(config, V1, "m-v1-0", 9001, "py") == [
+        "py", "-m", "strata.cli", "serve", "/models/m1", "--served-model-name", "m",
+        "--model-version", "v1", "--dtype", "float32", "--host", "127.0.0.1", "--port", "9001",
+        "--registry", f"sqlite:///{tmp_path.resolve()}/registry.db", "--instance-id", "m-v1-0",
+        "--advertise-url", "http://127.0.0.1:9001", "--threads", "2"]
+    sim = ModelVersion("m", "v2", "sim:smollm2-cpu")
+    assert "--threads" not in instance_argv(config, sim, "m-v2-0", 9002, "py")
+
+
+def test_start_runs_what_the_deployment_asks_with_distinct_ports(harness: Harness) -> None:
+    harness.deploy(replicas=3)
+    harness.sup.start()
+    assert list(harness.sup.instances) == ["m-v1-0", "m-v1-1", "m-v1-2"]
+    argvs = [c.argv for c in harness.sup.instances.values()]
+    assert len({a[a.index("--port") + 1] for a in argvs}) == 3
+    assert all(c.is_running for c in harness.sup.children)
+    assert (harness.sup.config.run_dir / "pids").read_text().count("\n") == 4
 
 
 def test_a_crashed_instance_restarts_with_doubling_backoff_then_stop_ends_all(
     tmp_path: Path,
 ) -> None:
-    clock = Clock()
-    sup = make_supervisor(tmp_path, clock)
-    sup.instances[0].argv = list(CRASHER)
-    sup.start()
+    h = Harness(tmp_path, crash_id="m-v1-0")
+    h.deploy(replicas=2)
+    h.sup.start()
     try:
-        crasher = sup.instances[0]
+        crasher = h.sup.instances["m-v1-0"]
         assert crasher.proc is not None
         crasher.proc.wait(timeout=30)
         delays = []
         for _ in range(3):
-            sup.poll()  # notices the exit, schedules a restart
+            h.sup.poll()  # notices the exit, schedules a restart
             assert crasher.restart_at is not None
-            delays.append(crasher.restart_at - clock.now)
-            clock.now = crasher.restart_at
-            sup.poll()  # restarts it
+            delays.append(crasher.restart_at - h.clock.now)
+            h.clock.now = crasher.restart_at
+            h.sup.poll()  # restarts it (the reconcile round leaves it alone: it is wanted)
             assert crasher.proc is not None
             crasher.proc.wait(timeout=30)
         assert delays == [1.0, 2.0, 4.0]
         assert crasher.num_restarts == 3
-        assert sup.instances[1].is_running and sup.gateway.is_running
-        assert (tmp_path / "pids").read_text().count("\n") == 3
+        assert h.sup.instances["m-v1-1"].is_running and h.sup.gateway.is_running
+        assert list(h.sup.instances) == ["m-v1-0", "m-v1-1"]
     finally:
-        sup.stop()
-    assert not any(c.is_running for c in sup.children)
+        h.sup.stop()
+    assert not any(c.is_running for c in h.sup.children)
     assert not (tmp_path / "pids").exists()
 
 
-def test_backoff_resets_after_a_stable_run(tmp_path: Path) -> None:
-    clock = Clock()
-    sup = make_supervisor(tmp_path, clock, replicas=1)
-    sup.start()
-    try:
-        child = sup.instances[0]
-        child.backoff_s = 4.0
-        clock.now = 11.0
-        sup.poll()
-        assert child.backoff_s == 0.0
-    finally:
-        sup.stop()
+def test_backoff_resets_after_a_stable_run(harness: Harness) -> None:
+    harness.deploy(replicas=1)
+    harness.sup.start()
+    child = harness.sup.instances["m-v1-0"]
+    child.backoff_s = 4.0
+    harness.clock.now = 11.0
+    harness.sup.poll()
+    assert child.backoff_s == 0.0
+
+
+def test_scaling_down_drains_the_highest_index_and_never_restarts_it(harness: Harness) -> None:
+    harness.deploy(replicas=2)
+    harness.sup.start()
+    drained = harness.sup.instances["m-v1-1"]
+    harness.deploy(replicas=1)
+    harness.round()
+    assert drained.is_draining and drained.proc is not None
+    assert drained.proc.wait(timeout=10) == -15  # SIGTERM, not SIGKILL
+    harness.round()
+    assert list(harness.sup.instances) == ["m-v1-0"]
+    assert "m-v1-1" not in (harness.sup.config.run_dir / "pids").read_text()
+    harness.deploy(replicas=2)  # its id is free again: a new process takes it
+    harness.round()
+    assert harness.sup.instances["m-v1-1"].is_running
+
+
+def test_a_retiring_deployment_drains_and_is_deleted_once_none_is_left(
+    harness: Harness,
+) -> None:
+    harness.deploy(replicas=2)
+    harness.sup.start()
+    procs = [c.proc for c in harness.sup.instances.values()]
+    harness.deploy(replicas=2, state=DeploymentState.RETIRING)
+    harness.round()
+    assert [p.wait(timeout=10) for p in procs if p is not None] == [-15, -15]
+    harness.round()  # forgets the exited instances; the next round deletes the record
+    harness.round()
+    assert harness.sup.instances == {}
+    assert harness.write(harness.models.list_deployments()) == []
+
+
+def test_a_version_missing_from_the_catalogue_is_logged_once(
+    harness: Harness, caplog: pytest.LogCaptureFixture,
+) -> None:
+    harness.write(harness.models.put_deployment(Deployment("x", "v9", 1), expected_revision=0))
+    with caplog.at_level(logging.WARNING, logger="strata.up"):
+        harness.sup.start()
+        harness.round()
+        harness.round()
+    assert [r.getMessage() for r in caplog.records] == [
+        "deployments x@v9 name versions missing from the model catalogue; add them with "
+        "`strata models add NAME@VERSION URI`"]
+    assert harness.sup.instances == {}
 
 
 def test_invalid_config_is_refused() -> None:
     with pytest.raises(ConfigError, match="--replicas"):
         LocalClusterConfig(replicas=0, run_dir=Path("/tmp"))
+    with pytest.raises(ConfigError, match="reconcile_interval_s"):
+        LocalClusterConfig(replicas=1, run_dir=Path("/tmp"), reconcile_interval_s=0)
+
+
