@@ -1,7 +1,12 @@
 """The engine: schedule -> execute -> update -> outputs, one step at a time.
 
 Not thread-safe: one thread owns it (the server runs it off the event loop). Only
-`validate_request` may be called from other threads: it reads configuration only.
+`validate_request`, `block_hashes` and `num_cached_blocks` may be called from other threads.
+
+KV offload stays I/O-free here: a request may arrive with fetched KV payloads
+(`Request.external_kv`), imported by the executor when the request is admitted, and a request
+with `kv_export` leaves with the payloads of its full blocks on its final output; the server
+does the fetching and publishing.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from collections.abc import Callable
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.detokenizer import IncrementalDetokenizer, check_stop
 from strata.engine.executor import (
+    KVTransfer,
     ModelExecutor,
     ModelInput,
     ModelOutput,
@@ -21,9 +27,9 @@ from strata.engine.executor import (
 from strata.engine.kv_cache_manager import KVCacheManager
 from strata.engine.outputs import EngineStats, RequestOutput
 from strata.engine.request import Logprob, Request, RequestStatus
-from strata.engine.scheduler import Scheduler, SchedulerOutput
+from strata.engine.scheduler import KVImport, Scheduler, SchedulerOutput
 from strata.errors import ContextLengthError, InvalidRequestError, OverloadedError
-from strata.types import RequestId
+from strata.types import BlockHash, RequestId
 
 
 class Engine:
@@ -48,6 +54,7 @@ class Engine:
         self._detok: dict[RequestId, IncrementalDetokenizer] = {}
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
+        self.num_kv_import_failures = 0
         executor.allocate_kv_cache(cache_config.num_blocks, cache_config.block_size)
 
     def validate_request(self, request: Request) -> None:
@@ -103,12 +110,40 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def block_hashes(self, token_ids: list[int], cache_salt: str = "") -> list[BlockHash]:
+        """The identities of the full blocks of `token_ids` (model, version and salt included);
+        safe from any thread."""
+        return self.kv.hash_tokens(token_ids, cache_salt)
+
+    def num_cached_blocks(self, hashes: list[BlockHash]) -> int:
+        """How many leading blocks of `hashes` the prefix cache holds: a hint, safe from any
+        thread (it may change before the request is admitted)."""
+        return self.kv.num_cached_blocks(hashes)
+
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
+        for kv_import in scheduled.kv_imports:
+            self._import_kv(kv_import, scheduled)
         if scheduled.is_empty:
             return []
         model_output = self.executor.execute(self._model_input(scheduled))
         return self._update(scheduled, model_output)
+
+    def _import_kv(self, kv_import: KVImport, scheduled: SchedulerOutput) -> None:
+        """Write fetched KV into its blocks. A refused payload (other model, corrupt) and the
+        ones after it become a miss: the request sits this step out and recomputes them."""
+        num_ok = 0
+        if isinstance(self.executor, KVTransfer):
+            num_ok = self.executor.import_blocks(kv_import.block_ids, kv_import.payloads)
+        if num_ok == len(kv_import.payloads):
+            return
+        self.num_kv_import_failures += 1
+        request = kv_import.request
+        num_lost = (len(kv_import.payloads) - num_ok) * self.cache_config.block_size
+        request.num_computed_tokens -= num_lost
+        request.num_cached_tokens -= num_lost
+        self.kv.num_external_hit_tokens -= num_lost
+        scheduled.scheduled = [(r, n) for r, n in scheduled.scheduled if r is not request]
 
     def _model_input(self, scheduled: SchedulerOutput) -> ModelInput:
         sequences = []
@@ -149,7 +184,10 @@ class Engine:
         self.num_generated_tokens += 1
         detok = self._detok[request.request_id]
         status = self._finish_status(request, token_id, detok)
+        kv_blocks: list[tuple[BlockHash, bytes]] = []
         if status is not None:
+            if request.kv_export:
+                kv_blocks = self._export_kv(request)
             self.scheduler.finish(request, status)
             del self._detok[request.request_id]
         return RequestOutput(
@@ -163,7 +201,17 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=request.num_output_tokens,
+            kv_blocks=kv_blocks,
         )
+
+    def _export_kv(self, request: Request) -> list[tuple[BlockHash, bytes]]:
+        """(hash, payload) of the request's computed full blocks not known to be stored."""
+        hashes = self.kv.computed_block_hashes(request)[request.kv_export_start_block :]
+        if not hashes or not isinstance(self.executor, KVTransfer):
+            return []
+        first = request.kv_export_start_block
+        block_ids = self.kv.block_ids(request.request_id)[first : first + len(hashes)]
+        return list(zip(hashes, self.executor.export_blocks(block_ids), strict=True))
 
     def _finish_status(
         self, request: Request, token_id: int, detok: IncrementalDetokenizer
@@ -192,6 +240,8 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generated_tokens=self.num_generated_tokens,
+            num_external_hit_tokens=self.kv.num_external_hit_tokens,
+            num_kv_import_failures=self.num_kv_import_failures,
         )
 
     def reset_prefix_cache(self) -> int:

@@ -8,7 +8,7 @@ their known tokens. `strata.model.executor.TorchExecutor` is the real implementa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from strata.engine.request import Logprob, SamplingParams
 from strata.types import RequestId
@@ -67,6 +67,22 @@ class ModelExecutor(Protocol):
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
 
     def execute(self, model_input: ModelInput) -> ModelOutput: ...
+
+
+@runtime_checkable
+class KVTransfer(Protocol):
+    """An executor that can move blocks of KV in and out (KV offload). One that cannot (the
+    simulator, a timing wrapper) refuses every fetched block: it is recomputed."""
+
+    def export_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """The KV of each block (all layers) as a self-describing payload, in order."""
+        ...
+
+    def import_blocks(self, block_ids: list[int], payloads: list[bytes]) -> int:
+        """Write `payloads[i]` into block `block_ids[i]`, in order, stopping at the first payload
+        it refuses (another model, version, dtype or shape; a bad checksum). Returns how many
+        were written."""
+        ...
 
 
 class TokenDecoder(Protocol):

@@ -4,6 +4,10 @@ Region map of one request's blocks (block_size B, num_computed_tokens C, num_tok
 
     [0, C // B)            full computed blocks; registered in the prefix cache once full
     [C // B, ceil(N / B))  blocks being written this step (allocated by `allocate_slots`)
+
+A prefix hit has two parts: blocks found in the local prefix cache, then blocks whose KV was
+fetched from an external store (`Request.external_kv`). The latter get new blocks at admission,
+count as computed, and are imported by the executor before the step's forward pass.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from strata.types import BlockHash, RequestId
 
 @dataclass(frozen=True, slots=True)
 class ComputedBlocks:
-    """The prefix-cache hit of a request: its first blocks, already holding KV."""
+    """The prefix hit of a request: its first `blocks` already hold KV; the next
+    `len(external)` blocks are to be imported from fetched payloads. `num_tokens` counts both."""
 
     blocks: list[KVBlock] = field(default_factory=list)
     num_tokens: int = 0
+    external: list[bytes] = field(default_factory=list)
 
 
 _NO_HIT = ComputedBlocks()
@@ -37,7 +43,8 @@ class KVCacheManager:
         self._hashes: dict[RequestId, list[BlockHash]] = {}
         self._num_cached: dict[RequestId, int] = {}
         self.num_queried_tokens = 0
-        self.num_hit_tokens = 0
+        self.num_hit_tokens = 0  # local prefix-cache hits
+        self.num_external_hit_tokens = 0  # imported from fetched KV
 
     @property
     def usage(self) -> float:
@@ -48,7 +55,8 @@ class KVCacheManager:
         return [b.block_id for b in self._blocks.get(request_id, ())]
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
-        """Longest verified prefix hit; at least one token is always left to compute."""
+        """Longest verified prefix hit (local, then fetched); at least one token is left to
+        compute."""
         if not self.config.enable_prefix_caching:
             return _NO_HIT
         hashes = self._block_hashes(request)
@@ -61,11 +69,37 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return ComputedBlocks(hits, len(hits) * self.block_size)
+        external = []
+        for block_hash in hashes[len(hits) : max_blocks]:
+            payload = request.external_kv.get(block_hash)
+            if payload is None:
+                break
+            external.append(payload)
+        return ComputedBlocks(hits, (len(hits) + len(external)) * self.block_size, external)
 
-    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int,
+                      num_external_tokens: int = 0) -> None:
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += num_hit_tokens
+        self.num_external_hit_tokens += num_external_tokens
+
+    def hash_tokens(self, token_ids: list[int], cache_salt: str) -> list[BlockHash]:
+        """Hashes of the full blocks of `token_ids`, named as this cache names them."""
+        return hash_blocks(token_ids, self.block_size, self._namespace(cache_salt))
+
+    def num_cached_blocks(self, hashes: list[BlockHash]) -> int:
+        """How many leading `hashes` the prefix cache holds now (not verified against tokens)."""
+        num = 0
+        for block_hash in hashes:
+            if block_hash not in self.pool.cached:
+                break
+            num += 1
+        return num
+
+    def computed_block_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the request's full blocks whose KV is computed."""
+        num_full = request.num_computed_tokens // self.block_size
+        return self._block_hashes(request)[:num_full]
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed: ComputedBlocks = _NO_HIT
@@ -121,13 +155,16 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(request.request_id, [])
         num_full = request.num_tokens // self.block_size
         if len(hashes) < num_full:
-            namespace = f"{self.config.namespace}|{request.cache_salt}"
             parent = hashes[-1] if hashes else None
             hashes.extend(
-                hash_blocks(request.all_token_ids, self.block_size, namespace,
+                hash_blocks(request.all_token_ids, self.block_size,
+                            self._namespace(request.cache_salt),
                             parent=parent, start_block=len(hashes))
             )
         return hashes
+
+    def _namespace(self, cache_salt: str) -> str:
+        return f"{self.config.namespace}|{cache_salt}"
 
     def check_integrity(self) -> None:
         """free + cached + in use == total, and ref counts match the block tables."""

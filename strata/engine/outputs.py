@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from strata.engine.request import FinishReason, Logprob
-from strata.types import RequestId
+from strata.types import BlockHash, RequestId
 
 
 @dataclass(slots=True)
@@ -26,6 +26,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    # with `Request.kv_export`, on the final output: (block hash, KV payload) to publish
+    kv_blocks: list[tuple[BlockHash, bytes]] = field(default_factory=list, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,8 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens: int  # computed prompt tokens, cumulative (cache hits excluded)
     num_generated_tokens: int  # cumulative
+    num_external_hit_tokens: int = 0  # prompt tokens imported from fetched KV, cumulative
+    num_kv_import_failures: int = 0  # fetched payloads the executor refused (recomputed)
 
     @property
     def prefix_hit_rate(self) -> float:

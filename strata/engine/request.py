@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from strata.errors import InvalidRequestError
-from strata.types import RequestId
+from strata.types import BlockHash, RequestId
 
 
 class RequestStatus(enum.IntEnum):
@@ -121,6 +121,13 @@ class Request:
     num_preemptions: int = 0
     stop_reason: str | int | None = None
     output_text: str = ""
+    # KV offload. `external_kv`: fetched KV payloads by block hash, used at admission only for
+    # the blocks after the local prefix hit whose hash is the request's own (then dropped).
+    # `kv_export`: the final output carries the KV of the full blocks from
+    # `kv_export_start_block` on (those before it are known to be in the store).
+    external_kv: dict[BlockHash, bytes] = field(default_factory=dict, repr=False)
+    kv_export: bool = False
+    kv_export_start_block: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,6 +5,8 @@ remaining budget, a prefix hit simply starts a request with `num_computed_tokens
 Running requests are served first (in priority order); when blocks run out the lowest-priority,
 latest-arriving running request is preempted (its blocks freed, recomputed later). Waiting
 requests are admitted by (priority, arrival) while budget, sequence slots and blocks last.
+A request admitted with fetched KV blocks (see kv_cache_manager) lists them in `kv_imports`:
+the engine imports them before the step's forward pass.
 """
 
 from __future__ import annotations
@@ -14,9 +16,18 @@ import itertools
 from dataclasses import dataclass, field
 
 from strata.engine.config import SchedulerConfig
-from strata.engine.kv_cache_manager import KVCacheManager
+from strata.engine.kv_cache_manager import ComputedBlocks, KVCacheManager
 from strata.engine.request import Request, RequestStatus
 from strata.types import RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class KVImport:
+    """Fetched KV to write into `block_ids` of `request` before the forward pass."""
+
+    request: Request
+    block_ids: list[int]
+    payloads: list[bytes]
 
 
 @dataclass(slots=True)
@@ -25,6 +36,7 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    kv_imports: list[KVImport] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -109,7 +121,9 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break
             heapq.heappop(self._waiting)
-            self._admit(request, computed.num_tokens)
+            self._admit(request, computed)
+            if computed.external:
+                out.kv_imports.append(self._kv_import(request, computed))
             out.scheduled.append((request, num_new))
             budget -= num_new
 
@@ -119,13 +133,21 @@ class Scheduler:
             return 0
         return num_new
 
-    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+    def _admit(self, request: Request, computed: ComputedBlocks) -> None:
         if request.status == RequestStatus.WAITING:
-            request.num_cached_tokens = num_hit_tokens
-            self.kv.record_lookup(request.num_prompt_tokens, num_hit_tokens)
+            request.num_cached_tokens = computed.num_tokens
+            num_external = len(computed.external) * self.kv.block_size
+            self.kv.record_lookup(request.num_prompt_tokens, computed.num_tokens - num_external,
+                                  num_external)
+        request.external_kv = {}  # used once: a preempted request recomputes (or hits locally)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self.running.sort(key=_priority_key)
+
+    def _kv_import(self, request: Request, computed: ComputedBlocks) -> KVImport:
+        first = len(computed.blocks)
+        block_ids = self.kv.block_ids(request.request_id)[first : first + len(computed.external)]
+        return KVImport(request, block_ids, computed.external)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)

@@ -3,12 +3,16 @@
 Each `execute` turns the scheduler's `ModelInput` into one `StepBatch` (token ids, positions,
 write slots, padded decode gathers, per-chunk causal masks), runs one forward and samples the
 sequences that asked for a token. It keeps no state about requests between steps.
+`export_blocks` / `import_blocks` move one block's K and V of every layer in and out of the paged
+cache as `kv_codec` payloads (KV offload to an external store).
 """
 
 from __future__ import annotations
 
+import logging
 from itertools import accumulate
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -17,21 +21,25 @@ from strata.engine.executor import ModelInput, ModelOutput, ScheduledSequence
 from strata.errors import ConfigError
 from strata.model import cpu_kernels
 from strata.model.attention import PagedKVCache, PrefillChunk, StepBatch
+from strata.model.kv_codec import KVCodec, KVLayout, KVPayloadError
 from strata.model.llama import LlamaModel
 from strata.model.sampler import Sampler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger("strata.model")
 
 
 class TorchExecutor:
     """Runs the model over a step's batch and samples next tokens (see `ModelExecutor`).
 
     `dtype` is the name of the weight and KV dtype ("float32", "bfloat16" or "float16");
-    `device` a torch device string ("cpu", "cuda", "cuda:1").
+    `device` a torch device string ("cpu", "cuda", "cuda:1"). `model_name` and `model_version`
+    go into the header of exported KV blocks, and imported ones must carry the same.
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, Tensor], *,
-                 dtype: str = "bfloat16", device: str = "cpu") -> None:
+                 dtype: str = "bfloat16", device: str = "cpu", model_name: str = "",
+                 model_version: str = "default") -> None:
         if dtype not in _DTYPES:
             raise ConfigError(f"dtype {dtype!r} is not supported; choose one of {sorted(_DTYPES)}")
         self.config = config
@@ -41,6 +49,8 @@ class TorchExecutor:
         self.sampler = Sampler(device)
         cpu_kernels.supports(_DTYPES[dtype], device)  # builds the CPU kernel now, not mid-step
         self.kv_cache: PagedKVCache | None = None
+        self.kv_codec: KVCodec | None = None
+        self._identity = (model_name, model_version)
 
     @property
     def vocab_size(self) -> int:
@@ -57,6 +67,43 @@ class TorchExecutor:
                               "must be positive")
         self.kv_cache = PagedKVCache(self.config, num_blocks, block_size,
                                      _DTYPES[self.dtype], self.device)
+        self.kv_codec = KVCodec(KVLayout(
+            *self._identity, self.dtype, self.config.num_hidden_layers, block_size,
+            self.config.num_key_value_heads, self.config.head_dim))
+
+    def export_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """One `kv_codec` payload per block: K and V of every layer (see `ModelExecutor`)."""
+        cache, codec = self._kv_transfer()
+        return [codec.encode(self._block_bytes(cache, b).cpu().numpy().tobytes())
+                for b in block_ids]
+
+    def import_blocks(self, block_ids: list[int], payloads: list[bytes]) -> int:
+        """Write payloads into blocks, in order, until one is refused (see `ModelExecutor`)."""
+        cache, codec = self._kv_transfer()
+        for i, (block_id, payload) in enumerate(zip(block_ids, payloads, strict=True)):
+            try:
+                body = codec.decode(payload)
+            except KVPayloadError as exc:
+                log.warning("refused a fetched KV block (recomputed instead): %s", exc)
+                return i
+            dest = self._block_bytes(cache, block_id)
+            src = np.frombuffer(body, dtype=np.uint8).reshape(dest.shape)
+            if dest.device.type == "cpu":
+                dest.numpy()[...] = src  # a strided copy straight into the cache
+            else:
+                dest.copy_(torch.from_numpy(src.copy()))
+        return len(payloads)
+
+    def _kv_transfer(self) -> tuple[PagedKVCache, KVCodec]:
+        if self.kv_cache is None or self.kv_codec is None:
+            raise RuntimeError("invariant kv_cache_allocated: call allocate_kv_cache() first")
+        return self.kv_cache, self.kv_codec
+
+    @staticmethod
+    def _block_bytes(cache: PagedKVCache, block_id: int) -> Tensor:
+        """The block's slots of every layer, K and V, as bytes: (L, 2, B, H, D * itemsize)."""
+        start = block_id * cache.block_size
+        return cache.data.view(torch.uint8)[:, :, start : start + cache.block_size]
 
     def execute(self, model_input: ModelInput) -> ModelOutput:
         """Compute the step's tokens; sample one token per sequence with `needs_sample`."""
