@@ -34,7 +34,9 @@ def create_model_registry(url: str, *,
                               "e.g. sqlite:///var/run/strata/registry.db")
         return SqliteModelRegistry(path, clock=clock)
     if url.startswith(("redis://", "rediss://")):
-        raise ConfigError(f"model registry URL {url!r}: the redis backend is not built yet")
+        from strata.registry.models_redis import RedisModelRegistry  # lazy: redis only here
+
+        return RedisModelRegistry(url, clock=clock)
     raise ConfigError(f"unknown model registry URL {url!r}; "
                       f"use one of: {', '.join(MODEL_REGISTRY_SCHEMES)}")
 

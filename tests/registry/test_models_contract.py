@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_server import redis_server, redis_url  # noqa: F401
+from redis_server import free_port, redis_server, redis_url  # noqa: F401
 
 from strata.errors import ConfigError
-from strata.registry import InstanceRecord, create_registry
+from strata.registry import InstanceRecord, RegistryError, create_registry
 from strata.registry.model_registry import create_model_registry
 from strata.registry.models import (
     ConflictError,
@@ -32,7 +32,7 @@ from strata.registry.models import (
     Strategy,
 )
 
-BACKENDS = ["memory", "sqlite"]
+BACKENDS = ["memory", "sqlite", "redis"]
 
 
 class FakeClock:
@@ -347,7 +347,7 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2])))
 """
 
 
-@pytest.mark.parametrize("make", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("make", ["sqlite", "redis"], indirect=True)
 def test_two_processes_incrementing_by_cas_lose_no_update(make: Make) -> None:
     async def body(reg: ModelRegistry, clock: FakeClock) -> None:
         await reg.put_deployment(Deployment("chat", "v1", 0), expected_revision=0)
@@ -384,5 +384,21 @@ def test_sqlite_shares_the_instance_registry_file_and_stores_json(tmp_path: Path
         with closing(sqlite3.connect(path)) as conn:
             (text,) = conn.execute("SELECT record FROM releases").fetchone()
         assert json.loads(text) == stored.to_json()
+
+    asyncio.run(main())
+
+
+def test_redis_failures_are_registry_errors_naming_the_url() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+
+    async def main() -> None:
+        reg = create_model_registry(url)
+        try:
+            with pytest.raises(RegistryError, match=f"redis model registry {url}"):
+                await reg.set_routing(ModelRouting("chat", live="v1"), expected_revision=0)
+            with pytest.raises(RegistryError, match=f"redis model registry {url}"):
+                await reg.list_versions()
+        finally:
+            await reg.close()
 
     asyncio.run(main())
