@@ -36,7 +36,8 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 log = logging.getLogger("strata")
 # modules of strata.commands, one subcommand each (add_parser + run)
 COMMAND_MODULES: tuple[str, ...] = (
-    "serve", "gateway", "up", "status", "sessions", "store", "profile",
+    "serve", "gateway", "up", "status", "sessions", "store", "profile", "models", "release",
+    "rollback",
 )
 
 
@@ -61,14 +62,6 @@ def _command_modules() -> list[Any]:
     import importlib
 
     return [importlib.import_module(f"strata.commands.{name}") for name in COMMAND_MODULES]
-
-
-def _add_models(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("models", help="pull or list known models")
-    msub = p.add_subparsers(dest="models_command", required=True, metavar="{pull,list}")
-    pull = msub.add_parser("pull", help="download a known model into the cache")
-    pull.add_argument("name", nargs="?", default=None, help="alias (default: smollm2)")
-    msub.add_parser("list", help="known aliases and whether they are cached")
 
 
 def _add_chat(sub: argparse._SubParsersAction) -> None:
@@ -117,33 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="strata", description="Strata LLM serving.")
     parser.add_argument("--version", action="version", version=f"strata {__version__}")
-    names = ["models", "chat", "bench", *COMMAND_MODULES]
+    names = ["chat", "bench", *COMMAND_MODULES]
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(names) + "}")
-    for add in (_add_models, _add_chat, _add_bench):
+    for add in (_add_chat, _add_bench):
         add(sub)
     for module in _command_modules():
         module.add_parser(sub)
     return parser
-
-
-def cmd_models_list(cache_dir: Path) -> int:
-    from strata.model.fetch import DEFAULT_MODEL, KNOWN_MODELS, cached_model_path
-
-    print(f"{'ALIAS':<12}{'SERVED NAME':<26}{'STATUS':<12}PATH")
-    for name, spec in sorted(KNOWN_MODELS.items()):
-        path = cached_model_path(spec, cache_dir)
-        status = "cached" if path.exists() else "not cached"
-        default = " (default)" if name == DEFAULT_MODEL else ""
-        print(f"{name:<12}{spec.served_name:<26}{status:<12}{path}{default}")
-    return 0
-
-
-def cmd_models_pull(name: str | None, cache_dir: Path) -> int:
-    from strata.model.fetch import DEFAULT_MODEL, pull_model
-
-    path = pull_model(name or DEFAULT_MODEL, cache_dir=cache_dir, progress=True)
-    print(path)
-    return 0
 
 
 def cmd_chat(args: argparse.Namespace, env: CliEnv) -> int:
@@ -179,15 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `strata` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
     env = cli_env_from(os.environ)
-    cache_dir = env.cache_dir
     try:
         if args.command in COMMAND_MODULES:
             module = _command_modules()[COMMAND_MODULES.index(args.command)]
             return int(module.run(args, env))
-        if args.command == "models":
-            if args.models_command == "pull":
-                return cmd_models_pull(args.name, cache_dir)
-            return cmd_models_list(cache_dir)
         if args.command == "chat":
             return cmd_chat(args, env)
         return cmd_bench(args)

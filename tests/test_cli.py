@@ -1,4 +1,4 @@
-"""The `strata` command line: flags, `models list`, and serve + chat + bench end to end."""
+"""The `strata` command line: flags, `models cached`, and serve + chat + bench end to end."""
 
 from __future__ import annotations
 
@@ -53,7 +53,10 @@ def test_bench_and_chat_defaults_talk_to_loopback() -> None:
         (["bench", "--concurrency", "2", "--request-rate", "3"],
          "argument --request-rate: not allowed with argument --concurrency"),
         (["bench", "--workload", "zipf"], "argument --workload: invalid choice: 'zipf'"),
-        (["models"], "the following arguments are required: {pull,list}"),
+        (["models"], "the following arguments are required: {add,list,pull,cached}"),
+        (["release", "m@v2", "--strategy", "canary", "--weight", "1.5"],
+         "argument --weight: a canary weight is a fraction in (0, 1), got 1.5"),
+        (["release", "m@v2", "--strategy", "red-black"], "argument --strategy: invalid choice"),
     ],
 )
 def test_bad_flags_exit_2_with_a_clear_message(
@@ -71,17 +74,17 @@ def test_cache_dir_comes_from_strata_cache_dir_then_xdg_then_home() -> None:
     assert cache_dir_from_env({}) == Path.home() / ".cache" / "strata"
 
 
-def test_models_list_shows_each_alias_and_whether_it_is_cached(
+def test_models_cached_shows_each_alias_and_whether_it_is_cached(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
-    assert main(["models", "list"]) == 0
+    assert main(["models", "cached"]) == 0
     path = tmp_path / "models" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert capsys.readouterr().out.splitlines()[1].split() == [
         "smollm2", "SmolLM2-135M-Instruct", "not", "cached", str(path), "(default)"]
     path.parent.mkdir(parents=True)
     path.write_bytes(b"GGUF")
-    assert main(["models", "list"]) == 0
+    assert main(["models", "cached"]) == 0
     assert capsys.readouterr().out.splitlines()[1].split()[2] == "cached"
 
 

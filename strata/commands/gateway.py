@@ -32,8 +32,10 @@ from strata.gateway.config import (
     GatewayConfig,
     RetryConfig,
     SessionRoutingConfig,
+    VersionConfig,
 )
 from strata.gateway.sources import InstanceSource, RegistrySource, StaticSource
+from strata.registry.models import ModelRegistry
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -70,6 +72,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="bounded loads: an instance holds at most ceil((1+eps) * mean) sessions")
     p.add_argument("--session-pin-ttl-s", type=positive_float, default=3600.0,
                    help="a pin unused this long expires")
+    p.add_argument("--routing-poll-s", type=positive_float, default=0.2,
+                   help="how often the model registry's routing pointers are re-read (a "
+                        "release's flip reaches this gateway within this interval)")
+    p.add_argument("--version-pin-store", default=None, metavar="URL",
+                   help="session -> version pins shared by every gateway (default: "
+                        "--session-store, else the registry when SQLite or Redis)")
+    p.add_argument("--response-cache", default=None, metavar="URL",
+                   help="opt-in cache of deterministic answers (temperature 0 or a seed), keyed "
+                        "by model version: memory://, sqlite:///abs/path.db, redis://...")
+    p.add_argument("--response-cache-ttl-s", type=positive_float, default=600.0)
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 
@@ -88,7 +100,10 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
                                   queue_timeout_s=args.queue_timeout_s),
         api_keys=read_api_keys(args.api_key_file, env.api_keys),
         rate_limit_per_s=args.rate_limit_per_s, shutdown_timeout_s=args.shutdown_timeout_s,
-        sessions=_session_config(args))
+        sessions=_session_config(args),
+        versions=VersionConfig(routing_poll_s=args.routing_poll_s,
+                               pin_store_url=args.version_pin_store),
+        response_cache_url=args.response_cache, response_cache_ttl_s=args.response_cache_ttl_s)
 
 
 def _session_config(args: argparse.Namespace) -> SessionRoutingConfig:
@@ -110,6 +125,16 @@ def build_source(config: GatewayConfig,
     return StaticSource(config.instance_urls, control), None
 
 
+def build_model_registry(config: GatewayConfig) -> ModelRegistry | None:
+    """The model registry at the instance registry's URL (versions, releases); none for a
+    gateway over static instances."""
+    if not config.registry_url:
+        return None
+    from strata.registry.model_registry import create_model_registry
+
+    return create_model_registry(config.registry_url)
+
+
 def run(args: argparse.Namespace, env: CliEnv) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit code."""
     config = build_config(args, env)
@@ -123,7 +148,9 @@ async def _serve(config: GatewayConfig, log_level: str, started: float) -> int:
 
     control = httpx.AsyncClient(timeout=httpx.Timeout(config.health_timeout_s))
     source, registry = build_source(config, control)
-    app = create_gateway_app(config, source, control_client=control)
+    models = build_model_registry(config)
+    app = create_gateway_app(config, source, control_client=control, models=models,
+                             instance_registry=registry)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=log_level, access_log=False,
         timeout_graceful_shutdown=math.ceil(config.shutdown_timeout_s)))
@@ -137,6 +164,8 @@ async def _serve(config: GatewayConfig, log_level: str, started: float) -> int:
         announce.cancel()
         if registry is not None:
             await registry.close()
+        if models is not None:
+            await models.close()
     return 0
 
 

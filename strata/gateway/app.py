@@ -9,6 +9,7 @@ and admin endpoints.
     POST /admin/instances/{id}/drain              stop routing there, forward POST /admin/drain
     GET  /v1/sessions, GET/DELETE /v1/sessions/{id}   passed to any instance (the session store
                                                   is shared); a DELETE also unpins the session
+    /admin/models, /admin/releases, ...           models, versions and releases (admin.py)
 
 Only what routing needs is read from a body (model, stream, max_tokens); the bytes are forwarded
 untouched. `X-Model-Version` (or `model: "name@version"`) names a version, `X-Strata-Pool` a
@@ -28,11 +29,13 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 from starlette.applications import Starlette
 
+from strata.gateway.admin import admin_routes
 from strata.gateway.components import Gateway, build_gateway
 from strata.gateway.config import GatewayConfig
 from strata.gateway.routes import build_routes
 from strata.gateway.sources import InstanceSource
 from strata.protocol.auth import ApiKeyAuth
+from strata.registry.base import Registry
 from strata.registry.models import ModelRegistry
 from strata.state.pins import PinStore
 
@@ -44,15 +47,18 @@ def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
                        rng: random.Random | None = None,
                        run_background: bool = True,
                        pin_store: PinStore | None = None,
-                       models: ModelRegistry | None = None) -> Starlette:
+                       models: ModelRegistry | None = None,
+                       instance_registry: Registry | None = None) -> Starlette:
     """The gateway ASGI app over `source`'s instances. With `run_background`, its lifespan
     refreshes the set every `poll_interval_s` and health-checks every
     `health_check_interval_s`; tests of single steps turn that off and call them directly.
     `pin_store` replaces the one `config.sessions.store_url` names (sticky/hybrid routing).
     With `models` (the model registry), requests are routed by version and the routing records
-    are re-read every `config.versions.routing_poll_s`."""
+    are re-read every `config.versions.routing_poll_s`; with `instance_registry` too, the
+    gateway drives releases (strata/gateway/releases.py)."""
     gateway = build_gateway(config, source, transport=transport, control_client=control_client,
-                            clock=clock, rng=rng, pin_store=pin_store, models=models)
+                            clock=clock, rng=rng, pin_store=pin_store, models=models,
+                            instance_registry=instance_registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -65,7 +71,7 @@ def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
             await asyncio.gather(*tasks, return_exceptions=True)
             await gateway.close()
 
-    app = Starlette(routes=build_routes(), lifespan=lifespan)
+    app = Starlette(routes=[*build_routes(), *admin_routes()], lifespan=lifespan)
     app.state.gateway = gateway
     if config.api_keys:
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
@@ -84,6 +90,9 @@ async def _start_background(gateway: Gateway) -> list[asyncio.Task[None]]:
             await gateway.versions.refresh()
         tasks.append(asyncio.create_task(gateway.every(config.versions.routing_poll_s,
                                                        gateway.versions.refresh)))
+    if gateway.releases is not None:
+        tasks.append(asyncio.create_task(gateway.every(gateway.releases.resume_interval_s,
+                                                       gateway.releases.resume_once)))
     return tasks
 
 

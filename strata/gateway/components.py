@@ -22,11 +22,13 @@ from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.pipeline import RoutingPipeline
 from strata.gateway.policies import create_policy
 from strata.gateway.proxy import Proxy, ProxyRequest
+from strata.gateway.releases import ReleaseService, build_release_service, controller_owner
 from strata.gateway.retry import RetryBudget
 from strata.gateway.sessions import SessionRouter
 from strata.gateway.sources import InstanceSource
 from strata.gateway.upstream import create_client, error_response
 from strata.gateway.versions import MOVED_HEADER, VersionChoice, VersionRouter, VersionStats
+from strata.registry.base import Registry
 from strata.registry.models import ModelRegistry
 from strata.state.pins import PinStore, create_pin_store
 
@@ -50,6 +52,8 @@ class Gateway:
     owns_pins: bool = False  # the pin store was created here (closed with the gateway)
     versions: VersionRouter | None = None  # with a model registry: live, canary, pinned versions
     stats: VersionStats | None = None
+    models: ModelRegistry | None = None
+    releases: ReleaseService | None = None  # with a model registry and an instance registry
 
     async def forward(self, request: ProxyRequest) -> Response:
         """Choose the version, route (placing the request's session first when sessions are
@@ -97,6 +101,9 @@ class Gateway:
         if self.sessions is not None and self.owns_pins:
             with contextlib.suppress(Exception):
                 await self.sessions.pins.close()
+        if self.releases is not None:
+            with contextlib.suppress(Exception):
+                await self.releases.close()
         if self.versions is not None and self.versions.pins is not None:
             with contextlib.suppress(Exception):
                 await self.versions.pins.close()
@@ -108,11 +115,13 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
                   clock: Callable[[], float] = time.monotonic,
                   rng: random.Random | None = None,
                   pin_store: PinStore | None = None,
-                  models: ModelRegistry | None = None) -> Gateway:
+                  models: ModelRegistry | None = None,
+                  instance_registry: Registry | None = None) -> Gateway:
     """Wires the parts; `clock` drives ejection, the retry budget and the age of the session
     counts (tests inject one). `pin_store` overrides `config.sessions.store_url` (tests share
     one store between gateway objects). With `models` (the model registry), requests are routed
-    by version (live, canary, session pins) and releases can be driven from here."""
+    by version (live, canary, session pins); with `instance_registry` too, releases are driven
+    from here (the controller watches instances register there)."""
     metrics = GatewayMetrics()
     instances = source.instances
     detector = OutlierDetector(instances, config.ejection, clock,
@@ -129,9 +138,16 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
     gateway = Gateway(config, source, pipeline, proxy, Admission(config.admission), detector,
                       health, control, metrics, sessions, owns_pins=pin_store is None)
     if models is not None:
+        gateway.models = models
         gateway.versions = VersionRouter(models, instances, _version_pins(config), rng=rng)
         gateway.stats = VersionStats(config.versions.stats_window_s)
         proxy.observers.append(gateway.observe)
+        if instance_registry is not None:
+            gateway.releases = build_release_service(
+                models, instance_registry, gateway.stats, control,
+                owner=controller_owner(config.port),
+                warm_timeout_s=config.versions.warm_timeout_s,
+                api_key=config.api_keys[0] if config.api_keys else None)
     return gateway
 
 

@@ -1,0 +1,122 @@
+"""`strata models`: the model catalogue of a cluster, and the local model cache.
+
+    strata models add NAME@VERSION URI [--serve-arg=FLAG ...]   register a version (gateway API)
+    strata models list [--json]                                 versions, live pointer, instances
+    strata models pull [ALIAS]                                  download into the local cache
+    strata models cached                                        aliases and whether they are cached
+
+URI: a local path or NFS, file://, s3://BUCKET/PREFIX (checked against its manifest), a known
+alias (smollm2), or sim:PROFILE for a simulated instance. When the URI's storage has a manifest,
+its sha256 is registered with the version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from strata.commands.control import ControlClient, add_control_flags
+from strata.commands.env import CliEnv
+from strata.registry.models import split_model_version
+
+MANIFEST = "manifest.json"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="the cluster's model versions, and the local model cache")
+    msub = p.add_subparsers(dest="models_command", required=True,
+                            metavar="{add,list,pull,cached}")
+    add = msub.add_parser("add", help="register NAME@VERSION -> URI in the cluster's registry")
+    add.add_argument("model", metavar="NAME@VERSION")
+    add.add_argument("uri", help="path, file://, s3://, a known alias, or sim:PROFILE")
+    add.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
+                     help="extra `strata serve` flag for this version's instances (repeat; "
+                          "write --serve-arg=--max-model-len=2048)")
+    listing = msub.add_parser("list", help="the cluster's models: versions, live, canary")
+    listing.add_argument("--json", action="store_true", help="print the raw JSON")
+    for command in (add, listing):
+        add_control_flags(command)
+    pull = msub.add_parser("pull", help="download a known model into the local cache")
+    pull.add_argument("name", nargs="?", default=None, help="alias (default: smollm2)")
+    msub.add_parser("cached", help="known aliases and whether they are cached locally")
+
+
+def run(args: argparse.Namespace, env: CliEnv) -> int:
+    if args.models_command == "pull":
+        return _pull(args.name, env.cache_dir)
+    if args.models_command == "cached":
+        return _cached(env.cache_dir)
+    client = ControlClient.from_args(args, env)
+    try:
+        if args.models_command == "add":
+            return _add(client, args)
+        body = client.call("GET", "/admin/models")
+    finally:
+        client.close()
+    print(json.dumps(body, indent=2) if args.json else format_models(body["models"]))
+    return 0
+
+
+def _add(client: ControlClient, args: argparse.Namespace) -> int:
+    name, version = split_model_version(args.model)
+    if version is None:
+        version = "default"
+    body = {"name": name, "version": version, "uri": args.uri,
+            "manifest_sha256": manifest_sha256(args.uri), "serve_args": args.serve_arg}
+    stored = client.call("POST", "/admin/models", body)
+    digest = stored["manifest_sha256"][:12] or "no manifest"
+    print(f"registered {stored['name']}@{stored['version']} -> {stored['uri']} ({digest})")
+    return 0
+
+
+def manifest_sha256(uri: str) -> str:
+    """sha256 of a local directory's manifest.json ("" for other URIs or without one); remote
+    storage is checked against its manifest when an instance pulls it."""
+    path = Path(uri[len("file://"):] if uri.startswith("file://") else uri)
+    manifest = path / MANIFEST
+    if "://" in uri and not uri.startswith("file://") or not manifest.is_file():
+        return ""
+    return hashlib.sha256(manifest.read_bytes()).hexdigest()
+
+
+def format_models(models: list[dict[str, Any]]) -> str:
+    if not models:
+        return "no models registered (strata models add NAME@VERSION URI)"
+    rows = [("MODEL", "VERSION", "ROLE", "INSTANCES", "URI")]
+    for model in models:
+        routing = model.get("routing") or {}
+        for v in model["versions"]:
+            role = ("live" if v["version"] == routing.get("live") else
+                    f"canary {routing.get('canary_weight', 0):.0%}"
+                    if v["version"] == routing.get("canary") else
+                    "previous" if v["version"] == routing.get("previous") else "")
+            rows.append((model["name"], v["version"], role,
+                         str(len(v.get("routable_instances", []))), v["uri"]))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in rows)
+
+
+def _pull(name: str | None, cache_dir: Path) -> int:
+    from strata.model.fetch import DEFAULT_MODEL, pull_model
+
+    print(pull_model(name or DEFAULT_MODEL, cache_dir=cache_dir, progress=True))
+    return 0
+
+
+def _cached(cache_dir: Path) -> int:
+    from strata.model.fetch import DEFAULT_MODEL, KNOWN_MODELS, cached_model_path
+
+    print(f"{'ALIAS':<12}{'SERVED NAME':<26}{'STATUS':<12}PATH")
+    for name, spec in sorted(KNOWN_MODELS.items()):
+        path = cached_model_path(spec, cache_dir)
+        status = "cached" if path.exists() else "not cached"
+        default = " (default)" if name == DEFAULT_MODEL else ""
+        print(f"{name:<12}{spec.served_name:<26}{status:<12}{path}{default}")
+    return 0
+
+
+__all__ = ["add_parser", "format_models", "manifest_sha256", "run"]
