@@ -1,0 +1,276 @@
+"""Release stories: the controller against memory registries and a fake launcher (release_world).
+
+Model `m`: v1 live on 2 instances (m-v1-0, m-v1-1); the launcher names new instances in order,
+so a release of v2 starts m-v2-2 and m-v2-3.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+
+import pytest
+from release_world import CONFIG, World, states
+
+from strata.errors import ConfigError, InvalidRequestError, ModelNotFoundError
+from strata.registry.models import ConflictError, ModelRegistry, Release, ReleaseState, Strategy
+from strata.registry.release_policy import ReleaseConfig, VersionHealth, judge_canary
+
+S = ReleaseState
+BLUE_GREEN_PATH = ["pending", "starting", "warming", "flipping", "retiring", "done"]
+CANARY_PATH = ["pending", "starting", "warming", "canary", "flipping", "retiring", "done"]
+HEALTHY = {"v1": VersionHealth(100, 0, 100.0), "v2": VersionHealth(25, 1, 120.0)}
+ERRORS = {"v1": VersionHealth(100, 0, 100.0), "v2": VersionHealth(40, 12, 100.0)}
+SLOW = {"v1": VersionHealth(100, 0, 100.0), "v2": VersionHealth(40, 0, 500.0)}
+
+
+def story(body: Callable[[World], Awaitable[None]]) -> None:
+    async def main() -> None:
+        await body(await World.create())
+
+    asyncio.run(main())
+
+
+async def assert_done(world: World, final: Release, replicas: int = 2) -> None:
+    """`to` live on `replicas` READY instances; `from` is previous, gone, its deployment too."""
+    assert final.state is S.DONE, final.reason
+    assert await world.routing() == (final.to_version, final.from_version, None)
+    assert await world.deployments() == [(final.to_version, replicas, "active")]
+    assert len(await world.ready_ids(final.to_version)) == replicas
+    assert [r.version for r in await world.instances.list_instances()] == [
+        final.to_version] * replicas
+
+
+async def assert_rolled_back(world: World, final: Release) -> None:
+    """`from` still live on its 2 original instances; nothing of `to` is left."""
+    assert final.state is S.ROLLED_BACK
+    assert await world.routing() == ("v1", None, None)
+    assert await world.deployments() == [("v1", 2, "active")]
+    assert [r.instance_id for r in await world.instances.list_instances()] == [
+        "m-v1-0", "m-v1-1"]
+    assert await world.ready_ids("v1") == ["m-v1-0", "m-v1-1"]
+
+
+# --- blue-green -------------------------------------------------------------------------------
+
+
+def test_blue_green_release_flips_only_when_every_new_instance_is_warm() -> None:
+    async def body(world: World) -> None:
+        controller = world.controller("a")
+        release = await controller.start("m", "v2")
+        assert (release.state, release.from_version, release.replicas) == (S.PENDING, "v1", 2)
+        assert release.owner == "a" and release.release_id.startswith("m-v2-")
+        final = await controller.drive(release.release_id)
+        assert states(final) == BLUE_GREEN_PATH
+        assert final.reason == ""
+        await assert_done(world, final)
+        assert world.warmed == ["m-v2-2", "m-v2-3"]
+        assert final.stats["ready_to_flip_s"] == 0.0
+        # v1 kept all its traffic until the flip, and drained only propagation_s after it
+        assert world.routings[0] == ("v1", None, 0.0) and world.routings[-1] == ("v2", None, 0.0)
+        first_drain = min(t for t, what in world.launcher.events if what.startswith("drain"))
+        assert first_drain >= final.stats["flipped_at"] + CONFIG.propagation_s
+        assert [e for _, e in world.launcher.events if "v1" in e] == [
+            "drain m-v1-0", "drain m-v1-1", "gone m-v1-0", "gone m-v1-1", "delete m@v1"]
+
+    story(body)
+
+
+def test_first_release_of_a_model_has_nothing_to_retire() -> None:
+    async def body(world: World) -> None:
+        await world.models.delete_deployment("m", "v1")  # a fresh model, never released
+        await world.models.add_version(replace(
+            (await world.models.get_version("m", "v1")), name="n"))  # type: ignore[arg-type]
+        controller = world.controller("a")
+        release = await controller.start("n", "v1")
+        assert (release.from_version, release.replicas) == (None, 1)
+        final = await controller.drive(release.release_id)
+        assert states(final) == BLUE_GREEN_PATH
+        routing = await world.models.get_routing("n")
+        assert routing is not None and (routing.live, routing.previous) == ("v1", None)
+
+    story(body)
+
+
+# --- canary -----------------------------------------------------------------------------------
+
+
+def test_healthy_canary_is_watched_for_its_window_then_promoted() -> None:
+    async def body(world: World) -> None:
+        world.health.update(HEALTHY)
+        controller = world.controller("a")
+        release = await controller.start("m", "v2", strategy=Strategy.CANARY, canary_weight=0.25)
+        final = await controller.drive(release.release_id)
+        assert states(final) == CANARY_PATH
+        await assert_done(world, final)
+        assert ("v1", "v2", 0.25) in world.routings
+        entered = dict(final.history)
+        assert CONFIG.canary_window_s <= entered["flipping"] - entered["canary"] < 3.0 + 0.2
+
+    story(body)
+
+
+@pytest.mark.parametrize(("health", "reason"), [
+    (ERRORS, "canary m@v2: error rate 30.0% (12 of 40 requests) above "
+             "canary_max_error_rate 5.0%"),
+    (SLOW, "canary m@v2: TTFT p99 500 ms is 5.0x the live version's 100 ms, above "
+           "canary_max_ttft_p99_ratio 2.0"),
+], ids=["errors", "slow-ttft"])
+def test_failing_canary_rolls_back_with_the_numbers(health: dict[str, VersionHealth],
+                                                    reason: str) -> None:
+    async def body(world: World) -> None:
+        world.health.update(health)
+        controller = world.controller("a")
+        release = await controller.start("m", "v2", strategy=Strategy.CANARY, canary_weight=0.25)
+        final = await controller.drive(release.release_id)
+        assert states(final) == ["pending", "starting", "warming", "canary", "rolling_back",
+                                 "rolled_back"]
+        assert final.reason == reason
+        await assert_rolled_back(world, final)
+        assert ("v1", "v2", 0.25) in world.routings  # the canary did get its share
+
+    story(body)
+
+
+@pytest.mark.parametrize(("canary", "live", "verdict"), [
+    (VersionHealth(19, 19, 900.0), VersionHealth(100, 0, 100.0), ""),  # too few to judge
+    (VersionHealth(20, 1, 200.0), VersionHealth(100, 0, 100.0), ""),  # 5% and 2.0x: at the line
+    (VersionHealth(20, 2, None), VersionHealth(100, 0, 100.0), "error rate 10.0%"),
+    (VersionHealth(20, 0, 201.0), VersionHealth(100, 0, 100.0), "2.0x"),
+    (VersionHealth(20, 0, 900.0), VersionHealth(0, 0, None), ""),  # no live TTFT to compare
+])
+def test_judge_canary(canary: VersionHealth, live: VersionHealth, verdict: str) -> None:
+    found = judge_canary("m", "v2", canary, live, CONFIG)
+    assert (verdict in found) if verdict else found == ""
+    assert bool(found) == bool(verdict)
+
+
+# --- failures before the flip -----------------------------------------------------------------
+
+
+def test_new_instances_not_ready_in_time_roll_back() -> None:
+    async def body(world: World) -> None:
+        world.launcher.never_ready.add("v2")
+        controller = world.controller("a")
+        final = await controller.drive((await controller.start("m", "v2")).release_id)
+        assert states(final) == ["pending", "starting", "rolling_back", "rolled_back"]
+        assert final.reason == "0 of 2 instances of m@v2 ready after ready_timeout_s=10.0"
+        await assert_rolled_back(world, final)
+        assert world.warmed == []
+
+    story(body)
+
+
+def test_a_failing_warm_request_rolls_back_after_retries() -> None:
+    async def body(world: World) -> None:
+        world.broken.add("v2")
+        controller = world.controller("a")
+        final = await controller.drive((await controller.start("m", "v2")).release_id)
+        assert states(final) == ["pending", "starting", "warming", "rolling_back", "rolled_back"]
+        assert final.reason == ("warming m@v2 on instance m-v2-2 failed 3 times; "
+                                "last: RuntimeError: v2 is broken")
+        assert sorted(world.warmed) == ["m-v2-2"] * 3 + ["m-v2-3"] * 3
+        await assert_rolled_back(world, final)
+
+    story(body)
+
+
+# --- rollback ---------------------------------------------------------------------------------
+
+
+def test_rollback_requested_mid_release_is_continued_by_the_driver() -> None:
+    async def body(world: World) -> None:
+        world.launcher.start_s = 3.0
+        driver, other = world.controller("a"), world.controller("b")
+        release = await driver.start("m", "v2")
+        task = asyncio.create_task(driver.drive(release.release_id))
+        await world.wait_for(release.release_id, S.STARTING)
+        requested = await other.request_rollback("m")
+        assert (requested.state, requested.reason, requested.owner) == (
+            S.ROLLING_BACK, "rollback requested", "a")
+        assert await other.request_rollback("m") == requested  # asking twice changes nothing
+        final = await task
+        assert states(final) == ["pending", "starting", "rolling_back", "rolled_back"]
+        assert final.reason == "rollback requested"
+        await assert_rolled_back(world, final)
+
+    story(body)
+
+
+def test_rollback_after_the_flip_waits_then_releases_the_previous_version() -> None:
+    async def body(world: World) -> None:
+        controller = world.controller("a")
+        release = await controller.start("m", "v2")
+        task = asyncio.create_task(controller.drive(release.release_id))
+        await world.wait_for(release.release_id, S.RETIRING)
+        with pytest.raises(ConflictError, match="already flipped m to v2 .*once it is done"):
+            await controller.request_rollback("m")
+        await assert_done(world, await task)
+        back = await controller.request_rollback("m")
+        assert (back.to_version, back.from_version, back.strategy, back.replicas) == (
+            "v1", "v2", Strategy.BLUE_GREEN, 2)
+        final = await controller.drive(back.release_id)
+        assert states(final) == BLUE_GREEN_PATH
+        await assert_done(world, final)
+        assert await world.routing() == ("v1", "v2", None)
+        assert await world.ready_ids("v1") == ["m-v1-4", "m-v1-5"]  # new instances, warmed
+        assert world.warmed[-2:] == ["m-v1-4", "m-v1-5"]
+
+    story(body)
+
+
+def test_rollback_needs_a_previous_version() -> None:
+    async def body(world: World) -> None:
+        with pytest.raises(InvalidRequestError, match="'m' has no previous version"):
+            await world.controller("a").request_rollback("m")
+
+    story(body)
+
+
+# --- starting: what may be released -----------------------------------------------------------
+
+
+def test_start_refuses_what_cannot_be_released() -> None:
+    async def body(world: World) -> None:
+        controller = world.controller("a")
+        with pytest.raises(ModelNotFoundError, match=r"no version m@v9; known versions of 'm': "
+                                                     r"v1, v2, v3"):
+            await controller.start("m", "v9")
+        with pytest.raises(InvalidRequestError, match="m@v1 is already live"):
+            await controller.start("m", "v1")
+        with pytest.raises(InvalidRequestError, match=r"canary weight must be in \(0, 1\)"):
+            await controller.start("m", "v2", strategy=Strategy.CANARY, canary_weight=1.0)
+        blind = world.controller("c", health=None)
+        with pytest.raises(InvalidRequestError, match="no health source"):
+            await blind.start("m", "v2", strategy=Strategy.CANARY)
+        with pytest.raises(InvalidRequestError, match="replicas must be >= 1"):
+            await controller.start("m", "v2", replicas=0)
+
+    story(body)
+
+
+def test_one_release_per_model() -> None:
+    async def body(world: World) -> None:
+        first = await world.controller("a").start("m", "v2")
+        with pytest.raises(ConflictError, match=(
+                f"'m' already has a release in progress: {first.release_id} "
+                r"\(v1 -> v2, pending\).*strata rollback m")):
+            await world.controller("b").start("m", "v3")
+        await assert_done(world, await world.controller("a").drive(first.release_id))
+        second = await world.controller("b").start("m", "v3")  # the first one is done
+        assert (second.from_version, second.to_version) == ("v2", "v3")
+
+    story(body)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"poll_s": 0.0}, "poll_s must be > 0"),
+    ({"lease_s": 0.3}, r"lease_s \(0.3\) must be at least 2 x poll_s"),
+    ({"propagation_s": -1.0}, "propagation_s must be >= 0"),
+    ({"canary_min_requests": 0}, "canary_min_requests must be >= 1"),
+    ({"canary_max_error_rate": 1.5}, r"canary_max_error_rate must be in \[0, 1\]"),
+])
+def test_release_config_says_what_to_change(change: dict[str, float], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ReleaseConfig(**change)  # type: ignore[arg-type]
