@@ -6,20 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sqlite3
-import sys
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import closing
 from dataclasses import replace
-from pathlib import Path
-from typing import Any
 
 import pytest
-from redis_server import free_port, redis_server, redis_url  # noqa: F401
+from model_registries import (
+    FakeClock,
+    Make,
+    full_records,
+    make_fixture,  # noqa: F401  (the `make` fixture)
+    release,
+    story,
+)
+from redis_server import redis_server, redis_url  # noqa: F401
 
 from strata.errors import ConfigError
-from strata.registry import InstanceRecord, RegistryError, create_registry
-from strata.registry.model_registry import create_model_registry
 from strata.registry.models import (
     ConflictError,
     Deployment,
@@ -29,65 +29,7 @@ from strata.registry.models import (
     ModelVersion,
     Release,
     ReleaseState,
-    Strategy,
 )
-
-BACKENDS = ["memory", "sqlite", "redis"]
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-Make = Callable[[FakeClock], ModelRegistry]
-
-
-@pytest.fixture(params=BACKENDS)
-def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Make]:
-    """A factory of registries on ONE shared backend (same object / file / server)."""
-    if request.param == "memory":
-        shared = create_model_registry("memory://")
-        yield lambda clock: _with_clock(shared, clock)
-        return
-    url = backend_url(request, tmp_path)
-    yield lambda clock: create_model_registry(url, clock=clock)
-
-
-def backend_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'registry.db'}"
-    import redis
-
-    url: str = request.getfixturevalue("redis_url")
-    with redis.Redis.from_url(url) as client:
-        client.flushdb()
-    return url
-
-
-def _with_clock(registry: ModelRegistry, clock: FakeClock) -> ModelRegistry:
-    registry.clock = clock  # type: ignore[attr-defined]
-    return registry
-
-
-def story(make: Make, body: Callable[[ModelRegistry, FakeClock], Awaitable[None]]) -> None:
-    async def main() -> None:
-        clock = FakeClock()
-        registry = make(clock)
-        try:
-            await body(registry, clock)
-        finally:
-            await registry.close()
-
-    asyncio.run(main())
-
-
-def release(release_id: str = "r-1", name: str = "chat", **kw: Any) -> Release:
-    return Release(release_id=release_id, name=name, to_version="v2", from_version="v1", **kw)
-
 
 # --- versions ---------------------------------------------------------------------------------
 
@@ -266,15 +208,6 @@ def test_racing_release_creators_exactly_one_wins(make: Make) -> None:
 # --- JSON and lifetime ------------------------------------------------------------------------
 
 
-def full_records() -> tuple[ModelVersion, ModelRouting, Deployment, Release]:
-    return (ModelVersion("chat", "v2", "file:///m/2", "12" * 32, ("--a", "b"), 7.25),
-            ModelRouting("chat", "v2", "v1", "v3", 0.125),
-            Deployment("chat", "v3", 4, DeploymentState.RETIRING),
-            Release("r-9", "chat", "v3", None, Strategy.CANARY, 0.2, 3, ReleaseState.CANARY,
-                    "watching", (("pending", 1.5), ("canary", 2.75)), "ctl-1", 99.5,
-                    created_at=1.25, stats={"ready_to_flip_s": 0.5}))
-
-
 def test_every_record_round_trips_through_json() -> None:
     for record in full_records():
         text = json.dumps(record.to_json())
@@ -306,99 +239,3 @@ def test_close_twice_is_harmless(make: Make) -> None:
         await reg.close()
 
     story(make, body)  # story closes it a second time
-
-
-def test_memory_urls_give_fresh_registries_and_bad_urls_say_what_to_use() -> None:
-    async def main() -> None:
-        a, b = create_model_registry("memory://"), create_model_registry("memory://")
-        await a.add_version(ModelVersion("chat", "v1", "/m/1"))
-        assert await b.list_versions() == []
-
-    asyncio.run(main())
-    with pytest.raises(ConfigError, match="use one of: memory://, sqlite:///PATH, redis://"):
-        create_model_registry("etcd://127.0.0.1")
-    with pytest.raises(ConfigError, match="needs an absolute path"):
-        create_model_registry("sqlite://relative.db")
-
-
-# --- many processes ---------------------------------------------------------------------------
-
-_INCREMENTS = """
-import asyncio, sys
-from strata.registry.model_registry import create_model_registry
-from strata.registry.models import ConflictError
-
-async def main(url: str, count: int) -> None:
-    reg = create_model_registry(url)
-    retries = 0
-    for _ in range(count):
-        while True:
-            d = next(x for x in await reg.list_deployments() if x.key == "chat@v1")
-            try:
-                await reg.put_deployment(d.__class__(d.name, d.version, d.replicas + 1),
-                                         expected_revision=d.revision)
-                break
-            except ConflictError:
-                retries += 1
-    await reg.close()
-    print(retries)
-
-asyncio.run(main(sys.argv[1], int(sys.argv[2])))
-"""
-
-
-@pytest.mark.parametrize("make", ["sqlite", "redis"], indirect=True)
-def test_two_processes_incrementing_by_cas_lose_no_update(make: Make) -> None:
-    async def body(reg: ModelRegistry, clock: FakeClock) -> None:
-        await reg.put_deployment(Deployment("chat", "v1", 0), expected_revision=0)
-        url = reg_url(reg)
-        procs = [await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _INCREMENTS, url, "100", stdout=asyncio.subprocess.PIPE)
-            for _ in range(2)]
-        outputs = [await p.communicate() for p in procs]
-        assert [p.returncode for p in procs] == [0, 0], outputs
-        (final,) = await reg.list_deployments()
-        assert (final.replicas, final.revision) == (200, 201)  # every increment landed once
-
-    story(make, body)
-
-
-def reg_url(reg: ModelRegistry) -> str:
-    path = getattr(reg, "path", None)
-    return f"sqlite:///{path}" if path is not None else str(reg.url)  # type: ignore[attr-defined]
-
-
-def test_sqlite_shares_the_instance_registry_file_and_stores_json(tmp_path: Path) -> None:
-    path = tmp_path / "registry.db"
-
-    async def main() -> None:
-        instances = create_registry(f"sqlite:///{path}")
-        models = create_model_registry(f"sqlite:///{path}", clock=FakeClock())
-        try:
-            await instances.register(InstanceRecord("i-1", "http://127.0.0.1:9", "chat"))
-            stored = await models.put_release(full_records()[3], expected_revision=0)
-            assert [r.instance_id for r in await instances.list_instances()] == ["i-1"]
-        finally:
-            await instances.close()
-            await models.close()
-        with closing(sqlite3.connect(path)) as conn:
-            (text,) = conn.execute("SELECT record FROM releases").fetchone()
-        assert json.loads(text) == stored.to_json()
-
-    asyncio.run(main())
-
-
-def test_redis_failures_are_registry_errors_naming_the_url() -> None:
-    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-
-    async def main() -> None:
-        reg = create_model_registry(url)
-        try:
-            with pytest.raises(RegistryError, match=f"redis model registry {url}"):
-                await reg.set_routing(ModelRouting("chat", live="v1"), expected_revision=0)
-            with pytest.raises(RegistryError, match=f"redis model registry {url}"):
-                await reg.list_versions()
-        finally:
-            await reg.close()
-
-    asyncio.run(main())

@@ -1,0 +1,92 @@
+"""Shared by the ModelRegistry tests: a fake clock, the `make` fixture (one shared backend per
+test: memory, a SQLite temp file or a real Redis) and records to store.
+
+    from model_registries import FakeClock, Make, make_fixture, story  # make_fixture: noqa F401
+    from redis_server import redis_server, redis_url  # noqa: F401   (make needs them)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from strata.registry.model_registry import create_model_registry
+from strata.registry.models import (
+    Deployment,
+    DeploymentState,
+    ModelRegistry,
+    ModelRouting,
+    ModelVersion,
+    Release,
+    ReleaseState,
+    Strategy,
+)
+
+BACKENDS = ["memory", "sqlite", "redis"]
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+Make = Callable[[FakeClock], ModelRegistry]
+
+
+@pytest.fixture(name="make", params=BACKENDS)
+def make_fixture(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Make]:
+    """A factory of registries on ONE shared backend (same object / file / server)."""
+    if request.param == "memory":
+        shared = create_model_registry("memory://")
+        yield lambda clock: _with_clock(shared, clock)
+        return
+    url = backend_url(request.param, request, tmp_path)
+    yield lambda clock: create_model_registry(url, clock=clock)
+
+
+def backend_url(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The URL of an empty `backend` ("sqlite" or "redis") for this test."""
+    if backend == "sqlite":
+        return f"sqlite:///{tmp_path / 'registry.db'}"
+    url: str = request.getfixturevalue("redis_url")
+    with redis.Redis.from_url(url) as client:
+        client.flushdb()
+    return url
+
+
+def _with_clock(registry: ModelRegistry, clock: FakeClock) -> ModelRegistry:
+    registry.clock = clock  # type: ignore[attr-defined]
+    return registry
+
+
+def story(make: Make, body: Callable[[ModelRegistry, FakeClock], Awaitable[None]]) -> None:
+    async def main() -> None:
+        clock = FakeClock()
+        registry = make(clock)
+        try:
+            await body(registry, clock)
+        finally:
+            await registry.close()
+
+    asyncio.run(main())
+
+
+def release(release_id: str = "r-1", name: str = "chat", **kw: Any) -> Release:
+    return Release(release_id=release_id, name=name, to_version="v2", from_version="v1", **kw)
+
+
+def full_records() -> tuple[ModelVersion, ModelRouting, Deployment, Release]:
+    return (ModelVersion("chat", "v2", "file:///m/2", "12" * 32, ("--a", "b"), 7.25),
+            ModelRouting("chat", "v2", "v1", "v3", 0.125),
+            Deployment("chat", "v3", 4, DeploymentState.RETIRING),
+            Release("r-9", "chat", "v3", None, Strategy.CANARY, 0.2, 3, ReleaseState.CANARY,
+                    "watching", (("pending", 1.5), ("canary", 2.75)), "ctl-1", 99.5,
+                    created_at=1.25, stats={"ready_to_flip_s": 0.5}))
