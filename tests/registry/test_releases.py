@@ -274,3 +274,110 @@ def test_one_release_per_model() -> None:
 def test_release_config_says_what_to_change(change: dict[str, float], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ReleaseConfig(**change)  # type: ignore[arg-type]
+
+
+# --- leases, crashes and resuming -------------------------------------------------------------
+
+
+def test_a_second_controller_cannot_take_a_live_lease() -> None:
+    async def body(world: World) -> None:
+        world.launcher.start_s = 8.0  # STARTING outlasts several leases: the driver renews it
+        driver, other = world.controller("a"), world.controller("b")
+        release = await driver.start("m", "v2")
+        assert await other.resumable() == []  # leased from creation: start() then drive()
+        task = asyncio.create_task(driver.drive(release.release_id))
+        await world.wait_for(release.release_id, S.STARTING)
+        started_at = world.clock()
+        for _ in range(2):
+            with pytest.raises(ConflictError, match=f"{release.release_id} is driven by 'a'"):
+                await other.drive(release.release_id)
+            assert await other.resumable() == []
+            while world.clock() < started_at + 3 * CONFIG.lease_s:
+                await asyncio.sleep(0)
+        with pytest.raises(ConflictError, match="already being driven by this controller"):
+            await driver.drive(release.release_id)
+        final = await task
+        assert (final.owner, states(final)) == ("a", BLUE_GREEN_PATH)
+
+    story(body)
+
+
+def test_a_driver_whose_release_was_taken_over_stops() -> None:
+    async def body(world: World) -> None:
+        world.launcher.start_s = 3.0
+        driver = world.controller("a")
+        release = await driver.start("m", "v2")
+        task = asyncio.create_task(driver.drive(release.release_id))
+        stored = await world.wait_for(release.release_id, S.STARTING)
+        # what a second controller's drive() writes once a's lease has lapsed (a was stuck)
+        await world.models.put_release(replace(stored, owner="b", lease_until=world.clock() + 60),
+                                       expected_revision=stored.revision)
+        last_seen = await task
+        assert (last_seen.owner, last_seen.state) == ("b", S.STARTING)
+        final = await world.controller("b").drive(release.release_id)
+        assert (final.owner, states(final)) == ("b", BLUE_GREEN_PATH)
+        await assert_done(world, final)
+
+    story(body)
+
+
+class CrashingModels:
+    """The model registry as a controller that dies sees it: its drive task is cancelled right
+    after it stores `state` ("entered"), or right before it stores the state after it
+    ("leaving", every effect of the step done but not recorded)."""
+
+    def __init__(self, inner: ModelRegistry, state: ReleaseState, when: str) -> None:
+        self.inner, self.state, self.when = inner, state, when
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    async def put_release(self, release: Release, *, expected_revision: int) -> Release:
+        if expected_revision and self.when == "leaving" and release.state is not self.state:
+            stored = await self.inner.get_release(release.release_id)
+            if stored is not None and stored.state is self.state:
+                raise asyncio.CancelledError
+        written = await self.inner.put_release(release, expected_revision=expected_revision)
+        if expected_revision and self.when == "entered" and written.state is self.state:
+            raise asyncio.CancelledError
+        return written
+
+
+CRASHES = [(health, state, when)
+           for health, crash_states in [
+               ({}, (S.PENDING, S.STARTING, S.WARMING, S.FLIPPING, S.RETIRING)),
+               (HEALTHY, (S.CANARY,)), (ERRORS, (S.CANARY, S.ROLLING_BACK))]
+           for state in crash_states for when in ("entered", "leaving")]
+
+
+@pytest.mark.parametrize(("health", "state", "when"), CRASHES, ids=[
+    f"{'canary-bad' if h is ERRORS else 'canary-ok' if h else 'blue-green'}-{s}-{w}"
+    for h, s, w in CRASHES])
+def test_a_release_whose_controller_crashed_is_resumed_by_another(
+        health: dict[str, VersionHealth], state: ReleaseState, when: str) -> None:
+    async def body(world: World) -> None:
+        world.health.update(health)
+        strategy = Strategy.CANARY if health else Strategy.BLUE_GREEN
+        crashing = world.controller("a", models=CrashingModels(world.models, state, when))
+        release = await crashing.start("m", "v2", strategy=strategy, canary_weight=0.25)
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.create_task(crashing.drive(release.release_id))
+        stored = await world.models.get_release(release.release_id)
+        assert stored is not None and (stored.state, stored.owner) == (state, "a")
+
+        resumer = world.controller("b")
+        assert await resumer.resumable() == []  # a's lease is still live
+        await world.sleep(CONFIG.lease_s)
+        assert [r.release_id for r in await resumer.resumable()] == [release.release_id]
+        final = await resumer.drive(release.release_id)
+        assert final.owner == "b"
+        if health is ERRORS:
+            assert states(final) == ["pending", "starting", "warming", "canary", "rolling_back",
+                                     "rolled_back"]
+            await assert_rolled_back(world, final)
+        else:
+            assert states(final) == (CANARY_PATH if health else BLUE_GREEN_PATH)
+            await assert_done(world, final)
+        assert await resumer.resumable() == []
+
+    story(body)
