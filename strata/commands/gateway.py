@@ -36,6 +36,7 @@ from strata.gateway.config import (
 )
 from strata.gateway.sources import InstanceSource, RegistrySource, StaticSource
 from strata.registry.models import ModelRegistry
+from strata.registry.release_policy import ReleaseConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -78,6 +79,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--version-pin-store", default=None, metavar="URL",
                    help="session -> version pins shared by every gateway (default: "
                         "--session-store, else the registry when SQLite or Redis)")
+    p.add_argument("--release-lease-s", type=positive_float, default=10.0,
+                   help="a release whose gateway stops renewing its lease this long is resumed "
+                        "by another gateway (or this one, restarted)")
+    p.add_argument("--release-ready-timeout-s", type=positive_float, default=600.0,
+                   help="a release rolls back when its new instances are not ready by then")
+    p.add_argument("--canary-window-s", type=positive_float, default=30.0,
+                   help="how long a canary is watched before it is promoted")
+    p.add_argument("--canary-min-requests", type=positive_int, default=20)
+    p.add_argument("--canary-max-error-rate", type=float, default=0.05)
+    p.add_argument("--canary-max-ttft-ratio", type=positive_float, default=2.0,
+                   help="roll back when the canary's TTFT p99 exceeds this times the live one's")
     p.add_argument("--response-cache", default=None, metavar="URL",
                    help="opt-in cache of deterministic answers (temperature 0 or a seed), keyed "
                         "by model version: memory://, sqlite:///abs/path.db, redis://...")
@@ -102,7 +114,8 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
         rate_limit_per_s=args.rate_limit_per_s, shutdown_timeout_s=args.shutdown_timeout_s,
         sessions=_session_config(args),
         versions=VersionConfig(routing_poll_s=args.routing_poll_s,
-                               pin_store_url=args.version_pin_store),
+                               pin_store_url=args.version_pin_store,
+                               release=_release_config(args)),
         response_cache_url=args.response_cache, response_cache_ttl_s=args.response_cache_ttl_s)
 
 
@@ -111,6 +124,14 @@ def _session_config(args: argparse.Namespace) -> SessionRoutingConfig:
     instances read history from their own --session-store)."""
     return SessionRoutingConfig(mode=args.session_routing, store_url=args.session_store,
                                 epsilon=args.session_epsilon, pin_ttl_s=args.session_pin_ttl_s)
+
+
+def _release_config(args: argparse.Namespace) -> ReleaseConfig:
+    return ReleaseConfig(ready_timeout_s=args.release_ready_timeout_s,
+                         lease_s=args.release_lease_s, canary_window_s=args.canary_window_s,
+                         canary_min_requests=args.canary_min_requests,
+                         canary_max_error_rate=args.canary_max_error_rate,
+                         canary_max_ttft_p99_ratio=args.canary_max_ttft_ratio)
 
 
 def build_source(config: GatewayConfig,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import time
@@ -23,16 +24,19 @@ from strata.gateway.pipeline import RoutingPipeline
 from strata.gateway.policies import create_policy
 from strata.gateway.proxy import Proxy, ProxyRequest
 from strata.gateway.releases import ReleaseService, build_release_service, controller_owner
+from strata.gateway.response_cache import ResponseCacheLayer, cache_key
 from strata.gateway.retry import RetryBudget
 from strata.gateway.sessions import SessionRouter
 from strata.gateway.sources import InstanceSource
-from strata.gateway.upstream import create_client, error_response
+from strata.gateway.upstream import RelayResponse, create_client, error_response
 from strata.gateway.versions import MOVED_HEADER, VersionChoice, VersionRouter, VersionStats
 from strata.registry.base import Registry
 from strata.registry.models import ModelRegistry
 from strata.state.pins import PinStore, create_pin_store
+from strata.state.response_cache import create_response_cache
 
 logger = logging.getLogger("strata.gateway")
+CACHE_HEADER = "x-strata-cache"
 
 
 @dataclass(slots=True)
@@ -54,6 +58,7 @@ class Gateway:
     stats: VersionStats | None = None
     models: ModelRegistry | None = None
     releases: ReleaseService | None = None  # with a model registry and an instance registry
+    cache: ResponseCacheLayer | None = None  # opt-in; deterministic answers keyed by version
 
     async def forward(self, request: ProxyRequest) -> Response:
         """Choose the version, route (placing the request's session first when sessions are
@@ -64,13 +69,37 @@ class Gateway:
             return error_response(choice.status_code, choice.reason)
         if choice is not None:
             request = replace(request, route=replace(request.route, version=choice.version))
+        key = self._cache_key(request, choice)
+        if key is not None and self.cache is not None:
+            cached = await self.cache.lookup(key)
+            if cached is not None:
+                return _cached_answer(cached, request, choice)
         if self.sessions is not None:
             response = await self.sessions.forward(self.proxy, request)
         else:
             response = await self.proxy.forward(request)
         if choice is not None and choice.moved_from is not None:
             response.headers[MOVED_HEADER] = f"{choice.moved_from}->{choice.version}"
+        if key is not None and self.cache is not None and not isinstance(response, RelayResponse):
+            await self.cache.store(key, response.status_code, bytes(response.body))
+            response.headers[CACHE_HEADER] = "miss"
         return response
+
+    def _cache_key(self, request: ProxyRequest, choice: VersionChoice | None) -> str | None:
+        """The response-cache key, or None: no cache, no version known, a session's turn (its
+        answer depends on the stored history), or a request that is not deterministic."""
+        route = request.route
+        if self.cache is None or choice is None or choice.version is None or route.session_id:
+            return None
+        routed = self.versions.routing if self.versions is not None else {}
+        model = route.model or (next(iter(routed)) if len(routed) == 1 else None)
+        try:
+            body = json.loads(request.body)
+        except ValueError:
+            return None
+        if model is None or not isinstance(body, dict):
+            return None
+        return cache_key(request.path, body, model=model, version=choice.version)
 
     async def _version(self, request: ProxyRequest) -> VersionChoice | None:
         if self.versions is None:
@@ -104,6 +133,9 @@ class Gateway:
         if self.releases is not None:
             with contextlib.suppress(Exception):
                 await self.releases.close()
+        if self.cache is not None:
+            with contextlib.suppress(Exception):
+                await self.cache.close()
         if self.versions is not None and self.versions.pins is not None:
             with contextlib.suppress(Exception):
                 await self.versions.pins.close()
@@ -137,6 +169,9 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
         pipeline.prefer = sessions.prefer
     gateway = Gateway(config, source, pipeline, proxy, Admission(config.admission), detector,
                       health, control, metrics, sessions, owns_pins=pin_store is None)
+    if config.response_cache_url is not None:
+        gateway.cache = ResponseCacheLayer(create_response_cache(
+            config.response_cache_url, ttl_s=config.response_cache_ttl_s))
     if models is not None:
         gateway.models = models
         gateway.versions = VersionRouter(models, instances, _version_pins(config), rng=rng)
@@ -147,8 +182,16 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
                 models, instance_registry, gateway.stats, control,
                 owner=controller_owner(config.port),
                 warm_timeout_s=config.versions.warm_timeout_s,
-                api_key=config.api_keys[0] if config.api_keys else None)
+                api_key=config.api_keys[0] if config.api_keys else None,
+                config=config.versions.release)
     return gateway
+
+
+def _cached_answer(body: bytes, request: ProxyRequest, choice: VersionChoice | None) -> Response:
+    model = request.route.model or ""
+    version = choice.version if choice is not None else ""
+    return Response(body, 200, media_type="application/json",
+                    headers={CACHE_HEADER: "hit", "x-model-version": f"{model}@{version}"})
 
 
 def _version_pins(config: GatewayConfig) -> PinStore:

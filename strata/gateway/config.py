@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from strata.errors import ConfigError
+from strata.registry.release_policy import ReleaseConfig
 
 POLICY_NAMES = ("power_of_two", "round_robin", "least_load", "consistent_hash")
 SESSION_ROUTING_MODES = ("none", "external", "sticky", "hybrid")
@@ -114,6 +115,7 @@ class VersionConfig:
     pin_ttl_s: float = 86_400.0
     stats_window_s: float = 60.0
     warm_timeout_s: float = 120.0
+    release: ReleaseConfig = field(default_factory=ReleaseConfig)  # timeouts, lease, canary
 
     def __post_init__(self) -> None:
         _positive(self, "routing_poll_s", "pin_ttl_s", "stats_window_s", "warm_timeout_s")

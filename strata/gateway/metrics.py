@@ -43,6 +43,9 @@ class GatewayMetrics:
                             registry=reg)
         self.routable = Gauge("strata:gateway_instances_routable", "Instances taking requests.",
                               registry=reg)
+        self.response_cache = Gauge("strata:gateway_response_cache",
+                                    "Response cache counters (hits, misses, stores, skipped, "
+                                    "errors) since start.", ["event"], registry=reg)
         self.added_latency = Histogram("strata:gateway_added_latency_seconds",
                                        "Time the gateway adds to a request.",
                                        buckets=_OVERHEAD_BUCKETS_S, registry=reg)

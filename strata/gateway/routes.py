@@ -112,6 +112,9 @@ async def metrics(request: Request) -> Response:
         m.in_flight.set(gateway.admission.num_in_flight)
         m.queued.set(gateway.admission.num_queued)
         m.routable.set(sum(v.is_routable for v in gateway.source.instances.snapshot()))
+        if gateway.cache is not None:
+            for event in ("hits", "misses", "stores", "skipped", "errors"):
+                m.response_cache.labels(event).set(getattr(gateway.cache, event))
 
     return Response(gateway.metrics.render(refresh), media_type=CONTENT_TYPE_LATEST)
 

@@ -1,4 +1,6 @@
-"""The instance registry: where instances announce themselves and routers find them.
+"""The registry: where instances announce themselves and routers find them (`create_registry`),
+and the control plane's models, versions, routing pointers, deployments and releases
+(`create_model_registry`, strata/registry/models.py). One URL names both:
 
     create_registry("memory://")                 one process (tests)
     create_registry("sqlite:///abs/path.db")     one machine, many processes (`strata up`)
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from strata.errors import ConfigError
 from strata.registry.base import Registry, RegistryError
 from strata.registry.memory import MemoryRegistry
+from strata.registry.model_registry import MODEL_REGISTRY_SCHEMES, create_model_registry
 from strata.registry.records import InstanceLoad, InstanceRecord, InstanceState, Role
 from strata.registry.sqlite import SqliteRegistry
 
@@ -37,5 +40,6 @@ def create_registry(url: str, *, ttl_s: float = 5.0,
     raise ConfigError(f"unknown registry URL {url!r}; use one of: {', '.join(SCHEMES)}")
 
 
-__all__ = ["SCHEMES", "InstanceLoad", "InstanceRecord", "InstanceState", "MemoryRegistry",
-           "Registry", "RegistryError", "Role", "SqliteRegistry", "create_registry"]
+__all__ = ["MODEL_REGISTRY_SCHEMES", "SCHEMES", "InstanceLoad", "InstanceRecord", "InstanceState",
+           "MemoryRegistry", "Registry", "RegistryError", "Role", "SqliteRegistry",
+           "create_model_registry", "create_registry"]
