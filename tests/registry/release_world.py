@@ -3,12 +3,14 @@ the real launchers' contract against them (the boundary the release controller o
 processes are tested with the launchers).
 
 Time moves only through `World.sleep` (the controllers' injected sleep): each call advances the
-clock and lets the launcher reconcile once, so every story is deterministic.
+clock and lets the launcher reconcile once, so every story is deterministic. A World on the real
+clock (`time.time`) sleeps for real instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from strata.registry import InstanceRecord, InstanceState, Registry, create_registry
@@ -42,7 +44,8 @@ class FakeLauncher:
     never for a version in `never_ready`); RETIRING ones drain (DRAINING, deregistered
     `stop_s` later) and the deployment is deleted once none is left. `events`: (time, what)."""
 
-    def __init__(self, models: ModelRegistry, instances: Registry, clock: FakeClock) -> None:
+    def __init__(self, models: ModelRegistry, instances: Registry,
+                 clock: Callable[[], float]) -> None:
         self.models, self.instances, self.clock = models, instances, clock
         self.start_s, self.stop_s = 1.0, 1.0
         self.never_ready: set[str] = set()
@@ -100,8 +103,8 @@ class FakeLauncher:
 class World:
     """Model `m` with versions v1, v2, v3; v1 live on 2 READY instances (after `create`)."""
 
-    def __init__(self) -> None:
-        self.clock = FakeClock()
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        self.clock = clock or FakeClock()  # time.time: real time, for `run_launcher`
         self.models = create_model_registry("memory://", clock=self.clock)
         self.instances = create_registry("memory://", ttl_s=5.0, clock=self.clock)
         self.launcher = FakeLauncher(self.models, self.instances, self.clock)
@@ -111,8 +114,11 @@ class World:
         self.routings: list[tuple[str | None, str | None, float]] = []  # (live, canary, weight)
 
     @classmethod
-    async def create(cls) -> World:
-        world = cls()
+    async def create(cls, clock: Callable[[], float] | None = None,
+                     launch_s: float = 1.0) -> World:
+        """`launch_s`: the launcher's start_s and stop_s."""
+        world = cls(clock)
+        world.launcher.start_s = world.launcher.stop_s = launch_s
         for version in ("v1", "v2", "v3"):
             await world.models.add_version(ModelVersion("m", version, f"sim:{version}"))
         await world.models.put_deployment(Deployment("m", "v1", 2), expected_revision=0)
@@ -132,7 +138,10 @@ class World:
                                  sleep=self.sleep, **kwargs)
 
     async def sleep(self, seconds: float) -> None:
-        self.clock.now += seconds
+        if isinstance(self.clock, FakeClock):
+            self.clock.now += seconds
+        else:
+            await asyncio.sleep(seconds)
         await self.launcher.reconcile()
         routing = await self.models.get_routing("m")
         if routing is not None:

@@ -7,6 +7,7 @@ so a release of v2 starts m-v2-2 and m-v2-3.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
@@ -14,8 +15,16 @@ import pytest
 from release_world import CONFIG, World, states
 
 from strata.errors import ConfigError, InvalidRequestError, ModelNotFoundError
-from strata.registry.models import ConflictError, ModelRegistry, Release, ReleaseState, Strategy
+from strata.registry.models import (
+    ConflictError,
+    ModelRegistry,
+    ModelVersion,
+    Release,
+    ReleaseState,
+    Strategy,
+)
 from strata.registry.release_policy import ReleaseConfig, VersionHealth, judge_canary
+from strata.registry.releases import ReleaseController
 
 S = ReleaseState
 BLUE_GREEN_PATH = ["pending", "starting", "warming", "flipping", "retiring", "done"]
@@ -79,9 +88,7 @@ def test_blue_green_release_flips_only_when_every_new_instance_is_warm() -> None
 
 def test_first_release_of_a_model_has_nothing_to_retire() -> None:
     async def body(world: World) -> None:
-        await world.models.delete_deployment("m", "v1")  # a fresh model, never released
-        await world.models.add_version(replace(
-            (await world.models.get_version("m", "v1")), name="n"))  # type: ignore[arg-type]
+        await world.models.add_version(ModelVersion("n", "v1", "sim:v1"))  # never released
         controller = world.controller("a")
         release = await controller.start("n", "v1")
         assert (release.from_version, release.replicas) == (None, 1)
@@ -89,8 +96,37 @@ def test_first_release_of_a_model_has_nothing_to_retire() -> None:
         assert states(final) == BLUE_GREEN_PATH
         routing = await world.models.get_routing("n")
         assert routing is not None and (routing.live, routing.previous) == ("v1", None)
+        assert [(d.key, d.replicas, d.state.value) for d in await world.models.list_deployments()
+                if d.name == "n"] == [("n@v1", 1, "active")]
+        assert [r.instance_id for r in await world.instances.list_instances()
+                if r.model == "n"] == ["n-v1-2"]
 
     story(body)
+
+
+def test_blue_green_on_the_real_clock_flips_within_a_second_of_ready() -> None:
+    """The defaults (time.time, asyncio.sleep) with short timeouts, the launcher in a task."""
+    async def main() -> None:
+        world = await World.create(clock=time.time, launch_s=0.05)
+        config = replace(CONFIG, poll_s=0.01, lease_s=1.0, propagation_s=0.05)
+
+        async def launch() -> None:
+            while True:
+                await world.sleep(0.01)
+
+        launcher = asyncio.create_task(launch())
+        controller = ReleaseController(world.models, world.instances, owner="a",
+                                       warm=world.warm, config=config)
+        try:
+            release = await controller.start("m", "v2")
+            final = await asyncio.wait_for(controller.drive(release.release_id), 10.0)
+        finally:
+            launcher.cancel()
+        assert states(final) == BLUE_GREEN_PATH
+        assert 0.0 <= final.stats["ready_to_flip_s"] < 1.0
+        await assert_done(world, final)
+
+    asyncio.run(main())
 
 
 # --- canary -----------------------------------------------------------------------------------
