@@ -8,15 +8,22 @@
 Each state names the step in progress; its handler does that step idempotently (it first
 checks what is already done), then moves on with one compare-and-set write of the release:
 
-    pending ──> starting ──> warming ──┬──────────────> flipping ──> retiring ──> done
-      │ write the   │ wait until       │ blue-green       │ live := to     │ wait propagation_s,
-      │ deployment  │ `replicas` READY │                  │ (one CAS)      │ retire `from`, wait
-      │ to ACTIVE   │ (ready_timeout)  └─> canary ───────>┘                │ until it is gone
-      │             │                      │ canary := to, watched for canary_window_s
-      └─────────────┴──────────────────────┴──> rolling_back ──> rolled_back
-           timeout, a failed warm, a bad canary,  canary cleared (live stays `from`),
-           or request_rollback (before the flip)  `to` retired, wait until it is gone
-    failed: terminal, when the routing pointer contradicts the release (changed by hand)
+    pending ──> starting ──> warming ──┬──────────────────> flipping ──> retiring ──> done
+       │           │            │      └──> canary ──┬──────────^
+       │           │            │                    │
+       └───────────┴────────────┴────────────────────┴──> rolling_back ──> rolled_back
+
+    pending       write name@to's deployment ACTIVE with `replicas`
+    starting      wait until `replicas` instances of name@to are READY (ready_timeout_s)
+    warming       one real request to each (`warm`, retried); stats["ready_at"]
+    canary        routing.canary := to at canary_weight, judged every poll for canary_window_s
+    flipping      routing.live := to (previous := from, canary cleared): one atomic write
+    retiring      propagation_s after the flip, name@from's deployment RETIRING; wait until
+                  its instances are gone (retire_timeout_s, then done with a note)
+    rolling_back  after a ready timeout, a failed warm, a bad canary or request_rollback, all
+                  before the flip: the canary cleared (live stays `from`), name@to RETIRING,
+                  wait until its instances are gone
+    failed        terminal: the routing pointer contradicts the release (changed outside it)
 
 A release is driven by one controller at a time, the lease holder (`owner`, `lease_until`):
 every write renews the lease, and a waiting step renews it every poll. A write that loses its
@@ -35,7 +42,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 
-from strata.errors import InvalidRequestError, ModelNotFoundError
+from strata.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from strata.registry.base import Registry
 from strata.registry.models import (
     ConflictError,
@@ -66,7 +73,8 @@ class ReleaseController:
                  clock: Callable[[], float] = time.time,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         if not owner:
-            raise InvalidRequestError("a release controller needs a non-empty owner name")
+            raise ConfigError("a release controller needs a non-empty owner (unique per "
+                              "controller, e.g. the gateway's host:port)")
         self.models = models
         self.owner = owner
         self.health = health
@@ -198,10 +206,10 @@ class ReleaseController:
 
     async def _in_progress_error(self, name: str) -> ConflictError:
         running = await self._in_progress(name)
-        which = "another" if running is None else (
-            f"{running.release_id} ({running.from_version} -> {running.to_version}, "
+        which = "" if running is None else (
+            f": {running.release_id} ({running.from_version} -> {running.to_version}, "
             f"{running.state})")
-        return ConflictError(f"model {name!r} already has a release in progress: {which}; wait "
+        return ConflictError(f"model {name!r} already has a release in progress{which}; wait "
                              f"for it to finish or roll it back with `strata rollback {name}`")
 
 
