@@ -29,7 +29,13 @@ from strata.gateway.retry import RetryBudget
 from strata.gateway.sessions import SessionRouter
 from strata.gateway.sources import InstanceSource
 from strata.gateway.upstream import RelayResponse, create_client, error_response
-from strata.gateway.versions import MOVED_HEADER, VersionChoice, VersionRouter, VersionStats
+from strata.gateway.versions import (
+    MOVED_HEADER,
+    SESSION,
+    VersionChoice,
+    VersionRouter,
+    VersionStats,
+)
 from strata.registry.base import Registry
 from strata.registry.models import ModelRegistry
 from strata.state.pins import PinStore, create_pin_store
@@ -74,10 +80,14 @@ class Gateway:
             cached = await self.cache.lookup(key)
             if cached is not None:
                 return _cached_answer(cached, request, choice)
-        if self.sessions is not None:
-            response = await self.sessions.forward(self.proxy, request)
-        else:
-            response = await self.proxy.forward(request)
+        response = await self._send(request)
+        if _version_is_gone(choice, response):  # retired under our feet: the session moves
+            assert choice is not None and self.versions is not None
+            route = request.route
+            choice = await self.versions.choose(route.model, None, route.session_id,
+                                                avoid=choice.version)
+            response = await self._send(replace(request, route=replace(
+                route, version=choice.version)))
         if choice is not None and choice.moved_from is not None:
             response.headers[MOVED_HEADER] = f"{choice.moved_from}->{choice.version}"
         if key is not None and self.cache is not None and not isinstance(response, RelayResponse):
@@ -100,6 +110,11 @@ class Gateway:
         if model is None or not isinstance(body, dict):
             return None
         return cache_key(request.path, body, model=model, version=choice.version)
+
+    async def _send(self, request: ProxyRequest) -> Response:
+        if self.sessions is not None:
+            return await self.sessions.forward(self.proxy, request)
+        return await self.proxy.forward(request)
 
     async def _version(self, request: ProxyRequest) -> VersionChoice | None:
         if self.versions is None:
@@ -185,6 +200,13 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
                 api_key=config.api_keys[0] if config.api_keys else None,
                 config=config.versions.release)
     return gateway
+
+
+def _version_is_gone(choice: VersionChoice | None, response: Response) -> bool:
+    """A session's pinned version had no instance able to take the request (the gateway's view
+    of a retiring version can lag the registry by one refresh)."""
+    return (choice is not None and choice.source == SESSION and choice.moved_from is None
+            and response.status_code in (502, 503) and not isinstance(response, RelayResponse))
 
 
 def _cached_answer(body: bytes, request: ProxyRequest, choice: VersionChoice | None) -> Response:

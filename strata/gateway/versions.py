@@ -76,8 +76,10 @@ class VersionRouter:
         return {v.version for v in self.instances.snapshot()
                 if v.model == model and (v.is_routable or not routable)}
 
-    async def choose(self, model: str | None, version: str | None,
-                     session_id: str | None) -> VersionChoice:
+    async def choose(self, model: str | None, version: str | None, session_id: str | None,
+                     *, avoid: str | None = None) -> VersionChoice:
+        """The version for a request; `avoid`: a session's version that just failed to take it
+        (every instance of it gone), so the session moves as if that version had retired."""
         if model is None and len(self.routing) == 1:
             model = next(iter(self.routing))
         if model is None:
@@ -88,7 +90,7 @@ class VersionRouter:
         if routing is None or routing.live is None:
             return VersionChoice(None, ANY)
         if session_id is not None and self.pins is not None:
-            return await self._for_session(session_id, routing)
+            return await self._for_session(session_id, routing, avoid)
         is_canary = routing.canary is not None and self.rng.random() < routing.canary_weight
         return VersionChoice(routing.canary, CANARY) if is_canary else VersionChoice(
             routing.live, LIVE)
@@ -102,9 +104,10 @@ class VersionRouter:
                              reason=f"Version `{version}` of model `{model}` does not exist; "
                                     f"versions: {listed}")
 
-    async def _for_session(self, session_id: str, routing: ModelRouting) -> VersionChoice:
+    async def _for_session(self, session_id: str, routing: ModelRouting,
+                           avoid: str | None) -> VersionChoice:
         assert self.pins is not None
-        routable = self.served(routing.name, routable=True)
+        routable = self.served(routing.name, routable=True) - {avoid}
         key = f"{routing.name}\x00{session_id}"
         try:
             pinned = await self.pins.get(key)
