@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from strata.commands import aio
 from strata.commands.argtypes import (
     non_negative_float,
+    non_negative_int,
     port_number,
     positive_float,
     positive_int,
@@ -83,6 +84,7 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="a session expires this long after its last stored turn")
     p.add_argument("--session-redis-appendfsync", choices=("always", "everysec", "no"),
                    default=None, help="set Redis AOF fsync for the session store (CONFIG SET)")
+    _add_kv_flags(p)
     p.add_argument("--simulate", default=None, metavar="PROFILE",
                    help="answer from a latency model instead of the maths (a profile JSON or a "
                         "bundled name such as smollm2-cpu); labelled simulated everywhere")
@@ -92,6 +94,23 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="file with one API key per line (STRATA_API_KEYS adds more)")
     p.add_argument("--rate-limit-per-s", type=positive_float, default=None,
                    help="requests per second allowed per API key")
+
+
+def _add_kv_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-store", default=None, metavar="URL",
+                   help="KV block store for --kv-offload (memory://, redis://HOST:PORT/DB; "
+                        "best a Redis of its own)")
+    p.add_argument("--kv-offload", action="store_true",
+                   help="publish finished requests' KV blocks to --kv-store and fetch missing "
+                        "prefixes from it instead of recomputing them (default off)")
+    p.add_argument("--kv-ttl-s", type=positive_float, default=3600.0,
+                   help="a published KV block expires this long after it was written")
+    p.add_argument("--kv-min-fetch-tokens", type=non_negative_int, default=256,
+                   help="prompts shorter than this never fetch (recomputing is cheaper)")
+    p.add_argument("--kv-max-put-mb", type=positive_float, default=256.0,
+                   help="at most this much KV published per request (leading blocks kept)")
+    p.add_argument("--kv-redis-maxmemory-mb", type=positive_int, default=None,
+                   help="CONFIG SET maxmemory and maxmemory-policy allkeys-lru on the KV Redis")
 
 
 def run(args: argparse.Namespace, env: CliEnv) -> int:
@@ -131,6 +150,9 @@ def _run_simulated(args: argparse.Namespace, env: CliEnv, started: float) -> int
 
     if args.no_chunked_prefill:
         raise ConfigError("--no-chunked-prefill is not supported with --simulate")
+    if args.kv_offload:
+        raise ConfigError("--kv-offload needs the real model (a simulated instance has no KV "
+                          "to publish); drop --kv-offload or --simulate")
     profile = load_profile(args.simulate)
     name = args.served_model_name or profile.model
     async_engine, tokenizer = build_simulated_async_engine(
@@ -157,7 +179,8 @@ def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    executor = TorchExecutor(loaded.config, loaded.weights, dtype=args.dtype, device=device)
+    executor = TorchExecutor(loaded.config, loaded.weights, dtype=args.dtype, device=device,
+                             model_name=name, model_version=args.model_version or "default")
     max_model_len = args.max_model_len or min(loaded.config.max_position_embeddings,
                                               DEFAULT_MAX_MODEL_LEN)
     scheduler_config = scheduler_config_from(args, max_model_len)
@@ -204,7 +227,8 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, async_engine: AsyncE
                                  model_version=args.model_version or "default",
                                  session_store_url=args.session_store,
                                  session_ttl_s=args.session_ttl_s,
-                                 session_redis_appendfsync=args.session_redis_appendfsync)
+                                 session_redis_appendfsync=args.session_redis_appendfsync,
+                                 **_kv_options(args))
     app = create_app(async_engine, tokenizer, server_config, registration=registration)
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=args.log_level, access_log=args.log_level == "debug",
@@ -218,6 +242,14 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, async_engine: AsyncE
     await server.serve(sockets=[sock])  # the lifespan shutdown drains, deregisters, stops
     announce.cancel()
     return 0
+
+
+def _kv_options(args: argparse.Namespace) -> dict[str, Any]:
+    maxmemory_mb = args.kv_redis_maxmemory_mb
+    return {"kv_offload": args.kv_offload, "kv_store_url": args.kv_store,
+            "kv_ttl_s": args.kv_ttl_s, "kv_min_fetch_tokens": args.kv_min_fetch_tokens,
+            "kv_max_put_bytes": int(args.kv_max_put_mb * (1 << 20)),
+            "kv_redis_maxmemory_bytes": maxmemory_mb << 20 if maxmemory_mb else None}
 
 
 def _bind(host: str, port: int) -> socket.socket:

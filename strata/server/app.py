@@ -50,10 +50,12 @@ from strata.server.async_engine import AsyncEngine
 from strata.server.body_limit import BodyLimitMiddleware, ModelVersionHeader
 from strata.server.config import ServerConfig
 from strata.server.errors import install_error_handlers
+from strata.server.kv_offload import open_kv_offload
 from strata.server.metrics import ServerMetrics
 from strata.server.registration import Registration, engine_load
 from strata.server.session_routes import install_session_routes, sessions_of
 from strata.server.translate import ServerTokenizer, chat_prompt
+from strata.state.kv_store import KVStore
 from strata.state.sessions import SessionStore, create_session_store
 
 M = TypeVar("M", bound=BaseModel)
@@ -105,17 +107,22 @@ async def _drain_registration(registration: Registration, engine: AsyncEngine,
 
 def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: ServerConfig,
                *, registration: Registration | None = None,
-               session_store: SessionStore | None = None) -> FastAPI:
+               session_store: SessionStore | None = None,
+               kv_store: KVStore | None = None) -> FastAPI:
     """The FastAPI app serving `async_engine`; starts the engine thread.
 
     With `registration`, the lifespan registers the instance, heartbeats and deregisters it.
     Sessions use `session_store`, else the lifespan opens (and closes) the store named by
-    `config.session_store_url`; with neither, a request with a session id is a 400."""
+    `config.session_store_url`; with neither, a request with a session id is a 400.
+    With `config.kv_offload`, KV blocks go to `kv_store` or the store `config.kv_store_url`
+    names (kv_offload.py); the lifespan closes it."""
     async_engine.start()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = _open_sessions(app, session_store, async_engine, tokenizer, config)
+        kv = _ctx(app).kv_offload = open_kv_offload(config, async_engine.engine,
+                                                   app.state.metrics.kv, kv_store)
         if registration is not None:
             registration.start()
         yield
@@ -129,6 +136,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
             await registration.stop()
         if owned is not None:  # last: streams that finished during the drain stored their turn
             await owned.close()
+        if kv is not None:
+            await kv.close(config.shutdown_timeout_s)
 
     app = FastAPI(title="Strata", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.draining = False

@@ -19,16 +19,24 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
+from strata.engine.config import CacheConfig
 from strata.engine.outputs import EngineStats, RequestOutput
 from strata.engine.request import FinishReason, Request
 from strata.errors import EngineDeadError
-from strata.types import RequestId
+from strata.types import BlockHash, RequestId
 
 logger = logging.getLogger("strata.server")
 
 
 class EngineCore(Protocol):
-    """What AsyncEngine needs of `strata.engine.engine.Engine`."""
+    """What AsyncEngine (and KV offload) need of `strata.engine.engine.Engine`. Only
+    `validate_request`, `block_hashes` and `num_cached_blocks` are called off the engine thread."""
+
+    cache_config: CacheConfig
+
+    def block_hashes(self, token_ids: list[int], cache_salt: str = "") -> list[BlockHash]: ...
+
+    def num_cached_blocks(self, hashes: list[BlockHash]) -> int: ...
 
     def validate_request(self, request: Request) -> None: ...
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from strata.errors import ConfigError
+from strata.state.kv_store import KVStoreLimits
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,15 @@ class ServerConfig:
     session_store_url: str | None = None  # memory://, sqlite:///PATH, redis://...; None: off
     session_ttl_s: float | None = 86_400.0  # sliding: each stored turn restarts it; None: never
     session_redis_appendfsync: str | None = None  # "always": CONFIG SET AOF on the Redis store
+    # KV offload (kv_offload.py): publish finished requests' KV blocks to the store, fetch
+    # missing prefixes from it. Prompts shorter than kv_min_fetch_tokens never fetch.
+    kv_offload: bool = False
+    kv_store_url: str | None = None  # memory://, redis://...
+    kv_ttl_s: float | None = 3600.0
+    kv_max_block_bytes: int = 16 << 20
+    kv_max_put_bytes: int = 256 << 20
+    kv_min_fetch_tokens: int = 256
+    kv_redis_maxmemory_bytes: int | None = None  # set: CONFIG SET maxmemory + allkeys-lru
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -52,6 +62,17 @@ class ServerConfig:
                               "pass None for sessions that never expire")
         if self.retry_after_s <= 0:
             raise ConfigError(f"retry_after_s must be positive, got {self.retry_after_s}")
+        if self.kv_offload and not self.kv_store_url:
+            raise ConfigError("KV offload needs a KV store: pass --kv-store URL "
+                              "(memory:// or redis://HOST:PORT/DB)")
+        if self.kv_min_fetch_tokens < 0:
+            raise ConfigError(f"kv_min_fetch_tokens must be >= 0, got {self.kv_min_fetch_tokens}")
+        self.kv_limits()  # validates the store limits
+
+    def kv_limits(self) -> KVStoreLimits:
+        return KVStoreLimits(ttl_s=self.kv_ttl_s, max_block_bytes=self.kv_max_block_bytes,
+                             max_put_bytes=self.kv_max_put_bytes,
+                             redis_maxmemory_bytes=self.kv_redis_maxmemory_bytes)
 
 
 __all__ = ["ServerConfig"]

@@ -16,6 +16,7 @@ from strata.engine.outputs import RequestOutput
 from strata.engine.request import Logprob, Request
 from strata.protocol.openai import PromptTokensDetails, UsageInfo
 from strata.server.async_engine import AsyncEngine
+from strata.server.kv_offload import KVOffload, publishing
 from strata.server.metrics import ServerMetrics, track
 
 Outputs = AsyncGenerator[RequestOutput, None]
@@ -110,11 +111,18 @@ async def _pump(index: int, stream: Outputs,
 
 
 async def start(engine: AsyncEngine, requests: list[Request], prompt_indices: list[int],
-                metrics: ServerMetrics, clock: Callable[[], float]) -> Generation:
-    """Queue `requests` (validated synchronously by the engine) and await their first outputs."""
+                metrics: ServerMetrics, clock: Callable[[], float],
+                kv_offload: KVOffload | None = None) -> Generation:
+    """Queue `requests` (validated synchronously by the engine) and await their first outputs.
+    With `kv_offload`, missing prefixes are fetched first and finished KV is published."""
+    if kv_offload is not None:
+        for request in requests:
+            engine.engine.validate_request(request)  # nothing is fetched for a refused request
+        await kv_offload.prepare(requests)
     streams: list[Outputs] = []
     for request in requests:
-        streams.append(track(engine.generate(request), metrics, request.arrival_time, clock))
+        stream = track(engine.generate(request), metrics, request.arrival_time, clock)
+        streams.append(publishing(stream, kv_offload) if kv_offload is not None else stream)
     firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
     choices = [ChoiceState(i, p) for i, p in enumerate(prompt_indices)]
     generation = Generation(choices, [], streams)

@@ -52,6 +52,7 @@ class ServerMetrics:
         self.success = Counter("strata:request_success_total", "Finished requests.",
                                [*labels, "finish_reason"], registry=reg)
         self._seen_preemptions = 0
+        self.kv = KVOffloadMetrics(reg, model_name)
 
     def observe_finished(self, timing: RequestTiming, output: RequestOutput) -> None:
         """Record one finished request."""
@@ -78,11 +79,46 @@ class ServerMetrics:
         if stats.num_preemptions > self._seen_preemptions:
             self.preemptions.labels(model).inc(stats.num_preemptions - self._seen_preemptions)
             self._seen_preemptions = stats.num_preemptions
+        self.kv.refresh(stats)
 
     def render(self, stats: EngineStats) -> bytes:
         """The Prometheus text exposition, gauges refreshed from `stats`."""
         self.refresh(stats)
         return generate_latest(self.registry)
+
+
+class KVOffloadMetrics:
+    """`strata:kv_*`: KV blocks fetched from and published to the external store."""
+
+    def __init__(self, reg: CollectorRegistry, model_name: str) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            made = Counter(f"strata:kv_{name}", doc, ["model_name"], registry=reg)
+            made.labels(model_name)  # shown (as 0) before the first event
+            return made
+
+        self.fetched_blocks = counter("fetched_blocks_total", "KV blocks fetched from the store.")
+        self.fetched_bytes = counter("fetched_bytes_total", "Bytes of KV fetched from the store.")
+        self.fetch_errors = counter("fetch_errors_total", "Fetches that failed (store down).")
+        self.fetch_s = Histogram("strata:kv_fetch_seconds", "Time to fetch a prompt's KV.",
+                                 ["model_name"], buckets=_LATENCY_BUCKETS_S, registry=reg)
+        self.published_blocks = counter("published_blocks_total", "KV blocks written.")
+        self.published_bytes = counter("published_bytes_total", "Bytes of KV written.")
+        self.publish_errors = counter("publish_errors_total",
+                                      "Publishes that failed or were dropped (backlog full).")
+        self.decode_failures = counter("decode_failures_total",
+                                       "Fetched blocks refused (other layout, bad checksum).")
+        self.external_hit_tokens = counter("external_hit_tokens_total",
+                                           "Prompt tokens served by fetched KV.")
+        self._model = model_name
+        self._seen = (0, 0)
+
+    def refresh(self, stats: EngineStats) -> None:
+        failures, hits = self._seen
+        self.decode_failures.labels(self._model).inc(
+            max(0, stats.num_kv_import_failures - failures))
+        self.external_hit_tokens.labels(self._model).inc(
+            max(0, stats.num_external_hit_tokens - hits))
+        self._seen = (stats.num_kv_import_failures, stats.num_external_hit_tokens)
 
 
 @dataclass(slots=True)
@@ -112,4 +148,4 @@ async def track(outputs: AsyncGenerator[RequestOutput, None], metrics: ServerMet
         await outputs.aclose()
 
 
-__all__ = ["RequestTiming", "ServerMetrics", "track"]
+__all__ = ["KVOffloadMetrics", "RequestTiming", "ServerMetrics", "track"]

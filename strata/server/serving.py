@@ -28,8 +28,8 @@ from strata.server import translate as tr
 from strata.server.async_engine import AsyncEngine
 from strata.server.config import ServerConfig
 from strata.server.generation import ChoiceState, Generation, start, usage
+from strata.server.kv_offload import KVOffload
 from strata.server.metrics import ServerMetrics
-
 
 
 def fingerprint(config: ServerConfig) -> str:
@@ -44,6 +44,7 @@ class ServingContext:
     config: ServerConfig
     metrics: ServerMetrics
     clock: Callable[[], float] = time.monotonic
+    kv_offload: KVOffload | None = None  # set by the app's lifespan when KV offload is on
 
 
 @dataclass(slots=True)
@@ -75,7 +76,8 @@ async def start_completion(ctx: ServingContext, req: CompletionRequest) -> Start
                                               ctx.tokenizer, arrival))
             indices.append(p)
     echo = [ctx.tokenizer.decode(prompts[p]) if req.echo else "" for p in indices]
-    generation = await start(ctx.engine, requests, indices, ctx.metrics, ctx.clock)
+    generation = await start(ctx.engine, requests, indices, ctx.metrics, ctx.clock,
+                             ctx.kv_offload)
     return Started(rid, req.model or ctx.config.served_model_name, generation, echo,
                    int(time.time()))
 
@@ -94,7 +96,8 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest) -> Started
             req, ctx.tokenizer, arrival)
         for j in range(req.n)
     ]
-    generation = await start(ctx.engine, requests, [0] * req.n, ctx.metrics, ctx.clock)
+    generation = await start(ctx.engine, requests, [0] * req.n, ctx.metrics, ctx.clock,
+                             ctx.kv_offload)
     return Started(rid, req.model or ctx.config.served_model_name, generation,
                    [""] * req.n, int(time.time()))
 
