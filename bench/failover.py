@@ -4,7 +4,7 @@
 
 Each run starts a fresh cluster (so the supervisor's restart backoff starts from its base each
 time), keeps CONCURRENCY streams of STREAM_TOKENS tokens flowing (closed loop; a 20 ms/step
-synthetic profile makes a stream last about a second), SIGKILLs instance-1 and measures:
+synthetic profile makes a stream last about a second), SIGKILLs its second instance and measures:
 - the time from the kill to the error event of every broken stream (p50 / max);
 - requests that failed among those that had not started streaming at the kill (target 0);
 - the time until the gateway stops routing to the instance (GET /admin/instances, every 20 ms);
@@ -37,7 +37,7 @@ from strata.sim.profile import LatencyProfile
 MODEL = "sim-failover"
 PROFILE = LatencyProfile(model=MODEL, source="synthetic", prefill_ms_base=2.0,
                          prefill_ms_per_token=0.05, decode_ms_base=20.0, decode_ms_per_seq=0.2)
-VICTIM = "instance-1"
+VICTIM = f"{MODEL}-default-1"  # `strata up` names instances {model}-{version}-{index}
 CONCURRENCY = 12
 STREAM_TOKENS = 50
 
@@ -59,20 +59,25 @@ class Stream:
                 or bool(self.exception))
 
 
-def start_cluster(root: Path) -> tuple[subprocess.Popen[str], str, Path]:
+def start_cluster(root: Path, args: list[str] | None = None, replicas: int = 3,
+                  env_extra: dict[str, str] | None = None
+                  ) -> tuple[subprocess.Popen[str], str, Path]:
+    """`strata up` in its own process group; (process, gateway URL, run dir). Without `args`,
+    the synthetic failover profile."""
     port, run_dir = free_port(), root / "run"
-    PROFILE.save(root / "profile.json")
-    env = {**os.environ, "STRATA_RUN_DIR": str(run_dir)}
-    cmd = [PY, "-m", "strata.cli", "up", "--replicas", "3", "--port", str(port),
-           "--log-level", "warning", "--simulate", str(root / "profile.json"),
-           "--served-model-name", MODEL]
+    if args is None:
+        PROFILE.save(root / "profile.json")
+        args = ["--simulate", str(root / "profile.json"), "--served-model-name", MODEL]
+    env = {**os.environ, "STRATA_RUN_DIR": str(run_dir), **(env_extra or {})}
+    cmd = [PY, "-m", "strata.cli", "up", "--replicas", str(replicas), "--port", str(port),
+           "--log-level", "warning", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=ROOT, start_new_session=True)
     assert proc.stdout is not None
-    deadline, lines = time.monotonic() + 120, []
+    deadline, lines = time.monotonic() + 300, []
     while time.monotonic() < deadline and (line := proc.stdout.readline()):
         lines.append(line)
-        if m := re.search(r"instances behind (http://127\.0\.0\.1:\d+)", line):
+        if m := re.search(r"instances? .*behind (http://127\.0\.0\.1:\d+)", line):
             return proc, m.group(1), run_dir
     stop_cluster(proc)
     raise RuntimeError("strata up did not start:\n" + "".join(lines[-30:]))
