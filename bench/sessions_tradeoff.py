@@ -7,6 +7,9 @@ ignore_eos), all sessions at once, each session's turns one after the other. Mod
     recompute    strata gateway --policy round_robin --session-routing external, instances with
                  --no-prefix-cache: the history is loaded from the store and recomputed each turn
     round_robin  the same with the prefix cache on: recomputed unless that instance has it cached
+    external_kv  round_robin with KV offload (--kv-offload, KV store in the same Redis): each turn
+                 publishes its KV blocks; the next turn's instance fetches the history's blocks
+                 it lacks instead of recomputing them
     sticky       strata gateway --session-routing sticky (bounded-load consistent hash, pins
                  in Redis)
     hybrid       strata gateway --session-routing hybrid (sticky; a moved session rebuilds from
@@ -16,8 +19,7 @@ ignore_eos), all sessions at once, each session's turns one after the other. Mod
                  vllm-router hashes the X-User-ID header (X-Session-Id would turn on Strata
                  sessions)
 
-TODO(kv-offload): add `external+kv` (round robin, KV blocks fetched from Redis) once KV offload
-is built, and report from which history length fetching beats recomputing on this CPU.
+From which history length fetching KV beats recomputing it on this CPU: bench/kv_offload.py.
 
 Per mode: TTFT p50/p99 (streamed, first content chunk), TTFT p50 per turn number, turns/s,
 output tokens/s and the prefix-hit rate (sum of usage.prompt_tokens_details.cached_tokens over
@@ -56,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / ".bench" / "peers"
 RESULTS = ROOT / ".bench" / "results" / "sessions_tradeoff.json"
 PLOT = ROOT / "docs" / "img" / "sessions_tradeoff.png"
-STRATA_MODES = ("recompute", "round_robin", "sticky", "hybrid")
+STRATA_MODES = ("recompute", "round_robin", "external_kv", "sticky", "hybrid")
 RUST_MODES = ("sglang-cache_aware", "vllm-consistent_hash")
 MODES = STRATA_MODES + RUST_MODES
 WORDS = ("time year people way day man thing woman life child world school state family student "
@@ -283,9 +285,16 @@ def summarize(turns: list[Turn], wall_s: float, num_turns: int) -> dict[str, Any
             "ttft_p50_by_turn_s": [statistics.median(v) if v else None for v in by_turn]}
 
 
+def instance_flags(mode: str, redis_url: str) -> list[str]:
+    if mode == "recompute":
+        return ["--no-prefix-cache"]
+    if mode == "external_kv":
+        return ["--kv-store", redis_url, "--kv-offload", "--kv-min-fetch-tokens", "64"]
+    return []
+
+
 def run_mode(mode: str, args: argparse.Namespace, redis_url: str, log_dir: Path) -> dict:
-    procs = start_instances(args, redis_url, log_dir,
-                            ["--no-prefix-cache"] if mode == "recompute" else [])
+    procs = start_instances(args, redis_url, log_dir, instance_flags(mode, redis_url))
     try:
         router = start_router(mode, [p.url for p in procs], redis_url, log_dir)
         procs.append(router)
