@@ -94,8 +94,9 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
         _wait_ready(supervisor, config, args.ready_timeout_s, lambda: stop["now"])
         if not stop["now"]:
             _write_cluster_file(config)
-            print(f"Strata cluster: {config.replicas} instances of {seed.version.key} behind "
-                  f"http://{config.host}:{config.port} (logs in {config.log_dir})", flush=True)
+            print(f"Strata cluster: {config.replicas} instances behind "
+                  f"http://{config.host}:{config.port} serving {seed.version.key} "
+                  f"(logs in {config.log_dir})", flush=True)
         supervisor.run_forever(lambda: stop["now"])
     finally:
         print("stopping the cluster...", flush=True)

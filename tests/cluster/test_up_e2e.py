@@ -25,6 +25,7 @@ from openai import OpenAI
 from serve_process import shared_model_cache
 
 from strata.cluster.local import free_port
+from strata.registry.model_registry import create_model_registry
 from strata.sim.profile import LatencyProfile
 
 MODEL = "sim-model"
@@ -158,7 +159,7 @@ def test_openai_client_through_the_gateway_spreads_over_instances(cluster: Clust
 
 
 def test_sigkill_under_load_fails_over_and_the_instance_rejoins(cluster: Cluster) -> None:
-    victim = "instance-1"
+    victim = "sim-model-default-1"
 
     killed_pid = cluster.pids()[victim]
 
@@ -197,7 +198,7 @@ def test_sigkill_under_load_fails_over_and_the_instance_rejoins(cluster: Cluster
 def test_drain_loses_no_request(cluster: Cluster) -> None:
     wait_until(lambda: sum(i["routable"] for i in cluster.instances().values()) == 3, 90,
                "3 routable instances")
-    target = "instance-2"
+    target = "sim-model-default-2"
 
     async def story() -> list[StreamResult]:
         async with httpx.AsyncClient(base_url=cluster.url, timeout=30) as client:
@@ -211,6 +212,57 @@ def test_drain_loses_no_request(cluster: Cluster) -> None:
     results = asyncio.run(story())
     assert all(r.done and r.error_at is None and r.finish_reason == "length" for r in results)
     assert all(r.instance != target for r in results[9:]), "a draining instance gets no new work"
+
+
+def test_a_restarted_cluster_keeps_the_catalogue_and_serves_what_its_flags_say(
+    tmp_path: Path,
+) -> None:
+    first = start_cluster(["--simulate", "smollm2-cpu", "--model-version", "v1",
+                           "--replicas", "1"], tmp_path)
+    try:
+        cluster_file = first.run_dir / "cluster.json"
+        assert json.loads(cluster_file.read_text()) == {
+            "gateway_url": first.url, "pid": first.proc.pid,
+            "registry_url": f"sqlite:///{first.run_dir.resolve()}/registry.db"}
+        again = subprocess.run(
+            [sys.executable, "-m", "strata.cli", "up", "--simulate", "smollm2-cpu"],
+            env={**os.environ, "STRATA_RUN_DIR": str(first.run_dir)}, capture_output=True,
+            text=True, timeout=60)
+        assert again.returncode == 1 and "already running" in again.stderr
+    finally:
+        assert first.stop() == 0
+    assert not cluster_file.exists()
+    registry_url = f"sqlite:///{first.run_dir.resolve()}/registry.db"
+
+    second = start_cluster(["--simulate", "smollm2-cpu", "--model-version", "v2",
+                            "--replicas", "1"], tmp_path)
+    try:
+        assert list(second.instances()) == ["SmolLM2-135M-Instruct-v2-0"]
+        catalogue, deployments, routing = asyncio.run(registry_state(registry_url))
+        assert catalogue == ["SmolLM2-135M-Instruct@v1", "SmolLM2-135M-Instruct@v2"]
+        assert deployments == ["SmolLM2-135M-Instruct@v2"]
+        assert routing == ("v2", "v1")
+    finally:
+        assert second.stop() == 0
+
+    PROFILE.save(tmp_path / "profile.json")
+    moved = subprocess.run(  # same name@version, other weights: refused, nothing started
+        [sys.executable, "-m", "strata.cli", "up", "--model-version", "v1", "--simulate",
+         str(tmp_path / "profile.json"), "--served-model-name", "SmolLM2-135M-Instruct"],
+        env={**os.environ, "STRATA_RUN_DIR": str(second.run_dir)}, capture_output=True,
+        text=True, timeout=60)
+    assert moved.returncode == 1 and "pick another --model-version" in moved.stderr
+
+
+async def registry_state(url: str) -> tuple[list[str], list[str], tuple[str | None, ...]]:
+    models = create_model_registry(url)
+    try:
+        routing = await models.get_routing("SmolLM2-135M-Instruct")
+        return ([v.key for v in await models.list_versions()],
+                [d.key for d in await models.list_deployments()],
+                (routing.live, routing.previous) if routing else ())
+    finally:
+        await models.close()
 
 
 @pytest.mark.network
