@@ -6,6 +6,7 @@ id: supervision and reconciliation are about processes, not about what they serv
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import stat
 from collections.abc import Coroutine, Iterator
@@ -198,3 +199,40 @@ def test_invalid_config_is_refused() -> None:
         LocalClusterConfig(replicas=1, run_dir=Path("/tmp"), reconcile_interval_s=0)
 
 
+
+
+def test_a_registry_it_cannot_open_is_logged_once_and_retried_until_it_can(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    blocker = tmp_path / "state"
+    blocker.write_text("a file where the registry's directory should be")
+    url = f"sqlite:///{blocker}/registry.db"
+    clock = Clock()
+    config = LocalClusterConfig(replicas=1, run_dir=tmp_path, registry=url,
+                                reconcile_interval_s=0.5, stop_timeout_s=5.0)
+    sup = Supervisor(config, python=fake_python(tmp_path), clock=clock)
+    try:
+        with caplog.at_level(logging.WARNING, logger="strata.up"):
+            sup.start()
+            for _ in range(3):
+                clock.now += 0.5
+                sup.poll()
+        assert len(caplog.records) == 1
+        assert caplog.records[0].getMessage().startswith(f"registry {url} unavailable")
+        assert sup.gateway.is_running and sup.instances == {}
+
+        blocker.unlink()
+        blocker.mkdir()
+
+        async def deploy() -> None:
+            models = create_model_registry(url)
+            await models.add_version(V1)
+            await models.put_deployment(Deployment("m", "v1", 1), expected_revision=0)
+            await models.close()
+
+        asyncio.run(deploy())
+        clock.now += 0.5
+        sup.poll()
+        assert list(sup.instances) == ["m-v1-0"]
+    finally:
+        sup.stop()
