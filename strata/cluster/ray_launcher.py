@@ -162,9 +162,10 @@ class RayLauncher:
                            num_returns=len(draining), timeout=0)
         for iid, handle in draining.items():
             if handle.stopping in done:
+                code = ray.get(handle.stopping)
                 ray.kill(handle.actor, no_restart=True)
                 del self.instances[iid]
-                log.info("%s drained; its actor is gone", iid)
+                log.info("%s drained and exited with %s; its actor is gone", iid, code)
 
     def _reconcile(self) -> None:
         assert self._reconciler is not None
