@@ -233,7 +233,8 @@ class Supervisor:
     def stop(self) -> None:
         """SIGTERM everything (gateway first, so no new traffic), wait, then SIGKILL."""
         for child in [self.gateway, *self.instances.values()]:
-            if child.is_running and child.proc is not None:
+            # a draining child already has its SIGTERM; a second one would cut its drain short
+            if child.is_running and child.proc is not None and not child.is_draining:
                 child.proc.send_signal(signal.SIGTERM)
         deadline = self.clock() + self.config.stop_timeout_s
         for child in self.children:

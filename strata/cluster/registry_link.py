@@ -116,7 +116,8 @@ class Reconciler:
             for deployment in actions.delete:
                 self.link.finish_retired(deployment)
         except (StrataError, OSError) as e:
-            self._report(f"registry {self.link.url} unavailable this round ({e}); retrying")
+            self._report(f"reconcile with registry {self.link.url} failed this round ({e}); "
+                         "retrying")
             return None
         self._report(_missing_message(actions.missing_versions))
         return actions

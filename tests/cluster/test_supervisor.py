@@ -218,7 +218,7 @@ def test_a_registry_it_cannot_open_is_logged_once_and_retried_until_it_can(
                 clock.now += 0.5
                 sup.poll()
         assert len(caplog.records) == 1
-        assert caplog.records[0].getMessage().startswith(f"registry {url} unavailable")
+        assert caplog.records[0].getMessage().startswith(f"reconcile with registry {url} failed")
         assert sup.gateway.is_running and sup.instances == {}
 
         blocker.unlink()
