@@ -59,6 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000, help="the gateway's port")
     p.add_argument("--policy", default=None, help="gateway routing policy")
+    p.add_argument("--gateway-arg", action="append", default=[], metavar="FLAG",
+                   help="one more `strata gateway` flag, repeatable "
+                        "(e.g. --gateway-arg=--max-in-flight=64)")
     p.add_argument("--threads-per-instance", type=positive_int, default=None,
                    help="torch threads per instance (default: cores / replicas, at least 1)")
     p.add_argument("--ready-timeout-s", type=positive_float, default=600.0)
@@ -212,7 +215,7 @@ def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
         if value is not None:
             serve_args += [flag, str(value)]
     threads = args.threads_per_instance or max(1, (os.cpu_count() or 1) // args.replicas)
-    gateway_args = ["--policy", args.policy] if args.policy else []
+    gateway_args = [*(["--policy", args.policy] if args.policy else []), *args.gateway_arg]
     return LocalClusterConfig(
         replicas=args.replicas, run_dir=env.run_dir, model=args.model, host=args.host,
         port=args.port, serve_args=tuple(serve_args), gateway_args=tuple(gateway_args),

@@ -105,3 +105,17 @@ def test_the_seeded_name_is_the_one_strata_serve_would_serve(tmp_path: Path) -> 
     assert up_args(str(model_dir)).manifest_sha256 == hashlib.sha256(
         manifest.read_bytes()).hexdigest()
     assert up_args("s3://bucket/models/tiny/").name == "tiny"
+
+
+def test_gateway_flags_pass_through_and_version_flags_stay_with_the_version(
+    tmp_path: Path,
+) -> None:
+    from strata.commands.env import CliEnv
+    from strata.commands.up import _config
+
+    args = build_parser().parse_args(
+        ["up", "--simulate", "smollm2-cpu", "--model-version", "v1", "--dtype", "float32",
+         "--policy", "least_load", "--gateway-arg=--max-in-flight=8", "--gateway-arg=--x"])
+    config = _config(args, CliEnv(cache_dir=tmp_path, run_dir=tmp_path / "run"))
+    assert config.gateway_args == ("--policy", "least_load", "--max-in-flight=8", "--x")
+    assert config.serve_args == ("--log-level", "warning", "--dtype", "float32")
