@@ -13,7 +13,6 @@ its sha256 is registered with the version.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,7 @@ from typing import Any
 from strata.commands.control import ControlClient, add_control_flags
 from strata.commands.env import CliEnv
 from strata.registry.models import split_model_version
-
-MANIFEST = "manifest.json"
+from strata.store.manifest import local_manifest_sha256
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -65,21 +63,11 @@ def _add(client: ControlClient, args: argparse.Namespace) -> int:
     if version is None:
         version = "default"
     body = {"name": name, "version": version, "uri": args.uri,
-            "manifest_sha256": manifest_sha256(args.uri), "serve_args": args.serve_arg}
+            "manifest_sha256": local_manifest_sha256(args.uri), "serve_args": args.serve_arg}
     stored = client.call("POST", "/admin/models", body)
     digest = stored["manifest_sha256"][:12] or "no manifest"
     print(f"registered {stored['name']}@{stored['version']} -> {stored['uri']} ({digest})")
     return 0
-
-
-def manifest_sha256(uri: str) -> str:
-    """sha256 of a local directory's manifest.json ("" for other URIs or without one); remote
-    storage is checked against its manifest when an instance pulls it."""
-    path = Path(uri[len("file://"):] if uri.startswith("file://") else uri)
-    manifest = path / MANIFEST
-    if "://" in uri and not uri.startswith("file://") or not manifest.is_file():
-        return ""
-    return hashlib.sha256(manifest.read_bytes()).hexdigest()
 
 
 def format_models(models: list[dict[str, Any]]) -> str:
@@ -119,4 +107,4 @@ def _cached(cache_dir: Path) -> int:
     return 0
 
 
-__all__ = ["add_parser", "format_models", "manifest_sha256", "run"]
+__all__ = ["add_parser", "format_models", "run"]

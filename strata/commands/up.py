@@ -27,6 +27,7 @@ from strata.commands.argtypes import port_number, positive_float, positive_int
 from strata.commands.env import CliEnv
 from strata.errors import ConfigError, StrataError
 from strata.registry.models import ModelVersion
+from strata.store.manifest import local_manifest_sha256
 
 
 class Launcher(Protocol):
@@ -121,7 +122,7 @@ def seed_version(args: argparse.Namespace) -> ModelVersion:
     model = args.model or DEFAULT_MODEL
     uri = _absolute_if_local(model)
     name = args.served_model_name or _served_name(model)
-    return ModelVersion(name, version, uri, manifest_sha256=_manifest_sha256(uri))
+    return ModelVersion(name, version, uri, manifest_sha256=local_manifest_sha256(uri))
 
 
 def _absolute_if_local(model: str) -> str:
@@ -143,17 +144,6 @@ def _served_name(model: str) -> str:
         field = GGUFReader(path).get_field("general.name")
         return str(field.contents()) if field is not None else path.stem
     return model.rstrip("/").rpartition("/")[2] if "://" in model else path.resolve().name
-
-
-def _manifest_sha256(uri: str) -> str:
-    """The sha256 of a local model's manifest ("" without one, or for a remote URI)."""
-    from strata.store.manifest import MANIFEST_NAME, manifest_digest
-
-    path = Path(uri)
-    if not path.exists():
-        return ""
-    manifest = (path if path.is_dir() else path.parent) / MANIFEST_NAME
-    return manifest_digest(manifest.read_bytes()) if manifest.is_file() else ""
 
 
 async def _seed(registry_url: str, seed: ClusterSeed) -> None:

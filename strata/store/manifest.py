@@ -145,3 +145,13 @@ def verify_manifest(model_dir: Path, manifest: Manifest | None = None,
 
 def manifest_digest(manifest_bytes: bytes) -> str:
     return hashlib.sha256(manifest_bytes).hexdigest()
+
+
+def local_manifest_sha256(uri: str) -> str:
+    """The sha256 of a local model's manifest (a directory, a file in it, or file://...);
+    "" without one, and for remote storage (checked against its manifest when pulled)."""
+    path = Path(uri[len("file://"):] if uri.startswith("file://") else uri)
+    if "://" in uri and not uri.startswith("file://") or not path.exists():
+        return ""
+    manifest = (path if path.is_dir() else path.parent) / MANIFEST_NAME
+    return manifest_digest(manifest.read_bytes()) if manifest.is_file() else ""

@@ -11,7 +11,7 @@ import pytest
 
 from strata.errors import ConfigError, ModelLoadError
 from strata.store import MANIFEST_NAME, resolve_model_uri, write_manifest
-from strata.store.manifest import sha256_file
+from strata.store.manifest import local_manifest_sha256, manifest_digest, sha256_file
 
 
 @pytest.fixture
@@ -102,3 +102,15 @@ def _listed(model_dir: Path, name: str) -> dict[str, object]:
     files: dict[str, dict[str, object]] = json.loads(
         (model_dir / MANIFEST_NAME).read_text())["files"]
     return files[name]
+
+
+def test_the_registered_digest_is_the_local_manifests(tmp_path: Path) -> None:
+    (tmp_path / "weights.bin").write_bytes(b"w")
+    assert local_manifest_sha256(str(tmp_path)) == ""  # no manifest yet
+    write_manifest(tmp_path)
+    digest = manifest_digest((tmp_path / MANIFEST_NAME).read_bytes())
+    assert local_manifest_sha256(str(tmp_path)) == digest
+    assert local_manifest_sha256(f"file://{tmp_path}") == digest
+    assert local_manifest_sha256(str(tmp_path / "weights.bin")) == digest
+    assert local_manifest_sha256("s3://bucket/model") == ""
+    assert local_manifest_sha256("sim:smollm2-cpu") == ""
