@@ -30,6 +30,8 @@ from strata.gateway.sessions import SessionRouter
 from strata.gateway.sources import InstanceSource
 from strata.gateway.upstream import RelayResponse, create_client, error_response
 from strata.gateway.versions import (
+    CANARY,
+    LIVE,
     MOVED_HEADER,
     SESSION,
     VersionChoice,
@@ -81,13 +83,13 @@ class Gateway:
             if cached is not None:
                 return _cached_answer(cached, request, choice)
         response = await self._send(request)
-        if _version_is_gone(choice, response):  # retired under our feet: the session moves
-            assert choice is not None and self.versions is not None
-            route = request.route
-            choice = await self.versions.choose(route.model, None, route.session_id,
-                                                avoid=choice.version)
-            response = await self._send(replace(request, route=replace(
-                route, version=choice.version)))
+        if _version_is_gone(choice, response):  # retired under a stale view: choose again
+            assert choice is not None
+            retry = await self._version_again(request, choice)
+            if retry is not None and retry.version != choice.version:
+                choice = retry
+                response = await self._send(replace(request, route=replace(
+                    request.route, version=choice.version)))
         if choice is not None and choice.moved_from is not None:
             response.headers[MOVED_HEADER] = f"{choice.moved_from}->{choice.version}"
         if key is not None and self.cache is not None and not isinstance(response, RelayResponse):
@@ -110,6 +112,21 @@ class Gateway:
         if model is None or not isinstance(body, dict):
             return None
         return cache_key(request.path, body, model=model, version=choice.version)
+
+    async def _version_again(self, request: ProxyRequest,
+                             failed: VersionChoice) -> VersionChoice | None:
+        """After no instance of `failed.version` could take the request: a session moves off
+        it; other requests re-read the routing pointers (a flip this gateway has not seen)."""
+        assert self.versions is not None
+        route = request.route
+        if failed.source == SESSION:
+            return await self.versions.choose(route.model, None, route.session_id,
+                                              avoid=failed.version)
+        try:
+            await self.versions.refresh()
+        except Exception:  # the registry is down: the answer stands
+            return None
+        return await self.versions.choose(route.model, None, route.session_id)
 
     async def _send(self, request: ProxyRequest) -> Response:
         if self.sessions is not None:
@@ -203,10 +220,11 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
 
 
 def _version_is_gone(choice: VersionChoice | None, response: Response) -> bool:
-    """A session's pinned version had no instance able to take the request (the gateway's view
-    of a retiring version can lag the registry by one refresh)."""
-    return (choice is not None and choice.source == SESSION and choice.moved_from is None
-            and response.status_code in (502, 503) and not isinstance(response, RelayResponse))
+    """No instance of a version the gateway chose (not one the client named) could take the
+    request: the gateway's view of a retiring version can lag the registry by one refresh."""
+    return (choice is not None and choice.source in (SESSION, LIVE, CANARY)
+            and choice.moved_from is None and response.status_code in (502, 503)
+            and not isinstance(response, RelayResponse))
 
 
 def _cached_answer(body: bytes, request: ProxyRequest, choice: VersionChoice | None) -> Response:

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
+import httpx
 import pytest
-from gateway_fakes import FakeClock, view
+from gateway_fakes import FakeClock, FixedSource, Upstreams, json_answer, view
 
-from strata.gateway.instances import InstanceSet
+from strata.gateway.app import create_gateway_app
+from strata.gateway.config import GatewayConfig, RetryConfig
+from strata.gateway.instances import InstanceSet, InstanceView
 from strata.gateway.requests import RequestParseError, route_request
 from strata.gateway.versions import VersionRouter, VersionStats
 from strata.registry.model_registry import create_model_registry
@@ -136,3 +140,82 @@ def test_version_stats_window_errors_and_ttft_p99() -> None:
     clock.advance(11.0)
     stats.record("m", "v2", is_error=False, ttft_ms=5.0)
     assert stats.summary("m", "v2") == (1, 0, 5.0)
+
+
+def _gateway_app(models: ModelRegistry, upstreams: Upstreams, *views: InstanceView,
+                 cache_url: str | None = None) -> Any:
+    config = GatewayConfig(policy="round_robin", retry=RetryConfig(max_retries=2,
+                                                                   backoff_base_s=0.0),
+                           response_cache_url=cache_url)
+    return create_gateway_app(config, FixedSource(*views), transport=upstreams.transport(),
+                              clock=FakeClock(), run_background=False, models=models)
+
+
+def _answer(version: str) -> Any:
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+                "system_fingerprint": f"strata-x:m@{version}",
+                "choices": [{"index": 0, "text": version, "finish_reason": "length"}]}
+        response = json_answer(body)
+        response.headers["x-model-version"] = f"m@{version}"
+        return response
+    return handler
+
+
+def _draining(request: httpx.Request) -> httpx.Response:
+    return json_answer({"error": {"message": "shutting down"}}, 503)
+
+
+async def _post(app: Any, body: dict[str, Any]) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        return await client.post("/v1/completions", json=body)
+
+
+def test_a_flip_this_gateway_has_not_seen_yet_is_read_again_when_the_old_version_refuses() -> None:
+    async def story() -> None:
+        models = await _registry()
+        upstreams = Upstreams(a=_draining, b=_answer("v2"))
+        app = _gateway_app(models, upstreams, view("a", version="v1"), view("b", version="v2"))
+        gateway = app.state.gateway
+        await gateway.versions.refresh()  # sees live = v1
+        routing = await models.get_routing("m")
+        assert routing is not None
+        await models.set_routing(routing.flipped_to("v2"), expected_revision=routing.revision)
+        answer = await _post(app, {"model": "m", "prompt": "x"})
+        assert answer.status_code == 200
+        assert answer.headers["x-model-version"] == "m@v2"
+        assert [host for host, _ in upstreams.calls] == ["a", "b"]
+        explicit = await _post(app, {"model": "m@v1", "prompt": "x"})
+        assert explicit.status_code == 503  # a version the client named: never another
+
+    asyncio.run(story())
+
+
+def test_the_response_cache_never_answers_for_one_version_with_another() -> None:
+    async def story() -> None:
+        models = await _registry()
+        upstreams = Upstreams(a=_answer("v1"), b=_answer("v2"))
+        app = _gateway_app(models, upstreams, view("a", version="v1"), view("b", version="v2"),
+                           cache_url="memory://")
+        gateway = app.state.gateway
+        await gateway.versions.refresh()
+        body = {"model": "m", "prompt": "same", "max_tokens": 4, "temperature": 0}
+        first, second = await _post(app, body), await _post(app, body)
+        assert (first.headers["x-strata-cache"], second.headers["x-strata-cache"]) == (
+            "miss", "hit")
+        assert second.json()["choices"][0]["text"] == "v1"
+        assert second.json()["id"] != first.json()["id"]
+        routing = await models.get_routing("m")
+        assert routing is not None
+        await models.set_routing(routing.flipped_to("v2"), expected_revision=routing.revision)
+        await gateway.versions.refresh()
+        after = await _post(app, body)
+        assert after.headers["x-strata-cache"] == "miss"
+        assert after.json()["choices"][0]["text"] == "v2"
+        assert (await _post(app, body)).headers["x-strata-cache"] == "hit"
+        random_body = body | {"temperature": 0.8}
+        assert "x-strata-cache" not in (await _post(app, random_body)).headers
+        assert [host for host, _ in upstreams.calls] == ["a", "b", "b"]
+
+    asyncio.run(story())
