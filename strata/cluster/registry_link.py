@@ -79,8 +79,9 @@ class RegistryLink:
         for record in await self.instances.list_instances():
             if record.model == deployment.name and record.version == deployment.version:
                 await self.instances.deregister(record.instance_id)
-        await self.models.delete_deployment(deployment.name, deployment.version)
-        log.info("deployment %s retired: every instance drained", deployment.key)
+        if await self.models.delete_deployment(deployment.name, deployment.version,
+                                               expected_revision=current.revision):
+            log.info("deployment %s retired: every instance drained", deployment.key)
 
     def close(self) -> None:
         async def close_all() -> None:

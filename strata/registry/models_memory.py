@@ -81,8 +81,15 @@ class MemoryModelRegistry:
         self._deployments[deployment.key] = _dump(new)
         return new
 
-    async def delete_deployment(self, name: str, version: str) -> None:
-        self._deployments.pop(f"{name}@{version}", None)
+    async def delete_deployment(self, name: str, version: str, *,
+                                expected_revision: int | None = None) -> bool:
+        key = f"{name}@{version}"
+        stored = self._deployments.get(key)
+        if stored is None or (expected_revision is not None
+                              and json.loads(stored)["revision"] != expected_revision):
+            return False
+        del self._deployments[key]
+        return True
 
     async def list_deployments(self) -> list[Deployment]:
         return [Deployment.from_json(json.loads(self._deployments[k]))

@@ -74,6 +74,16 @@ redis.call('SADD', KEYS[3], ARGV[3])
 return {'ok'}
 """
 
+# KEYS: record, index.  ARGV: expected revision ('' = any), index member.  -> 1 when deleted
+_DELETE_IF = """
+local stored = redis.call('HGET', KEYS[1], 'revision')
+if not stored then return 0 end
+if ARGV[1] ~= '' and tonumber(stored) ~= tonumber(ARGV[1]) then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[2], ARGV[2])
+return 1
+"""
+
 
 class RedisModelRegistry:
     """A ModelRegistry in a Redis server shared by every process using the same URL and prefix."""
@@ -87,6 +97,7 @@ class RedisModelRegistry:
         self._add_version: Any = self._client.register_script(_ADD_VERSION)
         self._cas: Any = self._client.register_script(_CAS)
         self._put_release: Any = self._client.register_script(_PUT_RELEASE)
+        self._delete_if: Any = self._client.register_script(_DELETE_IF)
 
     # --- versions ---------------------------------------------------------------------------
 
@@ -138,15 +149,12 @@ class RedisModelRegistry:
         await self._compare_and_set("deployment", new.key, expected_revision, new)
         return new
 
-    async def delete_deployment(self, name: str, version: str) -> None:
+    async def delete_deployment(self, name: str, version: str, *,
+                                expected_revision: int | None = None) -> bool:
         key = f"{name}@{version}"
-
-        async def write() -> None:
-            async with self._client.pipeline(transaction=True) as pipe:
-                pipe.delete(self._key("deployment", key)).srem(self._key("deployments"), key)
-                await pipe.execute()
-
-        await self._call(write())
+        keys = [self._key("deployment", key), self._key("deployments")]
+        expected = "" if expected_revision is None else str(expected_revision)
+        return bool(await self._call(self._delete_if(keys=keys, args=[expected, key])))
 
     async def list_deployments(self) -> list[Deployment]:
         deployments = [Deployment.from_json(json.loads(t))

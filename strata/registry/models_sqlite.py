@@ -121,9 +121,12 @@ class SqliteModelRegistry:
         await self._cas("deployments", "key", "deployment", new.key, expected_revision, new)
         return new
 
-    async def delete_deployment(self, name: str, version: str) -> None:
+    async def delete_deployment(self, name: str, version: str, *,
+                                expected_revision: int | None = None) -> bool:
         key = f"{name}@{version}"
-        await self._db.call(lambda c: c.execute("DELETE FROM deployments WHERE key = ?", (key,)))
+        sql = "DELETE FROM deployments WHERE key = ?1 AND (?2 IS NULL OR revision = ?2)"
+        return bool(await self._db.call(
+            lambda c: c.execute(sql, (key, expected_revision)).rowcount))
 
     async def list_deployments(self) -> list[Deployment]:
         rows = await self._select("SELECT record FROM deployments ORDER BY key", ())

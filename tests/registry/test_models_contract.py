@@ -134,10 +134,13 @@ def test_deployments_cas_delete_and_sorted_list(make: Make) -> None:
         with pytest.raises(ConflictError, match="at revision 2, not 1"):
             await reg.put_deployment(d, expected_revision=1)
         assert [x.key for x in await reg.list_deployments()] == ["a@z", "chat@v1", "chat@v2"]
-        await reg.delete_deployment("chat", "v2")
-        await reg.delete_deployment("chat", "v2")  # idempotent
-        await reg.delete_deployment("ghost", "v0")
-        assert [x.key for x in await reg.list_deployments()] == ["a@z", "chat@v1"]
+        # a launcher deleting what it read as retiring loses to a re-activation since
+        assert await reg.delete_deployment("chat", "v2", expected_revision=1) is False
+        assert await reg.delete_deployment("chat", "v2", expected_revision=2) is True
+        assert await reg.delete_deployment("chat", "v2") is False  # idempotent
+        assert await reg.delete_deployment("ghost", "v0") is False
+        assert await reg.delete_deployment("a", "z") is True
+        assert [x.key for x in await reg.list_deployments()] == ["chat@v1"]
         again = await reg.put_deployment(Deployment("chat", "v2", 3), expected_revision=0)
         assert again.revision == 1  # deleted means absent: created anew
 
