@@ -7,7 +7,8 @@ ignore_eos), all sessions at once, each session's turns one after the other. Mod
     recompute    strata gateway --policy round_robin --session-routing external, instances with
                  --no-prefix-cache: the history is loaded from the store and recomputed each turn
     round_robin  the same with the prefix cache on: recomputed unless that instance has it cached
-    external_kv  round_robin with KV offload (--kv-offload, KV store in the same Redis): each turn
+    external_kv  round_robin with KV offload (--kv-offload, KV store in database 1 of the same
+                 Redis, emptied before each run): each turn
                  publishes its KV blocks; the next turn's instance fetches the history's blocks
                  it lacks instead of recomputing them
     sticky       strata gateway --session-routing sticky (bounded-load consistent hash, pins
@@ -285,11 +286,27 @@ def summarize(turns: list[Turn], wall_s: float, num_turns: int) -> dict[str, Any
             "ttft_p50_by_turn_s": [statistics.median(v) if v else None for v in by_turn]}
 
 
+def kv_store_url(redis_url: str) -> str:
+    """The KV blocks live in database 1 of the same Redis, emptied before every run: blocks a
+    previous repeat published (the same texts: one seed) must not turn this run's first turns
+    into hits."""
+    import redis
+
+    url = redis_url.rsplit("/", 1)[0] + "/1"
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+    return url
+
+
 def instance_flags(mode: str, redis_url: str) -> list[str]:
     if mode == "recompute":
         return ["--no-prefix-cache"]
     if mode == "external_kv":
-        return ["--kv-store", redis_url, "--kv-offload", "--kv-min-fetch-tokens", "64"]
+        return ["--kv-store", kv_store_url(redis_url), "--kv-offload",
+                "--kv-min-fetch-tokens", "64"]
     return []
 
 
