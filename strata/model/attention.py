@@ -1,9 +1,12 @@
-"""Attention over the paged KV cache: the per-step batch layout and the three attention paths.
+"""Attention over the paged KV cache: the per-step batch layout and the attention paths.
 
-Decode rows (one new token each) use the C kernel of `cpu_kernels` when it is built, else a
-padded gather + masked SDPA. A prefill chunk that starts at position 0 attends only to itself
-(causal SDPA); a later chunk (chunked prefill, prefix-cache hit) gathers its context and runs
-two batched matmuls when short, SDPA when long.
+Decode rows (one new token each) use the C decode kernel of `cpu_kernels` when it is built, else
+a padded gather + masked SDPA. A prefill chunk the executor marks with a `block_row` (short
+chunks, when the C chunk kernel is built) is attended in place through its block-table row, as
+its rows' decode-like queries would be, but with each key read once for the whole chunk.
+Otherwise a chunk that starts at position 0 attends only to itself (causal SDPA) and a later
+chunk (chunked prefill, prefix-cache hit) gathers its context and runs two batched matmuls when
+short, SDPA when long.
 """
 
 from __future__ import annotations
@@ -22,17 +25,21 @@ _MATMUL_ATTENTION_MAX_ROWS = 64  # measured: SDPA is faster for longer chunks
 
 @dataclass(frozen=True, slots=True)
 class PrefillChunk:
-    """Rows `start:end` of the step are consecutive new tokens of one sequence.
+    """Rows `start:end` of the step are consecutive new tokens of one sequence from `start_pos`.
 
-    When the chunk starts at position 0 it attends only to itself (`context_slots` is None);
-    otherwise `context_slots` holds the slots of positions 0 .. start_pos + n and `mask[i, j]` is
-    true when key j is at or before query i's position.
+    With `block_row` (the sequence's block-table row) the C chunk kernel reads the cache in place
+    and `context_slots` and `mask` are None. Otherwise, when the chunk starts at position 0 it
+    attends only to itself (`context_slots` is None); else `context_slots` holds the slots of
+    positions 0 .. start_pos + n and `mask[i, j]` is true when key j is at or before query i's
+    position.
     """
 
     start: int
     end: int
     context_slots: Tensor | None
     mask: Tensor | None
+    start_pos: int = 0
+    block_row: Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +115,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, batch: StepBatch, plan: DecodePla
         out[:d] = _decode_attention(q[:d], batch, plan, kv)
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.end)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], chunk, kv)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], chunk, kv, batch.block_size)
     return out
 
 
@@ -127,7 +134,10 @@ def _decode_attention(q: Tensor, batch: StepBatch, plan: DecodePlan,
 
 
 def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, chunk: PrefillChunk,
-                       kv: tuple[Tensor, Tensor]) -> Tensor:
+                       kv: tuple[Tensor, Tensor], block_size: int) -> Tensor:
+    if chunk.block_row is not None:
+        return cpu_kernels.chunk_attention(q, kv[0], kv[1], chunk.block_row, chunk.start_pos,
+                                           block_size)
     if chunk.context_slots is None:
         keys, values, mask = k, v, None
     else:

@@ -90,6 +90,91 @@ void NAME(const T *q, const T *k, const T *v, const int64_t *table, const int64_
   }
 }
 
+/* A chunk of n new tokens of one sequence at positions start .. start + n - 1, attending to
+   positions 0 .. own position through one block-table row. Work item = one kv head x a tile of
+   LANES (query, group head) pairs; the tile's keys are read once and scored for all its lanes
+   (vectorised across lanes), softmax in float32, then V is accumulated 16 dims at a time. */
+void NAME_chunk(const T *q, const T *k, const T *v, const int64_t *table, T *out,
+                int64_t q_stride, int64_t n, int64_t start, int64_t H, int64_t KVH, int64_t HD,
+                int64_t bs, float scale) {
+  const int64_t G = H / KVH, stride = KVH * HD, lanes = n * G, maxL = start + n;
+  const int64_t tiles = (lanes + LANES - 1) / LANES;
+  int64_t *slot = malloc(sizeof(int64_t) * maxL);
+  for (int64_t l = 0; l < maxL; l++) slot[l] = (table[l / bs] * bs + l % bs) * stride;
+  #pragma omp parallel if (KVH * tiles > 1)
+  {
+    float *s = malloc(sizeof(float) * LANES * maxL);
+    float *qt = malloc(sizeof(float) * LANES * HD);
+    float *kf = malloc(sizeof(float) * HD);
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < KVH * tiles; task++) {
+      const int64_t g = task / tiles, m0 = (task % tiles) * LANES;
+      const int64_t cnt = lanes - m0 < LANES ? lanes - m0 : LANES;
+      int64_t qpos[LANES];
+      float mx[LANES], sum[LANES];
+      for (int64_t m = 0; m < LANES; m++) {  /* padding lanes repeat the tile's first lane */
+        const int64_t lane = m0 + (m < cnt ? m : 0), i = lane / G, h = g * G + lane % G;
+        const T *qh = q + i * q_stride + h * HD;
+        qpos[m] = start + i;
+        for (int64_t d = 0; d < HD; d++) qt[d * LANES + m] = LD(qh, d) * scale;
+        mx[m] = -INFINITY;
+        sum[m] = 0.f;
+      }
+      const int64_t L = qpos[cnt - 1] + 1;  /* lanes are in position order */
+      for (int64_t l = 0; l < L; l++) {
+        const T *kp = k + slot[l] + g * HD;
+        float a[LANES] = {0};
+        for (int64_t d = 0; d < HD; d++) kf[d] = LD(kp, d);
+        for (int64_t d = 0; d < HD; d++) {
+          const float kd = kf[d];
+          #pragma omp simd
+          for (int64_t m = 0; m < LANES; m++) a[m] += qt[d * LANES + m] * kd;
+        }
+        float *sl = s + l * LANES;
+        #pragma omp simd
+        for (int64_t m = 0; m < LANES; m++) {
+          const float x = l <= qpos[m] ? a[m] : -INFINITY;
+          sl[m] = x;
+          mx[m] = x > mx[m] ? x : mx[m];
+        }
+      }
+      for (int64_t l = 0; l < L; l++) {
+        float *sl = s + l * LANES;
+        #pragma omp simd
+        for (int64_t m = 0; m < LANES; m++) {
+          const float e = exp_neg(sl[m] - mx[m]);
+          sl[m] = e;
+          sum[m] += e;
+        }
+      }
+      for (int64_t d0 = 0; d0 < HD; d0 += 16) {
+        float acc[LANES][16];
+        memset(acc, 0, sizeof(acc));
+        for (int64_t l = 0; l < L; l++) {
+          const T *vp = v + slot[l] + g * HD + d0;
+          const float *sl = s + l * LANES;
+          float vf[16];
+          #pragma omp simd
+          for (int64_t j = 0; j < 16; j++) vf[j] = LD(vp, j);
+          for (int64_t m = 0; m < LANES; m++) {
+            const float p = sl[m];
+            #pragma omp simd
+            for (int64_t j = 0; j < 16; j++) acc[m][j] += p * vf[j];
+          }
+        }
+        for (int64_t m = 0; m < cnt; m++) {
+          const int64_t lane = m0 + m, i = lane / G, h = g * G + lane % G;
+          const float inv = 1.f / sum[m];
+          T *o = out + (i * H + h) * HD + d0;
+          for (int64_t j = 0; j < 16; j++) ST(o, j, acc[m][j] * inv);
+        }
+      }
+    }
+    free(s); free(qt); free(kf);
+  }
+  free(slot);
+}
+
 /* x += delta (rounded to T, skipped when delta is NULL);
    out = weight * T(x * rsqrt(mean x^2 + eps)): the rounding steps of HF's add and RMSNorm. */
 void NAME_add_rms_norm(T *x, const T *delta, const T *w, T *out, int64_t rows, int64_t n,
@@ -117,6 +202,19 @@ _PRELUDE = r"""
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#define LANES 16
+/* exp(x) for x <= 0 (Cephes' polynomial, ~2 ulp), 0 below -87; branch-free so that loops
+   over it vectorise, unlike libm's expf. */
+static inline float exp_neg(float x) {
+  const float n = floorf(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f; p = p * r + 8.3334519073e-3f; p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f; p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t e = (int32_t)(x < -87.f ? 0.f : n) + 127;
+  uint32_t u = (uint32_t)e << 23; float scale; memcpy(&scale, &u, 4);
+  return x < -87.f ? 0.f : p * scale; }
 static inline float ld_bf16(const uint16_t *p, int64_t i) {
   uint32_t u = (uint32_t)p[i] << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline void st_bf16(uint16_t *p, int64_t i, float f) {  /* round to nearest even */
@@ -192,6 +290,7 @@ def _compile() -> ctypes.CDLL | None:
     for name, *_ in _VARIANTS.values():
         _declare(handle, name, [ptr] * 6 + [i64] * 7 + [ctypes.c_float])
         _declare(handle, f"{name}_add_rms_norm", [ptr] * 4 + [i64] * 2 + [ctypes.c_float])
+        _declare(handle, f"{name}_chunk", [ptr] * 5 + [i64] * 7 + [ctypes.c_float])
     return handle
 
 
@@ -235,6 +334,32 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: T
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
        context_lens.data_ptr(), out.data_ptr(), q.stride(0), d, heads, k_cache.shape[1], head_dim,
        block_size, block_table.shape[1], head_dim ** -0.5)
+    return out
+
+
+def supports_chunk(dtype: torch.dtype, device: torch.device | str, head_dim: int) -> bool:
+    """Whether `chunk_attention` runs: `supports`, and head_dim a multiple of 16."""
+    return head_dim % 16 == 0 and supports(dtype, device)
+
+
+def chunk_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_row: Tensor,
+                    start_pos: int, block_size: int) -> Tensor:
+    """Causal attention of n new tokens of one sequence at positions start_pos .. + n - 1.
+
+    Query i attends to the cached positions 0 .. start_pos + i (its own K/V already written),
+    read in place through `block_row` (W,) int64. q: (n, heads, head_dim), rows may be strided;
+    returns (n, heads, head_dim). Call only when `supports_chunk(...)` is true.
+    """
+    lib = kernel_library()
+    assert lib is not None, "invariant kernel_built: check supports_chunk() first"
+    n, heads, head_dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    fn = getattr(lib, f"{_VARIANTS[q.dtype][0]}_chunk")
+    fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_row.data_ptr(),
+       out.data_ptr(), q.stride(0), n, start_pos, heads, k_cache.shape[1], head_dim, block_size,
+       head_dim ** -0.5)
     return out
 
 

@@ -26,6 +26,8 @@ from strata.model.llama import LlamaModel
 from strata.model.sampler import Sampler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Prefill chunks of at most this many tokens run in the C chunk kernel (when it is built).
+KERNEL_CHUNK_MAX_ROWS = 64
 log = logging.getLogger("strata.model")
 
 
@@ -47,7 +49,9 @@ class TorchExecutor:
         self.device = device
         self.model = LlamaModel(config, weights, dtype=_DTYPES[dtype], device=device)
         self.sampler = Sampler(device)
-        cpu_kernels.supports(_DTYPES[dtype], device)  # builds the CPU kernel now, not mid-step
+        # Builds the CPU kernels now, not mid-step.
+        chunk_kernel = cpu_kernels.supports_chunk(_DTYPES[dtype], device, config.head_dim)
+        self.kernel_chunk_rows = KERNEL_CHUNK_MAX_ROWS if chunk_kernel else 0
         self.kv_cache: PagedKVCache | None = None
         self.kv_codec: KVCodec | None = None
         self._identity = (model_name, model_version)
@@ -118,7 +122,8 @@ class TorchExecutor:
         # Decode rows (one new token) first, so the batched decode attention reads rows 0..D.
         seqs = sorted(model_input.sequences, key=lambda s: len(s.token_ids) > 1)
         with torch.inference_mode():
-            batch = build_step_batch(seqs, kv.block_size, kv.null_slot, self.device)
+            batch = build_step_batch(seqs, kv.block_size, kv.null_slot, self.device,
+                                     kernel_chunk_rows=self.kernel_chunk_rows)
             logits = self.model.forward(batch, kv)
             sampled = [s for s in seqs if s.needs_sample]
             if not sampled:
@@ -129,8 +134,11 @@ class TorchExecutor:
 
 
 def build_step_batch(seqs: list[ScheduledSequence], block_size: int, null_slot: int,
-                     device: str) -> StepBatch:
-    """Indices for one forward; `seqs` must list the one-token sequences first."""
+                     device: str, *, kernel_chunk_rows: int = 0) -> StepBatch:
+    """Indices for one forward; `seqs` must list the one-token sequences first.
+
+    Prefill chunks of at most `kernel_chunk_rows` tokens are marked for the C chunk kernel.
+    """
     lengths = [len(s.token_ids) for s in seqs]
     _check_block_tables(seqs, lengths, block_size)
     input_ids = [t for s in seqs for t in s.token_ids]
@@ -145,7 +153,7 @@ def build_step_batch(seqs: list[ScheduledSequence], block_size: int, null_slot: 
     num_decodes = sum(1 for n in lengths if n == 1)
     decode_lens = [s.start_pos + 1 for s in seqs[:num_decodes]]
     row_starts = [e - n for e, n in zip(ends, lengths, strict=True)]
-    prefills = [_prefill_chunk(seqs[i], table[i], row_starts[i], block_size)
+    prefills = [_prefill_chunk(seqs[i], table[i], row_starts[i], block_size, kernel_chunk_rows)
                 for i in range(num_decodes, len(seqs))]
     return StepBatch(
         input_ids=torch.tensor(input_ids, device=device),
@@ -185,8 +193,10 @@ def _slots(table_rows: Tensor, pos: Tensor, block_size: int) -> Tensor:
 
 
 def _prefill_chunk(seq: ScheduledSequence, table_row: Tensor, row_start: int,
-                   block_size: int) -> PrefillChunk:
+                   block_size: int, kernel_chunk_rows: int) -> PrefillChunk:
     n = len(seq.token_ids)
+    if n <= kernel_chunk_rows:
+        return PrefillChunk(row_start, row_start + n, None, None, seq.start_pos, table_row)
     if seq.start_pos == 0:
         return PrefillChunk(row_start, row_start + n, None, None)
     device = table_row.device
@@ -194,4 +204,4 @@ def _prefill_chunk(seq: ScheduledSequence, table_row: Tensor, row_start: int,
     query_pos = torch.arange(seq.start_pos, seq.start_pos + n, device=device)
     mask = pos[None, :] <= query_pos[:, None]
     slots = _slots(table_row[None], pos, block_size)[0]
-    return PrefillChunk(row_start, row_start + n, slots, mask)
+    return PrefillChunk(row_start, row_start + n, slots, mask, seq.start_pos)

@@ -78,6 +78,45 @@ def test_kernel_reads_query_rows_with_a_stride() -> None:
     assert torch.equal(got, expected)
 
 
+def chunk_reference(q: Tensor, k: Tensor, v: Tensor, table_row: Tensor, start: int) -> Tensor:
+    """Query i of the chunk attends to positions 0 .. start + i, in float64."""
+    n = q.shape[0]
+    lens = torch.arange(start + 1, start + n + 1)
+    return reference(q, k, v, table_row.expand(n, -1), lens)
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(("start", "n"), [(36, 1), (32, 5), (21, 16), (0, 37), (0, 6)])
+def test_chunk_kernel_equals_reference_over_a_scattered_cache(dtype: torch.dtype, atol: float,
+                                                              start: int, n: int) -> None:
+    """A chunk of n tokens of the 37-position sequence (n * 3 lanes: full and partial tiles)."""
+    if not cpu_kernels.supports_chunk(dtype, "cpu", HEAD_DIM):
+        pytest.skip("no C compiler: the kernel cannot be built here")
+    _, k, v, table, _ = scattered_cache(dtype)
+    row = table[LENGTHS.index(37)]
+    q = torch.randn(n, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(n)).to(dtype)
+    out = cpu_kernels.chunk_attention(q, k, v, row, start, BLOCK)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), chunk_reference(q, k, v, row, start), atol=atol,
+                               rtol=0)
+    strided = torch.cat([q, torch.zeros(n, 2, HEAD_DIM, dtype=dtype)], dim=1)[:, :HEADS]
+    assert torch.equal(cpu_kernels.chunk_attention(strided, k, v, row, start, BLOCK), out)
+
+
+def test_chunk_kernel_rows_equal_decode_kernel_rows() -> None:
+    """Row i of a chunk is the decode query at position start + i: same maths, same floats."""
+    if not cpu_kernels.supports_chunk(torch.float32, "cpu", HEAD_DIM):
+        pytest.skip("no C compiler: the kernel cannot be built here")
+    _, k, v, table, _ = scattered_cache(torch.float32)
+    row = table[LENGTHS.index(37)]
+    q = torch.randn(9, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(3))
+    chunk = cpu_kernels.chunk_attention(q, k, v, row, 28, BLOCK)
+    decode = cpu_kernels.decode_attention(q, k, v, row.expand(9, -1).contiguous(),
+                                          torch.arange(29, 38), BLOCK)
+    torch.testing.assert_close(chunk, decode, atol=2e-6, rtol=0)
+
+
 def test_torch_fallback_path_keeps_hf_parity(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the kernel (no compiler, fp16, GPU), decode rows use the padded gather + SDPA."""
     hf = tiny_hf_model("llama")

@@ -25,6 +25,7 @@ from transformers import (
 
 from strata.engine.executor import ModelInput, SampledToken, ScheduledSequence
 from strata.engine.request import SamplingParams
+from strata.model import cpu_kernels
 from strata.model.executor import TorchExecutor, build_step_batch
 from strata.model.hf_config import model_config_from_hf
 from strata.types import RequestId
@@ -136,12 +137,16 @@ def hf_greedy(hf: PreTrainedModel, prompt: list[int], num_new: int = NUM_NEW_TOK
     return ids[len(prompt):]
 
 
-def forward_logits(executor: TorchExecutor, seqs: list[ScheduledSequence]) -> Tensor:
-    """Logits of the sampled rows, through the same batch builder that `execute` uses."""
+def forward_logits(executor: TorchExecutor, seqs: list[ScheduledSequence],
+                   kernel_chunk_rows: int = 0) -> Tensor:
+    """Logits of the sampled rows, through the same batch builder that `execute` uses.
+
+    `kernel_chunk_rows` 0 keeps every prefill chunk on the torch paths (SDPA, matmuls)."""
     kv = executor.kv_cache
     assert kv is not None
     with torch.inference_mode():
-        batch = build_step_batch(seqs, kv.block_size, kv.null_slot, executor.device)
+        batch = build_step_batch(seqs, kv.block_size, kv.null_slot, executor.device,
+                                 kernel_chunk_rows=kernel_chunk_rows)
         return executor.model.forward(batch, kv).cpu()
 
 
@@ -166,7 +171,11 @@ def test_configs_exercise_their_features() -> None:
     assert qwen.attention_bias
 
 
-def test_chunked_prefill_equals_one_shot() -> None:
+@pytest.mark.parametrize("kernel_rows", [0, 64], ids=["torch-paths", "chunk-kernel"])
+def test_chunked_prefill_equals_one_shot(kernel_rows: int) -> None:
+    """Chunks over a cached context (kernel or torch matmuls) against one torch SDPA prefill."""
+    if kernel_rows and not cpu_kernels.supports_chunk(torch.float32, "cpu", 16):
+        pytest.skip("no C compiler: the chunk kernel cannot be built here")
     hf = tiny_hf_model("llama")
     prompt = prompts((40,))[0]
     params = GREEDY
@@ -181,7 +190,7 @@ def test_chunked_prefill_equals_one_shot() -> None:
     for lo, hi in bounds:
         seq = ScheduledSequence(RequestId("a"), prompt[lo:hi], lo, blocks, hi == 40, params, [],
                                 prompt)
-        logits = forward_logits(chunked, [seq])
+        logits = forward_logits(chunked, [seq], kernel_rows)
     assert logits.shape == (1, 256)
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
     assert int(logits.argmax()) == hf_greedy(hf, prompt, 1)[0]
