@@ -63,7 +63,8 @@ void NAME(const T *q, const T *k, const T *v, const int64_t *table, const int64_
       for (int64_t hg = 0; hg < H; hg++) {
         float *sg = s + hg * maxL, m = sg[0], sum = 0.f;
         for (int64_t l = 1; l < L; l++) m = sg[l] > m ? sg[l] : m;
-        for (int64_t l = 0; l < L; l++) { sg[l] = expf(sg[l] - m); sum += sg[l]; }
+        #pragma omp simd reduction(+:sum)
+        for (int64_t l = 0; l < L; l++) { sg[l] = exp_neg(sg[l] - m); sum += sg[l]; }
         const float inv = 1.f / sum;
         for (int64_t l = 0; l < L; l++) sg[l] *= inv;
       }
@@ -103,9 +104,8 @@ void NAME_chunk(const T *q, const T *k, const T *v, const int64_t *table, T *out
   for (int64_t l = 0; l < maxL; l++) slot[l] = (table[l / bs] * bs + l % bs) * stride;
   #pragma omp parallel if (KVH * tiles > 1)
   {
-    float *s = malloc(sizeof(float) * LANES * maxL);
+    float *s = malloc(sizeof(float) * LANES * (maxL + KEYS));
     float *qt = malloc(sizeof(float) * LANES * HD);
-    float *kf = malloc(sizeof(float) * HD);
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < KVH * tiles; task++) {
       const int64_t g = task / tiles, m0 = (task % tiles) * LANES;
@@ -116,26 +116,24 @@ void NAME_chunk(const T *q, const T *k, const T *v, const int64_t *table, T *out
         const int64_t lane = m0 + (m < cnt ? m : 0), i = lane / G, h = g * G + lane % G;
         const T *qh = q + i * q_stride + h * HD;
         qpos[m] = start + i;
-        for (int64_t d = 0; d < HD; d++) qt[d * LANES + m] = LD(qh, d) * scale;
+        QPACK(qt, m, qh, HD);
         mx[m] = -INFINITY;
         sum[m] = 0.f;
       }
       const int64_t L = qpos[cnt - 1] + 1;  /* lanes are in position order */
-      for (int64_t l = 0; l < L; l++) {
-        const T *kp = k + slot[l] + g * HD;
-        float a[LANES] = {0};
-        for (int64_t d = 0; d < HD; d++) kf[d] = LD(kp, d);
-        for (int64_t d = 0; d < HD; d++) {
-          const float kd = kf[d];
+      for (int64_t l0 = 0; l0 < L; l0 += KEYS) {  /* KEYS keys at once: independent sums */
+        const T *kp[KEYS];
+        for (int64_t j = 0; j < KEYS; j++)
+          kp[j] = k + slot[l0 + j < L ? l0 + j : l0] + g * HD;
+        QK(qt, kp, HD, s + l0 * LANES);
+        for (int64_t l = l0; l < l0 + KEYS && l < L; l++) {
+          float *sl = s + l * LANES;
           #pragma omp simd
-          for (int64_t m = 0; m < LANES; m++) a[m] += qt[d * LANES + m] * kd;
-        }
-        float *sl = s + l * LANES;
-        #pragma omp simd
-        for (int64_t m = 0; m < LANES; m++) {
-          const float x = l <= qpos[m] ? a[m] : -INFINITY;
-          sl[m] = x;
-          mx[m] = x > mx[m] ? x : mx[m];
+          for (int64_t m = 0; m < LANES; m++) {
+            const float x = l <= qpos[m] ? sl[m] * scale : -INFINITY;
+            sl[m] = x;
+            mx[m] = x > mx[m] ? x : mx[m];
+          }
         }
       }
       for (int64_t l = 0; l < L; l++) {
@@ -170,7 +168,7 @@ void NAME_chunk(const T *q, const T *k, const T *v, const int64_t *table, T *out
         }
       }
     }
-    free(s); free(qt); free(kf);
+    free(s); free(qt);
   }
   free(slot);
 }
@@ -228,8 +226,39 @@ static inline float dot_f32(const float *qraw, const float *qf, const float *kp,
   #pragma omp simd reduction(+:dot)
   for (int64_t i = 0; i < n; i++) dot += qf[i] * kp[i];
   return dot; }
+#define KEYS 8
+/* Chunk-kernel query tiles: lane m's query, transposed (dim-major) for vectorising over lanes. */
+static inline void qpack_f32(float *qt, int64_t m, const float *qh, int64_t HD) {
+  for (int64_t d = 0; d < HD; d++) qt[d * LANES + m] = qh[d]; }
+/* out[j][m] = q(lane m) . key j for KEYS keys (float32 sums; KEYS independent chains). */
+static inline void qk_f32(const float *qt, const float *const *kp, int64_t HD, float *out) {
+  float a[KEYS][LANES];
+  memset(a, 0, sizeof(a));
+  for (int64_t d = 0; d < HD; d++)
+    for (int64_t j = 0; j < KEYS; j++) {
+      const float kd = kp[j][d];
+      #pragma omp simd
+      for (int64_t m = 0; m < LANES; m++) a[j][m] += qt[d * LANES + m] * kd;
+    }
+  memcpy(out, a, sizeof(a)); }
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+/* bf16: lanes hold raw (q[2i], q[2i+1]) pairs, the operand layout of vdpbf16ps. */
+static inline void qpack_bf16(float *qt, int64_t m, const uint16_t *qh, int64_t HD) {
+  uint32_t *t = (uint32_t *)qt; const uint32_t *p = (const uint32_t *)qh;
+  for (int64_t i = 0; i < HD / 2; i++) t[i * LANES + m] = p[i]; }
+static inline void qk_bf16(const float *qt, const uint16_t *const *kp, int64_t HD, float *out) {
+  const uint32_t *t = (const uint32_t *)qt;
+  __m512 a[KEYS];
+  for (int64_t j = 0; j < KEYS; j++) a[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < HD / 2; i++) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(t + i * LANES);
+    for (int64_t j = 0; j < KEYS; j++) {
+      uint32_t pair; memcpy(&pair, kp[j] + 2 * i, 4);
+      a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_set1_epi32((int)pair));
+    }
+  }
+  for (int64_t j = 0; j < KEYS; j++) _mm512_storeu_ps(out + j * LANES, a[j]); }
 static inline float dot_bf16(const uint16_t *qraw, const float *qf, const uint16_t *kp,
                              int64_t n) {  /* bf16 x bf16 products are exact in float32 */
   if (n % 32 == 0) {
@@ -243,6 +272,18 @@ static inline float dot_bf16(const uint16_t *qraw, const float *qf, const uint16
   for (int64_t i = 0; i < n; i++) dot += qf[i] * ld_bf16(kp, i);
   return dot; }
 #else
+static inline void qpack_bf16(float *qt, int64_t m, const uint16_t *qh, int64_t HD) {
+  for (int64_t d = 0; d < HD; d++) qt[d * LANES + m] = ld_bf16(qh, d); }
+static inline void qk_bf16(const float *qt, const uint16_t *const *kp, int64_t HD, float *out) {
+  float a[KEYS][LANES];
+  memset(a, 0, sizeof(a));
+  for (int64_t d = 0; d < HD; d++)
+    for (int64_t j = 0; j < KEYS; j++) {
+      const float kd = ld_bf16(kp[j], d);
+      #pragma omp simd
+      for (int64_t m = 0; m < LANES; m++) a[j][m] += qt[d * LANES + m] * kd;
+    }
+  memcpy(out, a, sizeof(a)); }
 static inline float dot_bf16(const uint16_t *qraw, const float *qf, const uint16_t *kp,
                              int64_t n) {
   float dot = 0.f;
@@ -265,7 +306,8 @@ def _source() -> str:
         parts.append(_KERNEL.replace("NAME", name).replace("T *", f"{ctype} *")
                      .replace("sizeof(T)", f"sizeof({ctype})")
                      .replace("LD(", f"ld_{suffix}(").replace("ST(", f"st_{suffix}(")
-                     .replace("DOT(", f"dot_{suffix}(").replace("RT(", f"rt_{suffix}("))
+                     .replace("DOT(", f"dot_{suffix}(").replace("RT(", f"rt_{suffix}(")
+                     .replace("QPACK(", f"qpack_{suffix}(").replace("QK(", f"qk_{suffix}("))
     return "\n".join(parts)
 
 
