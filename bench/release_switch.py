@@ -11,9 +11,10 @@ streams flowing through the gateway, registers v2 and runs `strata release m@v2`
 - TTFT p50/p99 of the requests started in the STEADY_S before the release, and p99 of those
   started while it ran (target: switch p99 <= 2x steady p99);
 - ready -> all new traffic: from the controller's `ready_at` (every new instance ready and
-  warmed) to the start of the last request still served by v1 (target <= 1 s; it includes the
-  gateways' routing poll, 0.2 s);
-- the requests that failed (target 0).
+  warmed) to the start of the last request still served by v1, seen by an open-loop probe (one
+  1-token request every 10 ms beside the load; target <= 1 s; it includes the gateways' routing
+  poll, 0.2 s);
+- the requests that failed, load and probes (target 0).
 Writes .bench/results/release_switch.json.
 """
 
@@ -42,6 +43,7 @@ CONCURRENCY = 8
 STEADY_S = 8.0
 AFTER_S = 3.0
 MAX_TOKENS = 32
+PROBE_S = 0.01
 
 
 @dataclass
@@ -70,6 +72,27 @@ async def one_stream(client: httpx.AsyncClient, model: str, out: list[Sample]) -
     out.append(Sample(started_at, ttft, ok, version))
 
 
+async def probe(url: str, model: str, out: list[Sample], stop: asyncio.Event) -> None:
+    """Open loop: a one-token request every PROBE_S, whatever the load is doing, so that the
+    moment new traffic moves to the new version is seen to PROBE_S."""
+    body = {"model": model, "prompt": "probe", "max_tokens": 1}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        async def one() -> None:
+            started_at = time.time()
+            try:
+                r = await client.post("/v1/completions", json=body)
+                out.append(Sample(started_at, None, r.status_code == 200,
+                                  r.headers.get("x-model-version", "")))
+            except httpx.HTTPError:
+                out.append(Sample(started_at, None, False, ""))
+
+        tasks = []
+        while not stop.is_set():
+            tasks.append(asyncio.create_task(one()))
+            await asyncio.sleep(PROBE_S)
+        await asyncio.gather(*tasks)
+
+
 async def keep_loaded(url: str, model: str, out: list[Sample], stop: asyncio.Event) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         async def worker() -> None:
@@ -95,8 +118,10 @@ async def last_release(run_dir: Path, model: str) -> Release:
 
 async def story(url: str, run_dir: Path, model: str, uri: str) -> dict[str, Any]:
     samples: list[Sample] = []
+    probes: list[Sample] = []
     stop = asyncio.Event()
     load = asyncio.create_task(keep_loaded(url, model, samples, stop))
+    prober = asyncio.create_task(probe(url, model, probes, stop))
     await asyncio.sleep(STEADY_S)
     added = await asyncio.to_thread(cli, run_dir, "models", "add", f"{model}@v2", uri)
     if added.returncode != 0:
@@ -104,10 +129,10 @@ async def story(url: str, run_dir: Path, model: str, uri: str) -> dict[str, Any]
     released = await asyncio.to_thread(cli, run_dir, "release", f"{model}@v2")
     await asyncio.sleep(AFTER_S)
     stop.set()
-    await load
+    await asyncio.gather(load, prober)
     if released.returncode != 0:
         raise RuntimeError(released.stdout + released.stderr)
-    return measure(samples, await last_release(run_dir, model))
+    return measure(samples, probes, await last_release(run_dir, model))
 
 
 def _p(values: list[float], q: float) -> float:
@@ -115,17 +140,18 @@ def _p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
 
-def measure(samples: list[Sample], release: Release) -> dict[str, Any]:
+def measure(samples: list[Sample], probes: list[Sample], release: Release) -> dict[str, Any]:
     began = release.history[0][1]
     ended = release.history[-1][1]
     steady = [s.ttft_s for s in samples if s.started_at < began and s.ttft_s is not None]
     switch = [s.ttft_s for s in samples
               if began <= s.started_at <= ended and s.ttft_s is not None]
-    v1_starts = [s.started_at for s in samples if s.version.endswith("@v1")]
-    v2_starts = [s.started_at for s in samples if s.version.endswith("@v2")]
+    v1_starts = [s.started_at for s in probes if s.version.endswith("@v1")]
+    v2_starts = [s.started_at for s in probes if s.version.endswith("@v2")]
     ready_at = release.stats["ready_at"]
     return {
-        "num_requests": len(samples), "num_failed": sum(not s.ok for s in samples),
+        "num_requests": len(samples), "num_failed": sum(not s.ok for s in samples + probes),
+        "num_probes": len(probes),
         "steady_ttft_p50_ms": _p(steady, 0.5), "steady_ttft_p99_ms": _p(steady, 0.99),
         "switch_ttft_p99_ms": _p(switch, 0.99), "num_during_switch": len(switch),
         "switch_over_steady_p99": _p(switch, 0.99) / _p(steady, 0.99),
