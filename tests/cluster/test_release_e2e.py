@@ -2,8 +2,9 @@
 
 Simulated instances (a fast synthetic latency profile) keep the stories short and exact:
 - blue-green under load: zero failed requests; once the flip is 1 s old, every new request is
-  served by the new version at both gateways; sessions stay on their version until it retires,
-  then move once, flagged; the response cache never answers for v2 with v1's answer;
+  served by the new version at both gateways; sessions talking all along stay on v1 after the
+  flip until v1 retires, then move once, flagged, with their whole history; the response cache
+  never answers for v2 with v1's answer;
 - a canary whose TTFT is far worse than live is rolled back automatically;
 - the gateway driving a release is SIGKILLed mid-release; restarted by the supervisor, it
   resumes the release from the registry to a consistent end.
@@ -158,23 +159,52 @@ def cached_call(url: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=30)
 
 
+@dataclass
+class Turn:
+    started_at: float
+    status: int
+    version: str
+    moved: str | None
+    prompt_tokens: int
+
+
+def converse(gateways: list[str], session: str, stop: threading.Event, out: list[Turn],
+             max_turns: int = 200) -> None:
+    """One session's turns, one after the other, alternating gateways, until stopped."""
+    for n in range(max_turns):
+        if stop.is_set():
+            return
+        started = time.time()
+        r = chat_turn(gateways[n % len(gateways)], session, f"turn {n}")
+        usage = r.json().get("usage", {}) if r.status_code == 200 else {}
+        out.append(Turn(started, r.status_code, r.headers.get("x-model-version", ""),
+                        r.headers.get("x-strata-version-moved"),
+                        int(usage.get("prompt_tokens", 0))))
+        time.sleep(0.05)
+
+
 def test_blue_green_release_under_load(cluster: Cluster, tmp_path: Path) -> None:
     gateway2, url2 = second_gateway(cluster)
+    gateways = [cluster.url, url2]
     try:
         first = cached_call(cluster.url)
         hit = cached_call(cluster.url)
         assert (first.headers["x-strata-cache"], hit.headers["x-strata-cache"]) == ("miss", "hit")
         assert hit.headers["x-model-version"] == f"{MODEL}@v1"
-        sessions = {f"s{i}": [chat_turn(cluster.url, f"s{i}", "hello")] for i in range(4)}
         add = strata(cluster, "models", "add", f"{MODEL}@v2", f"sim:{tmp_path / 'fast.json'}")
         assert add.returncode == 0, add.stderr
-        load = Load([cluster.url, url2]).start()
+        load = Load(gateways).start()
+        turns: dict[str, list[Turn]] = {f"s{i}": [] for i in range(4)}
+        talkers = [threading.Thread(target=converse, args=(gateways, s, load.stop, out),
+                                    daemon=True) for s, out in turns.items()]
+        for talker in talkers:
+            talker.start()
         time.sleep(1.0)
         release = strata(cluster, "release", f"{MODEL}@v2")
-        for session, turns in sessions.items():  # v1 has retired: each session moves once
-            turns += [chat_turn(url2, session, "again"), chat_turn(cluster.url, session, "more")]
         time.sleep(1.5)
         samples = load.finish()
+        for talker in talkers:
+            talker.join(timeout=60)
     finally:
         gateway2.send_signal(signal.SIGTERM)
         gateway2.wait(timeout=30)
@@ -188,17 +218,21 @@ def test_blue_green_release_under_load(cluster: Cluster, tmp_path: Path) -> None
     assert len(samples) > 50 and [s for s in samples if s.status != 200] == []
     late = [s for s in samples if s.started_at > flipped_at + 1.0]
     assert late and {s.version for s in late} == {f"{MODEL}@v2"}
-    assert {s.gateway for s in late} == {cluster.url, url2}
+    assert {s.gateway for s in late} == set(gateways)
     before = [s for s in samples if s.started_at < entered(done, "flipping")]
     assert before and {s.version for s in before} == {f"{MODEL}@v1"}
-    for turns in sessions.values():
-        assert [t.status_code for t in turns] == [200, 200, 200]
-        assert [t.headers["x-model-version"] for t in turns] == [f"{MODEL}@v1", f"{MODEL}@v2",
-                                                                 f"{MODEL}@v2"]
-        assert turns[1].headers.get("x-strata-version-moved") == "v1->v2"
-        assert "x-strata-version-moved" not in turns[2].headers
-        assert turns[2].json()["usage"]["prompt_tokens"] > turns[1].json()["usage"][
-            "prompt_tokens"] > turns[0].json()["usage"]["prompt_tokens"]  # the whole history
+    for session, history in turns.items():
+        assert history and all(t.status == 200 for t in history), session
+        versions = [t.version.partition("@")[2] for t in history]
+        num_v1 = versions.count("v1")
+        assert versions == ["v1"] * num_v1 + ["v2"] * (len(versions) - num_v1), session
+        assert 0 < num_v1 < len(versions), session  # started on v1, ended on v2
+        moved = [t.moved for t in history]
+        assert moved == [None] * num_v1 + ["v1->v2"] + [None] * (len(history) - num_v1 - 1)
+        tokens = [t.prompt_tokens for t in history]
+        assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)  # whole history
+        # the flip did not move it: it stayed on v1 until v1 retired
+        assert any(t.version.endswith("@v1") for t in history if t.started_at > flipped_at + 0.5)
     after = cached_call(cluster.url)
     assert after.headers["x-strata-cache"] == "miss"  # v1's answer is never served for v2
     assert after.headers["x-model-version"] == f"{MODEL}@v2"
