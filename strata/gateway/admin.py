@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -24,8 +25,15 @@ from starlette.routing import Route
 
 from strata.errors import ConfigError, RequestError, StrataError
 from strata.gateway.components import Gateway
+from strata.gateway.releases import ReleaseService
 from strata.gateway.upstream import error_response
-from strata.registry.models import ConflictError, ModelVersion, Strategy, split_model_version
+from strata.registry.models import (
+    ConflictError,
+    ModelRegistry,
+    ModelVersion,
+    Strategy,
+    split_model_version,
+)
 
 
 def _gateway(request: Request) -> Gateway:
@@ -54,109 +62,89 @@ def _failure(exc: Exception) -> Response:
     return error_response(503, f"the registry failed: {exc}")
 
 
-def _requires_registry(gateway: Gateway) -> Response | None:
-    if gateway.models is None or gateway.releases is None:
-        return error_response(400, "this gateway has no model registry (start it with "
-                                   "--registry sqlite:///... or redis://...)")
-    return None
+Handler = Callable[[Request, ModelRegistry, ReleaseService], Awaitable[Response]]
 
 
-async def list_models(request: Request) -> Response:
-    gateway = _gateway(request)
-    if (refused := _requires_registry(gateway)) is not None:
-        return refused
-    assert gateway.models is not None
-    try:
-        routings = {r.name: r for r in await gateway.models.list_routing()}
-        versions = await gateway.models.list_versions()
-    except StrataError as exc:
-        return _failure(exc)
-    views = gateway.source.instances.snapshot()
-    models: dict[str, dict[str, Any]] = {}
-    for v in versions:
-        entry = models.setdefault(v.name, {"name": v.name, "routing": None, "versions": []})
+def _control_plane(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """The route over this gateway's model registry and release service: a 400 when it has
+    none, and every refusal as an OpenAI error body (409 for a lost compare-and-set)."""
+    async def route(request: Request) -> Response:
+        gateway = _gateway(request)
+        if gateway.models is None or gateway.releases is None:
+            return error_response(400, "this gateway has no model registry (start it with "
+                                       "--registry sqlite:///... or redis://...)")
+        try:
+            return await handler(request, gateway.models, gateway.releases)
+        except (StrataError, ValueError, KeyError, TypeError) as exc:
+            return _failure(exc)
+
+    return route
+
+
+@_control_plane
+async def list_models(request: Request, models: ModelRegistry,
+                      releases: ReleaseService) -> Response:
+    routings = {r.name: r for r in await models.list_routing()}
+    views = _gateway(request).source.instances.snapshot()
+    entries: dict[str, dict[str, Any]] = {}
+    for v in await models.list_versions():
+        entry = entries.setdefault(v.name, {"name": v.name, "routing": None, "versions": []})
         serving = [x.instance_id for x in views if x.model == v.name and x.version == v.version
                    and x.is_routable]
         entry["versions"].append(v.to_json() | {"routable_instances": serving})
     for name, routing in routings.items():
-        models.setdefault(name, {"name": name, "versions": []})["routing"] = routing.to_json()
-    return JSONResponse({"models": [models[name] for name in sorted(models)]})
+        entries.setdefault(name, {"name": name, "versions": []})["routing"] = routing.to_json()
+    return JSONResponse({"models": [entries[name] for name in sorted(entries)]})
 
 
-async def add_model(request: Request) -> Response:
-    gateway = _gateway(request)
-    if (refused := _requires_registry(gateway)) is not None:
-        return refused
-    assert gateway.models is not None
-    try:
-        data = await _body(request)
-        version = ModelVersion(
-            name=str(data["name"]), version=str(data["version"]), uri=str(data["uri"]),
-            manifest_sha256=str(data.get("manifest_sha256") or ""),
-            serve_args=tuple(str(a) for a in data.get("serve_args") or ()),
-            created_at=time.time())
-        stored = await gateway.models.add_version(version)
-    except (StrataError, ValueError, KeyError, TypeError) as exc:
-        return _failure(exc)
+@_control_plane
+async def add_model(request: Request, models: ModelRegistry,
+                    releases: ReleaseService) -> Response:
+    data = await _body(request)
+    version = ModelVersion(
+        name=str(data["name"]), version=str(data["version"]), uri=str(data["uri"]),
+        manifest_sha256=str(data.get("manifest_sha256") or ""),
+        serve_args=tuple(str(a) for a in data.get("serve_args") or ()), created_at=time.time())
+    stored = await models.add_version(version)
     return JSONResponse(stored.to_json(), status_code=201)
 
 
-async def start_release(request: Request) -> Response:
-    gateway = _gateway(request)
-    if (refused := _requires_registry(gateway)) is not None:
-        return refused
-    assert gateway.releases is not None
-    try:
-        data = await _body(request)
-        name, version = split_model_version(str(data["model"]))
-        if version is None:
-            raise ConfigError("model must be NAME@VERSION: the version to release")
-        replicas = data.get("replicas")
-        release = await gateway.releases.start(
-            name, version, strategy=Strategy(data.get("strategy", Strategy.BLUE_GREEN.value)),
-            canary_weight=float(data.get("canary_weight", 0.1)),
-            replicas=None if replicas is None else int(replicas))
-    except (StrataError, ValueError, KeyError, TypeError) as exc:
-        return _failure(exc)
+@_control_plane
+async def start_release(request: Request, models: ModelRegistry,
+                        releases: ReleaseService) -> Response:
+    data = await _body(request)
+    name, version = split_model_version(str(data["model"]))
+    if version is None:
+        raise ConfigError("model must be NAME@VERSION: the version to release")
+    replicas = data.get("replicas")
+    release = await releases.start(
+        name, version, strategy=Strategy(data.get("strategy", Strategy.BLUE_GREEN.value)),
+        canary_weight=float(data.get("canary_weight", 0.1)),
+        replicas=None if replicas is None else int(replicas))
     return JSONResponse(release.to_json(), status_code=202)
 
 
-async def list_releases(request: Request) -> Response:
-    gateway = _gateway(request)
-    if (refused := _requires_registry(gateway)) is not None:
-        return refused
-    assert gateway.models is not None
-    try:
-        releases = await gateway.models.list_releases(request.query_params.get("model"))
-    except StrataError as exc:
-        return _failure(exc)
-    return JSONResponse({"releases": [r.to_json() for r in releases]})
+@_control_plane
+async def list_releases(request: Request, models: ModelRegistry,
+                        releases: ReleaseService) -> Response:
+    found = await models.list_releases(request.query_params.get("model"))
+    return JSONResponse({"releases": [r.to_json() for r in found]})
 
 
-async def get_release(request: Request) -> Response:
-    gateway = _gateway(request)
-    if (refused := _requires_registry(gateway)) is not None:
-        return refused
-    assert gateway.models is not None
+@_control_plane
+async def get_release(request: Request, models: ModelRegistry,
+                      releases: ReleaseService) -> Response:
     release_id = request.path_params["release_id"]
-    try:
-        release = await gateway.models.get_release(release_id)
-    except StrataError as exc:
-        return _failure(exc)
+    release = await models.get_release(release_id)
     if release is None:
         return error_response(404, f"no release {release_id!r}; see GET /admin/releases")
     return JSONResponse(release.to_json())
 
 
-async def rollback(request: Request) -> Response:
-    gateway = _gateway(request)
-    if (refused := _requires_registry(gateway)) is not None:
-        return refused
-    assert gateway.releases is not None
-    try:
-        release = await gateway.releases.rollback(request.path_params["name"])
-    except (StrataError, ValueError) as exc:
-        return _failure(exc)
+@_control_plane
+async def rollback(request: Request, models: ModelRegistry,
+                   releases: ReleaseService) -> Response:
+    release = await releases.rollback(request.path_params["name"])
     return JSONResponse(release.to_json(), status_code=202)
 
 
