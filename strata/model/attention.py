@@ -1,12 +1,12 @@
 """Attention over the paged KV cache: the per-step batch layout and the attention paths.
 
 Decode rows (one new token each) use the C decode kernel of `cpu_kernels` when it is built, else
-a padded gather + masked SDPA. A prefill chunk the executor marks with a `block_row` (short
-chunks, when the C chunk kernel is built) is attended in place through its block-table row, as
-its rows' decode-like queries would be, but with each key read once for the whole chunk.
-Otherwise a chunk that starts at position 0 attends only to itself (causal SDPA) and a later
-chunk (chunked prefill, prefix-cache hit) gathers its context and runs two batched matmuls when
-short, SDPA when long.
+a padded gather + masked SDPA. Prefill chunks use the C chunk kernel when it is built (the
+executor then gives each a `block_row`): it reads the cache in place, as the chunk's rows would
+as decode queries, but each key once per tile of queries. Without it (GPU, no compiler) a chunk
+that starts at position 0 attends only to itself (causal SDPA) and a later chunk (chunked
+prefill, prefix-cache hit) gathers its context and runs two batched matmuls when short, SDPA
+when long.
 """
 
 from __future__ import annotations

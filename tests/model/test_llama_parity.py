@@ -138,15 +138,15 @@ def hf_greedy(hf: PreTrainedModel, prompt: list[int], num_new: int = NUM_NEW_TOK
 
 
 def forward_logits(executor: TorchExecutor, seqs: list[ScheduledSequence],
-                   kernel_chunk_rows: int = 0) -> Tensor:
+                   chunk_kernel: bool = False) -> Tensor:
     """Logits of the sampled rows, through the same batch builder that `execute` uses.
 
-    `kernel_chunk_rows` 0 keeps every prefill chunk on the torch paths (SDPA, matmuls)."""
+    Without `chunk_kernel` every prefill chunk runs on the torch paths (SDPA, matmuls)."""
     kv = executor.kv_cache
     assert kv is not None
     with torch.inference_mode():
         batch = build_step_batch(seqs, kv.block_size, kv.null_slot, executor.device,
-                                 kernel_chunk_rows=kernel_chunk_rows)
+                                 chunk_kernel=chunk_kernel)
         return executor.model.forward(batch, kv).cpu()
 
 
@@ -171,10 +171,10 @@ def test_configs_exercise_their_features() -> None:
     assert qwen.attention_bias
 
 
-@pytest.mark.parametrize("kernel_rows", [0, 64], ids=["torch-paths", "chunk-kernel"])
-def test_chunked_prefill_equals_one_shot(kernel_rows: int) -> None:
+@pytest.mark.parametrize("chunk_kernel", [False, True], ids=["torch-paths", "chunk-kernel"])
+def test_chunked_prefill_equals_one_shot(chunk_kernel: bool) -> None:
     """Chunks over a cached context (kernel or torch matmuls) against one torch SDPA prefill."""
-    if kernel_rows and not cpu_kernels.supports_chunk(torch.float32, "cpu", 16):
+    if chunk_kernel and not cpu_kernels.supports_chunk(torch.float32, "cpu", 16):
         pytest.skip("no C compiler: the chunk kernel cannot be built here")
     hf = tiny_hf_model("llama")
     prompt = prompts((40,))[0]
@@ -190,7 +190,7 @@ def test_chunked_prefill_equals_one_shot(kernel_rows: int) -> None:
     for lo, hi in bounds:
         seq = ScheduledSequence(RequestId("a"), prompt[lo:hi], lo, blocks, hi == 40, params, [],
                                 prompt)
-        logits = forward_logits(chunked, [seq], kernel_rows)
+        logits = forward_logits(chunked, [seq], chunk_kernel)
     assert logits.shape == (1, 256)
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
     assert int(logits.argmax()) == hf_greedy(hf, prompt, 1)[0]
