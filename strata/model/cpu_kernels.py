@@ -105,6 +105,7 @@ void NAME_chunk(const T *q, const T *k, const T *v, const int64_t *table, T *out
   {
     float *s = malloc(sizeof(float) * LANES * (maxL + KEYS));
     float *qt = malloc(sizeof(float) * LANES * HD);
+    T *kb = calloc(KEYS * KROW, sizeof(T));
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < KVH * tiles; task++) {
       const int64_t g = task / tiles, m0 = (task % tiles) * LANES;
@@ -121,10 +122,9 @@ void NAME_chunk(const T *q, const T *k, const T *v, const int64_t *table, T *out
       }
       const int64_t L = qpos[cnt - 1] + 1;  /* lanes are in position order */
       for (int64_t l0 = 0; l0 < L; l0 += KEYS) {  /* KEYS keys at once: independent sums */
-        const T *kp[KEYS];
-        for (int64_t j = 0; j < KEYS; j++)
-          kp[j] = k + slot[l0 + j < L ? l0 + j : l0] + g * HD;
-        QK(qt, kp, HD, s + l0 * LANES);
+        for (int64_t j = 0; j < KEYS && l0 + j < L; j++)  /* rows at fixed offsets */
+          memcpy(kb + j * KROW, k + slot[l0 + j] + g * HD, sizeof(T) * HD);
+        QK(qt, kb, HD, s + l0 * LANES);
         for (int64_t l = l0; l < l0 + KEYS && l < L; l++) {
           float *sl = s + l * LANES;
           #pragma omp simd
@@ -136,21 +136,10 @@ void NAME_chunk(const T *q, const T *k, const T *v, const int64_t *table, T *out
         }
       }
       exp_lanes(s, mx, sum, L);
+      PAIRS(s, L);
       for (int64_t d0 = 0; d0 < HD; d0 += 16) {
         float acc[LANES][16];
-        memset(acc, 0, sizeof(acc));
-        for (int64_t l = 0; l < L; l++) {
-          const T *vp = v + slot[l] + g * HD + d0;
-          const float *sl = s + l * LANES;
-          float vf[16];
-          #pragma omp simd
-          for (int64_t j = 0; j < 16; j++) vf[j] = LD(vp, j);
-          for (int64_t m = 0; m < LANES; m++) {
-            const float p = sl[m];
-            #pragma omp simd
-            for (int64_t j = 0; j < 16; j++) acc[m][j] += p * vf[j];
-          }
-        }
+        PV(s, v, slot, g * HD + d0, L, &acc[0][0]);
         for (int64_t m = 0; m < cnt; m++) {
           const int64_t lane = m0 + m, i = lane / G, h = g * G + lane % G;
           const float inv = 1.f / sum[m];
@@ -159,7 +148,7 @@ void NAME_chunk(const T *q, const T *k, const T *v, const int64_t *table, T *out
         }
       }
     }
-    free(s); free(qt);
+    free(s); free(qt); free(kb);
   }
   free(slot);
 }
@@ -270,35 +259,82 @@ static inline float dot_f32(const float *qraw, const float *qf, const float *kp,
   for (int64_t i = 0; i < n; i++) dot += qf[i] * kp[i];
   return dot; }
 #define KEYS 8
+#define KROW 256  /* the chunk kernel's key rows: head_dim <= KROW */
+typedef int32_t __attribute__((may_alias)) alias_i32;
 /* Chunk-kernel query tiles: lane m's query, transposed (dim-major) for vectorising over lanes. */
 static inline void qpack_f32(float *qt, int64_t m, const float *qh, int64_t HD) {
   for (int64_t d = 0; d < HD; d++) qt[d * LANES + m] = qh[d]; }
-/* out[j][m] = q(lane m) . key j for KEYS keys (float32 sums; KEYS independent chains). */
-static inline void qk_f32(const float *qt, const float *const *kp, int64_t HD, float *out) {
+/* out[j][m] = q(lane m) . key j for KEYS keys at kb + j * KROW (KEYS independent sums). */
+static inline void qk_f32(const float *qt, const float *kb, int64_t HD, float *out) {
   float a[KEYS][LANES];
   memset(a, 0, sizeof(a));
   for (int64_t d = 0; d < HD; d++)
     for (int64_t j = 0; j < KEYS; j++) {
-      const float kd = kp[j][d];
+      const float kd = kb[j * KROW + d];
       #pragma omp simd
       for (int64_t m = 0; m < LANES; m++) a[j][m] += qt[d * LANES + m] * kd;
     }
   memcpy(out, a, sizeof(a)); }
+/* acc[m][j] = sum over keys l < L of s[l][m] * v(key l)[off + j], j < 16 (float32). */
+static inline void pv_f32(const float *s, const float *v, const int64_t *slot, int64_t off,
+                          int64_t L, float *acc) {
+  float a[LANES][16];
+  memset(a, 0, sizeof(a));
+  for (int64_t l = 0; l < L; l++) {
+    const float *vp = v + slot[l] + off, *sl = s + l * LANES;
+    for (int64_t m = 0; m < LANES; m++) {
+      const float p = sl[m];
+      #pragma omp simd
+      for (int64_t j = 0; j < 16; j++) a[m][j] += p * vp[j];
+    }
+  }
+  memcpy(acc, a, sizeof(a)); }
+static inline void pairs_f32(float *s, int64_t L) { (void)s; (void)L; }
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+/* Probability rows l, l + 1 become row l / 2 of bf16 pairs (in place): vdpbf16ps operands. */
+static inline void pairs_bf16(float *s, int64_t L) {
+  uint32_t *p = (uint32_t *)s;
+  for (int64_t l = 0; l < L; l += 2) {
+    const __m512 e0 = _mm512_loadu_ps(s + l * LANES);
+    const __m512 e1 = l + 1 < L ? _mm512_loadu_ps(s + (l + 1) * LANES) : _mm512_setzero_ps();
+    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e0));
+    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e1));
+    _mm512_storeu_si512(p + (l / 2) * LANES, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  } }
+/* pv_f32 with bf16 probabilities (HF's eager path rounds them too): two keys per vdpbf16ps. */
+static inline void pv_bf16(const float *s, const uint16_t *v, const int64_t *slot, int64_t off,
+                           int64_t L, float *acc) {
+  static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_loadu_si512(order);
+  const uint32_t *p = (const uint32_t *)s;
+  __m512 a[LANES];
+  for (int64_t m = 0; m < LANES; m++) a[m] = _mm512_setzero_ps();
+  for (int64_t l = 0; l < L; l += 2) {
+    const __m256i v0 = _mm256_loadu_si256((const __m256i *)(v + slot[l] + off));
+    const __m256i v1 = l + 1 < L ? _mm256_loadu_si256((const __m256i *)(v + slot[l + 1] + off))
+                                 : _mm256_setzero_si256();
+    const __m512bh vv = (__m512bh)_mm512_permutexvar_epi16(
+        idx, _mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1));
+    const uint32_t *pl = p + (l / 2) * LANES;
+    for (int64_t m = 0; m < LANES; m++)
+      a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_set1_epi32((int)pl[m]), vv);
+  }
+  for (int64_t m = 0; m < LANES; m++) _mm512_storeu_ps(acc + m * 16, a[m]); }
 /* bf16: lanes hold raw (q[2i], q[2i+1]) pairs, the operand layout of vdpbf16ps. */
 static inline void qpack_bf16(float *qt, int64_t m, const uint16_t *qh, int64_t HD) {
   uint32_t *t = (uint32_t *)qt; const uint32_t *p = (const uint32_t *)qh;
   for (int64_t i = 0; i < HD / 2; i++) t[i * LANES + m] = p[i]; }
-static inline void qk_bf16(const float *qt, const uint16_t *const *kp, int64_t HD, float *out) {
+static inline void qk_bf16(const float *qt, const uint16_t *kb, int64_t HD, float *out) {
   const uint32_t *t = (const uint32_t *)qt;
   __m512 a[KEYS];
   for (int64_t j = 0; j < KEYS; j++) a[j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < HD / 2; i++) {
     const __m512bh qv = (__m512bh)_mm512_loadu_si512(t + i * LANES);
     for (int64_t j = 0; j < KEYS; j++) {
-      uint32_t pair; memcpy(&pair, kp[j] + 2 * i, 4);
-      a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_set1_epi32((int)pair));
+      const int32_t pair = ((const alias_i32 *)(kb + j * KROW))[i];
+      a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_set1_epi32(pair));
     }
   }
   for (int64_t j = 0; j < KEYS; j++) _mm512_storeu_ps(out + j * LANES, a[j]); }
@@ -315,14 +351,31 @@ static inline float dot_bf16(const uint16_t *qraw, const float *qf, const uint16
   for (int64_t i = 0; i < n; i++) dot += qf[i] * ld_bf16(kp, i);
   return dot; }
 #else
+static inline void pairs_bf16(float *s, int64_t L) { (void)s; (void)L; }
+static inline void pv_bf16(const float *s, const uint16_t *v, const int64_t *slot, int64_t off,
+                           int64_t L, float *acc) {
+  float a[LANES][16];
+  memset(a, 0, sizeof(a));
+  for (int64_t l = 0; l < L; l++) {
+    const uint16_t *vp = v + slot[l] + off;
+    const float *sl = s + l * LANES;
+    float vf[16];
+    for (int64_t j = 0; j < 16; j++) vf[j] = ld_bf16(vp, j);
+    for (int64_t m = 0; m < LANES; m++) {
+      const float p = sl[m];
+      #pragma omp simd
+      for (int64_t j = 0; j < 16; j++) a[m][j] += p * vf[j];
+    }
+  }
+  memcpy(acc, a, sizeof(a)); }
 static inline void qpack_bf16(float *qt, int64_t m, const uint16_t *qh, int64_t HD) {
   for (int64_t d = 0; d < HD; d++) qt[d * LANES + m] = ld_bf16(qh, d); }
-static inline void qk_bf16(const float *qt, const uint16_t *const *kp, int64_t HD, float *out) {
+static inline void qk_bf16(const float *qt, const uint16_t *kb, int64_t HD, float *out) {
   float a[KEYS][LANES];
   memset(a, 0, sizeof(a));
   for (int64_t d = 0; d < HD; d++)
     for (int64_t j = 0; j < KEYS; j++) {
-      const float kd = ld_bf16(kp[j], d);
+      const float kd = ld_bf16(kb + j * KROW, d);
       #pragma omp simd
       for (int64_t m = 0; m < LANES; m++) a[j][m] += qt[d * LANES + m] * kd;
     }
@@ -350,7 +403,8 @@ def _source() -> str:
                      .replace("sizeof(T)", f"sizeof({ctype})")
                      .replace("LD(", f"ld_{suffix}(").replace("ST(", f"st_{suffix}(")
                      .replace("DOT(", f"dot_{suffix}(").replace("RT(", f"rt_{suffix}(")
-                     .replace("QPACK(", f"qpack_{suffix}(").replace("QK(", f"qk_{suffix}("))
+                     .replace("QPACK(", f"qpack_{suffix}(").replace("QK(", f"qk_{suffix}(")
+                     .replace("PAIRS(", f"pairs_{suffix}(").replace("PV(", f"pv_{suffix}("))
     return "\n".join(parts)
 
 
@@ -423,8 +477,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: T
 
 
 def supports_chunk(dtype: torch.dtype, device: torch.device | str, head_dim: int) -> bool:
-    """Whether `chunk_attention` runs: `supports`, and head_dim a multiple of 16."""
-    return head_dim % 16 == 0 and supports(dtype, device)
+    """Whether `chunk_attention` runs: `supports`, and head_dim a multiple of 16, <= 256."""
+    return head_dim % 16 == 0 and head_dim <= 256 and supports(dtype, device)
 
 
 def chunk_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_row: Tensor,
