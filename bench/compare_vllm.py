@@ -76,8 +76,8 @@ def server_rounds(model: Path, vllm_python: Path, rounds: int) -> list[dict[str,
         for _, s in servers:  # warm-up: first-shape oneDNN primitives, vLLM's lazy paths
             fixed_load(s.url, num=4, input_len=32, output_len=8)
         results = []
-        for _ in range(rounds):
-            results.append({name: fixed_load(s.url)["output_tokens_per_s"]
+        for r in range(rounds):  # fresh prompts per round: no prefix-cache hits across rounds
+            results.append({name: fixed_load(s.url, seed=r + 1)["output_tokens_per_s"]
                             for name, s in servers})
             print(json.dumps(results[-1]), flush=True)
         for name, s in servers:

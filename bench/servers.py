@@ -93,14 +93,17 @@ def start_vllm(python: Path, model: Path, port: int, env: dict[str, str],
 
 
 def fixed_load(url: str, num: int = 32, input_len: int = 128, output_len: int = 64,
-               workload: str = "fixed", extra: tuple[str, ...] = ()) -> dict:
-    """Run `strata bench` against `url`; its JSON report."""
+               workload: str = "fixed", extra: tuple[str, ...] = (), seed: int = 0) -> dict:
+    """Run `strata bench` against `url`; its JSON report.
+
+    The prompts depend only on `seed`: give each measured round its own, or every round after
+    the first reuses the prompts the server's prefix cache already holds."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
         cmd = [str(STRATA), "bench", "--url", url, "--workload", workload,
                "--num-requests", str(num), "--input-len", str(input_len),
                "--output-len", str(output_len), "--concurrency", str(num), "--out", str(out),
-               "--no-progress", *extra]
+               "--seed", str(seed), "--no-progress", *extra]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         return json.loads(out.read_text())
 

@@ -195,10 +195,6 @@ def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str)
              args.dtype, cache_config.num_blocks, cache_config.block_size, max_model_len)
     engine = Engine(executor, cache_config, scheduler_config, loaded.tokenizer,
                     vocab_size=loaded.config.vocab_size)
-    # Before any request: the first load should not pay for first-use costs of step shapes.
-    warm_s = executor.warm_up(scheduler_config.max_num_batched_tokens,
-                              scheduler_config.max_num_seqs)
-    log.info("warmed up in %.2f s", warm_s)
     return AsyncEngine(engine, max_model_len=max_model_len)
 
 

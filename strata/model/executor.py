@@ -10,7 +10,6 @@ cache as `kv_codec` payloads (KV offload to an external store).
 from __future__ import annotations
 
 import logging
-import time
 from itertools import accumulate
 
 import numpy as np
@@ -19,14 +18,12 @@ from torch import Tensor
 
 from strata.engine.config import ModelConfig
 from strata.engine.executor import ModelInput, ModelOutput, ScheduledSequence
-from strata.engine.request import SamplingParams
 from strata.errors import ConfigError
 from strata.model import cpu_kernels
 from strata.model.attention import PagedKVCache, PrefillChunk, StepBatch
 from strata.model.kv_codec import KVCodec, KVLayout, KVPayloadError
 from strata.model.llama import LlamaModel
 from strata.model.sampler import Sampler
-from strata.types import RequestId
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger("strata.model")
@@ -110,33 +107,6 @@ class TorchExecutor:
         """The block's slots of every layer, K and V, as bytes: (L, 2, B, H, D * itemsize)."""
         start = block_id * cache.block_size
         return cache.data.view(torch.uint8)[:, :, start : start + cache.block_size]
-
-    def warm_up(self, num_tokens: int, num_seqs: int) -> float:
-        """Run the step shapes of a first load once, before serving; returns the seconds taken.
-
-        First use of a shape costs extra (oneDNN primitives, allocator growth, first touch of
-        buffers): a fresh prefill of `num_tokens`, a chunk over it beside decode rows, and decode
-        steps of 1 .. `num_seqs` rows. It writes K/V only into blocks no request owns yet (the
-        engine has admitted none), so the caches stay correct.
-        """
-        kv = self._kv_transfer()[0]
-        started = time.perf_counter()
-        n = max(2, min(num_tokens, kv.num_blocks * kv.block_size // 2))
-        blocks = list(range(-(-n // kv.block_size)))
-        greedy = SamplingParams(temperature=0.0)
-
-        def seq(tokens: int, start: int) -> ScheduledSequence:
-            ids = [(start + i) % self.vocab_size for i in range(tokens)]
-            return ScheduledSequence(RequestId(f"warm-up-{start}"), ids, start, blocks, True,
-                                     greedy, [], [])
-
-        self.execute(ModelInput([seq(n, 0)], kv.block_size))
-        chunk = min(16, n // 2)
-        decodes = [seq(1, p) for p in range(min(num_seqs, n - chunk))]
-        self.execute(ModelInput(decodes + [seq(chunk, n - chunk)], kv.block_size))
-        for rows in sorted({1, len(decodes) // 2, len(decodes)} - {0}):
-            self.execute(ModelInput(decodes[:rows], kv.block_size))
-        return time.perf_counter() - started
 
     def execute(self, model_input: ModelInput) -> ModelOutput:
         """Compute the step's tokens; sample one token per sequence with `needs_sample`."""

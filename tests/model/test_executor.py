@@ -123,23 +123,3 @@ def test_seeded_sampling_through_execute_ignores_the_batch() -> None:
     ], 4))
     assert batched["s"].token_id == alone["s"].token_id
 
-
-def test_warm_up_runs_every_step_kind_and_leaves_results_unchanged() -> None:
-    """Warm-up writes K/V into blocks no request owns yet; later requests see none of it."""
-    hf = tiny_hf_model("llama")
-    token_lists = prompts()
-    expected = run_greedy(make_executor(hf), token_lists, num_new=6)
-    warmed = make_executor(hf, num_blocks=64, block_size=4)
-    calls: list[tuple[int, int]] = []
-    execute = warmed.execute
-
-    def counting(model_input: ModelInput) -> dict:
-        calls.append((len(model_input.sequences), model_input.num_tokens))
-        return execute(model_input)
-
-    warmed.execute = counting  # type: ignore[method-assign]
-    assert warmed.warm_up(num_tokens=100, num_seqs=8) > 0
-    # prefill 100; 8 decodes + a 16-token chunk; decode steps of 1, 4 and 8 rows
-    assert calls == [(1, 100), (9, 24), (1, 1), (4, 4), (8, 8)]
-    warmed.execute = execute  # type: ignore[method-assign]
-    assert run_greedy(warmed, token_lists, num_new=6) == expected
