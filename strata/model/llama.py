@@ -55,7 +55,10 @@ class _WeightReader:
                 f"weight {name!r} has shape {list(tensor.shape)}, expected {list(shape)} from the "
                 "model config"
             )
-        return tensor.to(device=self.device, dtype=self.dtype)
+        out = tensor.to(device=self.device, dtype=self.dtype)
+        # An owned copy: a loader's tensors may all be views of one mmap of the weights file, and
+        # one kept view (the embedding, a norm) would keep every page of it resident.
+        return out.clone() if out.data_ptr() == tensor.data_ptr() else out
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:

@@ -123,3 +123,16 @@ def test_seeded_sampling_through_execute_ignores_the_batch() -> None:
     ], 4))
     assert batched["s"].token_id == alone["s"].token_id
 
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_model_shares_no_storage_with_the_loaders_weights(dtype: str) -> None:
+    """Loader tensors may be views of one mmap of the file: a kept view pins all of it."""
+    hf = tiny_hf_model("llama")
+    weights = {k: v.to(getattr(torch, dtype)) for k, v in hf.state_dict().items()}
+    executor = TorchExecutor(model_config_from_hf(hf.config.to_dict()), weights, dtype=dtype)
+    loader = {w.untyped_storage().data_ptr() for w in weights.values()}
+    model = executor.model
+    kept = [model.embed, model.norm, model.lm_head, *(
+        t for layer in model.layers for t in (layer.input_norm, layer.qkv, layer.o,
+                                              layer.post_norm, layer.gate_up, layer.down))]
+    assert all(t.is_mkldnn or t.untyped_storage().data_ptr() not in loader for t in kept)
