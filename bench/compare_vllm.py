@@ -18,6 +18,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from make_hf_dir import make_hf_dir
@@ -26,6 +27,7 @@ from servers import ROOT, Server, fixed_load, rss_mib, start_strata, start_vllm
 BENCH = ROOT / "bench"
 VENV = ROOT / ".venv" / "bin" / "python"
 VLLM_VENV = ROOT / ".bench" / "vllm"
+SETTLE_S = 2.0
 
 
 def vllm_env() -> dict[str, str]:
@@ -77,8 +79,7 @@ def server_rounds(model: Path, vllm_python: Path, rounds: int) -> list[dict[str,
             fixed_load(s.url, num=4, input_len=32, output_len=8)
         results = []
         for r in range(rounds):  # fresh prompts per round: no prefix-cache hits across rounds
-            results.append({name: fixed_load(s.url, seed=r + 1)["output_tokens_per_s"]
-                            for name, s in servers})
+            results.append({name: settled_load(s, seed=r + 1) for name, s in servers})
             print(json.dumps(results[-1]), flush=True)
         for name, s in servers:
             print(f"{name} resident memory after the runs: {rss_mib(s.pid):.0f} MiB", flush=True)
@@ -86,6 +87,13 @@ def server_rounds(model: Path, vllm_python: Path, rounds: int) -> list[dict[str,
     finally:
         for _, s in servers:
             s.stop()
+
+
+def settled_load(server: Server, seed: int) -> float:
+    """One fixed load after SETTLE_S of quiet: vLLM keeps a core busy for ~0.9 s after its
+    requests finish (measured), which would otherwise land on the next server's round."""
+    time.sleep(SETTLE_S)
+    return float(fixed_load(server.url, seed=seed)["output_tokens_per_s"])
 
 
 def summarize(rounds: list[dict[str, float]]) -> None:
