@@ -28,7 +28,7 @@ from strata.gateway.response_cache import ResponseCacheLayer, cache_key
 from strata.gateway.retry import RetryBudget
 from strata.gateway.sessions import SessionRouter
 from strata.gateway.sources import InstanceSource
-from strata.gateway.upstream import RelayResponse, create_client, error_response
+from strata.gateway.upstream import RelayResponse, UpstreamPools, error_response
 from strata.gateway.versions import (
     CANARY,
     LIVE,
@@ -156,7 +156,7 @@ class Gateway:
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
-            await self.proxy.client.aclose()
+            await self.proxy.upstreams.aclose()
         with contextlib.suppress(Exception):
             await self.control.aclose()
         if self.sessions is not None and self.owns_pins:
@@ -193,7 +193,7 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
     pipeline = RoutingPipeline(instances, create_policy(config.policy, rng=rng))
     control = control_client or httpx.AsyncClient(
         transport=transport, timeout=httpx.Timeout(config.health_timeout_s))
-    proxy = Proxy(pipeline, create_client(config, transport), detector,
+    proxy = Proxy(pipeline, UpstreamPools(config, transport), detector,
                   RetryBudget(config.retry, clock), metrics, config.retry.max_retries)
     health = HealthChecker(instances, detector, control, config.health_timeout_s)
     sessions = _session_router(config, pin_store, clock)

@@ -27,6 +27,7 @@ from strata.gateway.policies.base import RouteRequest
 from strata.gateway.retry import RetryBudget
 from strata.gateway.upstream import (
     RelayResponse,
+    UpstreamPools,
     broken_stream_frames,
     close_quietly,
     error_response,
@@ -69,16 +70,19 @@ class Attempt:
 class Proxy:
     """Routes and forwards requests; one per gateway app."""
 
-    def __init__(self, pipeline: RoutingPipeline, client: httpx.AsyncClient,
+    def __init__(self, pipeline: RoutingPipeline, upstreams: UpstreamPools,
                  detector: OutlierDetector, budget: RetryBudget, metrics: GatewayMetrics,
-                 max_retries: int, clock: Callable[[], float] = time.perf_counter) -> None:
+                 max_retries: int, clock: Callable[[], float] = time.perf_counter,
+                 prune_interval_s: float = 1.0) -> None:
         self.pipeline = pipeline
-        self.client = client
+        self.upstreams = upstreams
         self.detector = detector
         self.budget = budget
         self.metrics = metrics
         self.max_retries = max_retries
         self.clock = clock
+        self.prune_interval_s = prune_interval_s  # how often pools of departed instances go
+        self._pruned_at = clock()
         # every attempt's outcome: (instance, is_error, time to the first byte in s or None)
         self.observers: list[Callable[[InstanceView, bool, float | None], None]] = []
 
@@ -125,12 +129,14 @@ class Proxy:
     async def _attempt(self, attempt: Attempt) -> Response | Failure:
         self._begin(attempt)
         request = attempt.request
-        upstream = self.client.build_request(
-            request.method, attempt.view.url + request.path, content=request.body,
-            headers=forwarded_headers(request.headers))
+        headers = forwarded_headers(request.headers)
         attempt.sent_at = self.clock()
+        if attempt.sent_at - self._pruned_at >= self.prune_interval_s:
+            self._pruned_at = attempt.sent_at
+            self.upstreams.prune(self.pipeline.instances)
         try:
-            response = await self.client.send(upstream, stream=True)
+            response = await self.upstreams.send(attempt.view, request.method, request.path,
+                                                 request.body, headers)
         except httpx.HTTPError as exc:
             return self._failed(attempt, Failure(_describe(attempt.view, exc)))
         if response.status_code >= 500 or response.status_code == 429:

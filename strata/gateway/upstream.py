@@ -1,5 +1,12 @@
-"""HTTP to instances: one pooled `httpx.AsyncClient`, header filtering, error bodies, and the
-streaming response that relays an instance's SSE stream to the client.
+"""HTTP to instances: one connection pool per instance (`UpstreamPools`), header filtering, error
+bodies, and the streaming response that relays an instance's SSE stream to the client.
+
+Pools are per instance because httpcore scans every connection of a pool when a request starts
+and when a response closes: one pool shared by the fleet made each request O(all connections).
+Requests go straight to the pool's transport (no client-level auth, redirect or cookie layers);
+`max_connections` bounds each instance's pool. A pool is created at an instance's first request
+and closed once the instance has left the set (or changed URL) and every response it gave is
+closed.
 
 The relay forwards whole SSE frames only (a chunk is cut after its last blank line; the rest waits
 for the next chunk), so when the instance dies mid-stream the client receives well-formed frames
@@ -8,8 +15,10 @@ followed by one error event and `data: [DONE]`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -18,6 +27,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from strata.gateway.config import GatewayConfig
+from strata.gateway.instances import InstanceSet, InstanceView
 from strata.protocol.sse import DONE_FRAME, encode_event
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
@@ -27,15 +37,103 @@ INSTANCE_HEADER = "x-strata-instance"
 FRAME_END = b"\n\n"
 
 
-def create_client(config: GatewayConfig,
-                  transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-    """The pooled client for proxied requests. The read timeout bounds the silence between two
+@dataclass(slots=True)
+class _Pool:
+    view: InstanceView  # the view it was made for (a new view of that id gets a new pool)
+    url: str
+    transport: httpx.AsyncBaseTransport
+    num_open: int = 0  # requests sent whose response is not closed yet
+
+
+class _CountedStream(httpx.AsyncByteStream):
+    """A response body that tells its pool when it is closed (once)."""
+
+    def __init__(self, inner: httpx.AsyncByteStream, pool: _Pool) -> None:
+        self.inner = inner
+        self.pool: _Pool | None = pool
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self.inner:
+            yield chunk
+
+    async def aclose(self) -> None:
+        if self.pool is not None:
+            self.pool.num_open -= 1
+            self.pool = None
+        await self.inner.aclose()
+
+
+class UpstreamPools:
+    """The connection pools for proxied requests, one per instance (an injected `transport`,
+    as tests give, serves every instance). The read timeout bounds the silence between two
     chunks; a connection the instance closed is noticed at once, without waiting for it."""
-    timeout = httpx.Timeout(connect=config.connect_timeout_s, read=config.read_timeout_s,
-                            write=config.read_timeout_s, pool=config.connect_timeout_s)
-    limits = httpx.Limits(max_connections=config.max_connections,
-                          max_keepalive_connections=config.max_connections)
-    return httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits)
+
+    def __init__(self, config: GatewayConfig,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.timeout = httpx.Timeout(connect=config.connect_timeout_s,
+                                     read=config.read_timeout_s, write=config.read_timeout_s,
+                                     pool=config.connect_timeout_s).as_dict()
+        self.limits = httpx.Limits(max_connections=config.max_connections,
+                                   max_keepalive_connections=config.max_connections)
+        self.shared = transport
+        self.pools: dict[str, _Pool] = {}
+        self.retired: list[_Pool] = []  # left the set; closed once nothing is in flight
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def pool_for(self, view: InstanceView) -> _Pool:
+        pool = self.pools.get(view.instance_id)
+        if pool is not None and pool.view is view and pool.url == view.url:
+            return pool
+        if pool is not None:
+            self.retired.append(pool)
+        transport = self.shared or httpx.AsyncHTTPTransport(limits=self.limits)
+        pool = self.pools[view.instance_id] = _Pool(view, view.url, transport)
+        return pool
+
+    async def send(self, view: InstanceView, method: str, path: str, body: bytes,
+                   headers: list[tuple[str, str]]) -> httpx.Response:
+        """The instance's response, its body unread (the caller closes it)."""
+        request = httpx.Request(method, view.url + path, content=body, headers=headers,
+                                extensions={"timeout": self.timeout})
+        pool = self.pool_for(view)
+        pool.num_open += 1
+        try:
+            response = await pool.transport.handle_async_request(request)
+        except BaseException:
+            pool.num_open -= 1
+            raise
+        assert isinstance(response.stream, httpx.AsyncByteStream)
+        response.stream = _CountedStream(response.stream, pool)
+        response.request = request
+        return response
+
+    def prune(self, instances: InstanceSet) -> None:
+        """Retire the pools of instances that left `instances` or changed URL; close retired
+        pools with nothing in flight (in the background: closing never delays a request)."""
+        for instance_id, pool in list(self.pools.items()):
+            if instances.get(instance_id) is not pool.view or pool.view.url != pool.url:
+                self.retired.append(self.pools.pop(instance_id))
+        idle = [pool for pool in self.retired if pool.num_open == 0]
+        self.retired = [pool for pool in self.retired if pool.num_open > 0]
+        for pool in idle:
+            if pool.transport is self.shared:
+                continue
+            task = asyncio.get_running_loop().create_task(pool.transport.aclose())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    async def aclose(self) -> None:
+        """Close every pool (at shutdown)."""
+        pools = [*self.pools.values(), *self.retired]
+        self.pools, self.retired = {}, []
+        transports = {id(pool.transport): pool.transport for pool in pools}
+        if self.shared is not None:
+            transports[id(self.shared)] = self.shared
+        for transport in transports.values():
+            with anyio.CancelScope(shield=True):
+                await transport.aclose()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 def forwarded_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -121,5 +219,5 @@ def response_headers(response: httpx.Response, instance_id: str) -> dict[str, st
 
 
 __all__ = ["HOP_BY_HOP", "INSTANCE_HEADER", "RelayResponse", "broken_stream_frames",
-           "close_quietly", "create_client", "error_payload", "error_response",
+           "UpstreamPools", "close_quietly", "error_payload", "error_response",
            "forwarded_headers", "read_frames", "response_headers", "split_frames"]
