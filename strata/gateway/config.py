@@ -80,7 +80,8 @@ class SessionRoutingConfig:
     """How requests carrying a session id are routed (`mode`, see strata/gateway/sessions.py).
     `store_url` holds the pin table shared by every gateway (None: in this process only);
     `epsilon` bounds each instance to ceil((1+epsilon) * mean) pinned sessions; a pin unused for
-    `pin_ttl_s` expires."""
+    `pin_ttl_s` expires. A placement this gateway read or wrote in the store less than
+    `local_pin_max_age_s` ago is reused without reading the store again (0: read every time)."""
 
     mode: str = "none"
     store_url: str | None = None
@@ -88,6 +89,7 @@ class SessionRoutingConfig:
     num_vnodes: int = 100
     pin_ttl_s: float = 3600.0
     counts_max_age_s: float = 1.0
+    local_pin_max_age_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.mode not in SESSION_ROUTING_MODES:
@@ -96,6 +98,9 @@ class SessionRoutingConfig:
         _positive(self, "epsilon", "num_vnodes", "pin_ttl_s")
         if self.counts_max_age_s < 0:
             raise ConfigError(f"counts_max_age_s must be >= 0, got {self.counts_max_age_s}")
+        if self.local_pin_max_age_s < 0:
+            raise ConfigError(f"local_pin_max_age_s must be >= 0, "
+                              f"got {self.local_pin_max_age_s}")
 
     @property
     def is_pinning(self) -> bool:

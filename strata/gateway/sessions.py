@@ -15,6 +15,14 @@ pin store that every gateway shares, so every gateway makes the same decision. A
 and hybrid routing carry `X-Strata-Session-Routing: pinned|placed|moved` (or `unpinned` when the
 pin store could not be reached: the request then goes where the plain consistent hash puts it).
 Requests without a session id use the normal policy in every mode.
+
+Local reuse (`local_pin_max_age_s` > 0). A placement this gateway read from or wrote to the pin
+store less than that age ago is answered again (as `pinned`) without reading the store, while
+its instance is still a routable candidate under the bound; the age counts from the store
+access, never from a reuse, so a pin another gateway wrote is followed within that age. Reuse
+cannot corrupt a session: instances read the history from the session store and append under
+its revision (strata/server/sessions.py), so a turn sent to the old instance during that window
+answers from the whole history or gets a 409, and costs at most a KV cache miss.
 """
 
 from __future__ import annotations
@@ -74,6 +82,7 @@ class SessionRouter:
         self.rings = RingCache(config.num_vnodes)
         self.max_local = max_local
         self._local: OrderedDict[str, str] = OrderedDict()
+        self._read_at: dict[str, float] = {}  # when each local placement came from the store
         self._counts: dict[str, int] = {}
         self._counts_at = -math.inf
 
@@ -84,6 +93,9 @@ class SessionRouter:
         The mean load counts every pinned session except those on `foreign` instances (ones
         serving other models): sessions of instances that left are coming to the candidates."""
         ids = [view.instance_id for view in candidates]
+        recent = await self._recent(session_id, ids, foreign)
+        if recent is not None:
+            return Placement(recent, PINNED)
         for _ in range(MAX_CAS_ROUNDS):
             pinned = await self.pins.get(session_id)
             counts = await self._fresh_counts()
@@ -118,6 +130,7 @@ class SessionRouter:
     async def forget(self, session_id: str) -> None:
         """Unpin a deleted session."""
         self._local.pop(session_id, None)
+        self._read_at.pop(session_id, None)
         await self.pins.delete(session_id)
         self._counts_at = -math.inf
 
@@ -149,6 +162,7 @@ class SessionRouter:
         except PinStoreError as exc:
             logger.warning("session %s routed without a pin: %s", session_id, exc)
             self._local.pop(session_id, None)
+            self._read_at.pop(session_id, None)
             return Placement(None, UNPINNED)
 
     def _target(self, session_id: str, pinned: str | None, counts: dict[str, int],
@@ -172,11 +186,30 @@ class SessionRouter:
             self._counts[old] -= 1
         self._counts[new] = self._counts.get(new, 0) + 1
 
+    async def _recent(self, session_id: str, ids: list[str],
+                      foreign: Collection[str]) -> str | None:
+        """This gateway's placement of `session_id` if read from the store less than
+        `local_pin_max_age_s` ago and still valid among `ids` (see the module docstring)."""
+        read_at = self._read_at.get(session_id)
+        if read_at is None or self.clock() - read_at >= self.config.local_pin_max_age_s:
+            return None
+        pinned = self._local.get(session_id)
+        if pinned is None or pinned not in ids:
+            return None
+        counts = await self._fresh_counts()
+        total = sum(n for iid, n in counts.items() if iid not in foreign)
+        if is_over_bound(pinned, counts, ids, epsilon=self.config.epsilon, total=total):
+            return None
+        return pinned
+
     def _remember(self, session_id: str, instance_id: str, outcome: str) -> Placement:
         self._local[session_id] = instance_id
         self._local.move_to_end(session_id)
+        if self.config.local_pin_max_age_s > 0:
+            self._read_at[session_id] = self.clock()
         if len(self._local) > self.max_local:
-            self._local.popitem(last=False)
+            evicted, _ = self._local.popitem(last=False)
+            self._read_at.pop(evicted, None)
         return Placement(instance_id, outcome)
 
 
