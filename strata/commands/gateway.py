@@ -18,6 +18,7 @@ import httpx
 
 from strata.commands import aio
 from strata.commands.argtypes import (
+    non_negative_float,
     non_negative_int,
     port_number,
     positive_float,
@@ -73,6 +74,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="bounded loads: an instance holds at most ceil((1+eps) * mean) sessions")
     p.add_argument("--session-pin-ttl-s", type=positive_float, default=3600.0,
                    help="a pin unused this long expires")
+    p.add_argument("--session-local-pin-age-s", type=non_negative_float, default=1.0,
+                   help="reuse this gateway's placement of a session read or written this "
+                        "recently instead of reading the shared pin table (0: every request)")
     p.add_argument("--routing-poll-s", type=positive_float, default=0.2,
                    help="how often the model registry's routing pointers are re-read (a "
                         "release's flip reaches this gateway within this interval)")
@@ -123,7 +127,8 @@ def _session_config(args: argparse.Namespace) -> SessionRoutingConfig:
     """Pins are only kept for sticky and hybrid; other modes ignore --session-store (the
     instances read history from their own --session-store)."""
     return SessionRoutingConfig(mode=args.session_routing, store_url=args.session_store,
-                                epsilon=args.session_epsilon, pin_ttl_s=args.session_pin_ttl_s)
+                                epsilon=args.session_epsilon, pin_ttl_s=args.session_pin_ttl_s,
+                                local_pin_max_age_s=args.session_local_pin_age_s)
 
 
 def _release_config(args: argparse.Namespace) -> ReleaseConfig:
