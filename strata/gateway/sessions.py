@@ -81,8 +81,8 @@ class SessionRouter:
         self.clock = clock
         self.rings = RingCache(config.num_vnodes)
         self.max_local = max_local
-        self._local: OrderedDict[str, str] = OrderedDict()
-        self._read_at: dict[str, float] = {}  # when each local placement came from the store
+        # session -> (instance, when that placement was read from or written to the store)
+        self._local: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._counts: dict[str, int] = {}
         self._counts_at = -math.inf
 
@@ -98,8 +98,7 @@ class SessionRouter:
             return Placement(recent, PINNED)
         for _ in range(MAX_CAS_ROUNDS):
             pinned = await self.pins.get(session_id)
-            counts = await self._fresh_counts()
-            total = sum(n for iid, n in counts.items() if iid not in foreign)
+            counts, total = await self._loads(foreign)
             if pinned is not None and pinned in ids and not is_over_bound(
                     pinned, counts, ids, epsilon=self.config.epsilon, total=total):
                 return self._remember(session_id, pinned, PINNED)
@@ -120,9 +119,9 @@ class SessionRouter:
         if request.session_id is None:
             return None
         by_id = {view.instance_id: view for view in candidates}
-        pinned = self._local.get(request.session_id)
-        if pinned in by_id:
-            return by_id[pinned]
+        local = self._local.get(request.session_id)
+        if local is not None and local[0] in by_id:
+            return by_id[local[0]]
         ring = self.rings.ring_for(by_id)
         return by_id[place(ring, request.session_id, self._counts, epsilon=self.config.epsilon,
                            allowed=by_id)]
@@ -130,7 +129,6 @@ class SessionRouter:
     async def forget(self, session_id: str) -> None:
         """Unpin a deleted session."""
         self._local.pop(session_id, None)
-        self._read_at.pop(session_id, None)
         await self.pins.delete(session_id)
         self._counts_at = -math.inf
 
@@ -162,7 +160,6 @@ class SessionRouter:
         except PinStoreError as exc:
             logger.warning("session %s routed without a pin: %s", session_id, exc)
             self._local.pop(session_id, None)
-            self._read_at.pop(session_id, None)
             return Placement(None, UNPINNED)
 
     def _target(self, session_id: str, pinned: str | None, counts: dict[str, int],
@@ -181,6 +178,11 @@ class SessionRouter:
             self._counts_at = self.clock()
         return self._counts
 
+    async def _loads(self, foreign: Collection[str]) -> tuple[dict[str, int], int]:
+        """(pinned sessions per instance, their total less those on `foreign` instances)."""
+        counts = await self._fresh_counts()
+        return counts, sum(n for iid, n in counts.items() if iid not in foreign)
+
     def _count_move(self, old: str | None, new: str) -> None:
         if old is not None and self._counts.get(old, 0) > 0:
             self._counts[old] -= 1
@@ -190,26 +192,22 @@ class SessionRouter:
                       foreign: Collection[str]) -> str | None:
         """This gateway's placement of `session_id` if read from the store less than
         `local_pin_max_age_s` ago and still valid among `ids` (see the module docstring)."""
-        read_at = self._read_at.get(session_id)
-        if read_at is None or self.clock() - read_at >= self.config.local_pin_max_age_s:
+        local = self._local.get(session_id)
+        if local is None or self.clock() - local[1] >= self.config.local_pin_max_age_s:
             return None
-        pinned = self._local.get(session_id)
-        if pinned is None or pinned not in ids:
+        pinned = local[0]
+        if pinned not in ids:
             return None
-        counts = await self._fresh_counts()
-        total = sum(n for iid, n in counts.items() if iid not in foreign)
+        counts, total = await self._loads(foreign)
         if is_over_bound(pinned, counts, ids, epsilon=self.config.epsilon, total=total):
             return None
         return pinned
 
     def _remember(self, session_id: str, instance_id: str, outcome: str) -> Placement:
-        self._local[session_id] = instance_id
+        self._local[session_id] = (instance_id, self.clock())
         self._local.move_to_end(session_id)
-        if self.config.local_pin_max_age_s > 0:
-            self._read_at[session_id] = self.clock()
         if len(self._local) > self.max_local:
-            evicted, _ = self._local.popitem(last=False)
-            self._read_at.pop(evicted, None)
+            self._local.popitem(last=False)
         return Placement(instance_id, outcome)
 
 
