@@ -97,3 +97,37 @@ def test_with_age_zero_every_placement_reads_the_store() -> None:
 def test_a_negative_age_is_refused_with_its_name() -> None:
     with pytest.raises(ConfigError, match="local_pin_max_age_s must be >= 0, got -1"):
         SessionRoutingConfig(mode="sticky", local_pin_max_age_s=-1)
+
+
+def test_a_placement_whose_instance_went_over_the_bound_is_not_reused() -> None:
+    pins, clock = CountingPinStore(), FakeClock()
+    config = SessionRoutingConfig(mode="sticky", local_pin_max_age_s=1.0, counts_max_age_s=0.0)
+    sessions, views = SessionRouter(config, pins, clock=clock), [view("a"), view("b")]
+
+    async def story() -> None:
+        home = (await sessions.place("s", views)).instance_id
+        other = "b" if home == "a" else "a"
+        for n in range(4):  # other gateways pile sessions on `home`: 5 of 5, over the bound
+            assert await pins.set_if(f"x{n}", home, expected=None)
+        clock.advance(0.1)
+        moved = await sessions.place("s", views)
+        assert (moved.instance_id, moved.outcome) == (other, MOVED)
+        assert pins.num_gets == 2 and await pins.get("s") == other
+
+    asyncio.run(story())
+
+
+def test_the_cli_flag_sets_the_age() -> None:
+    from test_gateway_command import ENV, parse_flags
+
+    from strata.commands import gateway as gateway_command
+
+    def age_s(*flags: str) -> float:
+        args = parse_flags("--instances", "http://127.0.0.1:1", *flags)
+        return gateway_command.build_config(args, ENV).sessions.local_pin_max_age_s
+
+    assert (age_s(), age_s("--session-local-pin-age-s", "0")) == (1.0, 0.0)
+    assert age_s("--session-local-pin-age-s", "2.5") == 2.5
+    with pytest.raises(SystemExit) as exited:
+        parse_flags("--session-local-pin-age-s", "-1")
+    assert exited.value.code == 2
