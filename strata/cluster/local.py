@@ -69,7 +69,7 @@ class LocalClusterConfig:
 
     @property
     def registry_url(self) -> str:
-        return self.registry or f"sqlite:///{self.run_dir.resolve() / 'registry.db'}"
+        return self.registry or local_registry_url(self.run_dir)
 
     @property
     def log_dir(self) -> Path:
@@ -96,6 +96,11 @@ class Child:
     @property
     def is_running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+
+def local_registry_url(run_dir: Path) -> str:
+    """The one-machine registry of `strata up` in `run_dir`: the default of `up` and `status`."""
+    return f"sqlite:///{run_dir.resolve() / 'registry.db'}"
 
 
 def free_port(host: str = "127.0.0.1") -> int:

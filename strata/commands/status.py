@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 
+from strata.cluster.local import local_registry_url
 from strata.commands.env import CliEnv
 from strata.registry import InstanceRecord, create_registry
 
@@ -22,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def default_registry_url(env: CliEnv) -> str:
-    return env.registry_url or f"sqlite:///{env.run_dir.resolve() / 'registry.db'}"
+    return env.registry_url or local_registry_url(env.run_dir)
 
 
 def run(args: argparse.Namespace, env: CliEnv) -> int:

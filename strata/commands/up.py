@@ -68,7 +68,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ready-timeout-s", type=positive_float, default=600.0)
     p.add_argument("--log-level", default="info")
     p.add_argument("--registry", default=None,
-                   help="registry URL (default: SQLite in the run dir; Redis for several nodes)")
+                   help="registry URL (default: $STRATA_REGISTRY, else SQLite in the run dir; "
+                        "Redis for several nodes)")
     p.add_argument("--ray", action="store_true", help="run the instances as Ray actors")
     p.add_argument("--address", default=None, help="Ray cluster address (default: local Ray)")
     p.add_argument("--num-cpus-per-instance", type=positive_float, default=0.5,
@@ -209,7 +210,8 @@ def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
     return LocalClusterConfig(
         replicas=args.replicas, run_dir=env.run_dir, model=args.model, host=args.host,
         port=args.port, serve_args=tuple(serve_args), gateway_args=tuple(gateway_args),
-        threads_per_instance=None if args.simulate else threads, registry=args.registry,
+        threads_per_instance=None if args.simulate else threads,
+        registry=args.registry or env.registry_url,
     )
 
 

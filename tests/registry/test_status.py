@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from strata.commands import status
+from strata.commands import status, up
 from strata.commands.env import CliEnv
 from strata.registry import InstanceLoad, InstanceRecord, InstanceState, Role, create_registry
 
@@ -56,6 +56,18 @@ def test_status_flag_and_env_choose_the_registry(tmp_path: Path,
     assert status.default_registry_url(env) == url
     assert status.run(parse(["status", "--registry", "memory://"]), env) == 0
     assert capsys.readouterr().out == "no instances registered in memory://\n"
+
+
+@pytest.mark.parametrize("registry_env", [None, "redis://127.0.0.1:6390/0"])
+def test_status_reads_the_registry_strata_up_uses(tmp_path: Path,
+                                                  registry_env: str | None) -> None:
+    """Same run dir and STRATA_REGISTRY: `strata status` lists what `strata up` started."""
+    env = CliEnv(cache_dir=tmp_path, run_dir=tmp_path / "run", registry_url=registry_env)
+    parser = argparse.ArgumentParser(prog="strata")
+    up.add_parser(parser.add_subparsers(dest="command"))
+    config = up._config(parser.parse_args(["up", "--simulate", "smollm2-cpu"]), env)
+    expected = registry_env or f"sqlite:///{(tmp_path / 'run').resolve() / 'registry.db'}"
+    assert config.registry_url == status.default_registry_url(env) == expected
 
 
 def test_format_table_aligns_columns() -> None:
