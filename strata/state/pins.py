@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from strata.errors import ConfigError, StrataError
-from strata.state.sqlite_db import SqliteDatabase
+from strata.state.sqlite_db import SqliteDatabase, sqlite_path
 
 T = TypeVar("T")
 Clock = Callable[[], float]
@@ -182,10 +182,8 @@ def create_pin_store(url: str, *, ttl_s: float = 3600.0, clock: Clock = time.tim
     if url in ("memory://", "memory"):
         return MemoryPinStore(ttl_s=ttl_s, clock=clock)
     if url.startswith("sqlite://"):
-        path = url[len("sqlite://"):]
-        if not path.startswith("/") or len(path) < 2:
-            raise ConfigError(f"sqlite pin store URL {url!r} needs an absolute path, "
-                              "e.g. sqlite:///var/run/strata/sessions.db")
+        path = sqlite_path(url, what="pin store",
+                           example="sqlite:///var/run/strata/sessions.db")
         return SqlitePinStore(path, ttl_s=ttl_s, clock=clock, namespace=namespace)
     if url.startswith(("redis://", "rediss://")):
         from strata.state.pins_redis import RedisPinStore  # lazy: redis is only needed here

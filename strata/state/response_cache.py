@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from strata.errors import ConfigError, StrataError
-from strata.state.sqlite_db import SqliteDatabase
+from strata.state.sqlite_db import SqliteDatabase, sqlite_path
 
 T = TypeVar("T")
 Clock = Callable[[], float]
@@ -209,10 +209,8 @@ def create_response_cache(url: str, *, ttl_s: float = DEFAULT_TTL_S,
         return MemoryResponseCache(**sizes, max_bytes=max_bytes, max_entries=max_entries,
                                    clock=clock)
     if url.startswith("sqlite://"):
-        path = url[len("sqlite://"):]
-        if not path.startswith("/") or len(path) < 2:
-            raise ConfigError(f"sqlite response cache URL {url!r} needs an absolute path, "
-                              "e.g. sqlite:///var/lib/strata/responses.db")
+        path = sqlite_path(url, what="response cache",
+                           example="sqlite:///var/lib/strata/responses.db")
         return SqliteResponseCache(path, **sizes, max_bytes=max_bytes, clock=clock)
     if url.startswith(("redis://", "rediss://")):
         from strata.state.response_cache_redis import RedisResponseCache  # redis only here

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from strata.errors import ConfigError, StrataError
+from strata.state.sqlite_db import sqlite_path
 
 Clock = Callable[[], float]
 Message = dict[str, Any]
@@ -152,10 +153,8 @@ def create_session_store(url: str, *, clock: Clock = time.time,
 
         return MemorySessionStore(clock=clock)
     if url.startswith("sqlite://"):
-        path = url[len("sqlite://"):]
-        if not path.startswith("/") or len(path) < 2:
-            raise ConfigError(f"sqlite session store URL {url!r} needs an absolute path, "
-                              "e.g. sqlite:///var/lib/strata/sessions.db")
+        path = sqlite_path(url, what="session store",
+                           example="sqlite:///var/lib/strata/sessions.db")
         from strata.state.sessions_sqlite import SqliteSessionStore
 
         return SqliteSessionStore(path, clock=clock)

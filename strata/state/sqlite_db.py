@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from strata.errors import ConfigError
+
 T = TypeVar("T")
 _RETRY_SLEEP_S = 0.01
 _LOCKED_CODES = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
@@ -79,6 +81,15 @@ class SqliteDatabase:
         return self._conn
 
 
+def sqlite_path(url: str, *, what: str, example: str) -> str:
+    """The file path of `url` (`sqlite:///ABS/PATH`); a relative or missing path is a
+    ConfigError naming `what` (e.g. "pin store") and showing `example`."""
+    path = url[len("sqlite://"):]
+    if not path.startswith("/") or len(path) < 2:
+        raise ConfigError(f"sqlite {what} URL {url!r} needs an absolute path, e.g. {example}")
+    return path
+
+
 def _set_up(conn: sqlite3.Connection, schema: tuple[str, ...], timeout_s: float) -> None:
     """WAL and the schema. Switching to WAL answers "database is locked" at once (the busy
     handler is not consulted) while another connection holds the write lock, e.g. another
@@ -101,4 +112,4 @@ def _is_locked(exc: sqlite3.OperationalError) -> bool:
     return (exc.sqlite_errorcode & 0xFF) in _LOCKED_CODES
 
 
-__all__ = ["SqliteDatabase"]
+__all__ = ["SqliteDatabase", "sqlite_path"]

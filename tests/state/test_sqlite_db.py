@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from strata.errors import StrataError
-from strata.state.sqlite_db import SqliteDatabase
+from strata.errors import ConfigError, StrataError
+from strata.state.sqlite_db import SqliteDatabase, sqlite_path
 
 SCHEMA = ("CREATE TABLE IF NOT EXISTS items (name TEXT PRIMARY KEY)",
           "CREATE INDEX IF NOT EXISTS items_by_name ON items (name)")
@@ -125,3 +125,18 @@ def test_close_then_call_reopens_the_connection(tmp_path: Path) -> None:
     asyncio.run(db.aclose())  # closing twice is fine
     assert _names(db) == ["a"]
     db.close()
+
+
+def test_sqlite_urls_need_an_absolute_path_for_every_store() -> None:
+    from strata.state.pins import create_pin_store
+    from strata.state.sessions import create_session_store
+
+    assert sqlite_path("sqlite:///var/x.db", what="w", example="e") == "/var/x.db"
+    for url in ("sqlite://x.db", "sqlite:///", "sqlite://"):
+        with pytest.raises(ConfigError, match=f"sqlite w URL '{url}' needs an absolute path, "
+                                              "e.g. sqlite:///e.db"):
+            sqlite_path(url, what="w", example="sqlite:///e.db")
+    with pytest.raises(ConfigError, match="sqlite pin store URL 'sqlite://p.db' needs an abs"):
+        create_pin_store("sqlite://p.db")
+    with pytest.raises(ConfigError, match="sqlite session store URL 'sqlite://s.db' needs"):
+        create_session_store("sqlite://s.db")
