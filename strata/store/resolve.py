@@ -10,6 +10,7 @@ working); a model on S3 must have one.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -37,8 +38,7 @@ def resolve_model_uri(uri: str, *, cache_dir: Path, s3_endpoint_url: str | None 
     if scheme == "s3":
         config = s3_config or s3.S3Config()
         if s3_endpoint_url is not None:
-            config = s3.S3Config(s3_endpoint_url, config.region_name, config.access_key_id,
-                                 config.secret_access_key)
+            config = replace(config, endpoint_url=s3_endpoint_url)
         return s3.fetch(uri, cache_dir=cache_dir, config=config, progress=progress)
     if scheme == "file":
         return verify_local(Path(unquote(urlparse(uri).path)))
