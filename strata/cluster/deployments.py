@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from strata.registry.models import Deployment, DeploymentState, ModelVersion
 
-# serve flags that each version decides, so the cluster-wide ones are dropped (flag, has value)
+# serve flags (each takes a value) that each version decides: the cluster-wide ones are dropped
 VERSION_FLAGS = ("--simulate", "--model-version", "--served-model-name")
 _UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
 
