@@ -21,7 +21,9 @@ class RetryBudget:
         self._retries: deque[float] = deque()
 
     def record_request(self) -> None:
-        self._requests.append(self.clock())
+        now = self.clock()
+        self._expire(now)  # here too: a fleet that never fails never calls try_spend
+        self._requests.append(now)
 
     def try_spend(self) -> bool:
         """True (and counted) when one more retry fits the budget."""
