@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import threading
 from pathlib import Path
@@ -127,3 +128,12 @@ def test_a_model_on_s3_needs_a_manifest(tmp_path: Path, s3: S3Config, bucket: st
     with pytest.raises(ModelLoadError, match=r"manifest.*strata store push DIR s3://"):
         resolve_model_uri(f"s3://{bucket}/bare", cache_dir=tmp_path, s3_config=s3,
                           progress=False)
+
+
+def test_the_endpoint_flag_overrides_the_configured_endpoint(
+        tiny_dir: Path, tmp_path: Path, s3: S3Config, bucket: str) -> None:
+    uri = _push(tiny_dir, tmp_path, s3, bucket)
+    unreachable = dataclasses.replace(s3, endpoint_url="http://127.0.0.1:9")  # discard port
+    path = resolve_model_uri(uri, cache_dir=tmp_path / "cache", s3_config=unreachable,
+                             s3_endpoint_url=s3.endpoint_url, progress=False)
+    assert sorted(p.name for p in path.iterdir() if p.name in MODEL_FILES) == sorted(MODEL_FILES)
