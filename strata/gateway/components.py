@@ -99,9 +99,11 @@ class Gateway:
 
     def _cache_key(self, request: ProxyRequest, choice: VersionChoice | None) -> str | None:
         """The response-cache key, or None: no cache, no version known, a session's turn (its
-        answer depends on the stored history), or a request that is not deterministic."""
+        answer depends on the stored history), a stream, or a request that is not
+        deterministic. Streams are turned away before the body is parsed again."""
         route = request.route
-        if self.cache is None or choice is None or choice.version is None or route.session_id:
+        if (self.cache is None or choice is None or choice.version is None or route.session_id
+                or route.is_stream):
             return None
         routed = self.versions.routing if self.versions is not None else {}
         model = route.model or (next(iter(routed)) if len(routed) == 1 else None)
