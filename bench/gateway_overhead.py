@@ -10,8 +10,8 @@ instances. Every path gets the same streamed-completion workload; paths are inte
 (A B C ... A B C ...) and repeated. A peer that cannot be installed or started is recorded with
 its error text. Writes .bench/results/gateway_overhead.json.
 
-The process helpers here (`spawn`, `Proc`, `wait_http`, `drive`) are shared by
-bench/gateway_scaling.py and bench/failover.py.
+Process helpers live in bench/procs.py; `start_instance`, `start_gateway` and the paths here are
+shared by bench/gateway_scaling.py, bench/failover.py and bench/release_switch.py.
 """
 
 from __future__ import annotations
@@ -23,10 +23,7 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -34,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from procs import Proc, spawn, stop_all, wait_http
 
 from strata.bench.loadgen import stream_request
 from strata.bench.report import RequestResult, json_safe, summarize
@@ -49,64 +47,6 @@ SIM_MODEL = "sim-smollm2"
 REAL_MODEL = "SmolLM2-135M-Instruct"
 WORDS = ("river stone cloud garden lamp violin orbit copper meadow signal harbor ember "
          "lantern pepper quartz willow canyon falcon velvet").split()
-
-
-# ---------------------------------------------------------------- processes (shared)
-
-@dataclass
-class Proc:
-    """A process this benchmark started, in its own session; stopped by its PID."""
-
-    name: str
-    popen: subprocess.Popen[bytes]
-    url: str = ""
-    log: Path | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> None:
-        if self.popen.poll() is not None:
-            return
-        try:
-            os.killpg(self.pid, sig)  # its own group (start_new_session): pgid == pid
-            self.popen.wait(timeout=timeout_s)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            if self.popen.poll() is None:
-                os.killpg(self.pid, signal.SIGKILL)
-                self.popen.wait(timeout=10)
-
-
-def spawn(name: str, argv: list[str], log_dir: Path, url: str = "",
-          env: dict[str, str] | None = None) -> Proc:
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log = log_dir / f"{name}.log"
-    with log.open("wb") as f:
-        popen = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
-                                 env=env, start_new_session=True)
-    return Proc(name, popen, url, log)
-
-
-def log_tail(proc: Proc, n: int = 15) -> str:
-    if proc.log is None or not proc.log.exists():
-        return ""
-    return "\n".join(proc.log.read_text(errors="replace").splitlines()[-n:])
-
-
-def wait_http(proc: Proc, path: str, timeout_s: float) -> None:
-    """Poll GET url+path until 200; raise with the log's tail if the process dies or times out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.popen.poll() is not None:
-            raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}):\n{log_tail(proc)}")
-        try:
-            if httpx.get(proc.url + path, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{proc.name} not ready after {timeout_s:.0f}s:\n{log_tail(proc)}")
 
 
 # `strata serve` binds its listening socket with proto 0, so asyncio's _set_nodelay (which
@@ -145,14 +85,6 @@ def start_gateway(name: str, urls: list[str], policy: str, log_dir: Path,
     argv = [PY, "-m", "strata.cli", "gateway", "--port", str(port), "--policy", policy,
             "--log-level", "warning", "--instances", *urls, *extra]
     return spawn(name, argv, log_dir, f"http://127.0.0.1:{port}")
-
-
-def stop_all(procs: list[Proc]) -> None:
-    for p in reversed(procs):
-        try:
-            p.stop()
-        except Exception as e:  # keep stopping the others
-            print(f"warning: stopping {p.name} (pid {p.pid}): {e}", file=sys.stderr)
 
 
 def load_average() -> tuple[float, float, float]:

@@ -27,17 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from gateway_overhead import (
-    BENCH,
-    RESULTS,
-    ROOT,
-    Proc,
-    load_average,
-    start_gateway,
-    start_instance,
-    stop_all,
-    wait_http,
-)
+from gateway_overhead import BENCH, RESULTS, ROOT, load_average, start_gateway, start_instance
+from procs import Proc, stop_all, wait_http
 
 from strata.bench.report import latency_stats_ms
 from strata.sim.profile import LatencyProfile

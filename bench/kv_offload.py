@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from sessions_tradeoff import start_redis  # noqa: E402
+from procs import start_redis  # noqa: E402
 
 from strata.engine.config import CacheConfig, SchedulerConfig  # noqa: E402
 from strata.engine.engine import Engine  # noqa: E402

