@@ -214,3 +214,11 @@ def test_serve_binds_a_tcp_socket_so_asyncio_disables_nagle() -> None:
         assert sock.proto == socket.IPPROTO_TCP
     finally:
         sock.close()
+
+
+def test_api_key_files_skip_blank_and_comment_lines_even_indented(tmp_path: Path) -> None:
+    from strata.commands.env import read_api_keys
+
+    keys = tmp_path / "keys"
+    keys.write_text("# team\n  # indented note\n\n  k-one  \nk-two\nk-one\n")
+    assert read_api_keys(keys, ("k-env", "k-two")) == ("k-one", "k-two", "k-env")

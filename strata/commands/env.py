@@ -24,5 +24,6 @@ def read_api_keys(path: Path | None, env_keys: tuple[str, ...]) -> tuple[str, ..
             lines = path.read_text(encoding="utf-8").splitlines()
         except OSError as exc:
             raise ConfigError(f"cannot read --api-key-file {path}: {exc}") from None
-        keys = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+        stripped = (line.strip() for line in lines)
+        keys = [line for line in stripped if line and not line.startswith("#")]
     return tuple(dict.fromkeys([*keys, *env_keys]))
