@@ -46,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="HF model directory, .gguf file or alias (default: smollm2)")
     p.add_argument("--served-model-name", default=None,
                    help="name clients send as `model` (default: the model's own name)")
-    p.add_argument("--model-version", default=None,
+    p.add_argument("--model-version", default="default",
                    help="version label; part of every prefix-cache key (default: 'default')")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000)
@@ -186,7 +186,7 @@ def _run_simulated(args: argparse.Namespace, env: CliEnv, started: float) -> int
         block_size=args.block_size, max_model_len=args.max_model_len or DEFAULT_MAX_MODEL_LEN,
         max_num_batched_tokens=args.max_num_batched_tokens or 512,
         enable_prefix_caching=not args.no_prefix_cache, max_waiting=args.max_waiting,
-        namespace=f"{name}@{args.model_version or 'default'}",
+        namespace=f"{name}@{args.model_version}",
     )
     return aio.run(serve_http(args, env, async_engine, tokenizer, name, started,
                                   simulated=True))
@@ -203,7 +203,7 @@ def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str)
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     executor = TorchExecutor(loaded.config, loaded.weights, dtype=args.dtype, device=device,
-                             model_name=name, model_version=args.model_version or "default")
+                             model_name=name, model_version=args.model_version)
     max_model_len = args.max_model_len or min(loaded.config.max_position_embeddings,
                                               DEFAULT_MAX_MODEL_LEN)
     scheduler_config = scheduler_config_from(args, max_model_len)
@@ -212,7 +212,7 @@ def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str)
         num_blocks=CacheConfig.blocks_for_gb(args.kv_cache_gb, executor.kv_bytes_per_token(),
                                              args.block_size),
         enable_prefix_caching=not args.no_prefix_cache,
-        namespace=f"{name}@{args.model_version or 'default'}",
+        namespace=f"{name}@{args.model_version}",
     )
     log.info("device %s, dtype %s, %d KV blocks of %d tokens, max_model_len %d", device,
              args.dtype, cache_config.num_blocks, cache_config.block_size, max_model_len)
@@ -247,7 +247,7 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, async_engine: AsyncE
                                  shutdown_timeout_s=args.shutdown_timeout_s,
                                  api_keys=read_api_keys(args.api_key_file, env.api_keys),
                                  rate_limit_per_s=args.rate_limit_per_s, simulated=simulated,
-                                 model_version=args.model_version or "default",
+                                 model_version=args.model_version,
                                  session_store_url=args.session_store,
                                  session_ttl_s=args.session_ttl_s,
                                  session_redis_appendfsync=args.session_redis_appendfsync,
@@ -296,7 +296,7 @@ def _registration(args: argparse.Namespace, env: CliEnv, async_engine: AsyncEngi
     return build_registration(
         registry_url, instance_id=args.instance_id or f"{socket.gethostname()}-{port}",
         advertise_url=args.advertise_url or f"http://{args.host}:{port}", model=name,
-        async_engine=async_engine, version=args.model_version or "default",
+        async_engine=async_engine, version=args.model_version,
         role=args.role, pool=args.pool, simulated=simulated,
     )
 
