@@ -171,7 +171,11 @@ def _model_path(args: argparse.Namespace, env: CliEnv) -> Path:
 def _run_simulated(args: argparse.Namespace, env: CliEnv, started: float) -> int:
     """The same server and engine; a latency model instead of the maths (no torch)."""
     from strata.sim import load_profile
-    from strata.sim.server import build_simulated_async_engine, sim_kv_blocks
+    from strata.sim.server import (
+        build_simulated_async_engine,
+        build_simulated_engine,
+        sim_kv_blocks,
+    )
 
     if args.no_chunked_prefill:
         raise ConfigError("--no-chunked-prefill is not supported with --simulate")
@@ -180,14 +184,14 @@ def _run_simulated(args: argparse.Namespace, env: CliEnv, started: float) -> int
                           "to publish); drop --kv-offload or --simulate")
     profile = load_profile(args.simulate)
     name = args.served_model_name or profile.model
-    async_engine, tokenizer = build_simulated_async_engine(
+    async_engine, tokenizer = build_simulated_async_engine(build_simulated_engine(
         profile, max_num_seqs=args.max_num_seqs,
         kv_blocks=sim_kv_blocks(profile, args.kv_cache_gb, args.block_size),
         block_size=args.block_size, max_model_len=args.max_model_len or DEFAULT_MAX_MODEL_LEN,
         max_num_batched_tokens=args.max_num_batched_tokens or 512,
         enable_prefix_caching=not args.no_prefix_cache, max_waiting=args.max_waiting,
         namespace=f"{name}@{args.model_version}",
-    )
+    ))
     return aio.run(serve_http(args, env, async_engine, tokenizer, name, started,
                                   simulated=True))
 

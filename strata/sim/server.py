@@ -60,17 +60,7 @@ def build_simulated_engine(
     return SimulatedEngineParts(engine, executor, tokenizer)
 
 
-def build_simulated_async_engine(
-    profile: LatencyProfile, *, max_num_seqs: int = 64, kv_blocks: int = 4096,
-    block_size: int = 16, max_model_len: int = DEFAULT_MAX_MODEL_LEN,
-    max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
-    max_waiting: int = 1024, namespace: str = "", seed: int = 0,
-    sleep: Callable[[float], None] = time.sleep,
-) -> tuple[AsyncEngine, Tokenizer]:
+def build_simulated_async_engine(parts: SimulatedEngineParts) -> tuple[AsyncEngine, Tokenizer]:
     """(AsyncEngine, tokenizer) of a simulated instance, ready for `create_app`."""
-    parts = build_simulated_engine(
-        profile, max_num_seqs=max_num_seqs, kv_blocks=kv_blocks, block_size=block_size,
-        max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-        enable_prefix_caching=enable_prefix_caching, max_waiting=max_waiting,
-        namespace=namespace, seed=seed, sleep=sleep)
+    max_model_len = parts.engine.scheduler_config.max_model_len
     return AsyncEngine(parts.engine, max_model_len=max_model_len), parts.tokenizer

@@ -19,7 +19,7 @@ import uvicorn
 from strata.server.app import create_app
 from strata.server.config import ServerConfig
 from strata.sim.profile import LatencyProfile
-from strata.sim.server import build_simulated_async_engine
+from strata.sim.server import build_simulated_async_engine, build_simulated_engine
 
 PROFILE = LatencyProfile(model="sim", source="synthetic", prefill_ms_base=0.2,
                          prefill_ms_per_token=0.001, decode_ms_base=0.5, decode_ms_per_seq=0.05)
@@ -34,8 +34,8 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[Live]:
-    async_engine, tokenizer = build_simulated_async_engine(
-        PROFILE, max_num_seqs=8, kv_blocks=256, max_model_len=512)
+    async_engine, tokenizer = build_simulated_async_engine(build_simulated_engine(
+        PROFILE, max_num_seqs=8, kv_blocks=256, max_model_len=512))
     app = create_app(async_engine, tokenizer,
                      ServerConfig(served_model_name="sim-model", simulated=True))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
