@@ -49,30 +49,10 @@ WORDS = ("river stone cloud garden lamp violin orbit copper meadow signal harbor
          "lantern pepper quartz willow canyon falcon velvet").split()
 
 
-# `strata serve` binds its listening socket with proto 0, so asyncio's _set_nodelay (which
-# checks sock.proto == IPPROTO_TCP) leaves Nagle on for every accepted connection: on a reused
-# keep-alive connection the first SSE chunk after the headers then waits for the peer's delayed
-# ACK (~40 ms). NODELAY_SHIM runs the same CLI with that socket created as IPPROTO_TCP.
-NODELAY_SHIM = (
-    "import socket, sys\n"
-    "import strata.commands.serve as s\n"
-    "def _bind(host, port):\n"
-    "    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)\n"
-    "    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-    "    sock.bind((host, port))\n"
-    "    return sock\n"
-    "s._bind = _bind\n"
-    "from strata.cli import main\n"
-    "sys.argv[0] = 'strata'\n"
-    "sys.exit(main())\n")
-INSTANCE_NODELAY = [True]  # set False by --stock-instances
-
-
 def start_instance(name: str, log_dir: Path, *, simulate: Path | None, model_name: str,
                    extra: tuple[str, ...] = ()) -> Proc:
     port = free_port()
-    entry = ["-c", NODELAY_SHIM] if INSTANCE_NODELAY[0] else ["-m", "strata.cli"]
-    argv = [PY, *entry, "serve", "--port", str(port), "--log-level", "warning",
+    argv = [PY, "-m", "strata.cli", "serve", "--port", str(port), "--log-level", "warning",
             "--served-model-name", model_name, *extra]
     if simulate is not None:
         argv += ["--simulate", str(simulate)]
@@ -402,10 +382,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 repeat, small runs")
     ap.add_argument("--skip-real", action="store_true", help="simulated instances only")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--stock-instances", action="store_true",
-                    help="run `strata serve` as shipped (Nagle on; see NODELAY_SHIM)")
     args = ap.parse_args()
-    INSTANCE_NODELAY[0] = not args.stock_instances
     (BENCH / "tmp").mkdir(parents=True, exist_ok=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     log_dir = BENCH / "logs" / "gateway_overhead"
@@ -416,7 +393,6 @@ def main() -> None:
         phases.append(Phase("real", REAL_MODEL, 16 if args.quick else 64, 16 if not args.quick
                             else 8, 32, reps, latency_requests=8 if args.quick else 20))
     report: dict[str, Any] = {"load_average_start": load_average(), "cpus": os.cpu_count(),
-                              "instances_nodelay_shim": INSTANCE_NODELAY[0],
                               "phases": {}}
     for phase in phases:
         print(f"--- phase {phase.name}: {phase.num_requests} req x {phase.max_tokens} tok, "
@@ -433,8 +409,7 @@ def main() -> None:
             "latency_runs": phase.latency_runs, **summary}
         print_table(phase.name, summary)
     report["load_average_end"] = load_average()
-    out = RESULTS / ("gateway_overhead_stock.json" if args.stock_instances
-                     else "gateway_overhead.json")
+    out = RESULTS / "gateway_overhead.json"
     out.write_text(json.dumps(json_safe(report), indent=2))
     print(f"\nwrote {out}")
 
