@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from strata import __version__
 from strata.engine.outputs import RequestOutput
@@ -45,6 +45,10 @@ class ServingContext:
     metrics: ServerMetrics
     clock: Callable[[], float] = time.monotonic
     kv_offload: KVOffload | None = None  # set by the app's lifespan when KV offload is on
+    fingerprint: str = field(init=False)  # of every response and chunk: computed once
+
+    def __post_init__(self) -> None:
+        self.fingerprint = fingerprint(self.config)
 
 
 @dataclass(slots=True)
@@ -120,7 +124,7 @@ async def completion_response(ctx: ServingContext, started: Started,
                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     return CompletionResponse(id=started.id, created=started.created, model=started.model,
                               choices=out, usage=usage(choices),
-                              system_fingerprint=fingerprint(ctx.config))
+                              system_fingerprint=ctx.fingerprint)
 
 
 async def chat_response(ctx: ServingContext, started: Started,
@@ -135,7 +139,7 @@ async def chat_response(ctx: ServingContext, started: Started,
                               stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=started.id, created=started.created, model=started.model,
                                   choices=out, usage=usage(choices),
-                                  system_fingerprint=fingerprint(ctx.config))
+                                  system_fingerprint=ctx.fingerprint)
 
 
 async def completion_stream(ctx: ServingContext, started: Started, with_logprobs: bool,
@@ -147,7 +151,7 @@ async def completion_stream(ctx: ServingContext, started: Started, with_logprobs
     def chunk(items: list[CompletionChoice]) -> bytes:
         return encode_event(CompletionStreamResponse(
             id=started.id, created=started.created, model=started.model, choices=items,
-            system_fingerprint=fingerprint(ctx.config)))
+            system_fingerprint=ctx.fingerprint))
 
     async for i, output in started.generation.outputs():
         choices[i].update(output)
@@ -163,7 +167,7 @@ async def completion_stream(ctx: ServingContext, started: Started, with_logprobs
     if include_usage:
         yield encode_event(CompletionStreamResponse(
             id=started.id, created=started.created, model=started.model, choices=[],
-            usage=usage(choices), system_fingerprint=fingerprint(ctx.config)))
+            usage=usage(choices), system_fingerprint=ctx.fingerprint))
     yield DONE_FRAME
 
 
@@ -175,7 +179,7 @@ async def chat_stream(ctx: ServingContext, started: Started, with_logprobs: bool
     def chunk(items: list[ChatStreamChoice]) -> bytes:
         return encode_event(ChatCompletionStreamResponse(
             id=started.id, created=started.created, model=started.model, choices=items,
-            system_fingerprint=fingerprint(ctx.config)))
+            system_fingerprint=ctx.fingerprint))
 
     for c in choices:
         yield chunk([ChatStreamChoice(index=c.index,
@@ -191,7 +195,7 @@ async def chat_stream(ctx: ServingContext, started: Started, with_logprobs: bool
     if include_usage:
         yield encode_event(ChatCompletionStreamResponse(
             id=started.id, created=started.created, model=started.model, choices=[],
-            usage=usage(choices), system_fingerprint=fingerprint(ctx.config)))
+            usage=usage(choices), system_fingerprint=ctx.fingerprint))
     yield DONE_FRAME
 
 
