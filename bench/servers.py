@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from workload import INPUT_LEN, NUM_PROMPTS, OUTPUT_LEN
 
 ROOT = Path(__file__).resolve().parent.parent
 STRATA = ROOT / ".venv" / "bin" / "strata"
@@ -92,7 +93,8 @@ def start_vllm(python: Path, model: Path, port: int, env: dict[str, str],
     return _spawn("vllm", cmd, port, env, timeout_s=600)
 
 
-def fixed_load(url: str, num: int = 32, input_len: int = 128, output_len: int = 64,
+def fixed_load(url: str, num: int = NUM_PROMPTS, input_len: int = INPUT_LEN,
+               output_len: int = OUTPUT_LEN,
                workload: str = "fixed", extra: tuple[str, ...] = (), seed: int = 0) -> dict:
     """Run `strata bench` against `url`; its JSON report.
 

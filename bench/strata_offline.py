@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from workload import random_prompts  # noqa: E402
+from workload import add_workload_args, random_prompts  # noqa: E402
 
 from strata.engine.config import CacheConfig, SchedulerConfig  # noqa: E402
 from strata.engine.engine import Engine  # noqa: E402
@@ -185,9 +185,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--workload", default="fixed",
                     choices=["fixed", "single", "prefix", "unique", "interference"])
-    ap.add_argument("--num", type=int, default=32)
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=64)
+    add_workload_args(ap)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--no-chunked-prefill", action="store_true")
