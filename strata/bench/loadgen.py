@@ -230,18 +230,28 @@ def _read_usage(event: dict[str, Any], result: RequestResult) -> None:
 async def _drive(jobs: list[Job], config: BenchConfig) -> None:
     """Run the jobs under the configured load until all finish or `timeout_s` passes."""
     if config.request_rate is None:
-        gate = asyncio.Semaphore(config.concurrency)
+        await run_closed_loop(jobs, config.concurrency, config.timeout_s)
+        return
+    arrivals = poisson_arrivals(len(jobs), config.request_rate, config.seed)
+    await _finish_within([asyncio.ensure_future(_at(delay, job))
+                          for delay, job in zip(arrivals, jobs, strict=True)], config.timeout_s)
 
-        async def gated(job: Job) -> None:
-            async with gate:
-                await job()
 
-        tasks = [asyncio.ensure_future(gated(job)) for job in jobs]
-    else:
-        tasks = [asyncio.ensure_future(_at(delay, job))
-                 for delay, job in zip(poisson_arrivals(len(jobs), config.request_rate,
-                                                        config.seed), jobs, strict=True)]
-    _, pending = await asyncio.wait(tasks, timeout=config.timeout_s)
+async def run_closed_loop(jobs: list[Job], concurrency: int, timeout_s: float) -> None:
+    """Run the jobs, at most `concurrency` at a time; cancel those unfinished after `timeout_s`."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(job: Job) -> None:
+        async with gate:
+            await job()
+
+    await _finish_within([asyncio.ensure_future(gated(job)) for job in jobs], timeout_s)
+
+
+async def _finish_within(tasks: list[asyncio.Future[None]], timeout_s: float) -> None:
+    if not tasks:
+        return  # asyncio.wait refuses an empty set
+    _, pending = await asyncio.wait(tasks, timeout=timeout_s)
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from strata.bench.loadgen import BenchConfig, poisson_arrivals, run_benchmark
+from strata.bench.loadgen import BenchConfig, poisson_arrivals, run_benchmark, run_closed_loop
 from strata.bench.report import (
     RequestResult,
     format_table,
@@ -115,6 +115,30 @@ def test_poisson_arrivals_start_at_zero_and_increase() -> None:
     assert times[0] == 0.0 and len(times) == 50
     assert all(a < b for a, b in zip(times, times[1:], strict=False))
     assert times == poisson_arrivals(50, 10.0, seed=3)
+
+
+def test_closed_loop_keeps_at_most_concurrency_in_flight_and_cancels_at_the_timeout() -> None:
+    in_flight, peak, done, cancelled = 0, 0, [], []
+
+    def job(i: int, sleep_s: float) -> Any:
+        async def run() -> None:
+            nonlocal in_flight, peak
+            in_flight += 1
+            peak = max(peak, in_flight)
+            try:
+                await asyncio.sleep(sleep_s)
+                done.append(i)
+            except asyncio.CancelledError:
+                cancelled.append(i)
+                raise
+            finally:
+                in_flight -= 1
+        return run
+
+    jobs = [job(i, 0.01) for i in range(6)] + [job(6, 30.0)]
+    asyncio.run(run_closed_loop(jobs, concurrency=2, timeout_s=0.5))
+    assert (peak, sorted(done), cancelled, in_flight) == (2, [0, 1, 2, 3, 4, 5], [6], 0)
+    asyncio.run(run_closed_loop([], concurrency=2, timeout_s=0.5))  # nothing to run: returns
 
 
 def test_config_errors_name_the_field() -> None:
