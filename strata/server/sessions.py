@@ -247,17 +247,34 @@ class Sessions:
     def fit(self, history: list[Message], new: list[Message],
             num_generated: int) -> tuple[list[Message], int]:
         """The history to prepend (oldest turns dropped, a leading system message kept) and
-        how many turns were dropped."""
+        how many turns were dropped: the fewest that make the prompt fit."""
         system = history[:1] if history and history[0].get("role") == "system" else []
         turns = split_turns(history[len(system):])
-        for num_dropped in range(len(turns) + 1):
-            kept = system + [m for turn in turns[num_dropped:] for m in turn]
-            if self._num_tokens(kept + new) + num_generated <= self.max_model_len:
-                return kept, num_dropped
-        raise ContextLengthError(
-            f"the new messages with max_tokens {num_generated} do not fit in the context of "
-            f"{self.max_model_len} tokens even without the session's history; shorten the "
-            "message or lower max_tokens", param="messages")
+
+        def kept(num_dropped: int) -> list[Message]:
+            return system + [m for turn in turns[num_dropped:] for m in turn]
+
+        def fits(num_dropped: int) -> bool:
+            num_tokens = self._num_tokens(kept(num_dropped) + new) + num_generated
+            return num_tokens <= self.max_model_len
+
+        if fits(0):  # the common case: one tokenization
+            return kept(0), 0
+        if not fits(len(turns)):
+            raise ContextLengthError(
+                f"the new messages with max_tokens {num_generated} do not fit in the context of "
+                f"{self.max_model_len} tokens even without the session's history; shorten the "
+                "message or lower max_tokens", param="messages")
+        # Dropping a turn never adds tokens, so bisect: O(log turns) tokenizations of the
+        # history on the event loop, not one per turn.
+        low, high = 1, len(turns)  # fits(high) holds, fits(low - 1) does not
+        while low < high:
+            mid = (low + high) // 2
+            if fits(mid):
+                high = mid
+            else:
+                low = mid + 1
+        return kept(low), low
 
     def _num_tokens(self, messages: list[Message]) -> int:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
