@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 from procs import Proc, spawn, stop_all, wait_http
 
-from strata.bench.loadgen import stream_request
+from strata.bench.loadgen import Job, run_closed_loop, stream_request
 from strata.bench.report import RequestResult, json_safe, summarize
 from strata.cluster.local import free_port
 
@@ -85,23 +85,20 @@ async def _drive(urls: list[str], model: str, n: int, concurrency: int, max_toke
     timeout = httpx.Timeout(timeout_s, connect=10.0)
     clients = [httpx.AsyncClient(base_url=u, limits=limits, timeout=timeout) for u in urls]
     turn = itertools.count()
-    gate = asyncio.Semaphore(concurrency)
     results: list[RequestResult] = []
 
-    async def one(prompt: str) -> None:
+    def job(prompt: str) -> Job:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        async with gate:
-            client = clients[next(turn) % len(clients)]
+
+        async def one() -> None:
+            client = clients[next(turn) % len(clients)]  # chosen when it starts: round robin
             result, _ = await stream_request(client, "/v1/completions", body)
             results.append(result)
+        return one
 
     start = time.perf_counter()
-    tasks = [asyncio.ensure_future(one(p)) for p in prompts(n)]
-    _, pending = await asyncio.wait(tasks, timeout=timeout_s)
-    for t in pending:
-        t.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
+    await run_closed_loop([job(p) for p in prompts(n)], concurrency, timeout_s)
     duration = time.perf_counter() - start
     for c in clients:
         await c.aclose()

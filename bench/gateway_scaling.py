@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import statistics
@@ -30,6 +31,7 @@ import httpx
 from gateway_overhead import BENCH, RESULTS, ROOT, load_average, start_gateway, start_instance
 from procs import Proc, stop_all, wait_http
 
+from strata.bench.loadgen import run_closed_loop
 from strata.bench.report import latency_stats_ms
 from strata.sim.profile import LatencyProfile
 
@@ -72,19 +74,11 @@ async def _lean_drive(url: str, n: int, concurrency: int, timeout_s: float
     """Closed loop, no JSON parsing (a cheap client leaves the CPU to the gateway)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     out: list[dict[str, Any]] = []
-    gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=url, limits=limits,
                                  timeout=httpx.Timeout(timeout_s)) as client:
-        async def gated(i: int) -> None:
-            async with gate:
-                await _one(client, i, out)
-
+        jobs = [functools.partial(_one, client, i, out) for i in range(n)]
         start = time.perf_counter()
-        tasks = [asyncio.ensure_future(gated(i)) for i in range(n)]
-        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await run_closed_loop(jobs, concurrency, timeout_s)
         return out, time.perf_counter() - start
 
 
