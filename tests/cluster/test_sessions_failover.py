@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 import pytest
+from cluster_process import wait_until
 from redis_server import RedisServer, free_port
 from tiny_models import make_tiny_model_dir
 
@@ -97,14 +98,6 @@ def gateway(root: Path, name: str, *, store: str, registry: str) -> Proc:
                  "--policy", "round_robin", "--session-routing", "hybrid", "--session-store", store,
                  "--health-check-interval-s", "0.2", "--max-retries", "3",
                  "--log-level", "warning"], root / f"{name}.log")
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.1)
 
 
 def num_routable(gateway_url: str) -> int:
