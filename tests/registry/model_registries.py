@@ -1,5 +1,6 @@
-"""Shared by the ModelRegistry tests: a fake clock, the `make` fixture (one shared backend per
-test: memory, a SQLite temp file or a real Redis) and records to store.
+"""Shared by the registry tests: a fake clock, `story` (an async test body on one registry of
+any kind), the ModelRegistry `make` fixture (one shared backend per test: memory, a SQLite temp
+file or a real Redis) and records to store.
 
     from model_registries import FakeClock, Make, make_fixture, story  # make_fixture: noqa F401
     from redis_server import redis_server, redis_url  # noqa: F401   (make needs them)
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import pytest
 import redis
@@ -38,6 +39,11 @@ class FakeClock:
         return self.now
 
 
+class Closable(Protocol):
+    async def close(self) -> None: ...
+
+
+R = TypeVar("R", bound=Closable)
 Make = Callable[[FakeClock], ModelRegistry]
 
 
@@ -46,7 +52,7 @@ def make_fixture(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Mak
     """A factory of registries on ONE shared backend (same object / file / server)."""
     if request.param == "memory":
         shared = create_model_registry("memory://")
-        yield lambda clock: _with_clock(shared, clock)
+        yield lambda clock: with_clock(shared, clock)
         return
     url = backend_url(request.param, request, tmp_path)
     yield lambda clock: create_model_registry(url, clock=clock)
@@ -62,12 +68,13 @@ def backend_url(backend: str, request: pytest.FixtureRequest, tmp_path: Path) ->
     return url
 
 
-def _with_clock(registry: ModelRegistry, clock: FakeClock) -> ModelRegistry:
+def with_clock(registry: R, clock: FakeClock) -> R:
+    """A shared in-memory registry, read through this caller's clock from now on."""
     registry.clock = clock  # type: ignore[attr-defined]
     return registry
 
 
-def story(make: Make, body: Callable[[ModelRegistry, FakeClock], Awaitable[None]]) -> None:
+def story(make: Callable[[FakeClock], R], body: Callable[[R, FakeClock], Awaitable[None]]) -> None:
     async def main() -> None:
         clock = FakeClock()
         registry = make(clock)

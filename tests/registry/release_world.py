@@ -13,6 +13,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from model_registries import FakeClock
+
 from strata.registry import InstanceRecord, InstanceState, Registry, create_registry
 from strata.registry.model_registry import create_model_registry
 from strata.registry.models import (
@@ -29,14 +31,6 @@ from strata.registry.releases import ReleaseController
 
 CONFIG = ReleaseConfig(ready_timeout_s=10.0, retire_timeout_s=10.0, poll_s=0.2, lease_s=2.0,
                        canary_window_s=3.0, canary_min_requests=20, propagation_s=1.0)
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakeLauncher:

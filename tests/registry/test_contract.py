@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import redis
+from model_registries import FakeClock, story, with_clock
 from redis_server import redis_server, redis_url  # noqa: F401
 
 from strata.errors import ConfigError
@@ -22,15 +23,6 @@ from strata.registry import (
     create_registry,
 )
 
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 Make = Callable[[FakeClock], Registry]
 TTL_S = 5.0
 
@@ -40,7 +32,7 @@ def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Make]:
     """A factory of registries on ONE shared backend (same file / same server)."""
     if request.param == "memory":
         shared = create_registry("memory://", ttl_s=TTL_S)
-        yield lambda clock: _with_clock(shared, clock)
+        yield lambda clock: with_clock(shared, clock)
         return
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'registry.db'}"
@@ -51,21 +43,6 @@ def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Make]:
     yield lambda clock: create_registry(url, ttl_s=TTL_S, clock=clock)
 
 
-def _with_clock(registry: Registry, clock: FakeClock) -> Registry:
-    registry.clock = clock  # type: ignore[attr-defined]
-    return registry
-
-
-def story(make: Make, body: Callable[[Registry, FakeClock], Awaitable[None]]) -> None:
-    async def main() -> None:
-        clock = FakeClock()
-        registry = make(clock)
-        try:
-            await body(registry, clock)
-        finally:
-            await registry.close()
-
-    asyncio.run(main())
 
 
 def rec(instance_id: str = "i-1", **kw: object) -> InstanceRecord:
