@@ -83,7 +83,7 @@ async def _forget_run_state(models: ModelRegistry, instances: Registry, now: flo
     for release in await models.list_releases():
         if not release.is_terminal:
             failed = replace(release.moved_to(ReleaseState.FAILED, now, RESTART_REASON),
-                             reason=RESTART_REASON, owner="", lease_until=0.0)
+                             owner="", lease_until=0.0)
             await models.put_release(failed, expected_revision=release.revision)
             log.warning("release %s of %s was unfinished: marked failed (%s)",
                         release.release_id, release.name, RESTART_REASON)
