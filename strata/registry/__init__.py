@@ -18,6 +18,7 @@ from strata.registry.memory import MemoryRegistry
 from strata.registry.model_registry import MODEL_REGISTRY_SCHEMES, create_model_registry
 from strata.registry.records import InstanceLoad, InstanceRecord, InstanceState, Role
 from strata.registry.sqlite import SqliteRegistry
+from strata.state.sqlite_db import sqlite_path
 
 SCHEMES = ("memory://", "sqlite:///PATH", "redis://HOST:PORT/DB", "rediss://HOST:PORT/DB")
 
@@ -28,10 +29,8 @@ def create_registry(url: str, *, ttl_s: float = 5.0,
     if url == "memory://" or url == "memory":
         return MemoryRegistry(ttl_s=ttl_s, clock=clock)
     if url.startswith("sqlite://"):
-        path = url[len("sqlite://"):]
-        if not path.startswith("/") or len(path) < 2:
-            raise ConfigError(f"sqlite registry URL {url!r} needs an absolute path, "
-                              "e.g. sqlite:///var/run/strata/registry.db")
+        path = sqlite_path(url, what="registry",
+                           example="sqlite:///var/run/strata/registry.db")
         return SqliteRegistry(path, ttl_s=ttl_s, clock=clock)
     if url.startswith(("redis://", "rediss://")):
         from strata.registry.redis import RedisRegistry  # lazy: redis is only needed here

@@ -17,6 +17,7 @@ from strata.errors import ConfigError
 from strata.registry.models import ModelRegistry
 from strata.registry.models_memory import MemoryModelRegistry
 from strata.registry.models_sqlite import SqliteModelRegistry
+from strata.state.sqlite_db import sqlite_path
 
 MODEL_REGISTRY_SCHEMES = ("memory://", "sqlite:///PATH", "redis://HOST:PORT/DB",
                           "rediss://HOST:PORT/DB")
@@ -28,10 +29,8 @@ def create_model_registry(url: str, *,
     if url in ("memory://", "memory"):
         return MemoryModelRegistry(clock=clock)
     if url.startswith("sqlite://"):
-        path = url[len("sqlite://"):]
-        if not path.startswith("/") or len(path) < 2:
-            raise ConfigError(f"sqlite model registry URL {url!r} needs an absolute path, "
-                              "e.g. sqlite:///var/run/strata/registry.db")
+        path = sqlite_path(url, what="model registry",
+                           example="sqlite:///var/run/strata/registry.db")
         return SqliteModelRegistry(path, clock=clock)
     if url.startswith(("redis://", "rediss://")):
         from strata.registry.models_redis import RedisModelRegistry  # lazy: redis only here

@@ -78,7 +78,7 @@ class SqliteModelRegistry:
             return _one(conn, "SELECT record FROM model_versions WHERE name = ? AND version = ?",
                         (new.name, new.version))
 
-        existing_text = await self._db.call(lambda c: _in_transaction(c, work))
+        existing_text = await self._db.transaction(work)
         if existing_text is None:
             return new
         existing = ModelVersion.from_json(json.loads(existing_text))
@@ -151,7 +151,7 @@ class SqliteModelRegistry:
             if cursor.rowcount == 0:
                 raise _release_refusal(conn, new, expected_revision)
 
-        await self._db.call(lambda c: _in_transaction(c, write))
+        await self._db.transaction(write)
         return new
 
     async def get_release(self, release_id: str) -> Release | None:
@@ -188,7 +188,7 @@ class SqliteModelRegistry:
                               (key,))
                 raise stale(kind, key, expected_revision, stored or 0)
 
-        await self._db.call(lambda c: _in_transaction(c, write))
+        await self._db.transaction(write)
 
     async def _select(self, sql: str, params: tuple[Any, ...]) -> list[Any]:
         """The first column of every row."""
@@ -204,19 +204,6 @@ def _release_refusal(conn: Conn, new: Release, expected_revision: int) -> Confli
     if other is None:  # unreachable while the index holds: the write can only lose to these two
         return ConflictError(f"release {new.release_id!r} was refused; read it and retry")
     return release_in_progress(new.name, other[0], json.loads(other[1])["state"])
-
-
-def _in_transaction(conn: Conn, work: Callable[[Conn], T]) -> T:
-    """`work` inside BEGIN IMMEDIATE: it holds the write lock from its first read, and a
-    ConflictError it raises rolls back whatever it wrote."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        result = work(conn)
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
-    return result
 
 
 def _one(conn: Conn, sql: str, params: tuple[Any, ...]) -> Any:

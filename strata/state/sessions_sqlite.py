@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -84,7 +84,7 @@ class SqliteSessionStore:
                 raise cas_failure(session_id, expected_revision, 0 if row is None else row[3])
             return _decode(row)
 
-        return await self._db.call(lambda conn: _in_transaction(conn, work))
+        return await self._db.transaction(work)
 
     async def delete(self, session_id: str, *, tenant: str) -> bool:
         changed: int = await self._db.call(lambda c: c.execute(
@@ -119,19 +119,6 @@ def _update(conn: sqlite3.Connection, key: tuple[str, str], expected_revision: i
     changed: int = conn.execute(_UPDATE, (model, version, now, expires_at, messages, tenant,
                                           session_id, expected_revision, now)).rowcount
     return changed
-
-
-def _in_transaction(conn: sqlite3.Connection, work: Callable[[sqlite3.Connection], T]) -> T:
-    """Read and write under one write lock (BEGIN IMMEDIATE): the record returned is the one
-    written. The `WHERE revision = ?` guard holds on its own as well."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        result = work(conn)
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
-    return result
 
 
 def _row(conn: sqlite3.Connection, tenant: str, session_id: str,

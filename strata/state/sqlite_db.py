@@ -43,6 +43,11 @@ class SqliteDatabase:
         self._lock = threading.Lock()  # one connection, used by one worker thread at a time
         self._conn: sqlite3.Connection | None = None
 
+    async def transaction(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        """`work` inside BEGIN IMMEDIATE: it holds the write lock from its first read, so what
+        it reads is what it overwrites; an exception it raises rolls back what it wrote."""
+        return await self.call(lambda conn: _in_transaction(conn, work))
+
     async def call(self, work: Callable[[sqlite3.Connection], T]) -> T:
         """`work(connection)` in a worker thread, alone on the connection."""
         return await asyncio.to_thread(self._locked, work)
@@ -79,6 +84,17 @@ class SqliteDatabase:
                 raise
             self._conn = conn
         return self._conn
+
+
+def _in_transaction(conn: sqlite3.Connection, work: Callable[[sqlite3.Connection], T]) -> T:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        result = work(conn)
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+    return result
 
 
 def sqlite_path(url: str, *, what: str, example: str) -> str:
