@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from strata.commands.argtypes import positive_float
 from strata.errors import ConfigError
 
 
@@ -14,6 +16,14 @@ class CliEnv:
     run_dir: Path  # `strata up`: registry database, logs, pid files
     api_keys: tuple[str, ...] = ()  # STRATA_API_KEYS, comma separated
     registry_url: str | None = None  # STRATA_REGISTRY
+
+
+def add_auth_flags(p: argparse.ArgumentParser) -> None:
+    """`--api-key-file` and `--rate-limit-per-s`, the same on instances and gateways."""
+    p.add_argument("--api-key-file", type=Path, default=None,
+                   help="file with one API key per line (STRATA_API_KEYS adds more)")
+    p.add_argument("--rate-limit-per-s", type=positive_float, default=None,
+                   help="requests per second allowed per API key")
 
 
 def read_api_keys(path: Path | None, env_keys: tuple[str, ...]) -> tuple[str, ...]:

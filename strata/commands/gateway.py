@@ -11,7 +11,6 @@ import asyncio
 import math
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,7 +23,7 @@ from strata.commands.argtypes import (
     positive_float,
     positive_int,
 )
-from strata.commands.env import CliEnv, read_api_keys
+from strata.commands.env import CliEnv, add_auth_flags, read_api_keys
 from strata.errors import ConfigError
 from strata.gateway.config import (
     POLICY_NAMES,
@@ -58,10 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--queue-timeout-s", type=positive_float, default=10.0)
     p.add_argument("--max-retries", type=non_negative_int, default=2)
     p.add_argument("--health-check-interval-s", type=positive_float, default=1.0)
-    p.add_argument("--api-key-file", type=Path, default=None,
-                   help="file with one API key per line (STRATA_API_KEYS adds more)")
-    p.add_argument("--rate-limit-per-s", type=positive_float, default=None,
-                   help="requests per second allowed per API key")
+    add_auth_flags(p)
     p.add_argument("--shutdown-timeout-s", type=positive_float, default=30.0)
     p.add_argument("--session-routing", choices=SESSION_ROUTING_MODES, default="none",
                    help="requests with a session id: none/external (normal policy), sticky "

@@ -25,7 +25,7 @@ from strata.commands.argtypes import (
     positive_float,
     positive_int,
 )
-from strata.commands.env import CliEnv, read_api_keys
+from strata.commands.env import CliEnv, add_auth_flags, read_api_keys
 from strata.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -92,10 +92,7 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
                         "bundled name such as smollm2-cpu); labelled simulated everywhere")
     p.add_argument("--s3-endpoint-url", default=None,
                    help="S3-compatible endpoint for s3:// model URIs")
-    p.add_argument("--api-key-file", type=Path, default=None,
-                   help="file with one API key per line (STRATA_API_KEYS adds more)")
-    p.add_argument("--rate-limit-per-s", type=positive_float, default=None,
-                   help="requests per second allowed per API key")
+    add_auth_flags(p)
 
 
 def _add_kv_flags(p: argparse.ArgumentParser) -> None:
