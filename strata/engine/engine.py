@@ -11,9 +11,6 @@ does the fetching and publishing.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.detokenizer import IncrementalDetokenizer, check_stop
 from strata.engine.executor import (
@@ -41,20 +38,17 @@ class Engine:
         decoder: TokenDecoder,
         *,
         vocab_size: int | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.executor = executor
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.decoder = decoder
         self.vocab_size = vocab_size
-        self.clock = clock
         self.kv = KVCacheManager(cache_config)
         self.scheduler = Scheduler(scheduler_config, self.kv)
         self._detok: dict[RequestId, IncrementalDetokenizer] = {}
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
-        self.num_kv_import_failures = 0
         executor.allocate_kv_cache(cache_config.num_blocks, cache_config.block_size)
 
     def validate_request(self, request: Request) -> None:
@@ -123,27 +117,17 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         for kv_import in scheduled.kv_imports:
-            self._import_kv(kv_import, scheduled)
+            self.scheduler.on_kv_imported(scheduled, kv_import, self._import_kv(kv_import))
         if scheduled.is_empty:
             return []
         model_output = self.executor.execute(self._model_input(scheduled))
         return self._update(scheduled, model_output)
 
-    def _import_kv(self, kv_import: KVImport, scheduled: SchedulerOutput) -> None:
-        """Write fetched KV into its blocks. A refused payload (other model, corrupt) and the
-        ones after it become a miss: the request sits this step out and recomputes them."""
-        num_ok = 0
-        if isinstance(self.executor, KVTransfer):
-            num_ok = self.executor.import_blocks(kv_import.block_ids, kv_import.payloads)
-        if num_ok == len(kv_import.payloads):
-            return
-        self.num_kv_import_failures += 1
-        request = kv_import.request
-        num_lost = (len(kv_import.payloads) - num_ok) * self.cache_config.block_size
-        request.num_computed_tokens -= num_lost
-        request.num_cached_tokens -= num_lost
-        self.kv.num_external_hit_tokens -= num_lost
-        scheduled.scheduled = [(r, n) for r, n in scheduled.scheduled if r is not request]
+    def _import_kv(self, kv_import: KVImport) -> int:
+        """Write fetched KV into its blocks; how many leading payloads the executor took."""
+        if not isinstance(self.executor, KVTransfer):
+            return 0
+        return self.executor.import_blocks(kv_import.block_ids, kv_import.payloads)
 
     def _model_input(self, scheduled: SchedulerOutput) -> ModelInput:
         sequences = []
@@ -241,7 +225,7 @@ class Engine:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generated_tokens=self.num_generated_tokens,
             num_external_hit_tokens=self.kv.num_external_hit_tokens,
-            num_kv_import_failures=self.num_kv_import_failures,
+            num_kv_import_failures=self.scheduler.num_kv_import_failures,
         )
 
     def reset_prefix_cache(self) -> int:

@@ -83,6 +83,10 @@ class KVCacheManager:
         self.num_hit_tokens += num_hit_tokens
         self.num_external_hit_tokens += num_external_tokens
 
+    def record_refused_import(self, num_tokens: int) -> None:
+        """Fetched tokens the executor refused: recomputed, so no longer external hits."""
+        self.num_external_hit_tokens -= num_tokens
+
     def hash_tokens(self, token_ids: list[int], cache_salt: str) -> list[BlockHash]:
         """Hashes of the full blocks of `token_ids`, named as this cache names them."""
         return hash_blocks(token_ids, self.block_size, self._namespace(cache_salt))

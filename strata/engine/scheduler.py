@@ -6,7 +6,8 @@ Running requests are served first (in priority order); when blocks run out the l
 latest-arriving running request is preempted (its blocks freed, recomputed later). Waiting
 requests are admitted by (priority, arrival) while budget, sequence slots and blocks last.
 A request admitted with fetched KV blocks (see kv_cache_manager) lists them in `kv_imports`:
-the engine imports them before the step's forward pass.
+the engine has the executor import them before the step's forward pass and reports how many it
+wrote (`on_kv_imported`); the scheduler turns a refused payload into a miss.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Scheduler:
         self._counter = itertools.count()
         self._requests: dict[RequestId, Request] = {}
         self.num_preemptions = 0
+        self.num_kv_import_failures = 0
 
     @property
     def num_waiting(self) -> int:
@@ -89,6 +91,21 @@ class Scheduler:
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
+
+    def on_kv_imported(self, out: SchedulerOutput, kv_import: KVImport, num_imported: int) -> None:
+        """The executor wrote the first `num_imported` payloads of `kv_import`. A refused payload
+        (other model, corrupt) and the ones after it become a miss: the request sits this step
+        out and recomputes them."""
+        num_refused = len(kv_import.payloads) - num_imported
+        if num_refused == 0:
+            return
+        self.num_kv_import_failures += 1
+        request = kv_import.request
+        num_lost = num_refused * self.kv.block_size
+        request.num_computed_tokens -= num_lost
+        request.num_cached_tokens -= num_lost
+        self.kv.record_refused_import(num_lost)
+        out.scheduled = [(r, n) for r, n in out.scheduled if r is not request]
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0

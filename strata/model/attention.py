@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from strata.engine.config import ModelConfig
 from strata.model import cpu_kernels
+from strata.model.config import ModelConfig
 
 _MATMUL_ATTENTION_MAX_ROWS = 64  # measured: SDPA is faster for longer chunks
 

@@ -27,8 +27,8 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
-from strata.engine.config import ModelConfig
 from strata.errors import ModelLoadError
+from strata.model.config import ModelConfig
 from strata.model.tokenizer import Tokenizer, byte_level_bpe
 
 CACHE_FORMAT = "strata-gguf-1"

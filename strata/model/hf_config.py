@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from strata.engine.config import ModelConfig, RopeScaling
 from strata.errors import ModelLoadError
+from strata.model.config import ModelConfig, RopeScaling
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

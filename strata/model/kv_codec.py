@@ -17,7 +17,7 @@ import struct
 import zlib
 from dataclasses import asdict, dataclass
 
-from strata.engine.config import DTYPE_BYTES
+from strata.model.config import DTYPE_BYTES
 
 MAGIC = b"STKV"
 FORMAT_VERSION = 1

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from strata.engine.config import ModelConfig, RopeScaling
 from strata.errors import ModelLoadError
 from strata.model import cpu_kernels
 from strata.model.attention import DecodePlan, PagedKVCache, StepBatch, attention
+from strata.model.config import ModelConfig, RopeScaling
 
 Weights = dict[str, Tensor]
 _PACK_BATCH_HINT = 32  # oneDNN's packing hint; measured the same speed for 1 .. 512 rows

@@ -17,8 +17,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from strata.engine.config import ModelConfig
 from strata.errors import ConfigError, ModelLoadError
+from strata.model.config import ModelConfig
 from strata.model.gguf_loader import load_gguf
 from strata.model.hf_config import model_config_from_hf
 from strata.model.tokenizer import Tokenizer

@@ -6,6 +6,7 @@ from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.kv_cache_manager import KVCacheManager
 from strata.engine.request import Request, RequestStatus
 from strata.engine.scheduler import Scheduler, SchedulerOutput
+from strata.types import RequestId
 
 
 def make_scheduler(num_blocks: int = 32, budget: int = 16, max_num_seqs: int = 4,
@@ -113,3 +114,36 @@ def test_finished_requests_release_blocks_and_the_preempted_resume_with_hits() -
     assert counts(out) == [("b", 1)] and b.status == RequestStatus.RUNNING
     assert b.num_computed_tokens == 8 and b.num_preemptions == 1
     sched.kv.check_integrity()
+
+
+def test_a_refused_kv_import_becomes_a_miss_that_the_request_recomputes() -> None:
+    """13 tokens, 3 fetched blocks; the executor writes only the first: the scheduler takes the
+    request out of this step and the next step computes from block 1 on."""
+    sched = make_scheduler(budget=16)
+    request = make_request(prompt_of(13), request_id="r")
+    hashes = sched.kv.hash_tokens(request.prompt_token_ids, "")
+    request.external_kv = {h: f"kv{i}".encode() for i, h in enumerate(hashes)}
+    sched.add(request)
+    out = sched.schedule()
+    assert counts(out) == [("r", 1)]
+    (kv_import,) = out.kv_imports
+    assert (kv_import.block_ids, kv_import.payloads) == ([0, 1, 2], [b"kv0", b"kv1", b"kv2"])
+    sched.on_kv_imported(out, kv_import, 1)
+    assert counts(out) == [] and sched.num_kv_import_failures == 1
+    assert (request.num_computed_tokens, request.num_cached_tokens) == (4, 4)
+    assert sched.kv.num_external_hit_tokens == 4
+    advance(sched, out)
+    assert counts(sched.schedule()) == [("r", 9)]
+    assert sched.kv.block_ids(RequestId("r")) == [0, 1, 2, 3]
+
+
+def test_a_fully_imported_kv_import_changes_nothing() -> None:
+    sched = make_scheduler(budget=16)
+    request = make_request(prompt_of(13), request_id="r")
+    hashes = sched.kv.hash_tokens(request.prompt_token_ids, "")
+    request.external_kv = {h: b"kv" for h in hashes}
+    sched.add(request)
+    out = sched.schedule()
+    sched.on_kv_imported(out, out.kv_imports[0], 3)
+    assert counts(out) == [("r", 1)] and sched.num_kv_import_failures == 0
+    assert (request.num_computed_tokens, sched.kv.num_external_hit_tokens) == (12, 12)

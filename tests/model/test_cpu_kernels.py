@@ -2,19 +2,24 @@
 
 Story: five sequences of 1 to 37 cached positions read a cache whose blocks are handed out in a
 scattered order and whose unused slots hold NaN; the kernel's output must equal softmax attention
-computed in float64 over exactly the positions each sequence owns. Then the whole model, forced
-onto the torch fallback paths, must still produce the same greedy tokens. The fused add + norm
-kernel must round where torch (and HF) round.
+computed in float64 over exactly the positions each sequence owns. Then the whole model, with the
+kernels and forced onto the torch fallback paths, must produce HF's greedy tokens. The fused
+add + norm kernel must round where torch (and HF) round. Where a C compiler exists the kernels
+must build: a failed build fails these tests (see built_kernels), it never skips them.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from model.test_llama_parity import make_executor, prompts, run_greedy, tiny_hf_model
+from model.built_kernels import require_kernels
+from model.test_llama_parity import hf_greedy, make_executor, prompts, run_greedy, tiny_hf_model
 from torch import Tensor
 
 from strata.model import cpu_kernels
+from strata.model.kernel_build import SOURCE, compile_kernels, find_compiler
 
 BLOCK = 4
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 64
@@ -57,8 +62,7 @@ def reference(q: Tensor, k: Tensor, v: Tensor, table: Tensor, lens: Tensor) -> T
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_kernel_equals_reference_and_never_reads_unowned_slots(dtype: torch.dtype,
                                                                atol: float) -> None:
-    if not cpu_kernels.supports(dtype, "cpu"):
-        pytest.skip("no C compiler: the kernel cannot be built here")
+    require_kernels()
     q, k, v, table, lens = scattered_cache(dtype)
     out = cpu_kernels.decode_attention(q, k, v, table, lens, BLOCK)
     assert out.dtype == dtype and out.shape == q.shape
@@ -67,8 +71,7 @@ def test_kernel_equals_reference_and_never_reads_unowned_slots(dtype: torch.dtyp
 
 
 def test_kernel_reads_query_rows_with_a_stride() -> None:
-    if not cpu_kernels.supports(torch.float32, "cpu"):
-        pytest.skip("no C compiler: the kernel cannot be built here")
+    require_kernels()
     q, k, v, table, lens = scattered_cache(torch.float32)
     wide = torch.cat([q, torch.zeros(len(LENGTHS), 2, HEAD_DIM)], dim=1)  # as q of a fused qk
     strided = wide[:, :HEADS]
@@ -90,8 +93,7 @@ def chunk_reference(q: Tensor, k: Tensor, v: Tensor, table_row: Tensor, start: i
 def test_chunk_kernel_equals_reference_over_a_scattered_cache(dtype: torch.dtype, atol: float,
                                                               start: int, n: int) -> None:
     """A chunk of n tokens of the 37-position sequence (n * 3 lanes: full and partial tiles)."""
-    if not cpu_kernels.supports_chunk(dtype, "cpu", HEAD_DIM):
-        pytest.skip("no C compiler: the kernel cannot be built here")
+    require_kernels()
     _, k, v, table, _ = scattered_cache(dtype)
     row = table[LENGTHS.index(37)]
     q = torch.randn(n, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(n)).to(dtype)
@@ -106,8 +108,7 @@ def test_chunk_kernel_equals_reference_over_a_scattered_cache(dtype: torch.dtype
 
 def test_chunk_kernel_rows_equal_decode_kernel_rows() -> None:
     """Row i of a chunk is the decode query at position start + i: same maths, same floats."""
-    if not cpu_kernels.supports_chunk(torch.float32, "cpu", HEAD_DIM):
-        pytest.skip("no C compiler: the kernel cannot be built here")
+    require_kernels()
     _, k, v, table, _ = scattered_cache(torch.float32)
     row = table[LENGTHS.index(37)]
     q = torch.randn(9, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(3))
@@ -118,21 +119,50 @@ def test_chunk_kernel_rows_equal_decode_kernel_rows() -> None:
 
 
 def test_torch_fallback_path_keeps_hf_parity(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without the kernel (no compiler, fp16, GPU), decode rows use the padded gather + SDPA."""
+    """Without the kernel (no compiler, fp16, GPU), decode rows use the padded gather + SDPA.
+
+    Both paths are held to HF's greedy tokens, so the fallback is never compared with itself
+    (as it would be, were the kernels not built)."""
     hf = tiny_hf_model("llama")
     token_lists = prompts()
+    expected = [hf_greedy(hf, p, 8) for p in token_lists]
     with_kernel = run_greedy(make_executor(hf), token_lists, num_new=8)
+    assert with_kernel == expected
     monkeypatch.setattr(cpu_kernels, "supports", lambda dtype, device: False)
     executor = make_executor(hf)
-    assert executor.kv_cache is not None
+    assert executor.kv_cache is not None and not executor.chunk_kernel
     executor.kv_cache.data[:, :, : executor.kv_cache.null_slot] = float("nan")
-    assert run_greedy(executor, token_lists, num_new=8) == with_kernel
+    fallback = run_greedy(executor, token_lists, num_new=8)
+    assert fallback == expected
+    assert fallback == with_kernel
+
+
+def test_the_kernels_build_wherever_a_compiler_exists() -> None:
+    require_kernels()
+    assert cpu_kernels.supports(torch.float32, "cpu")
+    assert cpu_kernels.supports(torch.bfloat16, "cpu")
+    assert cpu_kernels.supports_chunk(torch.float32, "cpu", HEAD_DIM)
+
+
+def test_a_kernel_that_does_not_compile_fails_with_the_compilers_message(tmp_path: Path) -> None:
+    """A scratch copy of the sources with one line broken: the build keeps the compiler's
+    error, and the tests' gate turns it into a failure, never a skip."""
+    if find_compiler() is None:
+        pytest.skip("no C compiler: the kernels cannot be built here")
+    for path in SOURCE.parent.iterdir():
+        (tmp_path / path.name).write_text(path.read_text())
+    broken = tmp_path / SOURCE.name
+    broken.write_text(broken.read_text() + "\nint broken_on_purpose = ;\n")
+    build = compile_kernels(broken)
+    assert not build.is_built and build.compiler is not None
+    assert "broken_on_purpose" in build.error
+    with pytest.raises(pytest.fail.Exception, match="broken_on_purpose"):
+        require_kernels(build)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_add_rms_norm_updates_the_residual_and_rounds_like_torch(dtype: torch.dtype) -> None:
-    if not cpu_kernels.supports(dtype, "cpu"):
-        pytest.skip("no C compiler: the kernel cannot be built here")
+    require_kernels()
     gen = torch.Generator().manual_seed(5)
     x = (torch.randn(7, 96, generator=gen) * 3).to(dtype)
     delta = torch.randn(7, 96, generator=gen).to(dtype)

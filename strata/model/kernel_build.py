@@ -1,0 +1,101 @@
+"""Builds Strata's C kernels (`csrc/cpu_kernels.c`, shipped as package data) and loads them.
+
+The library is compiled at first use with the system C compiler (a plain C file, under a
+second) into a private temporary directory and loaded with ctypes; it links `libgomp.so.1` by
+soname, so it shares torch's already-loaded OpenMP runtime and thread count. The outcome is
+built once per process and kept (`kernels()`).
+
+Fallback rules: with no C compiler, or when compiling fails, there is no library and the model
+uses its torch paths (a warning says which). `KernelBuild` keeps the two cases apart, so that
+tests skip only when no compiler exists and fail, with the compiler's message, when one exists
+but cannot build the kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+TYPE_SUFFIXES = ("bf16", "f32")  # decode_<suffix>, decode_<suffix>_chunk, ..._add_rms_norm
+
+
+@dataclass(frozen=True, slots=True)
+class KernelBuild:
+    """What building the kernels gave: the library, or why there is none."""
+
+    library: ctypes.CDLL | None
+    compiler: str | None  # None: no C compiler on PATH
+    error: str = ""  # the compiler's message when it failed
+
+    @property
+    def is_built(self) -> bool:
+        return self.library is not None
+
+
+def find_compiler() -> str | None:
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def compile_kernels(source: Path = SOURCE, compiler: str | None = None) -> KernelBuild:
+    """Compile `source` (and the headers beside it) and load the library; never raises for a
+    failed build."""
+    cc = compiler or find_compiler()
+    if cc is None:
+        log.warning("no C compiler found: attention and norms use the slower torch paths")
+        return KernelBuild(None, None)
+    # The directory goes once the library is loaded: the mapping outlives the file.
+    with tempfile.TemporaryDirectory(prefix="strata-kernels-") as tmp:
+        lib = Path(tmp) / "cpu_kernels.so"
+        cmd = [cc, *FLAGS, str(source), "-o", str(lib), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            error = done.stderr.strip() or f"{cc} exited with {done.returncode}"
+            log.warning("compiling the CPU kernels failed (%s); using the torch paths",
+                        error[-500:])
+            return KernelBuild(None, cc, error)
+        handle = ctypes.CDLL(str(lib))
+    _declare_all(handle)
+    return KernelBuild(handle, cc)
+
+
+def _declare_all(handle: ctypes.CDLL) -> None:
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    for suffix in TYPE_SUFFIXES:
+        name = f"decode_{suffix}"
+        _declare(handle, name, [ptr] * 6 + [i64] * 7 + [ctypes.c_float])
+        _declare(handle, f"{name}_add_rms_norm", [ptr] * 4 + [i64] * 2 + [ctypes.c_float])
+        _declare(handle, f"{name}_chunk", [ptr] * 5 + [i64] * 7 + [ctypes.c_float])
+
+
+def _declare(handle: ctypes.CDLL, name: str, argtypes: list) -> None:
+    fn = getattr(handle, name)
+    fn.argtypes = argtypes
+    fn.restype = None
+
+
+_lock = threading.Lock()
+_build: KernelBuild | None = None
+
+
+def kernels() -> KernelBuild:
+    """The kernels of this process, built on first call (once, whatever the outcome)."""
+    global _build
+    with _lock:
+        if _build is None:
+            _build = compile_kernels()
+    return _build
+
+
+def kernel_library() -> ctypes.CDLL | None:
+    """The compiled kernels, building them on first call; None when they cannot be built."""
+    return kernels().library
