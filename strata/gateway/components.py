@@ -192,7 +192,7 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
     instances = source.instances
     detector = OutlierDetector(instances, config.ejection, clock,
                                on_eject=lambda v: metrics.ejections.labels(v.instance_id).inc())
-    pipeline = RoutingPipeline(instances, create_policy(config.policy, rng=rng))
+    pipeline = RoutingPipeline(instances, create_policy(config.policy, config=config, rng=rng))
     control = control_client or httpx.AsyncClient(
         transport=transport, timeout=httpx.Timeout(config.health_timeout_s))
     proxy = Proxy(pipeline, UpstreamPools(config, transport), detector,
