@@ -26,7 +26,6 @@ from strata.commands.argtypes import (
 from strata.commands.env import CliEnv, add_auth_flags, read_api_keys
 from strata.errors import ConfigError
 from strata.gateway.config import (
-    POLICY_NAMES,
     SESSION_ROUTING_MODES,
     AdmissionConfig,
     GatewayConfig,
@@ -34,6 +33,7 @@ from strata.gateway.config import (
     SessionRoutingConfig,
     VersionConfig,
 )
+from strata.gateway.policies import policy_names
 from strata.gateway.sources import InstanceSource, RegistrySource, StaticSource
 from strata.registry.models import ModelRegistry
 from strata.registry.release_policy import ReleaseConfig
@@ -51,7 +51,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"registry URL ({schemes_help('registry')}); default STRATA_REGISTRY")
     p.add_argument("--instances", nargs="+", default=None, metavar="URL",
                    help="static instance URLs instead of a registry")
-    p.add_argument("--policy", choices=POLICY_NAMES, default="power_of_two")
+    p.add_argument("--policy", choices=policy_names(), default="power_of_two",
+                   help="routing policy (the table in strata/gateway/policies/__init__.py)")
     p.add_argument("--max-in-flight", type=positive_int, default=256)
     p.add_argument("--max-queue", type=non_negative_int, default=512)
     p.add_argument("--queue-timeout-s", type=positive_float, default=10.0)
@@ -67,7 +68,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"pin table shared by every gateway ({schemes_help('pins')}); "
                         "default memory:// (this gateway only)")
     p.add_argument("--session-epsilon", type=positive_float, default=0.25,
-                   help="bounded loads: an instance holds at most ceil((1+eps) * mean) sessions")
+                   help="bounded loads: an instance holds at most ceil((1+eps) * mean) sessions "
+                        "(pinned ones; with --policy consistent_hash, also in-flight ones)")
     p.add_argument("--session-pin-ttl-s", type=positive_float, default=3600.0,
                    help="a pin unused this long expires")
     p.add_argument("--session-local-pin-age-s", type=non_negative_float, default=1.0,
