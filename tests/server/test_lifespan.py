@@ -103,7 +103,7 @@ def test_shutdown_drains_stops_the_engine_deregisters_then_closes_the_stores() -
         async with app.router.lifespan_context(app):
             assert instance.sessions is not None and instance.sessions.store is sessions
             assert instance.serving.kv_offload is not None
-            while not events:  # the registration's first beat, on the lifespan's loop
+            while not registration.is_registered:  # its first beat, on the lifespan's loop
                 await asyncio.sleep(0.01)
             assert not instance.is_draining and async_engine.is_healthy
         assert instance.is_draining
