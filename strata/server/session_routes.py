@@ -6,21 +6,16 @@ exactly like an unknown one, so a key cannot even learn that an id is in use.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from fastapi.routing import APIRoute
 from starlette.requests import Request
 from starlette.responses import Response
 
-from strata.errors import InvalidRequestError
+from strata.errors import InvalidRequestError, SessionNotFoundError
 from strata.server.instance import instance_of
-from strata.server.sessions import SessionNotFoundHTTPError, store_errors, tenant_of
-from strata.state.sessions import (
-    SessionNotFoundError,
-    SessionRecord,
-    SessionStoreUnavailableError,
-)
+from strata.server.sessions import tenant_of
+from strata.state.sessions import SessionRecord
 
 T = TypeVar("T")
 
@@ -41,32 +36,25 @@ async def list_sessions(request: Request, limit: int = 100) -> dict[str, Any]:
     if not 1 <= limit <= 1000:
         raise InvalidRequestError("limit must be in 1..1000", param="limit")
     tenant = tenant_of(request, sessions.config)
-    records = await _store_call(sessions.store.list(tenant=tenant, limit=limit))
+    records = await sessions.store.list(tenant=tenant, limit=limit)
     return {"object": "list", "data": [record_json(r, with_messages=False) for r in records]}
 
 
 async def get_session(request: Request, session_id: str) -> dict[str, Any]:
     sessions = instance_of(request).require_sessions()
     tenant = tenant_of(request, sessions.config)
-    record = await _store_call(sessions.store.get(session_id, tenant=tenant))
+    record = await sessions.store.get(session_id, tenant=tenant)
     if record is None:
-        raise SessionNotFoundHTTPError(str(SessionNotFoundError(session_id)))
+        raise SessionNotFoundError(session_id)
     return record_json(record)
 
 
 async def delete_session(request: Request, session_id: str) -> Response:
     sessions = instance_of(request).require_sessions()
     tenant = tenant_of(request, sessions.config)
-    if not await _store_call(sessions.store.delete(session_id, tenant=tenant)):
-        raise SessionNotFoundHTTPError(str(SessionNotFoundError(session_id)))
+    if not await sessions.store.delete(session_id, tenant=tenant):
+        raise SessionNotFoundError(session_id)
     return Response(status_code=204)
-
-
-async def _store_call(work: Awaitable[T]) -> T:
-    try:
-        return await work
-    except SessionStoreUnavailableError as exc:
-        raise store_errors(exc) from exc
 
 
 def session_routes() -> list[APIRoute]:
