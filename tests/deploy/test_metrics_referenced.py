@@ -28,7 +28,7 @@ from deploy_files import (
     rule_exprs,
     unknown_names,
 )
-from live_stack import start_gateway
+from live_stack import drive_traffic, start_gateway
 from serve_process import start_serve
 
 
@@ -40,21 +40,6 @@ class Scrapes:
     @property
     def exported(self) -> dict[str, str]:
         return {**exported_names(self.instance), **exported_names(self.gateway)}
-
-
-def _drive(gateway_url: str, model: str) -> None:
-    """One answer, the same again (response cache hit), a stream, a malformed request."""
-    body = {"model": f"{model}@v1", "messages": [{"role": "user", "content": "hello there"}],
-            "max_tokens": 8, "temperature": 0}
-    with httpx.Client(base_url=gateway_url, timeout=30) as client:
-        first = client.post("/v1/chat/completions", json=body)
-        again = client.post("/v1/chat/completions", json=body)
-        assert first.status_code == again.status_code == 200, first.text
-        stream = client.post("/v1/chat/completions", json={**body, "stream": True})
-        assert stream.status_code == 200 and stream.text.rstrip().endswith("data: [DONE]")
-        bad = client.post("/v1/chat/completions", content=b"{not json",
-                          headers={"content-type": "application/json"})
-        assert bad.status_code == 400
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +56,7 @@ def scrapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrapes]:
         url = gateway.url
         wait_until(lambda: httpx.get(f"{url}/ready", timeout=5).status_code == 200, 30,
                    "the gateway to route to the instance")
-        _drive(gateway.url, instance.served_name)
+        drive_traffic(gateway.url, instance.served_name)
         yield Scrapes(instance=httpx.get(f"{instance.url}/metrics", timeout=5).text,
                       gateway=httpx.get(f"{gateway.url}/metrics", timeout=5).text)
     finally:
