@@ -21,8 +21,10 @@ import pytest
 from deploy_files import (
     ALL_OPTIONS,
     CHART,
+    DEPLOY,
     RenderError,
     keda_queries,
+    load_yaml,
     metric_names,
     parse_strata,
     render_chart,
@@ -299,3 +301,58 @@ def test_api_keys_reach_gateway_and_instances_from_one_secret(
         env = {e["name"]: e for e in container(deployment)["env"]}
         ref = env["STRATA_API_KEYS"]["valueFrom"]["secretKeyRef"]
         assert ref == {"name": secret["metadata"]["name"], "key": "STRATA_API_KEYS"}
+
+
+# --- Prometheus finds the chart's pods ---------------------------------------------------------
+
+def relabel(meta: dict[str, str], rules: list[dict[str, Any]]) -> dict[str, str] | None:
+    """Prometheus's `keep` and `replace` relabelling of one target (None: dropped)."""
+    labels = dict(meta)
+    for rule in rules:
+        value = rule.get("separator", ";").join(labels.get(s, "") for s in rule["source_labels"])
+        match = re.fullmatch(rule.get("regex", "(.*)"), value)
+        if rule.get("action", "replace") == "keep":
+            if match is None:
+                return None
+        elif match is not None:
+            replacement = re.sub(r"\$(\d+)", r"\\g<\1>", rule.get("replacement", "$1"))
+            labels[rule["target_label"]] = match.expand(replacement)
+    return labels
+
+
+def discovered(pod: Manifest, pod_ip: str = "10.0.0.7") -> dict[str, str]:
+    """The `__meta_kubernetes_pod_*` labels Prometheus's pod discovery gives a pod template
+    (one target per container port)."""
+    def clean(name: str) -> str:
+        return re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+    [first_port, *_] = container({"spec": {"template": pod}})["ports"]
+    meta = {"__address__": f"{pod_ip}:{first_port['containerPort']}",
+            "__meta_kubernetes_namespace": "serving", "__meta_kubernetes_pod_name": "pod-0"}
+    for key, value in pod["metadata"]["labels"].items():
+        meta[f"__meta_kubernetes_pod_label_{clean(key)}"] = value
+    for key, value in pod["metadata"].get("annotations", {}).items():
+        meta[f"__meta_kubernetes_pod_annotation_{clean(key)}"] = value
+    return meta
+
+
+def test_prometheus_pod_discovery_finds_the_gateway_and_every_instance_group(
+        everything: list[Manifest]) -> None:
+    config = load_yaml(DEPLOY / "prometheus" / "prometheus-kubernetes.yml")
+    jobs = {j["job_name"]: j["relabel_configs"] for j in config["scrape_configs"]}
+    pods = {m["metadata"]["name"]: m["spec"]["template"]
+            for m in everything if m["kind"] in ("Deployment", "StatefulSet")}
+    [cluster] = of_kind(everything, "RayCluster")
+    pods["ray-head"] = cluster["spec"]["headGroupSpec"]["template"]
+    found = {name: {job for job, rules in jobs.items() if relabel(discovered(pod), rules)}
+             for name, pod in pods.items()}
+    assert found == {"strata-gateway": {"strata-gateway"}, "ray-head": {"strata-gateway"},
+                     "strata-redis": set(), "strata-instance-v1": {"strata-instances"},
+                     "strata-instance-v2-prefill": {"strata-instances"},
+                     "strata-instance-sim": {"strata-instances"}}
+    target = relabel(discovered(pods["strata-instance-v2-prefill"]), jobs["strata-instances"])
+    assert target is not None
+    assert {k: target[k] for k in ("__address__", "__metrics_path__", "model_version", "role",
+                                   "pool", "namespace")} == {
+        "__address__": "10.0.0.7:8000", "__metrics_path__": "/metrics", "model_version": "v2",
+        "role": "prefill", "pool": "gpu", "namespace": "serving"}
