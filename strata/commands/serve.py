@@ -27,6 +27,7 @@ from strata.commands.argtypes import (
 )
 from strata.commands.env import CliEnv, add_auth_flags, read_api_keys
 from strata.errors import ConfigError
+from strata.state.urls import schemes_help
 
 if TYPE_CHECKING:
     from strata.engine.config import SchedulerConfig
@@ -72,16 +73,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--registry", default=None, metavar="URL",
-                   help="register in this registry (memory://, sqlite:///PATH, "
-                        "redis://HOST:PORT/DB); default $STRATA_REGISTRY; none: do not register")
+                   help=f"register in this registry ({schemes_help('registry')}); "
+                        "default $STRATA_REGISTRY; none: do not register")
     p.add_argument("--instance-id", default=None, help="default: HOSTNAME-PORT")
     p.add_argument("--advertise-url", default=None,
                    help="URL routers use to reach this instance (default http://HOST:PORT)")
     p.add_argument("--role", choices=("mixed", "prefill", "decode"), default="mixed")
     p.add_argument("--pool", default="default")
     p.add_argument("--session-store", default=None, metavar="URL",
-                   help="keep chat sessions in this store (memory://, sqlite:///PATH, "
-                        "redis://HOST:PORT/DB); default: sessions off")
+                   help=f"keep chat sessions in this store ({schemes_help('sessions')}); "
+                        "default: sessions off")
     p.add_argument("--session-ttl-s", type=positive_float, default=86_400.0,
                    help="a session expires this long after its last stored turn")
     p.add_argument("--session-redis-appendfsync", choices=("always", "everysec", "no"),
@@ -97,7 +98,7 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_kv_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-store", default=None, metavar="URL",
-                   help="KV block store for --kv-offload (memory://, redis://HOST:PORT/DB; "
+                   help=f"KV block store for --kv-offload ({schemes_help('kv_store')}; "
                         "best a Redis of its own)")
     p.add_argument("--kv-offload", action="store_true",
                    help="publish finished requests' KV blocks to --kv-store and fetch missing "

@@ -24,9 +24,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from strata.errors import ConfigError, RequestError, StrataError
-from strata.gateway.components import Gateway
 from strata.gateway.releases import ReleaseService
 from strata.gateway.upstream import error_response
+from strata.gateway.wiring import Gateway
 from strata.registry.models import (
     ConflictError,
     ModelRegistry,

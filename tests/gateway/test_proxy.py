@@ -11,9 +11,9 @@ import httpx
 from gateway_fakes import FakeClock, FixedSource, Upstreams, json_answer, sse_answer, view
 
 from strata.gateway.app import create_gateway_app
-from strata.gateway.components import Gateway
 from strata.gateway.config import GatewayConfig, RetryConfig
 from strata.gateway.instances import InstanceView
+from strata.gateway.wiring import Gateway
 from strata.protocol.sse import parse_events
 
 CONFIG = GatewayConfig(policy="round_robin", retry=RetryConfig(max_retries=2, backoff_base_s=0.0))

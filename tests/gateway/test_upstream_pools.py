@@ -19,12 +19,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from strata.gateway.components import Gateway, build_gateway
 from strata.gateway.config import GatewayConfig
 from strata.gateway.instances import InstanceView
 from strata.gateway.policies.base import RouteRequest
 from strata.gateway.proxy import ProxyRequest
 from strata.gateway.upstream import RelayResponse, UpstreamPools
+from strata.gateway.wiring import Gateway, build_gateway
 
 CONFIG = GatewayConfig(policy="round_robin")
 

@@ -219,3 +219,29 @@ def test_the_response_cache_never_answers_for_one_version_with_another() -> None
         assert [host for host, _ in upstreams.calls] == ["a", "b", "b"]
 
     asyncio.run(story())
+
+
+def test_an_answer_sent_again_to_the_new_version_is_cached_under_the_new_version() -> None:
+    """The cache step sits inside the version step: a request sent once more after its version
+    was gone passes the cache again, keyed by the version that answers it."""
+    async def story() -> None:
+        models = await _registry()
+        upstreams = Upstreams(a=_draining, b=_answer("v2"))
+        app = _gateway_app(models, upstreams, view("a", version="v1"), view("b", version="v2"),
+                           cache_url="memory://")
+        gateway = app.state.gateway
+        await gateway.versions.refresh()  # sees live = v1
+        routing = await models.get_routing("m")
+        assert routing is not None
+        await models.set_routing(routing.flipped_to("v2"), expected_revision=routing.revision)
+        body = {"model": "m", "prompt": "same", "max_tokens": 4, "temperature": 0}
+        first = await _post(app, body)  # v1 refuses; the registry is read again; v2 answers
+        assert (first.headers["x-strata-cache"], first.headers["x-model-version"]) == (
+            "miss", "m@v2")
+        second = await _post(app, body)  # this gateway now routes to v2: its answer is cached
+        assert (second.headers["x-strata-cache"], second.json()["choices"][0]["text"]) == (
+            "hit", "v2")
+        assert [host for host, _ in upstreams.calls] == ["a", "b"]
+        assert (gateway.cache.misses, gateway.cache.stores, gateway.cache.hits) == (2, 1, 1)
+
+    asyncio.run(story())

@@ -13,7 +13,7 @@ from redis_server import redis_server, redis_url  # noqa: F401
 
 from strata.errors import ConfigError
 from strata.state.pins import MemoryPinStore, PinStore, SqlitePinStore, create_pin_store
-from strata.state.pins_redis import RedisPinStore
+from strata.state.pins.redis import RedisPinStore
 
 TTL_S = 10.0
 _prefixes = itertools.count()

@@ -5,23 +5,22 @@ and a payload is self-describing (strata/model/kv_codec.py), so the store is a p
 cache of bytes: an entry may vanish at any time (TTL, LRU eviction) and a reader treats a missing
 block as the end of the usable prefix (block i's KV is useless without blocks 0..i-1).
 
-    memory://               one process; LRU by bytes (KVStoreLimits.max_bytes)
-    redis://HOST:PORT/DB    shared; keys strata:kv:{hex hash}, SET with a TTL; eviction by the
-                            server's maxmemory-policy (use allkeys-lru on a Redis of its own)
+    memory.py   one process; LRU by bytes (KVStoreLimits.max_bytes)
+    redis.py    shared; keys strata:kv:{hex hash}, SET with a TTL; eviction by the server's
+                maxmemory-policy (use allkeys-lru on a Redis of its own)
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from strata.errors import ConfigError, StrataError
 from strata.types import BlockHash
 
 KVItem = tuple[BlockHash, bytes]
-SCHEMES = ("memory://", "redis://HOST:PORT/DB", "rediss://HOST:PORT/DB")
 
 
 class KVStoreUnavailableError(StrataError):
@@ -81,21 +80,14 @@ class KVStore(Protocol):
     async def close(self) -> None: ...
 
 
-def create_kv_store(url: str, *, limits: KVStoreLimits | None = None,
-                    clock: Callable[[], float] = time.monotonic,
-                    key_prefix: str = "strata:kv") -> KVStore:
-    """The backend named by `url`'s scheme."""
-    limits = limits or KVStoreLimits()
-    if url in ("memory://", "memory"):
-        from strata.state.kv_store_memory import MemoryKVStore
+@dataclass(frozen=True, slots=True)
+class KVStoreOptions:
+    """What `create_kv_store` hands every backend's `from_url`: the limits, the clock of the
+    memory backend's TTL and the prefix of the Redis backend's keys."""
 
-        return MemoryKVStore(limits, clock=clock)
-    if url.startswith(("redis://", "rediss://")):
-        from strata.state.kv_store_redis import RedisKVStore  # redis only needed here
-
-        return RedisKVStore(url, limits, key_prefix=key_prefix)
-    raise ConfigError(f"unknown KV store URL {url!r}; use one of: {', '.join(SCHEMES)}")
+    limits: KVStoreLimits = field(default_factory=KVStoreLimits)
+    clock: Callable[[], float] = time.monotonic
+    key_prefix: str = "strata:kv"
 
 
-__all__ = ["SCHEMES", "KVItem", "KVStore", "KVStoreLimits", "KVStoreUnavailableError",
-           "create_kv_store"]
+__all__ = ["KVItem", "KVStore", "KVStoreLimits", "KVStoreOptions", "KVStoreUnavailableError"]

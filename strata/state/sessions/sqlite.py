@@ -16,15 +16,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from strata.state.sessions import (
+from strata.state.sessions.base import (
     Clock,
     Message,
     SessionRecord,
+    SessionStoreOptions,
     SessionStoreUnavailableError,
     cas_failure,
     check_append,
 )
-from strata.state.sqlite_db import SqliteDatabase
+from strata.state.sqlite_db import SqliteDatabase, sqlite_path
 
 T = TypeVar("T")
 _SCHEMA = """CREATE TABLE IF NOT EXISTS sessions (
@@ -135,4 +136,9 @@ def _decode(row: tuple[Any, ...]) -> SessionRecord:
                          model, version, float(created_at), float(updated_at))
 
 
-__all__ = ["SqliteSessionStore"]
+def from_url(url: str, options: SessionStoreOptions) -> SqliteSessionStore:
+    path = sqlite_path(url, what="session store", example="sqlite:///var/lib/strata/sessions.db")
+    return SqliteSessionStore(path, clock=options.clock)
+
+
+__all__ = ["SqliteSessionStore", "from_url"]

@@ -11,16 +11,20 @@ shared with the session store, allkeys-lru could evict sessions.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from strata.errors import ConfigError
-from strata.state.kv_store import KVItem, KVStoreLimits, KVStoreUnavailableError
+from strata.state.kv_store.base import (
+    KVItem,
+    KVStoreLimits,
+    KVStoreOptions,
+    KVStoreUnavailableError,
+)
+from strata.state.redis_db import RedisDatabase
 from strata.types import BlockHash
 
-T = TypeVar("T")
 _MGET_CHUNK = 16  # blocks per round trip of a fetch
 
 
@@ -31,15 +35,17 @@ class RedisKVStore:
         self.url = url
         self.limits = limits
         self.key_prefix = key_prefix
-        self._client: Any = aioredis.Redis.from_url(url, socket_connect_timeout=2.0,
-                                                   socket_timeout=10.0)
-        self._is_configured = limits.redis_maxmemory_bytes is None
+        self._db = RedisDatabase(
+            url, error=KVStoreUnavailableError, what="redis KV store",
+            setup=None if limits.redis_maxmemory_bytes is None else self._configure,
+            socket_connect_timeout=2.0, socket_timeout=10.0)
+        self._client: Any = self._db.client
 
     async def get_prefix(self, hashes: Sequence[BlockHash]) -> list[bytes]:
         keys = [self._key(h) for h in hashes]
         out: list[bytes] = []
         for start in range(0, len(keys), _MGET_CHUNK):
-            values = await self._call(self._mget(keys[start : start + _MGET_CHUNK]))
+            values = await self._db.call(self._mget(keys[start : start + _MGET_CHUNK]))
             for value in values:
                 if value is None:
                     return out
@@ -57,7 +63,7 @@ class RedisKVStore:
             result: list[int] = await pipe.execute()
             return result
 
-        found = await self._call(exists)
+        found = await self._db.call(exists)
         return next((i for i, n in enumerate(found) if not n), len(found))
 
     async def put_many(self, items: Sequence[KVItem]) -> int:
@@ -72,11 +78,11 @@ class RedisKVStore:
                 pipe.set(self._key(block_hash), payload, px=ttl_ms)
             await pipe.execute()
 
-        await self._call(put)
+        await self._db.call(put)
         return len(admitted)
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await self._db.aclose()
 
     def _mget(self, keys: list[str]) -> Callable[[], Awaitable[list[bytes | None]]]:
         return lambda: self._client.mget(keys)  # type: ignore[no-any-return]
@@ -84,23 +90,18 @@ class RedisKVStore:
     def _key(self, block_hash: BlockHash) -> str:
         return f"{self.key_prefix}:{block_hash.hex()}"
 
-    async def _configure(self) -> None:
+    async def _configure(self, client: Any) -> None:
         try:
-            await self._client.config_set("maxmemory", str(self.limits.redis_maxmemory_bytes))
-            await self._client.config_set("maxmemory-policy", "allkeys-lru")
+            await client.config_set("maxmemory", str(self.limits.redis_maxmemory_bytes))
+            await client.config_set("maxmemory-policy", "allkeys-lru")
         except ResponseError as exc:
             raise ConfigError(
                 f"redis KV store {self.url}: cannot set maxmemory ({exc}); start redis-server "
                 "with --maxmemory N --maxmemory-policy allkeys-lru instead") from exc
-        self._is_configured = True
-
-    async def _call(self, work: Callable[[], Awaitable[T]]) -> T:
-        try:
-            if not self._is_configured:
-                await self._configure()
-            return await work()
-        except RedisError as exc:
-            raise KVStoreUnavailableError(f"redis KV store {self.url}: {exc}") from exc
 
 
-__all__ = ["RedisKVStore"]
+def from_url(url: str, options: KVStoreOptions) -> RedisKVStore:
+    return RedisKVStore(url, options.limits, key_prefix=options.key_prefix)
+
+
+__all__ = ["RedisKVStore", "from_url"]

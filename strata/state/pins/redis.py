@@ -11,12 +11,10 @@ one winner. The key also gets a Redis TTL of `ttl_s` past its expiry, only to co
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
-import redis.asyncio as aioredis
-
-from strata.state.pins import call_redis
+from strata.state.pins.base import Clock, PinStoreError, PinStoreOptions
+from strata.state.redis_db import RedisDatabase
 
 # KEYS[1] pin key; ARGV: now, prefix, session
 _LIVE = """
@@ -80,15 +78,16 @@ return result
 class RedisPinStore:
     """A PinStore in a Redis server shared by every gateway using the same URL and prefix."""
 
-    def __init__(self, url: str, *, ttl_s: float = 3600.0, clock: Callable[[], float] = time.time,
+    def __init__(self, url: str, *, ttl_s: float = 3600.0, clock: Clock = time.time,
                  prefix: str = "strata:pins") -> None:
         self.url = url
         self.ttl_s = ttl_s
         self.clock = clock
         self.prefix = prefix
-        self._client: Any = aioredis.Redis.from_url(url, decode_responses=True)
+        self._db = RedisDatabase(url, error=PinStoreError, what="redis pin store",
+                                 decode_responses=True)
         self._scripts: dict[str, Any] = {
-            name: self._client.register_script(text)
+            name: self._db.script(text)
             for name, text in (("get", _GET), ("set_if", _SET_IF), ("delete", _DELETE),
                                ("counts", _COUNTS))}
 
@@ -107,12 +106,12 @@ class RedisPinStore:
         await self._script("delete", session_id)
 
     async def counts(self) -> dict[str, int]:
-        flat = await call_redis(self.url, self._scripts["counts"](
-            keys=[], args=[repr(self.clock()), self.prefix]))
+        args = [repr(self.clock()), self.prefix]
+        flat = await self._db.call(lambda: self._scripts["counts"](keys=[], args=args))
         return {str(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await self._db.aclose()
 
     def _expiry(self) -> tuple[str, int]:
         expires_at = self.clock() + self.ttl_s
@@ -121,7 +120,12 @@ class RedisPinStore:
     async def _script(self, name: str, session_id: str, *extra: Any) -> Any:
         key = f"{self.prefix}:pin:{session_id}"
         args = [repr(self.clock()), self.prefix, session_id, *extra]
-        return await call_redis(self.url, self._scripts[name](keys=[key], args=args))
+        return await self._db.call(lambda: self._scripts[name](keys=[key], args=args))
 
 
-__all__ = ["RedisPinStore"]
+def from_url(url: str, options: PinStoreOptions) -> RedisPinStore:
+    return RedisPinStore(url, ttl_s=options.ttl_s, clock=options.clock,
+                         prefix=f"strata:{options.namespace}")
+
+
+__all__ = ["RedisPinStore", "from_url"]

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from strata.errors import ConfigError, StrataError
-from strata.state.sqlite_db import sqlite_path
 
 Clock = Callable[[], float]
 Message = dict[str, Any]
@@ -134,45 +133,36 @@ def cas_failure(session_id: str, expected_revision: int, actual_revision: int) -
                                 actual_revision=actual_revision)
 
 
-SCHEMES = ("memory://", "sqlite:///ABS/PATH.db", "redis://HOST:PORT/DB", "rediss://HOST:PORT/DB")
 APPENDFSYNC = ("always", "everysec", "no")
 
 
-def create_session_store(url: str, *, clock: Clock = time.time,
-                         redis_appendfsync: str | None = None) -> SessionStore:
-    """The backend named by `url`'s scheme.
+@dataclass(frozen=True, slots=True)
+class SessionStoreOptions:
+    """What `create_session_store` hands every backend's `from_url`.
 
-    `redis_appendfsync` ("always", "everysec", "no"): the store turns on Redis' append-only file
-    with that fsync policy (CONFIG SET) before its first command; with None the server's own
+    `redis_appendfsync` ("always", "everysec", "no"): the Redis store turns on Redis' append-only
+    file with that fsync policy (CONFIG SET) before its first command; with None the server's own
     settings stand (start it with `--appendonly yes --appendfsync always` for zero loss)."""
-    if redis_appendfsync is not None and redis_appendfsync not in APPENDFSYNC:
-        raise ConfigError(f"redis_appendfsync must be one of {', '.join(APPENDFSYNC)}, "
-                          f"got {redis_appendfsync!r}")
-    if url in ("memory://", "memory"):
-        from strata.state.sessions_memory import MemorySessionStore
 
-        return MemorySessionStore(clock=clock)
-    if url.startswith("sqlite://"):
-        path = sqlite_path(url, what="session store",
-                           example="sqlite:///var/lib/strata/sessions.db")
-        from strata.state.sessions_sqlite import SqliteSessionStore
+    clock: Clock = time.time
+    redis_appendfsync: str | None = None
 
-        return SqliteSessionStore(path, clock=clock)
-    if url.startswith(("redis://", "rediss://")):
-        from strata.state.sessions_redis import RedisSessionStore  # redis only needed here
-
-        return RedisSessionStore(url, clock=clock, appendfsync=redis_appendfsync)
-    raise ConfigError(f"unknown session store URL {url!r}; use one of: {', '.join(SCHEMES)}")
+    def __post_init__(self) -> None:
+        if self.redis_appendfsync is not None and self.redis_appendfsync not in APPENDFSYNC:
+            raise ConfigError(f"redis_appendfsync must be one of {', '.join(APPENDFSYNC)}, "
+                              f"got {self.redis_appendfsync!r}")
 
 
 __all__ = [
-    "SCHEMES",
+    "APPENDFSYNC",
+    "Clock",
+    "Message",
     "SessionConflictError",
     "SessionNotFoundError",
     "SessionRecord",
     "SessionStore",
+    "SessionStoreOptions",
     "SessionStoreUnavailableError",
     "cas_failure",
     "check_append",
-    "create_session_store",
 ]

@@ -12,7 +12,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from strata.state.sessions import Clock, Message, SessionRecord, cas_failure, check_append
+from strata.state.sessions.base import (
+    Clock,
+    Message,
+    SessionRecord,
+    SessionStoreOptions,
+    cas_failure,
+    check_append,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,4 +82,8 @@ class MemorySessionStore:
         return entry
 
 
-__all__ = ["MemorySessionStore"]
+def from_url(url: str, options: SessionStoreOptions) -> MemorySessionStore:
+    return MemorySessionStore(clock=options.clock)
+
+
+__all__ = ["MemorySessionStore", "from_url"]

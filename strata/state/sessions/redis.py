@@ -20,25 +20,25 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
-import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from strata.errors import ConfigError
-from strata.state.sessions import (
+from strata.state.redis_db import RedisDatabase
+from strata.state.sessions.base import (
     Clock,
     Message,
     SessionRecord,
+    SessionStoreOptions,
     SessionStoreUnavailableError,
     cas_failure,
     check_append,
 )
 
-T = TypeVar("T")
 _APPEND = """
 local rev = tonumber(redis.call('HGET', KEYS[1], 'revision') or '0')
 if rev ~= tonumber(ARGV[1]) then return {0, rev} end
@@ -71,13 +71,15 @@ class RedisSessionStore:
         self.clock = clock
         self.prefix = prefix
         self.appendfsync = appendfsync
-        self._is_configured = appendfsync is None
         # reconnects on its own after a restart; a few quick retries ride over a short outage
-        self._client: Any = aioredis.Redis.from_url(
-            url, decode_responses=True, socket_connect_timeout=2.0, socket_timeout=10.0,
+        self._db = RedisDatabase(
+            url, error=SessionStoreUnavailableError, what="redis session store",
+            setup=None if appendfsync is None else self._configure,
+            decode_responses=True, socket_connect_timeout=2.0, socket_timeout=10.0,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3))
-        self._append: Any = self._client.register_script(_APPEND)
-        self._read: Any = self._client.register_script(_READ)
+        self._client: Any = self._db.client
+        self._append: Any = self._db.script(_APPEND)
+        self._read: Any = self._db.script(_READ)
 
     async def get(self, session_id: str, *, tenant: str) -> SessionRecord | None:
         return await self._get_key(self._keys(tenant, session_id))
@@ -90,7 +92,7 @@ class RedisSessionStore:
         ttl_ms = 0 if ttl_s is None else max(1, round(ttl_s * 1000))
         args = [expected_revision, repr(float(self.clock())), model, version, ttl_ms, tenant,
                 session_id, *(json.dumps(m) for m in messages)]
-        is_done, revision = await self._call(lambda: self._append(keys=keys, args=args))
+        is_done, revision = await self._db.call(lambda: self._append(keys=keys, args=args))
         if not is_done:
             raise cas_failure(session_id, expected_revision, int(revision))
         record = await self._get_key(keys)
@@ -99,21 +101,21 @@ class RedisSessionStore:
         return record
 
     async def delete(self, session_id: str, *, tenant: str) -> bool:
-        num_deleted: int = await self._call(
+        num_deleted: int = await self._db.call(
             lambda: self._client.delete(*self._keys(tenant, session_id)))
         return num_deleted > 0
 
     async def list(self, *, tenant: str | None = None, limit: int = 100) -> list[SessionRecord]:
         pattern = f"{self.prefix}:meta:*" if tenant is None else \
             f"{self.prefix}:meta:{len(tenant)}:{_glob_escape(tenant)}:*"
-        metas = await self._call(lambda: self._scan(pattern))
+        metas = await self._db.call(lambda: self._scan(pattern))
         records = [await self._get_key((k, self._msgs_key(k))) for k in metas]
         live = [r for r in records if r is not None]
         live.sort(key=lambda r: (-r.updated_at, r.session_id))
         return live[:limit]
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await self._db.aclose()
 
     # --- internals ----------------------------------------------------------------------------
 
@@ -128,7 +130,7 @@ class RedisSessionStore:
         return f"{self.prefix}:msgs:" + meta_key[len(f"{self.prefix}:meta:"):]
 
     async def _get_key(self, keys: tuple[str, str]) -> SessionRecord | None:
-        reply = await self._call(lambda: self._read(keys=list(keys)))
+        reply = await self._db.call(lambda: self._read(keys=list(keys)))
         if not reply:
             return None
         flat, messages = reply
@@ -139,28 +141,23 @@ class RedisSessionStore:
             model=meta["model"], version=meta["version"],
             created_at=float(meta["created_at"]), updated_at=float(meta["updated_at"]))
 
-    async def _configure(self) -> None:
+    async def _configure(self, client: Any) -> None:
         try:
-            await self._client.config_set("appendonly", "yes")
-            await self._client.config_set("appendfsync", self.appendfsync)
+            await client.config_set("appendonly", "yes")
+            await client.config_set("appendfsync", self.appendfsync)
         except ResponseError as exc:
             raise ConfigError(
                 f"redis session store {self.url}: cannot set appendfsync={self.appendfsync} "
                 f"({exc}); start redis-server with --appendonly yes --appendfsync "
                 f"{self.appendfsync} and pass no redis_appendfsync") from exc
-        self._is_configured = True
-
-    async def _call(self, work: Callable[[], Awaitable[T]]) -> T:
-        try:
-            if not self._is_configured:
-                await self._configure()
-            return await work()
-        except RedisError as exc:
-            raise SessionStoreUnavailableError(f"redis session store {self.url}: {exc}") from exc
 
 
 def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
-__all__ = ["RedisSessionStore"]
+def from_url(url: str, options: SessionStoreOptions) -> RedisSessionStore:
+    return RedisSessionStore(url, clock=options.clock, appendfsync=options.redis_appendfsync)
+
+
+__all__ = ["RedisSessionStore", "from_url"]

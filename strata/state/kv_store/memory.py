@@ -6,7 +6,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from strata.state.kv_store import KVItem, KVStoreLimits
+from strata.state.kv_store.base import KVItem, KVStoreLimits, KVStoreOptions
 from strata.types import BlockHash
 
 
@@ -66,4 +66,8 @@ class MemoryKVStore:
             self.num_bytes -= len(entry[0])
 
 
-__all__ = ["MemoryKVStore"]
+def from_url(url: str, options: KVStoreOptions) -> MemoryKVStore:
+    return MemoryKVStore(options.limits, clock=options.clock)
+
+
+__all__ = ["MemoryKVStore", "from_url"]

@@ -8,20 +8,16 @@ on the request path, and a slow or dead Redis must cost a request a miss, not a 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-
-from strata.state.response_cache import (
+from strata.state.redis_db import RedisDatabase
+from strata.state.response_cache.base import (
     DEFAULT_MAX_ENTRY_BYTES,
     DEFAULT_TTL_S,
     EntryLimits,
     ResponseCacheError,
+    ResponseCacheOptions,
 )
-
-T = TypeVar("T")
 
 
 class RedisResponseCache(EntryLimits):
@@ -31,29 +27,29 @@ class RedisResponseCache(EntryLimits):
                  max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES, timeout_s: float = 1.0) -> None:
         super().__init__(ttl_s=ttl_s, max_entry_bytes=max_entry_bytes)
         self.url = url
-        self._client: Any = aioredis.Redis.from_url(
-            url, decode_responses=False, socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s)
+        self._db = RedisDatabase(
+            url, error=ResponseCacheError, what="redis response cache", decode_responses=False,
+            socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._client: Any = self._db.client
 
     async def get(self, key: str) -> bytes | None:
-        value = await self._call(self._client.get(key))
+        value = await self._db.call(lambda: self._client.get(key))
         return None if value is None else bytes(value)
 
     async def put(self, key: str, value: bytes, *, ttl_s: float | None = None) -> bool:
         ttl = self.admit(value, ttl_s)
         if ttl is None:
             return False
-        await self._call(self._client.set(key, bytes(value), px=max(1, round(ttl * 1000))))
+        ttl_ms = max(1, round(ttl * 1000))
+        await self._db.call(lambda: self._client.set(key, bytes(value), px=ttl_ms))
         return True
 
     async def close(self) -> None:
-        await self._client.aclose()
-
-    async def _call(self, work: Awaitable[T]) -> T:
-        try:
-            return await work
-        except (RedisError, OSError) as exc:
-            raise ResponseCacheError(f"redis response cache {self.url}: {exc}") from exc
+        await self._db.aclose()
 
 
-__all__ = ["RedisResponseCache"]
+def from_url(url: str, options: ResponseCacheOptions) -> RedisResponseCache:
+    return RedisResponseCache(url, ttl_s=options.ttl_s, max_entry_bytes=options.max_entry_bytes)
+
+
+__all__ = ["RedisResponseCache", "from_url"]
