@@ -31,8 +31,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from strata.errors import ConfigError
-from strata.state.response_cache import ResponseCache, ResponseCacheError
+from strata.errors import ConfigError, ResponseCacheError
+from strata.state.response_cache import ResponseCache
 
 logger = logging.getLogger("strata.gateway.response_cache")
 

@@ -9,11 +9,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from strata.errors import InvalidRequestError
 from strata.gateway.forward import Handler
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.policies.base import RouteRequest
 from strata.gateway.proxy import ProxyRequest
-from strata.gateway.requests import RequestParseError, route_request
+from strata.gateway.requests import route_request
 from strata.gateway.upstream import error_response
 from strata.gateway.wiring import Gateway
 
@@ -42,7 +43,7 @@ async def _proxied(request: Request, gateway: Gateway, forward: Handler) -> Resp
     body = await request.body()
     try:
         route = route_request(body, request.headers)
-    except RequestParseError as exc:
+    except InvalidRequestError as exc:
         gateway.metrics.errors.labels("bad_request").inc()
         return error_response(400, str(exc))
     preq = ProxyRequest(request.method, request.url.path, body, list(request.headers.items()),

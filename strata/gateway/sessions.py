@@ -40,11 +40,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+from strata.errors import PinStoreError
 from strata.gateway.config import SessionRoutingConfig
 from strata.gateway.instances import InstanceView
 from strata.gateway.policies.base import RouteRequest, RoutingPolicy
 from strata.gateway.policies.consistent_hash import RingCache, is_over_bound, place
-from strata.state.pins import PinStore, PinStoreError
+from strata.state.pins import PinStore
 
 logger = logging.getLogger("strata.gateway.sessions")
 

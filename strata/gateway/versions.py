@@ -27,9 +27,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from strata.errors import PinStoreError
 from strata.gateway.instances import InstanceSet, InstanceView
 from strata.registry.models import ModelRegistry, ModelRouting
-from strata.state.pins import PinStore, PinStoreError
+from strata.state.pins import PinStore
 
 logger = logging.getLogger("strata.gateway.versions")
 

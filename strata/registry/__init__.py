@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from strata.errors import ConfigError
-from strata.registry.base import Registry, RegistryError
+from strata.errors import ConfigError, RegistryError
+from strata.registry.base import Registry
 from strata.registry.memory import MemoryRegistry
 from strata.registry.model_registry import create_model_registry
 from strata.registry.records import InstanceLoad, InstanceRecord, InstanceState, Role

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from strata.registry.base import RegistryError
+from strata.errors import RegistryError
 from strata.registry.models import Deployment, ModelRouting, ModelVersion, Release
 from strata.registry.models_cas import (
     next_revision,

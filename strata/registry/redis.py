@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from strata.registry.base import RegistryError, as_seen, check_ttl, unknown_instance
+from strata.errors import RegistryError
+from strata.registry.base import as_seen, check_ttl, unknown_instance
 from strata.registry.records import InstanceLoad, InstanceRecord, InstanceState
 from strata.state.redis_db import RedisDatabase
 

@@ -20,9 +20,9 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
-from strata.errors import ConfigError
+from strata.errors import ConfigError, RegistryError
 from strata.registry import create_registry
-from strata.registry.base import Registry, RegistryError
+from strata.registry.base import Registry
 from strata.registry.records import InstanceLoad, InstanceRecord, InstanceState, Role
 from strata.server.async_engine import AsyncEngine
 

@@ -17,14 +17,8 @@ only when a URL names it:
 
 from __future__ import annotations
 
-from strata.state.sessions import (
-    SessionConflictError,
-    SessionNotFoundError,
-    SessionRecord,
-    SessionStore,
-    SessionStoreUnavailableError,
-    create_session_store,
-)
+from strata.errors import SessionConflictError, SessionNotFoundError, SessionStoreUnavailableError
+from strata.state.sessions import SessionRecord, SessionStore, create_session_store
 
 __all__ = [
     "SessionConflictError",

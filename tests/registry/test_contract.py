@@ -12,13 +12,12 @@ import redis
 from model_registries import FakeClock, story, with_clock
 from redis_server import redis_server, redis_url  # noqa: F401
 
-from strata.errors import ConfigError
+from strata.errors import ConfigError, RegistryError
 from strata.registry import (
     InstanceLoad,
     InstanceRecord,
     InstanceState,
     Registry,
-    RegistryError,
     Role,
     create_registry,
 )
@@ -41,8 +40,6 @@ def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Make]:
         with redis.Redis.from_url(url) as client:
             client.flushdb()
     yield lambda clock: create_registry(url, ttl_s=TTL_S, clock=clock)
-
-
 
 
 def rec(instance_id: str = "i-1", **kw: object) -> InstanceRecord:

@@ -14,8 +14,8 @@ import pytest
 from model_registries import FakeClock, backend_url, full_records
 from redis_server import free_port, redis_server, redis_url  # noqa: F401
 
-from strata.errors import ConfigError
-from strata.registry import InstanceRecord, RegistryError, create_registry
+from strata.errors import ConfigError, RegistryError
+from strata.registry import InstanceRecord, create_registry
 from strata.registry.model_registry import create_model_registry
 from strata.registry.models import Deployment, ModelRouting, ModelVersion
 
@@ -38,7 +38,8 @@ def test_memory_urls_give_fresh_registries_and_bad_urls_say_what_to_use() -> Non
 _INCREMENTS = """
 import asyncio, sys
 from strata.registry.model_registry import create_model_registry
-from strata.registry.models import ConflictError, Deployment
+from strata.registry.models import Deployment
+from strata.errors import ConflictError
 
 async def main(url: str, count: int) -> None:
     reg = create_model_registry(url)

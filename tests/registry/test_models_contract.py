@@ -19,9 +19,8 @@ from model_registries import (
 )
 from redis_server import redis_server, redis_url  # noqa: F401
 
-from strata.errors import ConfigError
+from strata.errors import ConfigError, ConflictError
 from strata.registry.models import (
-    ConflictError,
     Deployment,
     DeploymentState,
     ModelRegistry,

@@ -14,15 +14,8 @@ from dataclasses import replace
 import pytest
 from release_world import CONFIG, World, states
 
-from strata.errors import ConfigError, InvalidRequestError, ModelNotFoundError
-from strata.registry.models import (
-    ConflictError,
-    ModelRegistry,
-    ModelVersion,
-    Release,
-    ReleaseState,
-    Strategy,
-)
+from strata.errors import ConfigError, ConflictError, InvalidRequestError, ModelNotFoundError
+from strata.registry.models import ModelRegistry, ModelVersion, Release, ReleaseState, Strategy
 from strata.registry.release_policy import ReleaseConfig, VersionHealth, judge_canary
 from strata.registry.releases import ReleaseController
 

@@ -10,13 +10,8 @@ from collections.abc import Awaitable, Callable
 import pytest
 from redis_server import redis_server, redis_url  # noqa: F401
 
-from strata.errors import ConfigError
-from strata.state.kv_store import (
-    KVStore,
-    KVStoreLimits,
-    KVStoreUnavailableError,
-    create_kv_store,
-)
+from strata.errors import ConfigError, KVStoreUnavailableError
+from strata.state.kv_store import KVStore, KVStoreLimits, create_kv_store
 from strata.types import BlockHash
 
 H = [BlockHash(bytes([i]) * 16) for i in range(8)]

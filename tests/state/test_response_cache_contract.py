@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 from redis_server import free_port, redis_server, redis_url  # noqa: F401
 
-from strata.errors import ConfigError
+from strata.errors import ConfigError, ResponseCacheError
 from strata.state.response_cache import (
     MemoryResponseCache,
     ResponseCache,
-    ResponseCacheError,
     SqliteResponseCache,
     create_response_cache,
 )

@@ -12,13 +12,8 @@ from pathlib import Path
 import pytest
 from redis_server import redis_server, redis_url  # noqa: F401
 
-from strata.errors import ConfigError
-from strata.state import (
-    SessionConflictError,
-    SessionNotFoundError,
-    SessionStore,
-    create_session_store,
-)
+from strata.errors import ConfigError, SessionConflictError, SessionNotFoundError
+from strata.state import SessionStore, create_session_store
 
 ALICE, BOB = "tenant-alice", "tenant-bob"
 

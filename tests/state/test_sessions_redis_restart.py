@@ -9,12 +9,8 @@ from pathlib import Path
 import redis
 from redis_server import RedisServer
 
-from strata.state import (
-    SessionConflictError,
-    SessionStore,
-    SessionStoreUnavailableError,
-    create_session_store,
-)
+from strata.errors import SessionConflictError, SessionStoreUnavailableError
+from strata.state import SessionStore, create_session_store
 
 KILL_AFTER = 20  # turns acknowledged before the SIGKILL
 TURNS_AFTER_RESTART = 20

@@ -9,13 +9,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from strata.state.kv_store.base import (
-    KVItem,
-    KVStore,
-    KVStoreLimits,
-    KVStoreOptions,
-    KVStoreUnavailableError,
-)
+from strata.errors import KVStoreUnavailableError
+from strata.state.kv_store.base import KVItem, KVStore, KVStoreLimits, KVStoreOptions
 from strata.state.urls import backend_module
 
 

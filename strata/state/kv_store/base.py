@@ -17,15 +17,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from strata.errors import ConfigError, StrataError
+from strata.errors import ConfigError, KVStoreUnavailableError
 from strata.types import BlockHash
 
 KVItem = tuple[BlockHash, bytes]
-
-
-class KVStoreUnavailableError(StrataError):
-    """The store cannot be reached; the caller treats it as a miss (fetch) or a skip (put)."""
-
 
 @dataclass(frozen=True, slots=True)
 class KVStoreLimits:

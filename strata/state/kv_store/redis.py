@@ -15,13 +15,8 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from strata.errors import ConfigError
-from strata.state.kv_store.base import (
-    KVItem,
-    KVStoreLimits,
-    KVStoreOptions,
-    KVStoreUnavailableError,
-)
+from strata.errors import ConfigError, KVStoreUnavailableError
+from strata.state.kv_store.base import KVItem, KVStoreLimits, KVStoreOptions
 from strata.state.redis_db import RedisDatabase
 from strata.types import BlockHash
 

@@ -17,14 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from strata.errors import ConfigError, StrataError
+from strata.errors import ConfigError, PinStoreError
 
 Clock = Callable[[], float]
-
-
-class PinStoreError(StrataError):
-    """The pin store could not be reached or answered an error."""
-
 
 class PinStore(Protocol):
     """Session id -> instance id, with compare-and-set writes and sliding expiry."""

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from strata.state.pins.base import Clock, PinStoreError, PinStoreOptions, check_namespace
+from strata.errors import PinStoreError
+from strata.state.pins.base import Clock, PinStoreOptions, check_namespace
 from strata.state.sqlite_db import SqliteDatabase, sqlite_path
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from strata.errors import ResponseCacheError
 from strata.state.response_cache.base import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_ENTRIES,
@@ -17,7 +18,6 @@ from strata.state.response_cache.base import (
     Clock,
     EntryLimits,
     ResponseCache,
-    ResponseCacheError,
     ResponseCacheOptions,
 )
 from strata.state.response_cache.memory import MemoryResponseCache  # built directly by tests

@@ -24,18 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from strata.errors import ConfigError, StrataError
+from strata.errors import ConfigError, ResponseCacheError
 
 Clock = Callable[[], float]
 DEFAULT_TTL_S = 3600.0
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_ENTRY_BYTES = 1024 * 1024
 DEFAULT_MAX_ENTRIES = 100_000
-
-
-class ResponseCacheError(StrataError):
-    """The response cache's backend could not be reached or answered an error."""
-
 
 class ResponseCache(Protocol):
     """Bytes by key with a TTL; memory, SQLite (WAL) and Redis pass one contract."""

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from strata.errors import ResponseCacheError
 from strata.state.redis_db import RedisDatabase
 from strata.state.response_cache.base import (
     DEFAULT_MAX_ENTRY_BYTES,
     DEFAULT_TTL_S,
     EntryLimits,
-    ResponseCacheError,
     ResponseCacheOptions,
 )
 

@@ -12,13 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from strata.errors import ResponseCacheError
 from strata.state.response_cache.base import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_ENTRY_BYTES,
     DEFAULT_TTL_S,
     Clock,
     EntryLimits,
-    ResponseCacheError,
     ResponseCacheOptions,
 )
 from strata.state.sqlite_db import SqliteDatabase, sqlite_path

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import time
 
+from strata.errors import SessionConflictError, SessionNotFoundError, SessionStoreUnavailableError
 from strata.state.sessions.base import (
     APPENDFSYNC,
     Clock,
     Message,
-    SessionConflictError,
-    SessionNotFoundError,
     SessionRecord,
     SessionStore,
     SessionStoreOptions,
-    SessionStoreUnavailableError,
     cas_failure,
     check_append,
 )

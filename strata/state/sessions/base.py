@@ -27,36 +27,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from strata.errors import ConfigError, StrataError
+from strata.errors import (
+    ConfigError,
+    SessionConflictError,
+    SessionNotFoundError,
+    SessionStoreUnavailableError,
+    StrataError,
+)
 
 Clock = Callable[[], float]
 Message = dict[str, Any]
-
-
-class SessionConflictError(StrataError):
-    """The session's revision is not the one the writer read; re-read and retry."""
-
-    def __init__(self, session_id: str, *, expected_revision: int, actual_revision: int) -> None:
-        super().__init__(
-            f"session {session_id!r} is at revision {actual_revision}, not {expected_revision}: "
-            "another turn was stored first; read the session again and retry")
-        self.session_id = session_id
-        self.expected_revision = expected_revision
-        self.actual_revision = actual_revision
-
-
-class SessionNotFoundError(StrataError):
-    """No session with this id for this tenant (unknown, deleted or expired)."""
-
-    def __init__(self, session_id: str) -> None:
-        super().__init__(f"session {session_id!r} does not exist (unknown, deleted or expired); "
-                         "start it again with a first turn")
-        self.session_id = session_id
-
-
-class SessionStoreUnavailableError(StrataError):
-    """The backend of the session store failed (connection lost, disk error)."""
-
 
 @dataclass(frozen=True, slots=True)
 class SessionRecord:

@@ -27,14 +27,13 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ResponseError
 
-from strata.errors import ConfigError
+from strata.errors import ConfigError, SessionStoreUnavailableError
 from strata.state.redis_db import RedisDatabase
 from strata.state.sessions.base import (
     Clock,
     Message,
     SessionRecord,
     SessionStoreOptions,
-    SessionStoreUnavailableError,
     cas_failure,
     check_append,
 )

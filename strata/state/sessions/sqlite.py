@@ -16,12 +16,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from strata.errors import SessionStoreUnavailableError
 from strata.state.sessions.base import (
     Clock,
     Message,
     SessionRecord,
     SessionStoreOptions,
-    SessionStoreUnavailableError,
     cas_failure,
     check_append,
 )
