@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from strata.clock import ManualClock
 from strata.cluster.local import LocalClusterConfig, Supervisor, instance_argv
 from strata.cluster.registry_link import RegistryLink
 from strata.errors import ConfigError
@@ -24,14 +25,6 @@ from strata.registry.models import Deployment, DeploymentState, ModelRegistry, M
 
 T = TypeVar("T")
 V1 = ModelVersion("m", "v1", "/models/m1")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def fake_python(tmp_path: Path, crash_id: str = "none") -> str:
@@ -47,7 +40,7 @@ class Harness:
     """A supervisor over a memory model registry that the test writes deployments into."""
 
     def __init__(self, tmp_path: Path, crash_id: str = "none") -> None:
-        self.clock = Clock()
+        self.clock = ManualClock()
         self.models: ModelRegistry = create_model_registry("memory://")
         link = RegistryLink("memory://", models=self.models,
                             instances=create_registry("memory://"))
@@ -207,7 +200,7 @@ def test_a_registry_it_cannot_open_is_logged_once_and_retried_until_it_can(
     blocker = tmp_path / "state"
     blocker.write_text("a file where the registry's directory should be")
     url = f"sqlite:///{blocker}/registry.db"
-    clock = Clock()
+    clock = ManualClock()
     config = LocalClusterConfig(replicas=1, run_dir=tmp_path, registry=url,
                                 reconcile_interval_s=0.5, stop_timeout_s=5.0)
     sup = Supervisor(config, python=fake_python(tmp_path), clock=clock)
