@@ -36,6 +36,7 @@ import httpx
 from failover import start_cluster, stop_cluster
 from gateway_overhead import PY, RESULTS, ROOT, SIM_PROFILE, load_average
 
+from strata.bench.report import percentile
 from strata.registry import create_model_registry
 from strata.registry.models import Release
 
@@ -136,8 +137,8 @@ async def story(url: str, run_dir: Path, model: str, uri: str) -> dict[str, Any]
 
 
 def _p(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+    """The q-quantile (0..1) of seconds, in ms."""
+    return percentile(values, q * 100) * 1000
 
 
 def measure(samples: list[Sample], probes: list[Sample], release: Release) -> dict[str, Any]:

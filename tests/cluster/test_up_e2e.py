@@ -158,7 +158,7 @@ def test_a_restarted_cluster_keeps_the_catalogue_and_serves_what_its_flags_say(
     try:
         cluster_file = first.run_dir / "cluster.json"
         assert json.loads(cluster_file.read_text()) == {
-            "gateway_url": first.url, "pid": first.proc.pid,
+            "gateway_url": first.url, "pid": first.pid,
             "registry_url": f"sqlite:///{first.run_dir.resolve()}/registry.db"}
         again = subprocess.run(
             [sys.executable, "-m", "strata.cli", "up", "--simulate", "smollm2-cpu"],
