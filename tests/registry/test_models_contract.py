@@ -240,5 +240,11 @@ def test_close_twice_is_harmless(make: Make) -> None:
     async def body(reg: ModelRegistry, clock: ManualClock) -> None:
         await reg.add_version(ModelVersion("chat", "v1", "/m/1"))
         await reg.close()
+        await reg.close()  # raises nothing
+        other = make(clock)  # memory: the same object; sqlite/redis: a new connection
+        try:
+            assert [v.key for v in await other.list_versions()] == ["chat@v1"]  # nothing lost
+        finally:
+            await other.close()
 
-    story(make, body)  # story closes it a second time
+    story(make, body)  # story closes it a third time
