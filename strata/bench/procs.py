@@ -131,8 +131,8 @@ class Proc:
         return found[-1]
 
     def stop(self, timeout_s: float = 20.0, sig: int = signal.SIGTERM) -> int | None:
-        """`sig` to the process (a graceful stop); after `timeout_s`, SIGKILL to its group.
-        Returns the exit code."""
+        """`sig` to the process (a graceful stop), then SIGKILL to what is left of its group
+        (itself after `timeout_s`, or what it started). Returns the exit code."""
         if self.popen is None:
             return None
         if self.popen.poll() is None:
@@ -141,17 +141,23 @@ class Proc:
                 self.popen.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 pass
-        return self.kill()
+            self._kill_group()
+        return self.popen.wait(timeout=30)
 
     def kill(self) -> int | None:
-        """SIGKILL to the process's group (a crash; also whatever it left behind); reaped."""
+        """SIGKILL to the process and its group (a crash); reaped. Returns the exit code."""
         if self.popen is None:
             return None
+        if self.popen.poll() is None:  # never signal a group whose leader is long gone
+            self._kill_group()
+        return self.popen.wait(timeout=30)
+
+    def _kill_group(self) -> None:
+        assert self.popen is not None
         try:
             os.killpg(self.popen.pid, signal.SIGKILL)  # its own session: pgid == pid
         except (ProcessLookupError, PermissionError):
-            pass  # the group is gone
-        return self.popen.wait(timeout=30)
+            pass  # nothing is left of the group
 
 
 def spawn(name: str, argv: Sequence[str], log_dir: Path, *, url: str = "",
