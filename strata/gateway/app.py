@@ -10,6 +10,8 @@ and admin endpoints.
     GET  /v1/sessions, GET/DELETE /v1/sessions/{id}   passed to any instance (the session store
                                                   is shared); a DELETE also unpins the session
     /admin/models, /admin/releases, ...           models, versions and releases (admin.py)
+    GET  /dashboard, /dashboard/data              the live dashboard, read-only without a key
+                                                  (dashboard.py)
 
 Only what routing needs is read from a body (model, stream, max_tokens); the bytes are forwarded
 untouched. `X-Model-Version` (or `model: "name@version"`) names a version, `X-Strata-Pool` a
@@ -32,10 +34,11 @@ from starlette.applications import Starlette
 
 from strata.gateway.admin import admin_routes
 from strata.gateway.config import GatewayConfig
+from strata.gateway.dashboard import DASHBOARD_PATHS, dashboard_routes
 from strata.gateway.routes import build_routes
 from strata.gateway.sources import InstanceSource
 from strata.gateway.wiring import Gateway, build_gateway
-from strata.protocol.auth import ApiKeyAuth
+from strata.protocol.auth import EXEMPT_PATHS, ApiKeyAuth
 from strata.registry.base import Registry
 from strata.registry.models import ModelRegistry
 from strata.state.pins import PinStore
@@ -74,11 +77,13 @@ def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
             await asyncio.gather(*tasks, return_exceptions=True)
             await gateway.close()
 
-    app = Starlette(routes=[*build_routes(), *admin_routes()], lifespan=lifespan)
+    app = Starlette(routes=[*build_routes(), *admin_routes(), *dashboard_routes(gateway)],
+                    lifespan=lifespan)
     app.state.gateway = gateway
     if config.api_keys:
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
-                           rate_limit_per_s=config.rate_limit_per_s)
+                           rate_limit_per_s=config.rate_limit_per_s,
+                           exempt_paths=EXEMPT_PATHS | DASHBOARD_PATHS)
     return app
 
 
