@@ -41,6 +41,7 @@ from typing import Any
 import httpx
 from procs import Proc, spawn, stop_all, wait_http
 
+from strata.bench.report import percentile
 from strata.cluster.local import free_port
 from strata.gateway.prefix_index_prompt import Prompt, PromptHasher
 from strata.sim.tokenizer import WORDS
@@ -198,11 +199,6 @@ def spread(values: list[float]) -> float:
     return max(values) / mean if mean > 0 else 0.0
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def run_one(name: str, args: argparse.Namespace, requests: list[Any], log_dir: Path,
             oracle: dict[str, float]) -> dict[str, Any]:
     instances = start_instances(args, log_dir)
@@ -226,8 +222,9 @@ def run_one(name: str, args: argparse.Namespace, requests: list[Any], log_dir: P
     ttfts = [r["ttft_s"] for r in ok]
     hit = sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok))
     return {"router": name, "hit_rate": hit, "oracle_hit_rate": oracle["hit"],
-            "inflight_max_over_mean": spread(sampler.sums), "served_max_over_mean": spread(counts),
-            "ttft_p50_ms": percentile(ttfts, 0.5) * 1e3, "ttft_p99_ms": percentile(ttfts, 0.99) * 1e3,
+            "inflight_max_over_mean": spread(sampler.sums),
+            "served_max_over_mean": spread(counts),
+            "ttft_p50_ms": percentile(ttfts, 50) * 1e3, "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
             "num_failed": len(results) - len(ok), "wall_s": wall_s,
             "load_average": os.getloadavg()[0]}
 

@@ -4,17 +4,10 @@ eviction, restarts (epochs), silence, routing history, bounded memory, and versi
 
 from __future__ import annotations
 
+from strata.clock import ManualClock
 from strata.gateway.prefix_index import BlockBatch, IndexConfig, PrefixIndex
 from strata.gateway.prefix_index_prompt import Prompt, id_keys
 from strata.types import hash_blocks
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def keys(*names: str) -> list[bytes]:
@@ -24,8 +17,8 @@ def keys(*names: str) -> list[bytes]:
 A, B, C, D = keys("a", "b", "c", "d")
 
 
-def index(**config: float) -> tuple[PrefixIndex, Clock]:
-    clock = Clock()
+def index(**config: float) -> tuple[PrefixIndex, ManualClock]:
+    clock = ManualClock(100.0)
     return PrefixIndex(IndexConfig(**config), clock), clock  # type: ignore[arg-type]
 
 
@@ -75,10 +68,10 @@ def test_a_silent_instance_is_ignored_after_one_second_and_then_forgotten() -> N
     idx, clock = index(stale_after_s=1.0)
     idx.apply("i1", BlockBatch(1.0, 1, [A], is_snapshot=True))
     idx.apply("i2", BlockBatch(1.0, 1, [A], is_snapshot=True))
-    clock.now += 0.6
+    clock.advance(0.6)
     idx.heard("i2", 1.0)  # i2's heartbeat; i1 says nothing
     idx.heard("i2", 0.5)  # a heartbeat of another process does not count
-    clock.now += 0.5
+    clock.advance(0.5)
     assert idx.match("i1", [A]) == 0 and not idx.is_reporting("i1")  # 1.1 s of silence
     assert idx.match("i2", [A]) == 1
     assert idx.expire() == ["i1"]
@@ -99,14 +92,14 @@ def test_routed_keys_count_briefly_beside_events_and_long_without_them() -> None
     idx.learn("events", [A, B])
     idx.learn("silent", [A, B])  # an instance that publishes nothing
     assert idx.match("events", [A, B, C]) == 2 and idx.match("silent", [A, B, C]) == 2
-    clock.now += 0.9
+    clock.advance(0.9)
     idx.heard("events", 1.0)
     idx.apply("events", BlockBatch(1.0, 2, [A]))  # the events confirm A only
-    clock.now += 1.5  # 2.4 s after routing
+    clock.advance(1.5)  # 2.4 s after routing
     idx.heard("events", 1.0)
     assert idx.match("events", [A, B]) == 1  # B was never confirmed: its guess expired
     assert idx.match("silent", [A, B]) == 2
-    clock.now += 60
+    clock.advance(60)
     assert idx.match("silent", [A, B]) == 0
 
 
