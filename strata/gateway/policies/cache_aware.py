@@ -8,10 +8,14 @@ For each candidate i:
               tokens per key, at most the prompt
     work_i  = the work this gateway has in flight at i: for each request sent there and not
               finished, its uncached prompt tokens when it was routed plus its max_tokens
-    cost_i  = (prompt tokens - hit_i) + work_i
+    cost_i  = (prompt tokens - hit_i) + load_weight * work_i
 
-`cost_i` counts the tokens i computes before this request's first one: the prefill it saves
-against the load it waits behind. The pick is the lowest cost among the candidates whose
+`cost_i` estimates the tokens i computes before this request's first one: the prefill it saves
+against the load it waits behind. The work in flight counts `load_weight` (default one half):
+requests in flight are on average half done, and a prefill saved is capacity freed for every
+later request, while the wait delays this one only. (With weight 1, a tenant's second request,
+arriving while its first still computes the shared prefix, would rather compute the prefix again
+elsewhere: same TTFT for it, the prefix's whole cost again for the fleet.) The pick is the lowest cost among the candidates whose
 requests in flight are under the bound of session routing,
 
     capacity = ceil((1 + epsilon) * (requests in flight + 1) / candidates)
@@ -46,11 +50,14 @@ class CacheAwarePolicy:
     name = "cache_aware"
 
     def __init__(self, index: PrefixIndex | None = None, *,
-                 epsilon: float = DEFAULT_EPSILON) -> None:
+                 epsilon: float = DEFAULT_EPSILON, load_weight: float = 0.5) -> None:
         if epsilon <= 0:
             raise ConfigError(f"epsilon must be positive, got {epsilon}")
+        if load_weight < 0:
+            raise ConfigError(f"load_weight must be >= 0, got {load_weight}")
         self.index = index if index is not None else PrefixIndex()
         self.epsilon = epsilon
+        self.load_weight = load_weight
         self._work: dict[str, int] = {}
         self._in_flight: dict[tuple[int, str], int] = {}  # (id of the route, instance) -> work
 
@@ -62,9 +69,10 @@ class CacheAwarePolicy:
                                                self.index.num_keys(view.instance_id),
                                                view.load_key))
 
-    def cost(self, request: RouteRequest, view: InstanceView) -> int:
+    def cost(self, request: RouteRequest, view: InstanceView) -> float:
         """Tokens `view` computes before this request's first token (see the module)."""
-        return self.uncached_tokens(request, view) + self._work.get(view.instance_id, 0)
+        work = self._work.get(view.instance_id, 0)
+        return self.uncached_tokens(request, view) + self.load_weight * work
 
     def uncached_tokens(self, request: RouteRequest, view: InstanceView) -> int:
         """The prompt tokens `view` would compute for this request (a decode-only estimate
