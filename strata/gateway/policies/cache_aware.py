@@ -15,8 +15,9 @@ against the load it waits behind. The work in flight counts `load_weight` (defau
 requests in flight are on average half done, and a prefill saved is capacity freed for every
 later request, while the wait delays this one only. (With weight 1, a tenant's second request,
 arriving while its first still computes the shared prefix, would rather compute the prefix again
-elsewhere: same TTFT for it, the prefix's whole cost again for the fleet.) The pick is the lowest cost among the candidates whose
-requests in flight are under the bound of session routing,
+elsewhere: same TTFT for it, the prefix's whole cost again for the fleet.) The pick is the
+lowest cost among the candidates whose requests in flight are under the bound of session
+routing,
 
     capacity = ceil((1 + epsilon) * (requests in flight + 1) / candidates)
 
