@@ -10,7 +10,9 @@
     │   ├── ModelNotFoundError      404: unknown model name
     │   └── PayloadTooLargeError    413: body larger than the configured cap
     ├── OverloadedError             429/503: the waiting queue is full (carries retry_after_s)
-    └── EngineDeadError             the engine loop died; the instance is unhealthy
+    ├── EngineDeadError             the engine loop died; the instance is unhealthy
+    └── RankFailedError             a parallel rank died or a collective timed out; the
+                                    instance must restart (its ranks no longer agree)
 
 Expected per-request outcomes (abort, stop, length) are data, not exceptions.
 """
@@ -78,6 +80,17 @@ class EngineDeadError(StrataError):
     """The engine loop has stopped after an internal failure."""
 
 
+class RankFailedError(StrataError):
+    """A rank of a tensor- or pipeline-parallel instance died, or a collective timed out.
+
+    `rank` is the rank blamed (-1 when unknown). Fatal: the ranks no longer agree on where they
+    are, so the instance stops and its launcher restarts it whole."""
+
+    def __init__(self, message: str, *, rank: int = -1) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
 __all__ = [
     "ConfigError",
     "ContextLengthError",
@@ -88,6 +101,7 @@ __all__ = [
     "ModelNotFoundError",
     "OverloadedError",
     "PayloadTooLargeError",
+    "RankFailedError",
     "RequestError",
     "StrataError",
 ]
