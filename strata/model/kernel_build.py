@@ -83,9 +83,9 @@ def _declare_all(handle: ctypes.CDLL) -> None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     for suffix in TYPE_SUFFIXES:
         name = f"decode_{suffix}"
-        _declare(handle, name, [ptr] * 6 + [i64] * 7 + [ctypes.c_float])
+        _declare(handle, name, [ptr] * 7 + [i64] * 7 + [ctypes.c_float])
         _declare(handle, f"{name}_add_rms_norm", [ptr] * 4 + [i64] * 2 + [ctypes.c_float])
-        _declare(handle, f"{name}_chunk", [ptr] * 5 + [i64] * 7 + [ctypes.c_float])
+        _declare(handle, f"{name}_chunk", [ptr] * 6 + [i64] * 7 + [ctypes.c_float])
 
 
 def _declare(handle: ctypes.CDLL, name: str, argtypes: list) -> None:
