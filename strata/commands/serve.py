@@ -26,9 +26,17 @@ from strata.commands.argtypes import (
     positive_int,
 )
 from strata.commands.env import CliEnv, add_auth_flags, read_api_keys
+from strata.commands.serve_parallel import (
+    add_parallel_flags,
+    load_for_serving,
+    make_executor,
+    rank_threads,
+    watch_ranks,
+)
 from strata.errors import ConfigError
 
 if TYPE_CHECKING:
+    from strata.commands.serve_parallel import ParallelModel
     from strata.engine.config import SchedulerConfig
     from strata.model.loader import LoadedModel
     from strata.server.async_engine import AsyncEngine
@@ -67,6 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shutdown-timeout-s", type=non_negative_float, default=30.0,
                    help="on SIGTERM/SIGINT, how long in-flight requests may finish")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    add_parallel_flags(p)
     _add_cluster_flags(p)
 
 
@@ -119,15 +128,14 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
     if args.simulate:
         return _run_simulated(args, env, started)
     from strata.model.fetch import DEFAULT_MODEL, KNOWN_MODELS
-    from strata.model.loader import load_model
 
     path = _model_path(args, env)
     log.info("loading %s", path)
-    with openmp_free_main_thread(args.threads):
-        loaded = load_model(path, dtype=args.dtype, cache_dir=env.cache_dir)
+    with openmp_free_main_thread(rank_threads(args)):
+        loaded, parallel = load_for_serving(args, path, env.cache_dir)
         alias = KNOWN_MODELS.get(args.model or DEFAULT_MODEL)
         name = args.served_model_name or (alias.served_name if alias else loaded.name)
-        async_engine = build_async_engine(args, loaded, name)
+        async_engine = build_async_engine(args, loaded, name, parallel)
         loaded.weights.clear()  # the executor holds its own (packed) copies
     return aio.run(serve_http(args, env, async_engine, loaded.tokenizer, name, started))
 
@@ -193,18 +201,17 @@ def _run_simulated(args: argparse.Namespace, env: CliEnv, started: float) -> int
                                   simulated=True))
 
 
-def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str) -> AsyncEngine:
-    """model -> TorchExecutor -> Engine -> AsyncEngine, configured from the flags."""
+def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str,
+                       parallel: ParallelModel | None = None) -> AsyncEngine:
+    """model -> TorchExecutor (or ParallelExecutor) -> Engine -> AsyncEngine, from the flags."""
     import torch
 
     from strata.engine.config import CacheConfig
     from strata.engine.engine import Engine
-    from strata.model.executor import TorchExecutor
     from strata.server.async_engine import AsyncEngine
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    executor = TorchExecutor(loaded.config, loaded.weights, dtype=args.dtype, device=device,
-                             model_name=name, model_version=args.model_version)
+    executor = make_executor(args, loaded, parallel, device, name)
     max_model_len = args.max_model_len or min(loaded.config.max_position_embeddings,
                                               DEFAULT_MAX_MODEL_LEN)
     scheduler_config = scheduler_config_from(args, max_model_len)
@@ -263,9 +270,10 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, async_engine: AsyncE
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     announce = asyncio.create_task(_announce_when_started(server, args.host, port, name, started))
+    fatal = watch_ranks(app, async_engine, server)
     await server.serve(sockets=[sock])  # the lifespan shutdown drains, deregisters, stops
     announce.cancel()
-    return 0
+    return fatal.exit_code
 
 
 def _kv_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from model.parallel.parallel_helpers import (
     Greedy,
     make_engine,
@@ -17,10 +18,13 @@ from model.parallel.parallel_helpers import (
     run_greedy,
 )
 
+from strata.engine.executor import ModelInput, ScheduledSequence
+from strata.engine.request import SamplingParams
 from strata.model.executor import TorchExecutor
 from strata.model.loader import load_model
 from strata.model.parallel.executor import ParallelExecutor
 from strata.model.parallel.shard_loader import PreparedModel, prepare_model
+from strata.types import RequestId
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +100,29 @@ def test_each_rank_holds_its_share_of_weights_and_kv(tp2: ParallelExecutor,
     assert tp2.kv_bytes_per_token() == per_token
     assert memory[0].kv_bytes == memory[1].kv_bytes > 0
     assert memory[0].kv_bytes % per_token == 0
+
+
+def test_kv_blocks_travel_in_the_whole_models_layout(tp2: ParallelExecutor, model_dir: Path,
+                                                     prepared: PreparedModel) -> None:
+    """A T=2 export holds what a one-process export holds; a one-process export imports into
+    T=2 and comes back out byte for byte."""
+    loaded = load_model(model_dir, dtype="float32")
+    single = TorchExecutor(loaded.config, loaded.weights, dtype="float32")
+    single.allocate_kv_cache(256, 4)
+    make_engine(tp2, prepared.config.vocab_size)  # allocates 256 blocks of 4 on every rank
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    tokens = prompts()[4][:16]  # four full blocks
+    step = ModelInput([ScheduledSequence(RequestId("kv"), tokens, 0, [7, 8, 9, 10], True, params,
+                                         [], tokens)], block_size=4)
+    assert tp2.execute(step).keys() == single.execute(step).keys()  # fills blocks 7 .. 10
+    ours, theirs = tp2.export_blocks([7, 8, 9, 10]), single.export_blocks([7, 8, 9, 10])
+    codec = single.kv_codec
+    assert codec is not None and len(ours) == 4
+    for a, b in zip(ours, theirs, strict=True):
+        got = torch.frombuffer(bytearray(codec.decode(a)), dtype=torch.float32)
+        want = torch.frombuffer(bytearray(codec.decode(b)), dtype=torch.float32)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert tp2.import_blocks([20, 21, 22, 23], theirs) == 4
+    assert tp2.export_blocks([20, 21, 22, 23]) == theirs
+    damaged = theirs[1][:-1] + bytes([theirs[1][-1] ^ 1])
+    assert tp2.import_blocks([30, 31], [theirs[0], damaged]) == 1
