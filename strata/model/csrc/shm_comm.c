@@ -15,11 +15,12 @@
    rank, so all ranks get bit-identical sums; bf16 is summed in float32 and rounded once.
    Messages larger than a slot go in slot-sized chunks, one generation each.
 
-   Every wait spins briefly (pause), then yields (ranks may outnumber cores), then sleeps with a
-   growing interval (an idle worker waiting for the next step costs nothing). It gives up on a
-   timeout, when the abort word is set, or when a peer it waits for is dead: every 50 ms it
-   checks the peers' pids (kill(pid, 0), and /proc/PID/stat for a zombie). The rank that sees a
-   failure sets the abort word, so every other rank stops at its next wait. */
+   Every wait spins briefly (pause), then yields (ranks may outnumber cores, or a peer may share
+   our core), then sleeps with a growing interval (an idle worker waiting for the next step
+   costs nothing; a collective's interval stays short, since its peer is computing). It gives
+   up on a timeout, when the abort word is set, or when a peer it waits for is dead: every
+   50 ms it checks the peers' pids (kill(pid, 0), and /proc/PID/stat for a zombie). The rank
+   that sees a failure sets the abort word, so every other rank stops at its next wait. */
 
 #define _GNU_SOURCE
 #include <errno.h>
@@ -45,7 +46,7 @@
 #define LINE 128
 #define MAX_WORLD 64
 #define HEAD 64            /* bytes before a broadcast or channel payload: the total length */
-#define SPIN_NS 20000      /* spin this long before yielding */
+#define SPIN_NS 2000       /* spin this long before yielding (a peer may share our core) */
 #define YIELD_NS 2000000   /* then yield this long before sleeping */
 #define CHECK_NS 50000000  /* peer liveness every 50 ms */
 #define OK 0
@@ -145,10 +146,10 @@ static int wait_ge(ctx_t *c, volatile uint64_t **counters, const int *peers, int
       for (int k = 0; k < 8; k++) CPU_PAUSE();
     } else if (waited < YIELD_NS) {
       sched_yield();
-    } else {
+    } else {  /* an idle wait (no timeout) backs off to 1 ms; a collective to 50 us */
       struct timespec ts = {0, sleep_ns};
       nanosleep(&ts, NULL);
-      if (sleep_ns < 1000000) sleep_ns *= 2;
+      if (sleep_ns < (timeout_ns < 0 ? 1000000 : 50000)) sleep_ns *= 2;
     }
   }
 }

@@ -38,6 +38,7 @@ from strata.model.parallel.rank import (
     Rank,
     RankSpec,
     Step,
+    StepRows,
     Stop,
     encode,
 )
@@ -126,7 +127,11 @@ class ParallelExecutor:
                                          block_size, c.num_key_value_heads, c.head_dim))
 
     def execute(self, model_input: ModelInput) -> ModelOutput:
-        output = self._run(Step(model_input))
+        """Rank 0 runs the whole input; the others get only what they compute with, unless
+        one of them samples (several pipeline stages)."""
+        step = Step(model_input)
+        wire = step if self.layout.sampling_rank != 0 else StepRows.of(model_input)
+        output = self._run(step, wire)
         assert isinstance(output, dict)
         return output
 
@@ -188,22 +193,27 @@ class ParallelExecutor:
 
     # --- plumbing ------------------------------------------------------------------------------
 
-    def _run(self, command: Command) -> ModelOutput | list[Tensor] | None:
+    def _run(self, command: Command,
+             wire: Command | None = None) -> ModelOutput | list[Tensor] | None:
+        """Broadcast `wire` (default: `command`), then run `command` as rank 0."""
         if self.failure is not None:
             raise self.failure
         try:
-            self._broadcast(command)
+            self._broadcast(wire or command)
             with torch.inference_mode():
                 return self.rank.run(command)
         except RankFailedError as exc:
             self._fail(exc)
+            raise
+        except BaseException as exc:  # rank 0 broke off mid-command: the others wait in vain
+            self._fail(RankFailedError(f"rank 0 failed mid-command: {exc!r}", rank=0))
             raise
 
     def _broadcast(self, command: Command) -> None:
         start = time.perf_counter_ns()
         data = encode(command)
         self.stats.encode_ns += time.perf_counter_ns() - start
-        self.stats.num_steps += isinstance(command, Step)
+        self.stats.num_steps += isinstance(command, Step | StepRows)
         self.stats.num_bytes += len(data)
         self.rank.comms.world.broadcast_bytes(data, root=0)
 

@@ -8,6 +8,10 @@ commands in the same order, which is what keeps their collectives matched:
     Step(model_input)                  every rank runs its share of the forward; the sampling
                                        rank samples and, when it is not rank 0, sends the
                                        tokens to rank 0
+    StepRows(block_size, rows)         a Step for ranks that do not sample: per sequence only
+                                       (tokens, start, blocks, needs_sample), 10x cheaper to
+                                       encode than the whole ModelInput (sent when rank 0
+                                       samples, i.e. one pipeline stage)
     ExportKV(block_ids)                every rank sends its slices of the blocks to rank 0
     ImportKV(block_ids, bodies)        every rank writes its slices of whole-model blocks
     Stop()                             workers leave their loop
@@ -26,13 +30,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from strata.engine.executor import ModelInput, ModelOutput
+from strata.engine.executor import ModelInput, ModelOutput, ScheduledSequence
+from strata.engine.request import SamplingParams
 from strata.model.config import ModelConfig
 from strata.model.executor import TorchExecutor
 from strata.model.parallel.comm import CommSpec, RankComms
 from strata.model.parallel.layout import ParallelLayout, even_split
 from strata.model.parallel.shard_loader import WeightFiles, load_shard
 from strata.model.shard import RankShard
+from strata.types import RequestId
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +83,28 @@ class Step:
 
 
 @dataclass(frozen=True, slots=True)
+class StepRows:
+    block_size: int
+    rows: list[tuple[list[int], int, list[int], bool]]
+
+    @staticmethod
+    def of(model_input: ModelInput) -> StepRows:
+        return StepRows(model_input.block_size,
+                        [(s.token_ids, s.start_pos, s.block_ids, s.needs_sample)
+                         for s in model_input.sequences])
+
+    def model_input(self) -> ModelInput:
+        """The step as `TorchExecutor.execute` takes it, without what only sampling reads."""
+        return ModelInput([ScheduledSequence(_NO_ID, tokens, start, blocks, needs, _NO_PARAMS,
+                                             [], [])
+                           for tokens, start, blocks, needs in self.rows], self.block_size)
+
+
+_NO_ID = RequestId("")
+_NO_PARAMS = SamplingParams()
+
+
+@dataclass(frozen=True, slots=True)
 class ExportKV:
     block_ids: list[int]
 
@@ -92,7 +120,7 @@ class Stop:
     pass
 
 
-Command = Allocate | Step | ExportKV | ImportKV | Stop
+Command = Allocate | Step | StepRows | ExportKV | ImportKV | Stop
 
 
 def encode(command: Command) -> bytes:
@@ -101,7 +129,7 @@ def encode(command: Command) -> bytes:
 
 def decode(data: bytes) -> Command:
     command = pickle.loads(data)  # noqa: S301 -- bytes from rank 0 of this instance only
-    assert isinstance(command, Allocate | Step | ExportKV | ImportKV | Stop)
+    assert isinstance(command, Allocate | Step | StepRows | ExportKV | ImportKV | Stop)
     return command
 
 
@@ -154,6 +182,8 @@ class Rank:
         """This rank's side of `command`; rank 0 gets what the command returns."""
         if isinstance(command, Step):
             return self._step(command.model_input)
+        if isinstance(command, StepRows):
+            return self._step(command.model_input())
         if isinstance(command, Allocate):
             self.executor.allocate_kv_cache(command.num_blocks, command.block_size)
         elif isinstance(command, ExportKV):
