@@ -1,27 +1,49 @@
-"""One exception tree for Strata.
+"""One exception tree for Strata; every exception class of `strata/` is defined here.
 
     StrataError
-    ├── ConfigError                 a configuration value is invalid (says what to change)
-    ├── ModelLoadError              a model file is missing or malformed (names file, field)
-    │   └── ModelFetchError         the default model could not be downloaded
-    ├── RequestError                the caller's mistake; maps to a 4xx
-    │   ├── InvalidRequestError     400: a parameter is invalid or out of limits
-    │   │   └── ContextLengthError  400: prompt (+ max_tokens) longer than the context
-    │   ├── ModelNotFoundError      404: unknown model name
-    │   └── PayloadTooLargeError    413: body larger than the configured cap
-    ├── OverloadedError             429/503: the waiting queue is full (carries retry_after_s)
-    ├── EngineDeadError             the engine loop died; the instance is unhealthy
-    └── RankFailedError             a parallel rank died or a collective timed out; the
-                                    instance must restart (its ranks no longer agree)
+    ├── ConfigError                     a configuration value is invalid (says what to change)
+    ├── ModelLoadError                  a model file is missing or malformed (names file, field)
+    │   └── ModelFetchError             the default model could not be downloaded
+    ├── KVPayloadError                  a KV payload is not KV of the loaded model (or damaged)
+    ├── RequestError                    the caller's mistake; maps to a 4xx
+    │   ├── InvalidRequestError         400: a parameter is invalid or out of limits
+    │   │   └── ContextLengthError      400: prompt (+ max_tokens) longer than the context
+    │   ├── NotFoundError               404: what the request names does not exist
+    │   │   ├── ModelNotFoundError      404: unknown model name (or version, or release)
+    │   │   └── SessionNotFoundError    404: no such session for this tenant
+    │   └── PayloadTooLargeError        413: body larger than the configured cap
+    ├── ConflictError                   409: a compare-and-set lost (the record moved on)
+    │   ├── SessionConflictError        another turn of the session was stored first
+    │   └── ReleaseSupersededError      the stored release changed under its driver
+    ├── StoreUnavailableError           503: a backing store cannot be reached or failed
+    │   ├── SessionStoreUnavailableError    the session store
+    │   ├── KVStoreUnavailableError     the KV block store (a miss for the caller)
+    │   ├── PinStoreError               the session pin table
+    │   ├── ResponseCacheError          the response cache
+    │   └── RegistryError               the instance registry (or an unknown instance)
+    ├── OverloadedError                 429/503: the waiting queue is full (carries retry_after_s)
+    ├── EngineDeadError                 the engine loop died; the instance is unhealthy
+    ├── RankFailedError                 a parallel rank died or a collective timed out: fatal,
+    │                                   the instance restarts whole (its ranks no longer agree)
+    └── ChatError                       `strata chat`: the server refused or is unreachable
 
-Expected per-request outcomes (abort, stop, length) are data, not exceptions.
+Each HTTP-facing class says how it is answered (`status_code`, OpenAI `error_type`, and
+`code`: OpenAI's short machine-readable string, or None); `strata.protocol.errors` turns any
+exception into the one OpenAI error body. Expected per-request outcomes (abort, stop, length)
+are data, not exceptions.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class StrataError(Exception):
     """Base class of every Strata error."""
+
+    status_code = 500
+    error_type = "internal_server_error"
+    code: str | None = None
 
 
 class ConfigError(StrataError, ValueError):
@@ -34,6 +56,10 @@ class ModelLoadError(StrataError):
 
 class ModelFetchError(ModelLoadError):
     """The default model could not be fetched."""
+
+
+class KVPayloadError(StrataError, ValueError):
+    """A payload that is not KV of the loaded model (or is damaged); treated as a miss."""
 
 
 class RequestError(StrataError):
@@ -55,15 +81,91 @@ class InvalidRequestError(RequestError, ValueError):
 class ContextLengthError(InvalidRequestError):
     """The prompt, or prompt plus max_tokens, does not fit in the context."""
 
+    code = "context_length_exceeded"
 
-class ModelNotFoundError(RequestError):
+
+class NotFoundError(RequestError):
+    """What the request names does not exist."""
+
     status_code = 404
     error_type = "not_found_error"
 
 
+class ModelNotFoundError(NotFoundError):
+    """An unknown model name, version or release."""
+
+    code = "model_not_found"
+
+
+class SessionNotFoundError(NotFoundError):
+    """No session with this id for this tenant (unknown, deleted or expired)."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} does not exist (unknown, deleted or expired); "
+                         "start it again with a first turn")
+        self.session_id = session_id
+
+
 class PayloadTooLargeError(RequestError):
     status_code = 413
-    error_type = "invalid_request_error"
+
+
+class ConflictError(StrataError):
+    """A compare-and-set lost: the record changed since it was read (or already exists)."""
+
+    status_code = 409
+    error_type = "conflict_error"
+
+
+class SessionConflictError(ConflictError):
+    """The session's revision is not the one the writer read; re-read and retry."""
+
+    error_type = "session_conflict"
+
+    def __init__(self, session_id: str, *, expected_revision: int, actual_revision: int) -> None:
+        super().__init__(
+            f"session {session_id!r} is at revision {actual_revision}, not {expected_revision}: "
+            "another turn was stored first; read the session again and retry")
+        self.session_id = session_id
+        self.expected_revision = expected_revision
+        self.actual_revision = actual_revision
+
+
+class ReleaseSupersededError(ConflictError):
+    """The stored release is no longer the one its driver read (a CAS lost, or a poll saw a
+    newer revision); `release` is the stored record (a `strata.registry.models.Release`)."""
+
+    def __init__(self, release: Any) -> None:
+        super().__init__(f"release {release.release_id} changed: now {release.state}, "
+                         f"owner {release.owner!r}")
+        self.release = release
+
+
+class StoreUnavailableError(StrataError):
+    """A backing store (sessions, KV, pins, response cache, registry) failed."""
+
+    status_code = 503
+    error_type = "service_unavailable_error"
+
+
+class SessionStoreUnavailableError(StoreUnavailableError):
+    """The backend of the session store failed (connection lost, disk error)."""
+
+
+class KVStoreUnavailableError(StoreUnavailableError):
+    """The KV store cannot be reached; the caller treats it as a miss (fetch) or a skip (put)."""
+
+
+class PinStoreError(StoreUnavailableError):
+    """The pin store could not be reached or answered an error."""
+
+
+class ResponseCacheError(StoreUnavailableError):
+    """The response cache's backend could not be reached or answered an error."""
+
+
+class RegistryError(StoreUnavailableError):
+    """An instance is unknown to the registry, or the registry backend failed."""
 
 
 class OverloadedError(StrataError):
@@ -74,10 +176,14 @@ class OverloadedError(StrataError):
         self.message = message
         self.retry_after_s = retry_after_s
         self.status_code = status_code
+        self.error_type = "overloaded_error" if status_code == 429 else "service_unavailable_error"
 
 
 class EngineDeadError(StrataError):
     """The engine loop has stopped after an internal failure."""
+
+    status_code = 503
+    error_type = "service_unavailable_error"
 
 
 class RankFailedError(StrataError):
@@ -91,17 +197,34 @@ class RankFailedError(StrataError):
         self.rank = rank
 
 
+class ChatError(StrataError):
+    """`strata chat`: the server refused a message or could not be reached; says why."""
+
+
 __all__ = [
+    "ChatError",
     "ConfigError",
+    "ConflictError",
     "ContextLengthError",
     "EngineDeadError",
     "InvalidRequestError",
+    "KVPayloadError",
+    "KVStoreUnavailableError",
     "ModelFetchError",
     "ModelLoadError",
     "ModelNotFoundError",
+    "NotFoundError",
     "OverloadedError",
     "PayloadTooLargeError",
+    "PinStoreError",
     "RankFailedError",
+    "RegistryError",
+    "ReleaseSupersededError",
     "RequestError",
+    "ResponseCacheError",
+    "SessionConflictError",
+    "SessionNotFoundError",
+    "SessionStoreUnavailableError",
+    "StoreUnavailableError",
     "StrataError",
 ]

@@ -207,7 +207,7 @@ def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0(live_server: Serve
 def test_serve_binds_a_tcp_socket_so_asyncio_disables_nagle() -> None:
     # asyncio sets TCP_NODELAY on accepted connections only when the listening socket's protocol
     # is TCP; with protocol 0 a proxied stream's first chunk waits ~40 ms for a delayed ACK.
-    from strata.commands.serve import _bind
+    from strata.commands.serve_stack import _bind
 
     sock = _bind("127.0.0.1", 0)
     try:

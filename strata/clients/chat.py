@@ -17,6 +17,7 @@ from typing import Any, TextIO
 import httpx
 
 from strata.clients.sse import chunk_text, error_message
+from strata.errors import ChatError
 from strata.protocol.sse import parse_json_events
 
 EXIT_COMMANDS = ("/exit", "/quit")
@@ -34,11 +35,6 @@ class ChatOptions:
     timeout_s: float = 600.0
     session_id: str | None = None  # history kept by the server under this id
     api_key: str | None = None
-
-
-class ChatError(Exception):
-    """The server refused a message or could not be reached; the message says why."""
-
 
 class Conversation:
     """The messages so far and the client that extends them by one turn at a time."""

@@ -19,10 +19,9 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-from strata.errors import ConfigError
+from strata.errors import ConfigError, ConflictError
 from strata.registry import Registry
 from strata.registry.models import (
-    ConflictError,
     Deployment,
     ModelRegistry,
     ModelRouting,

@@ -26,7 +26,6 @@ from strata.commands.argtypes import (
 from strata.commands.env import CliEnv, add_auth_flags, read_api_keys
 from strata.errors import ConfigError
 from strata.gateway.config import (
-    POLICY_NAMES,
     SESSION_ROUTING_MODES,
     AdmissionConfig,
     GatewayConfig,
@@ -34,9 +33,11 @@ from strata.gateway.config import (
     SessionRoutingConfig,
     VersionConfig,
 )
+from strata.gateway.policies import policy_names
 from strata.gateway.sources import InstanceSource, RegistrySource, StaticSource
 from strata.registry.models import ModelRegistry
 from strata.registry.release_policy import ReleaseConfig
+from strata.state.urls import schemes_help
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -47,11 +48,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--registry", default=None,
-                   help="registry URL (memory://, sqlite:///abs/path.db, redis://...); "
-                        "default STRATA_REGISTRY")
+                   help=f"registry URL ({schemes_help('registry')}); default STRATA_REGISTRY")
     p.add_argument("--instances", nargs="+", default=None, metavar="URL",
                    help="static instance URLs instead of a registry")
-    p.add_argument("--policy", choices=POLICY_NAMES, default="power_of_two")
+    p.add_argument("--policy", choices=policy_names(), default="power_of_two",
+                   help="routing policy (the table in strata/gateway/policies/__init__.py)")
     p.add_argument("--max-in-flight", type=positive_int, default=256)
     p.add_argument("--max-queue", type=non_negative_int, default=512)
     p.add_argument("--queue-timeout-s", type=positive_float, default=10.0)
@@ -64,10 +65,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(pinned, bounded-load consistent hash), hybrid (sticky; moves rebuild "
                         "from the session store)")
     p.add_argument("--session-store", default=None, metavar="URL",
-                   help="pin table shared by every gateway (memory://, sqlite:///abs/path.db, "
-                        "redis://...); default memory:// (this gateway only)")
+                   help=f"pin table shared by every gateway ({schemes_help('pins')}); "
+                        "default memory:// (this gateway only)")
     p.add_argument("--session-epsilon", type=positive_float, default=0.25,
-                   help="bounded loads: an instance holds at most ceil((1+eps) * mean) sessions")
+                   help="bounded loads: an instance holds at most ceil((1+eps) * mean) sessions "
+                        "(pinned ones; with --policy consistent_hash, also in-flight ones)")
     p.add_argument("--session-pin-ttl-s", type=positive_float, default=3600.0,
                    help="a pin unused this long expires")
     p.add_argument("--session-local-pin-age-s", type=non_negative_float, default=1.0,
@@ -77,8 +79,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="how often the model registry's routing pointers are re-read (a "
                         "release's flip reaches this gateway within this interval)")
     p.add_argument("--version-pin-store", default=None, metavar="URL",
-                   help="session -> version pins shared by every gateway (default: "
-                        "--session-store, else the registry when SQLite or Redis)")
+                   help=f"session -> version pins shared by every gateway ({schemes_help('pins')}; "
+                        "default: --session-store, else the registry when SQLite or Redis)")
     p.add_argument("--release-lease-s", type=positive_float, default=10.0,
                    help="a release whose gateway stops renewing its lease this long is resumed "
                         "by another gateway (or this one, restarted)")
@@ -92,7 +94,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="roll back when the canary's TTFT p99 exceeds this times the live one's")
     p.add_argument("--response-cache", default=None, metavar="URL",
                    help="opt-in cache of deterministic answers (temperature 0 or a seed), keyed "
-                        "by model version: memory://, sqlite:///abs/path.db, redis://...")
+                        f"by model version: {schemes_help('response_cache')}")
     p.add_argument("--response-cache-ttl-s", type=positive_float, default=600.0)
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 

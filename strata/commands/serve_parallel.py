@@ -129,7 +129,7 @@ def watch_ranks(app: Any, async_engine: AsyncEngine, server: Any) -> FatalExit:
     executor = getattr(async_engine.engine, "executor", None)
     if not isinstance(executor, ParallelExecutor):
         return state
-    app.state.metrics.watch_ranks(
+    app.state.instance.metrics.watch_ranks(
         lambda: [(m.rank, m.weight_bytes, m.kv_bytes) for m in executor.rank_memory()])
     loop = asyncio.get_running_loop()
 

@@ -102,6 +102,7 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
             print(f"Strata cluster: {config.replicas} instances behind "
                   f"http://{config.host}:{config.port} serving {seed.version.key} "
                   f"(logs in {config.log_dir})", flush=True)
+            print(f"Dashboard: http://{config.host}:{config.port}/dashboard", flush=True)
         supervisor.run_forever(lambda: stop["now"])
     finally:
         print("stopping the cluster...", flush=True)
@@ -225,15 +226,16 @@ def _prefetch(args: argparse.Namespace, env: CliEnv) -> None:
 
 
 def _gateway_routes_all(config: LocalClusterConfig) -> bool:
-    """True once the gateway answers and would route to every instance."""
+    """True once the gateway answers and would route to every instance (asked on /ready,
+    which needs no API key when the cluster has some)."""
     import httpx
 
     try:
-        resp = httpx.get(f"http://{config.host}:{config.port}/admin/instances", timeout=2)
-        views = resp.json()["instances"] if resp.status_code == 200 else []
-    except (httpx.HTTPError, ValueError, KeyError):
+        resp = httpx.get(f"http://{config.host}:{config.port}/ready", timeout=2)
+        num_routable = int(resp.json()["num_routable"]) if resp.status_code == 200 else 0
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return False
-    return sum(bool(v.get("routable")) for v in views) >= config.replicas
+    return num_routable >= config.replicas
 
 
 def _wait_ready(supervisor: Launcher, config: LocalClusterConfig, timeout_s: float,

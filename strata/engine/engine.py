@@ -1,5 +1,10 @@
 """The engine: schedule -> execute -> update -> outputs, one step at a time.
 
+With an `AsyncModelExecutor` (pipeline parallel) a step keeps up to `max_concurrent_batches`
+batches in flight: it schedules and submits while the executor has room and some request can
+run, then waits for the oldest batch and returns its outputs, so each step returns one batch's
+news. A plain `ModelExecutor` is the same loop with one batch.
+
 Not thread-safe: one thread owns it (the server runs it off the event loop). Only
 `validate_request`, `block_hashes` and `num_cached_blocks` may be called from other threads.
 
@@ -11,6 +16,7 @@ does the fetching and publishing.
 
 from __future__ import annotations
 
+from strata.engine.batch_queue import BatchQueue
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.detokenizer import IncrementalDetokenizer, check_stop
 from strata.engine.executor import (
@@ -44,12 +50,14 @@ class Engine:
         self.scheduler_config = scheduler_config
         self.decoder = decoder
         self.vocab_size = vocab_size
+        executor.allocate_kv_cache(cache_config.num_blocks, cache_config.block_size)
         self.kv = KVCacheManager(cache_config)
-        self.scheduler = Scheduler(scheduler_config, self.kv)
+        self._batches = BatchQueue(executor)
+        self.scheduler = Scheduler(scheduler_config, self.kv,
+                                   max_concurrent_batches=self._batches.max_batches)
         self._detok: dict[RequestId, IncrementalDetokenizer] = {}
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
-        executor.allocate_kv_cache(cache_config.num_blocks, cache_config.block_size)
 
     def validate_request(self, request: Request) -> None:
         """Refuse what can never run; safe from any thread."""
@@ -102,7 +110,8 @@ class Engine:
         self._detok.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """True while a request is unfinished or a batch is in flight (`step` collects it)."""
+        return self.scheduler.has_unfinished() or len(self._batches) > 0
 
     def block_hashes(self, token_ids: list[int], cache_salt: str = "") -> list[BlockHash]:
         """The identities of the full blocks of `token_ids` (model, version and salt included);
@@ -115,13 +124,27 @@ class Engine:
         return self.kv.num_cached_blocks(hashes)
 
     def step(self) -> list[RequestOutput]:
+        """Submit batches while the executor has room and a request can run, then wait for the
+        oldest batch in flight and return its news ([] when none was in flight)."""
+        while self._batches.has_room and self._submit_next():
+            pass
+        collected = self._batches.collect_oldest()
+        if collected is None:
+            return []
+        scheduled, model_output = collected
+        return self._update(self.scheduler.on_collected(scheduled), model_output)
+
+    def _submit_next(self) -> bool:
+        """Schedule a batch and submit it; False when no request can run now."""
         scheduled = self.scheduler.schedule()
         for kv_import in scheduled.kv_imports:
             self.scheduler.on_kv_imported(scheduled, kv_import, self._import_kv(kv_import))
         if scheduled.is_empty:
-            return []
-        model_output = self.executor.execute(self._model_input(scheduled))
-        return self._update(scheduled, model_output)
+            return False
+        model_input = self._model_input(scheduled)
+        self.scheduler.on_submitted(scheduled)
+        self._batches.submit(scheduled, model_input)
+        return True
 
     def _import_kv(self, kv_import: KVImport) -> int:
         """Write fetched KV into its blocks; how many leading payloads the executor took."""
@@ -132,7 +155,7 @@ class Engine:
     def _model_input(self, scheduled: SchedulerOutput) -> ModelInput:
         sequences = []
         for request, num_new in scheduled.scheduled:
-            start = request.num_computed_tokens
+            start = request.num_computed_tokens + request.num_in_flight_tokens
             sequences.append(
                 ScheduledSequence(
                     request_id=request.request_id,
@@ -147,9 +170,11 @@ class Engine:
             )
         return ModelInput(sequences, self.cache_config.block_size)
 
-    def _update(self, scheduled: SchedulerOutput, model_output: ModelOutput) -> list[RequestOutput]:
+    def _update(
+        self, scheduled: list[tuple[Request, int]], model_output: ModelOutput
+    ) -> list[RequestOutput]:
         outputs = []
-        for request, num_new in scheduled.scheduled:
+        for request, num_new in scheduled:
             if request.num_output_tokens == 0:
                 self.num_prompt_tokens += num_new
             request.num_computed_tokens += num_new
@@ -226,13 +251,13 @@ class Engine:
             num_generated_tokens=self.num_generated_tokens,
             num_external_hit_tokens=self.kv.num_external_hit_tokens,
             num_kv_import_failures=self.scheduler.num_kv_import_failures,
+            num_batches_in_flight=len(self._batches),
         )
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity()
-        for request in self.scheduler.running:
-            if request.status != RequestStatus.RUNNING:
-                raise RuntimeError(f"running_are_running: {request.request_id} is {request.status}")
+        in_flight = list(self._batches.in_flight())
+        self.kv.check_integrity(held=[b for out in in_flight for b in out.held_blocks])
+        self.scheduler.check_integrity(in_flight)

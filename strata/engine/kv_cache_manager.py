@@ -5,6 +5,10 @@ Region map of one request's blocks (block_size B, num_computed_tokens C, num_tok
     [0, C // B)            full computed blocks; registered in the prefix cache once full
     [C // B, ceil(N / B))  blocks being written this step (allocated by `allocate_slots`)
 
+A batch in flight (pipeline parallel) holds a reference on the blocks it writes, as a request
+does: a request aborted or preempted meanwhile drops its own references at once, and those
+blocks return to the free queue only when the batch is collected (`hold` / `release`).
+
 A prefix hit has two parts: blocks found in the local prefix cache, then blocks whose KV was
 fetched from an external store (`Request.external_kv`). The latter get new blocks at admission,
 count as computed, and are imported by the executor before the step's forward pass.
@@ -12,6 +16,7 @@ count as computed, and are imported by the executor before the step's forward pa
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from strata.engine.block_pool import BlockPool, KVBlock
@@ -108,22 +113,23 @@ class KVCacheManager:
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed: ComputedBlocks = _NO_HIT
     ) -> bool:
-        """Make room for `num_new_tokens` more tokens; False (nothing changed) if out of blocks.
+        """Make room for `num_new_tokens` more tokens after those computed or in flight; False
+        (nothing changed) if out of blocks.
 
         `request.num_computed_tokens` already counts the hit tokens of `computed`.
         """
-        held = self._blocks.setdefault(request.request_id, [])
-        num_total = request.num_computed_tokens + num_new_tokens
-        num_needed = -(-num_total // self.block_size) - len(held) - len(computed.blocks)
+        table = self._blocks.setdefault(request.request_id, [])
+        num_total = request.num_computed_tokens + request.num_in_flight_tokens + num_new_tokens
+        num_needed = -(-num_total // self.block_size) - len(table) - len(computed.blocks)
         num_revived = sum(1 for b in computed.blocks if b.ref_cnt == 0)
         if num_needed + num_revived > self.pool.num_free_blocks:
-            if not held:
+            if not table:
                 del self._blocks[request.request_id]
             return False
         self.pool.touch(computed.blocks)
-        held.extend(computed.blocks)
+        table.extend(computed.blocks)
         if num_needed > 0:
-            held.extend(self.pool.get_new_blocks(num_needed))
+            table.extend(self.pool.get_new_blocks(num_needed))
         self._num_cached.setdefault(request.request_id, len(computed.blocks))
         return True
 
@@ -151,6 +157,19 @@ class KVCacheManager:
         self._hashes.pop(rid, None)
         self._num_cached.pop(rid, None)
 
+    def hold(self, request: Request, start: int, num_tokens: int) -> list[KVBlock]:
+        """Take a reference on the blocks that positions `start .. start + num_tokens` of
+        `request` are written to, for the batch that writes them; `release` gives it back."""
+        first, end = start // self.block_size, -(-(start + num_tokens) // self.block_size)
+        blocks = self._blocks[request.request_id][first:end]
+        self.pool.touch(blocks)
+        return blocks
+
+    def release(self, blocks: list[KVBlock]) -> None:
+        """Drop the references `hold` took; blocks no request holds any more are freed, the
+        tail first (as `free` does)."""
+        self.pool.free_blocks(list(reversed(blocks)))
+
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_cache()
 
@@ -170,17 +189,23 @@ class KVCacheManager:
     def _namespace(self, cache_salt: str) -> str:
         return f"{self.config.namespace}|{cache_salt}"
 
-    def check_integrity(self) -> None:
-        """free + cached + in use == total, and ref counts match the block tables."""
+    def check_integrity(self, held: Iterable[KVBlock] = ()) -> None:
+        """free + cached + in use == total, and ref counts match the block tables and `held`
+        (the blocks held by batches in flight, once per hold)."""
         pool = self.pool
         refs: dict[int, int] = {}
+        for b in held:
+            refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for blocks in self._blocks.values():
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         in_use = cached = free = 0
         for b in pool.blocks:
             if b.ref_cnt != refs.get(b.block_id, 0):
-                raise RuntimeError(f"ref_cnt_matches_tables: {b} held by {refs.get(b.block_id, 0)}")
+                raise RuntimeError(
+                    f"ref_cnt_matches_tables: {b} held by {refs.get(b.block_id, 0)} (tables and "
+                    "batches in flight)"
+                )
             if (b.ref_cnt == 0) != (b in pool.free_queue):
                 raise RuntimeError(f"free_queue_holds_unreferenced: {b}")
             in_use += b.ref_cnt > 0

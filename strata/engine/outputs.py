@@ -46,6 +46,7 @@ class EngineStats:
     num_generated_tokens: int  # cumulative
     num_external_hit_tokens: int = 0  # prompt tokens imported from fetched KV, cumulative
     num_kv_import_failures: int = 0  # fetched payloads the executor refused (recomputed)
+    num_batches_in_flight: int = 0  # submitted to the executor, not yet collected
 
     @property
     def prefix_hit_rate(self) -> float:

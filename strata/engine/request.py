@@ -104,6 +104,8 @@ class Request:
 
     Counters are stored; everything derivable is a property. `num_computed_tokens` counts tokens
     whose KV is in the cache (prefix hits included); it drops to 0 on preemption by recompute.
+    `num_in_flight_tokens` counts tokens in batches submitted to the executor and not yet
+    collected: the next batch starts after them (pipeline parallel keeps several in flight).
     """
 
     request_id: RequestId
@@ -117,6 +119,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Logprob] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_in_flight_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first schedule)
     num_preemptions: int = 0
     stop_reason: str | int | None = None
@@ -155,4 +158,6 @@ class Request:
 
     @property
     def num_tokens_to_compute(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Known tokens not yet computed nor in flight: 0 while a batch in flight samples the
+        next token, which the next computation needs."""
+        return self.num_tokens - self.num_computed_tokens - self.num_in_flight_tokens

@@ -23,17 +23,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from strata.errors import ConfigError, RequestError, StrataError
-from strata.gateway.components import Gateway
+from strata.errors import ConfigError, ConflictError, RequestError, StrataError
 from strata.gateway.releases import ReleaseService
 from strata.gateway.upstream import error_response
-from strata.registry.models import (
-    ConflictError,
-    ModelRegistry,
-    ModelVersion,
-    Strategy,
-    split_model_version,
-)
+from strata.gateway.wiring import Gateway
+from strata.registry.models import ModelRegistry, ModelVersion, Strategy, split_model_version
 
 
 def _gateway(request: Request) -> Gateway:

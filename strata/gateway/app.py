@@ -10,6 +10,8 @@ and admin endpoints.
     GET  /v1/sessions, GET/DELETE /v1/sessions/{id}   passed to any instance (the session store
                                                   is shared); a DELETE also unpins the session
     /admin/models, /admin/releases, ...           models, versions and releases (admin.py)
+    GET  /dashboard, /dashboard/data              the live dashboard, read-only without a key
+                                                  (dashboard.py)
 
 Only what routing needs is read from a body (model, stream, max_tokens); the bytes are forwarded
 untouched. `X-Model-Version` (or `model: "name@version"`) names a version, `X-Strata-Pool` a
@@ -22,22 +24,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 from starlette.applications import Starlette
 
 from strata.gateway.admin import admin_routes
-from strata.gateway.components import Gateway, build_gateway
 from strata.gateway.config import GatewayConfig
+from strata.gateway.dashboard import DASHBOARD_PATHS, dashboard_routes
 from strata.gateway.routes import build_routes
 from strata.gateway.sources import InstanceSource
-from strata.protocol.auth import ApiKeyAuth
+from strata.gateway.wiring import Gateway, build_gateway
+from strata.protocol.auth import EXEMPT_PATHS, ApiKeyAuth
 from strata.registry.base import Registry
 from strata.registry.models import ModelRegistry
 from strata.state.pins import PinStore
+
+logger = logging.getLogger("strata.gateway")
 
 
 def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
@@ -71,29 +77,41 @@ def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
             await asyncio.gather(*tasks, return_exceptions=True)
             await gateway.close()
 
-    app = Starlette(routes=[*build_routes(), *admin_routes()], lifespan=lifespan)
+    app = Starlette(routes=[*build_routes(), *admin_routes(), *dashboard_routes(gateway)],
+                    lifespan=lifespan)
     app.state.gateway = gateway
     if config.api_keys:
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
-                           rate_limit_per_s=config.rate_limit_per_s)
+                           rate_limit_per_s=config.rate_limit_per_s,
+                           exempt_paths=EXEMPT_PATHS | DASHBOARD_PATHS)
     return app
 
 
 async def _start_background(gateway: Gateway) -> list[asyncio.Task[None]]:
     config = gateway.config
     await gateway.source.refresh()
-    tasks = [asyncio.create_task(gateway.every(config.poll_interval_s, gateway.source.refresh)),
-             asyncio.create_task(gateway.every(config.health_check_interval_s,
-                                               gateway.health.check_once))]
+    tasks = [asyncio.create_task(every(config.poll_interval_s, gateway.source.refresh)),
+             asyncio.create_task(every(config.health_check_interval_s,
+                                       gateway.health.check_once))]
     if gateway.versions is not None:
         with contextlib.suppress(Exception):  # logged by `every` from then on
             await gateway.versions.refresh()
-        tasks.append(asyncio.create_task(gateway.every(config.versions.routing_poll_s,
-                                                       gateway.versions.refresh)))
+        tasks.append(asyncio.create_task(every(config.versions.routing_poll_s,
+                                               gateway.versions.refresh)))
     if gateway.releases is not None:
-        tasks.append(asyncio.create_task(gateway.every(gateway.releases.resume_interval_s,
-                                                       gateway.releases.resume_once)))
+        tasks.append(asyncio.create_task(every(gateway.releases.resume_interval_s,
+                                               gateway.releases.resume_once)))
     return tasks
+
+
+async def every(interval_s: float, step: Callable[[], Awaitable[None]]) -> None:
+    """Runs `step` forever, `interval_s` apart; a failing step is logged, not fatal."""
+    while True:
+        try:
+            await step()
+        except Exception:
+            logger.exception("background step failed")
+        await asyncio.sleep(interval_s)
 
 
 __all__ = ["Gateway", "create_gateway_app"]

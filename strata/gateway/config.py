@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from strata.errors import ConfigError
 from strata.registry.release_policy import ReleaseConfig
 
-POLICY_NAMES = ("power_of_two", "round_robin", "least_load", "consistent_hash")
 SESSION_ROUTING_MODES = ("none", "external", "sticky", "hybrid")
 
 
@@ -79,8 +78,9 @@ class AdmissionConfig:
 class SessionRoutingConfig:
     """How requests carrying a session id are routed (`mode`, see strata/gateway/sessions.py).
     `store_url` holds the pin table shared by every gateway (None: in this process only);
-    `epsilon` bounds each instance to ceil((1+epsilon) * mean) pinned sessions; a pin unused for
-    `pin_ttl_s` expires. A placement this gateway read or wrote in the store less than
+    `epsilon` bounds each instance to ceil((1+epsilon) * mean) pinned sessions; `epsilon` and
+    `num_vnodes` (ring points per instance) also shape the `consistent_hash` policy; a pin
+    unused for `pin_ttl_s` expires. A placement this gateway read or wrote in the store less than
     `local_pin_max_age_s` ago is reused without reading the store again (0: read every time)."""
 
     mode: str = "none"
@@ -130,7 +130,8 @@ class VersionConfig:
 class GatewayConfig:
     """Everything `strata gateway` needs; instances come from `registry_url` or
     `instance_urls` (at most one of them; an app built with its own instance source needs
-    neither)."""
+    neither). `policy` names a row of the policy table (strata/gateway/policies/__init__.py),
+    checked when the gateway is built (the table may gain rows after this config is made)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -157,8 +158,6 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
-        if self.policy not in POLICY_NAMES:
-            raise ConfigError(f"unknown policy {self.policy!r}; valid: {', '.join(POLICY_NAMES)}")
         if self.instance_urls and self.registry_url:
             raise ConfigError("give either --registry or --instances, not both")
         for url in self.instance_urls:
@@ -173,5 +172,5 @@ class GatewayConfig:
             raise ConfigError("api keys must not be empty strings")
 
 
-__all__ = ["POLICY_NAMES", "SESSION_ROUTING_MODES", "AdmissionConfig", "EjectionConfig",
+__all__ = ["SESSION_ROUTING_MODES", "AdmissionConfig", "EjectionConfig",
            "GatewayConfig", "RetryConfig", "SessionRoutingConfig", "VersionConfig"]

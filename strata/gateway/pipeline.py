@@ -15,8 +15,6 @@ from strata.gateway.instances import InstanceSet, InstanceView
 from strata.gateway.policies.base import RouteRequest, RoutingPolicy
 
 Filter = Callable[[RouteRequest, InstanceView], bool]
-# returns the candidate a request must go to (a session's pinned instance), or None: the policy
-Preference = Callable[[RouteRequest, list[InstanceView]], InstanceView | None]
 
 
 def is_routable(request: RouteRequest, view: InstanceView) -> bool:
@@ -53,17 +51,15 @@ class RouteDecision:
 
 
 class RoutingPipeline:
-    """Filters, then the preference (session routing) if it names a candidate, else the policy.
+    """Filters, then the policy (with pinned sessions, the policy that places them first).
     `route` does not change any state; the caller calls the policy's hooks when it actually
     sends the request."""
 
     def __init__(self, instances: InstanceSet, policy: RoutingPolicy,
-                 filters: tuple[Filter, ...] = FILTERS,
-                 prefer: Preference | None = None) -> None:
+                 filters: tuple[Filter, ...] = FILTERS) -> None:
         self.instances = instances
         self.policy = policy
         self.filters = filters
-        self.prefer = prefer
 
     def candidates(self, request: RouteRequest,
                    exclude: Collection[str] = ()) -> list[InstanceView]:
@@ -75,8 +71,7 @@ class RoutingPipeline:
     def route(self, request: RouteRequest, exclude: Collection[str] = ()) -> RouteDecision:
         candidates = self.candidates(request, exclude)
         if candidates:
-            preferred = self.prefer(request, candidates) if self.prefer is not None else None
-            return RouteDecision(preferred or self.policy.choose(request, candidates))
+            return RouteDecision(self.policy.choose(request, candidates))
         return self._no_instance(request, exclude)
 
     def _no_instance(self, request: RouteRequest, exclude: Collection[str]) -> RouteDecision:
@@ -92,4 +87,4 @@ class RoutingPipeline:
                                         "retry later")
 
 
-__all__ = ["FILTERS", "Filter", "Preference", "RouteDecision", "RoutingPipeline"]
+__all__ = ["FILTERS", "Filter", "RouteDecision", "RoutingPipeline"]

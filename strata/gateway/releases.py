@@ -20,9 +20,10 @@ import socket
 
 import httpx
 
+from strata.errors import ConflictError
 from strata.gateway.versions import VersionStats
 from strata.registry.base import Registry
-from strata.registry.models import ConflictError, ModelRegistry, Release, Strategy
+from strata.registry.models import ModelRegistry, Release, Strategy
 from strata.registry.records import InstanceRecord
 from strata.registry.releases import ReleaseConfig, ReleaseController, VersionHealth
 

@@ -6,6 +6,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from strata.errors import InvalidRequestError
 from strata.gateway.policies.base import RouteRequest
 
 VERSION_HEADER = "x-model-version"
@@ -15,15 +16,11 @@ DEFAULT_MAX_TOKENS = 16
 BYTES_PER_TOKEN = 4  # a rough prompt-size estimate; only used to weigh load
 
 
-class RequestParseError(ValueError):
-    """The body is not a JSON object or a routing field has the wrong type (answered 400)."""
-
-
 def _field(data: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
     value = data.get(name)
     is_bool_for_int = isinstance(value, bool) and kind is int
     if value is not None and (not isinstance(value, kind) or is_bool_for_int):
-        raise RequestParseError(f"{name}: has the wrong type ({type(value).__name__})")
+        raise InvalidRequestError(f"{name}: has the wrong type ({type(value).__name__})")
     return value
 
 
@@ -34,9 +31,9 @@ def _model_and_version(model: str | None,
         return model, header or None
     name, _, version = model.partition("@")
     if not name or not version:
-        raise RequestParseError(f"model: expected NAME or NAME@VERSION, got {model!r}")
+        raise InvalidRequestError(f"model: expected NAME or NAME@VERSION, got {model!r}")
     if header and header != version:
-        raise RequestParseError(f"the X-Model-Version header asks for {header!r} but model "
+        raise InvalidRequestError(f"the X-Model-Version header asks for {header!r} but model "
                                 f"asks for {model!r}; send one of them")
     return name, version
 
@@ -48,9 +45,9 @@ def route_request(body: bytes, headers: Mapping[str, str]) -> RouteRequest:
     try:
         data = json.loads(body) if body else {}
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestParseError(f"request body is not valid JSON: {exc}") from None
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise RequestParseError("request body must be a JSON object")
+        raise InvalidRequestError("request body must be a JSON object")
     max_tokens = _field(data, "max_tokens", int) or DEFAULT_MAX_TOKENS
     model, version = _model_and_version(_field(data, "model", str), headers.get(VERSION_HEADER))
     return RouteRequest(
@@ -63,5 +60,4 @@ def route_request(body: bytes, headers: Mapping[str, str]) -> RouteRequest:
     )
 
 
-__all__ = ["POOL_HEADER", "SESSION_HEADER", "VERSION_HEADER", "RequestParseError",
-           "route_request"]
+__all__ = ["POOL_HEADER", "SESSION_HEADER", "VERSION_HEADER", "route_request"]

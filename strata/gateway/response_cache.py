@@ -31,8 +31,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from strata.errors import ConfigError
-from strata.state.response_cache import ResponseCache, ResponseCacheError
+from strata.errors import ConfigError, ResponseCacheError
+from strata.state.response_cache import ResponseCache
 
 logger = logging.getLogger("strata.gateway.response_cache")
 
@@ -41,6 +41,7 @@ OUTPUT_NEUTRAL_FIELDS = frozenset({"stream", "stream_options", "user", "priority
 FINISHED_REASONS = frozenset({"stop", "length"})  # not abort, error or None (cut short)
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 KEY_PREFIX = "infer"
+CACHE_HEADER = "x-strata-cache"  # on answers: hit, or miss (and stored if storable)
 
 
 def cache_key(path: str, body: dict[str, Any], *, model: str, version: str) -> str | None:
@@ -184,5 +185,5 @@ def _is_computed_by(key: str, fingerprint: object) -> bool:
     return bool(at) and key.startswith(f"{KEY_PREFIX}:{name}:{version}:")
 
 
-__all__ = ["CACHEABLE_PATHS", "OUTPUT_NEUTRAL_FIELDS", "ResponseCacheLayer", "cache_key",
-           "is_deterministic", "is_storable"]
+__all__ = ["CACHEABLE_PATHS", "CACHE_HEADER", "OUTPUT_NEUTRAL_FIELDS", "ResponseCacheLayer",
+           "cache_key", "is_deterministic", "is_storable"]

@@ -9,13 +9,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from strata.errors import OverloadedError
-from strata.gateway.components import Gateway
+from strata.errors import InvalidRequestError
+from strata.gateway.forward import Handler
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.policies.base import RouteRequest
 from strata.gateway.proxy import ProxyRequest
-from strata.gateway.requests import RequestParseError, route_request
-from strata.gateway.upstream import RelayResponse, error_response
+from strata.gateway.requests import route_request
+from strata.gateway.upstream import error_response
+from strata.gateway.wiring import Gateway
 
 
 def _gateway(request: Request) -> Gateway:
@@ -24,49 +25,30 @@ def _gateway(request: Request) -> Gateway:
 
 
 async def generate(request: Request) -> Response:
-    """/v1/completions and /v1/chat/completions: admitted, then proxied."""
-    return await _proxied(request, is_admitted=True)
+    """/v1/completions and /v1/chat/completions: the whole request path (forward.py)."""
+    gateway = _gateway(request)
+    return await _proxied(request, gateway, gateway.forward)
 
 
 async def tokenizer_call(request: Request) -> Response:
-    """/tokenize and /detokenize: cheap, so not counted by admission."""
-    return await _proxied(request, is_admitted=False)
-
-
-async def _proxied(request: Request, *, is_admitted: bool) -> Response:
+    """/tokenize and /detokenize: cheap, so straight to the proxy (no admission slot, version
+    choice, response cache or pin-store placement)."""
     gateway = _gateway(request)
+    return await _proxied(request, gateway, gateway.proxy.forward)
+
+
+async def _proxied(request: Request, gateway: Gateway, forward: Handler) -> Response:
     received_at = gateway.proxy.clock()
     gateway.metrics.requests.labels(request.url.path).inc()
     body = await request.body()
     try:
         route = route_request(body, request.headers)
-    except RequestParseError as exc:
+    except InvalidRequestError as exc:
         gateway.metrics.errors.labels("bad_request").inc()
         return error_response(400, str(exc))
     preq = ProxyRequest(request.method, request.url.path, body, list(request.headers.items()),
                         route, received_at)
-    if not is_admitted:
-        return await gateway.proxy.forward(preq)
-    return await _with_slot(gateway, preq)
-
-
-async def _with_slot(gateway: Gateway, preq: ProxyRequest) -> Response:
-    """Holds an admission slot until the response is fully sent (streams: until they end)."""
-    try:
-        await gateway.admission.acquire()
-    except OverloadedError as exc:
-        gateway.metrics.errors.labels(f"admission_{exc.status_code}").inc()
-        return error_response(exc.status_code, exc.message, retry_after_s=exc.retry_after_s)
-    try:
-        response = await gateway.forward(preq)
-    except BaseException:
-        gateway.admission.release()
-        raise
-    if isinstance(response, RelayResponse):
-        response.on_close.append(gateway.admission.release)
-    else:
-        gateway.admission.release()
-    return response
+    return await forward(preq)
 
 
 async def session_call(request: Request) -> Response:

@@ -16,6 +16,12 @@ and hybrid routing carry `X-Strata-Session-Routing: pinned|placed|moved` (or `un
 pin store could not be reached: the request then goes where the plain consistent hash puts it).
 Requests without a session id use the normal policy in every mode.
 
+Two parts do this. Before routing, the `PlaceSession` step of the request path
+(strata/gateway/forward.py) calls `SessionRouter.place`, which reads and writes the shared pin
+store. Then the pipeline's policy, `PinnedSessionPolicy` around the configured one, sends a
+request with a session id to the placement this gateway made last (or, on a retry after that
+instance failed, to the bounded consistent hash over the candidates left).
+
 Local reuse (`local_pin_max_age_s` > 0). A placement this gateway read from or wrote to the pin
 store less than that age ago is answered again (as `pinned`) without reading the store, while
 its instance is still a routable candidate under the bound; the age counts from the store
@@ -27,7 +33,6 @@ answers from the whole history or gets a 409, and costs at most a KV cache miss.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -35,15 +40,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from starlette.responses import Response
-
+from strata.errors import PinStoreError
 from strata.gateway.config import SessionRoutingConfig
 from strata.gateway.instances import InstanceView
-from strata.gateway.policies.base import RouteRequest
+from strata.gateway.policies.base import RouteRequest, RoutingPolicy
 from strata.gateway.policies.consistent_hash import RingCache, is_over_bound, place
-from strata.gateway.proxy import Proxy, ProxyRequest
-from strata.gateway.upstream import INSTANCE_HEADER
-from strata.state.pins import PinStore, PinStoreError
+from strata.state.pins import PinStore
 
 logger = logging.getLogger("strata.gateway.sessions")
 
@@ -67,12 +69,18 @@ class Placement:
     def is_moved(self) -> bool:
         return self.outcome == MOVED
 
+    def outcome_served_by(self, instance_id: str | None) -> str:
+        """The outcome, or `rerouted` when another instance than the placement served it."""
+        if self.instance_id is not None and instance_id not in (None, self.instance_id):
+            return REROUTED
+        return self.outcome
+
 
 class SessionRouter:
     """Pins sessions to instances (sticky and hybrid modes); one per gateway.
 
-    `place` reads and writes the shared pin store; `prefer` is the pipeline's synchronous hook,
-    answering from the placements this gateway made last (bounded, most recent kept)."""
+    `place` reads and writes the shared pin store; `prefer` answers synchronously (for the
+    routing policy) from the placements this gateway made last (bounded, most recent kept)."""
 
     def __init__(self, config: SessionRoutingConfig, pins: PinStore, *,
                  clock: Callable[[], float] = time.monotonic, max_local: int = 65536) -> None:
@@ -113,17 +121,15 @@ class SessionRouter:
         raise PinStoreError(f"session {session_id!r}: the pin kept changing under "
                             f"{MAX_CAS_ROUNDS} compare-and-set rounds")
 
-    def prefer(self, request: RouteRequest, candidates: list[InstanceView]) -> InstanceView | None:
+    def prefer(self, session_id: str, candidates: Sequence[InstanceView]) -> InstanceView:
         """The candidate this gateway placed the session on; else (that one failed or was never
-        placed) the bounded consistent hash over the candidates; None without a session id."""
-        if request.session_id is None:
-            return None
+        placed) the bounded consistent hash over the candidates (non-empty)."""
         by_id = {view.instance_id: view for view in candidates}
-        local = self._local.get(request.session_id)
+        local = self._local.get(session_id)
         if local is not None and local[0] in by_id:
             return by_id[local[0]]
         ring = self.rings.ring_for(by_id)
-        return by_id[place(ring, request.session_id, self._counts, epsilon=self.config.epsilon,
+        return by_id[place(ring, session_id, self._counts, epsilon=self.config.epsilon,
                            allowed=by_id)]
 
     async def forget(self, session_id: str) -> None:
@@ -132,29 +138,9 @@ class SessionRouter:
         await self.pins.delete(session_id)
         self._counts_at = -math.inf
 
-    async def forward(self, proxy: Proxy, request: ProxyRequest) -> Response:
-        """Place the request's session, then forward it; the answer says what happened."""
-        session_id = request.route.session_id
-        candidates = proxy.pipeline.candidates(request.route)
-        if session_id is None or not candidates:
-            return await proxy.forward(request)
-        foreign = [view.instance_id for view in proxy.pipeline.instances.snapshot()
-                   if request.route.model is not None and view.model != request.route.model]
-        placement = await self._place_or_unpinned(session_id, candidates, foreign)
-        is_hybrid_move = placement.is_moved and self.config.mode == "hybrid"
-        if is_hybrid_move:
-            request = dataclasses.replace(request, headers=[*request.headers, (MOVED_HEADER, "1")])
-        response = await proxy.forward(request)
-        served_by = response.headers.get(INSTANCE_HEADER)
-        rerouted = placement.instance_id is not None and served_by not in (None,
-                                                                            placement.instance_id)
-        response.headers[ROUTING_HEADER] = REROUTED if rerouted else placement.outcome
-        if is_hybrid_move:
-            response.headers[MOVED_HEADER] = "1"
-        return response
-
-    async def _place_or_unpinned(self, session_id: str, candidates: Sequence[InstanceView],
-                                 foreign: Collection[str]) -> Placement:
+    async def place_or_unpinned(self, session_id: str, candidates: Sequence[InstanceView],
+                                foreign: Collection[str]) -> Placement:
+        """`place`, or `unpinned` (no instance named) when the pin store fails."""
         try:
             return await self.place(session_id, candidates, foreign)
         except PinStoreError as exc:
@@ -211,5 +197,27 @@ class SessionRouter:
         return Placement(instance_id, outcome)
 
 
+class PinnedSessionPolicy:
+    """The routing policy while sessions are pinned: a request with a session id goes where
+    `sessions.prefer` says; every other request, and every hook, goes to `policy`."""
+
+    def __init__(self, sessions: SessionRouter, policy: RoutingPolicy) -> None:
+        self.sessions = sessions
+        self.policy = policy
+        self.name = policy.name
+
+    def choose(self, request: RouteRequest, candidates: Sequence[InstanceView]) -> InstanceView:
+        if request.session_id is None:
+            return self.policy.choose(request, candidates)
+        return self.sessions.prefer(request.session_id, candidates)
+
+    def on_request_routed(self, request: RouteRequest, instance: InstanceView) -> None:
+        self.policy.on_request_routed(request, instance)
+
+    def on_request_finished(self, request: RouteRequest, instance: InstanceView,
+                            *, is_success: bool) -> None:
+        self.policy.on_request_finished(request, instance, is_success=is_success)
+
+
 __all__ = ["MOVED", "MOVED_HEADER", "PINNED", "PLACED", "REROUTED", "ROUTING_HEADER", "UNPINNED",
-           "Placement", "SessionRouter"]
+           "PinnedSessionPolicy", "Placement", "SessionRouter"]

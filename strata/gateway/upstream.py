@@ -16,10 +16,8 @@ followed by one error event and `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 import httpx
@@ -28,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from strata.gateway.config import GatewayConfig
 from strata.gateway.instances import InstanceSet, InstanceView
+from strata.protocol.errors import error_json, error_payload, retry_after
 from strata.protocol.sse import DONE_FRAME, encode_event
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
@@ -141,21 +140,12 @@ def forwarded_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str
     return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
 
 
-def error_payload(status_code: int, message: str, kind: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": status_code}}
-
-
 def error_response(status_code: int, message: str, *, kind: str | None = None,
                    retry_after_s: float | None = None) -> Response:
-    """A JSON response with the OpenAI error body."""
-    kind = kind or _KINDS.get(status_code, "upstream_error")
-    headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s else None
-    body = json.dumps(error_payload(status_code, message, kind)).encode()
-    return Response(body, status_code, headers=headers, media_type="application/json")
-
-
-_KINDS = {400: "invalid_request_error", 404: "not_found_error", 429: "overloaded_error",
-          502: "upstream_error", 503: "service_unavailable_error"}
+    """A JSON response with the OpenAI error body (strata.protocol.errors)."""
+    headers = retry_after(retry_after_s) if retry_after_s else None
+    return Response(error_json(status_code, message, kind=kind), status_code, headers=headers,
+                    media_type="application/json")
 
 
 def split_frames(buffer: bytes) -> tuple[bytes, bytes]:
@@ -168,7 +158,7 @@ def split_frames(buffer: bytes) -> tuple[bytes, bytes]:
 
 def broken_stream_frames(message: str) -> bytes:
     """What a client receives when its stream's instance fails: an error event, then [DONE]."""
-    return encode_event(error_payload(502, message, "upstream_error")) + DONE_FRAME
+    return encode_event(error_payload(502, message)) + DONE_FRAME
 
 
 class RelayResponse(StreamingResponse):
@@ -219,5 +209,5 @@ def response_headers(response: httpx.Response, instance_id: str) -> dict[str, st
 
 
 __all__ = ["HOP_BY_HOP", "INSTANCE_HEADER", "RelayResponse", "broken_stream_frames",
-           "UpstreamPools", "close_quietly", "error_payload", "error_response",
+           "UpstreamPools", "close_quietly", "error_response",
            "forwarded_headers", "read_frames", "response_headers", "split_frames"]

@@ -27,9 +27,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from strata.gateway.instances import InstanceSet
+from strata.errors import PinStoreError
+from strata.gateway.instances import InstanceSet, InstanceView
 from strata.registry.models import ModelRegistry, ModelRouting
-from strata.state.pins import PinStore, PinStoreError
+from strata.state.pins import PinStore
 
 logger = logging.getLogger("strata.gateway.versions")
 
@@ -162,6 +163,13 @@ class VersionStats:
                ttft_ms: float | None = None) -> None:
         samples = self._outcomes.setdefault((model, version), deque(maxlen=self.max_samples))
         samples.append(Outcome(self.clock(), is_error, ttft_ms))
+
+    def observe(self, view: InstanceView, is_error: bool, ttft_s: float | None) -> None:
+        """One attempt's outcome on `view` (a proxy observer); views without a model are not
+        counted."""
+        if view.model:
+            ttft_ms = ttft_s * 1000 if ttft_s is not None else None
+            self.record(view.model, view.version, is_error=is_error, ttft_ms=ttft_ms)
 
     def recent(self, model: str, version: str) -> list[Outcome]:
         samples = self._outcomes.get((model, version))

@@ -19,11 +19,11 @@ import torch
 from torch import Tensor
 
 from strata.engine.executor import ModelInput, ModelOutput, ScheduledSequence
-from strata.errors import ConfigError
+from strata.errors import ConfigError, KVPayloadError
 from strata.model import cpu_kernels
 from strata.model.attention import PagedKVCache, PrefillChunk, StepBatch
 from strata.model.config import ModelConfig
-from strata.model.kv_codec import KVCodec, KVLayout, KVPayloadError
+from strata.model.kv_codec import KVCodec, KVLayout
 from strata.model.llama import LlamaModel
 from strata.model.sampler import Sampler
 from strata.model.shard import RankShard, ShardComm

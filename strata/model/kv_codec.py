@@ -17,17 +17,13 @@ import struct
 import zlib
 from dataclasses import asdict, dataclass
 
+from strata.errors import KVPayloadError
 from strata.model.config import DTYPE_BYTES
 
 MAGIC = b"STKV"
 FORMAT_VERSION = 1
 _PREFIX = struct.Struct("<4sHI")  # magic, format version, header length
 _CRC = struct.Struct("<I")
-
-
-class KVPayloadError(ValueError):
-    """A payload that is not KV of the loaded model (or is damaged); treated as a miss."""
-
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:

@@ -13,7 +13,6 @@ Probes and scrapes (/health, /ready, /metrics, /load) need no key.
 from __future__ import annotations
 
 import hmac
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from strata.errors import ConfigError
+from strata.protocol.errors import error_json
 
 EXEMPT_PATHS = frozenset({"/health", "/ready", "/metrics", "/load"})
 Compare = Callable[[bytes, bytes], bool]
@@ -117,8 +117,7 @@ def _bearer(scope: Scope) -> bytes:
 
 async def _reject(send: Send, status: int, kind: str, code: str, message: str,
                   extra_headers: list[tuple[bytes, bytes]]) -> None:
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None,
-                                 "code": code}}).encode()
+    body = error_json(status, message, kind=kind, code=code)
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode()), *extra_headers]
     await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -258,7 +258,7 @@ class ErrorInfo(_Response):
     message: str
     type: str
     param: str | None = None
-    code: str | int | None = None
+    code: str | None = None  # OpenAI's machine-readable code, never the HTTP status
 
 
 class ErrorResponse(_Response):

@@ -17,12 +17,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
-from strata.errors import ConfigError, StrataError
+from strata.errors import ConfigError, RegistryError
 from strata.registry.records import InstanceLoad, InstanceRecord, InstanceState
-
-
-class RegistryError(StrataError):
-    """An instance is unknown to the registry, or the registry backend failed."""
 
 
 @runtime_checkable

@@ -5,7 +5,8 @@
                                                        may share the instance registry's file)
     create_model_registry("redis://127.0.0.1:6379/0")  many machines
 
-The URL schemes are the instance registry's (`create_registry`), so one URL names both.
+The URL schemes are the instance registry's (`create_registry`, strata/state/urls.py), so one
+URL names both.
 """
 
 from __future__ import annotations
@@ -18,26 +19,24 @@ from strata.registry.models import ModelRegistry
 from strata.registry.models_memory import MemoryModelRegistry
 from strata.registry.models_sqlite import SqliteModelRegistry
 from strata.state.sqlite_db import sqlite_path
-
-MODEL_REGISTRY_SCHEMES = ("memory://", "sqlite:///PATH", "redis://HOST:PORT/DB",
-                          "rediss://HOST:PORT/DB")
+from strata.state.urls import scheme_of
 
 
 def create_model_registry(url: str, *,
                           clock: Callable[[], float] = time.time) -> ModelRegistry:
     """The backend named by `url`'s scheme; `clock` stamps created_at / updated_at."""
-    if url in ("memory://", "memory"):
+    backend = scheme_of("model_registry", url).backend
+    if backend == "memory":
         return MemoryModelRegistry(clock=clock)
-    if url.startswith("sqlite://"):
+    if backend == "sqlite":
         path = sqlite_path(url, what="model registry",
                            example="sqlite:///var/run/strata/registry.db")
         return SqliteModelRegistry(path, clock=clock)
-    if url.startswith(("redis://", "rediss://")):
+    if backend == "redis":
         from strata.registry.models_redis import RedisModelRegistry  # lazy: redis only here
 
         return RedisModelRegistry(url, clock=clock)
-    raise ConfigError(f"unknown model registry URL {url!r}; "
-                      f"use one of: {', '.join(MODEL_REGISTRY_SCHEMES)}")
+    raise ConfigError(f"strata/state/urls.py names a {backend} model registry that does not exist")
 
 
-__all__ = ["MODEL_REGISTRY_SCHEMES", "create_model_registry"]
+__all__ = ["create_model_registry"]

@@ -28,11 +28,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
-from strata.errors import ConfigError, StrataError
-
-
-class ConflictError(StrataError):
-    """A compare-and-set lost: the record changed since it was read (or already exists)."""
+from strata.errors import ConfigError, ConflictError
 
 
 def split_model_version(text: str) -> tuple[str, str | None]:

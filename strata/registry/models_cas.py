@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TypeVar
 
-from strata.errors import ConfigError
-from strata.registry.models import ConflictError, Deployment, ModelRouting, ModelVersion, Release
+from strata.errors import ConfigError, ConflictError
+from strata.registry.models import Deployment, ModelRouting, ModelVersion, Release
 
 Revisioned = TypeVar("Revisioned", ModelRouting, Deployment, Release)
 

@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-
-from strata.registry.base import RegistryError
+from strata.errors import RegistryError
 from strata.registry.models import Deployment, ModelRouting, ModelVersion, Release
 from strata.registry.models_cas import (
     next_revision,
@@ -35,8 +32,7 @@ from strata.registry.models_cas import (
     stamp_version,
     version_conflict,
 )
-
-T = TypeVar("T")
+from strata.state.redis_db import RedisDatabase
 
 # KEYS: record, index.  ARGV: json, index member.  -> nil when added, else the stored JSON
 _ADD_VERSION = """
@@ -93,18 +89,21 @@ class RedisModelRegistry:
         self.url = url
         self.clock = clock
         self.prefix = prefix
-        self._client: Any = aioredis.Redis.from_url(url, decode_responses=True)
-        self._add_version: Any = self._client.register_script(_ADD_VERSION)
-        self._cas: Any = self._client.register_script(_CAS)
-        self._put_release: Any = self._client.register_script(_PUT_RELEASE)
-        self._delete_if: Any = self._client.register_script(_DELETE_IF)
+        self._db = RedisDatabase(url, error=RegistryError, what="redis model registry",
+                                 decode_responses=True)
+        self._client: Any = self._db.client
+        self._add_version: Any = self._db.script(_ADD_VERSION)
+        self._cas: Any = self._db.script(_CAS)
+        self._put_release: Any = self._db.script(_PUT_RELEASE)
+        self._delete_if: Any = self._db.script(_DELETE_IF)
 
     # --- versions ---------------------------------------------------------------------------
 
     async def add_version(self, version: ModelVersion) -> ModelVersion:
         new = stamp_version(version, self.clock())
         keys = [self._key("version", new.key), self._key("versions")]
-        stored = await self._call(self._add_version(keys=keys, args=[_dump(new), new.key]))
+        args = [_dump(new), new.key]
+        stored = await self._db.call(lambda: self._add_version(keys=keys, args=args))
         if stored is None:
             return new
         existing = ModelVersion.from_json(json.loads(stored))
@@ -113,11 +112,12 @@ class RedisModelRegistry:
         return existing
 
     async def get_version(self, name: str, version: str) -> ModelVersion | None:
-        text = await self._call(self._client.get(self._key("version", f"{name}@{version}")))
+        key = self._key("version", f"{name}@{version}")
+        text = await self._db.call(lambda: self._client.get(key))
         return None if text is None else ModelVersion.from_json(json.loads(text))
 
     async def list_versions(self, name: str | None = None) -> list[ModelVersion]:
-        members = await self._call(self._client.smembers(self._key("versions")))
+        members = await self._db.call(lambda: self._client.smembers(self._key("versions")))
         if name is not None:
             members = {m for m in members if m.partition("@")[0] == name}
         texts = await self._get_all([self._key("version", m) for m in members])
@@ -154,7 +154,7 @@ class RedisModelRegistry:
         key = f"{name}@{version}"
         keys = [self._key("deployment", key), self._key("deployments")]
         expected = "" if expected_revision is None else str(expected_revision)
-        return bool(await self._call(self._delete_if(keys=keys, args=[expected, key])))
+        return bool(await self._db.call(lambda: self._delete_if(keys=keys, args=[expected, key])))
 
     async def list_deployments(self) -> list[Deployment]:
         deployments = [Deployment.from_json(json.loads(t))
@@ -168,7 +168,7 @@ class RedisModelRegistry:
         keys = [self._key("release", new.release_id), self._key("releases"),
                 self._key("releases", new.name), self._key("in_progress", new.name)]
         args = [expected_revision, _dump(new), new.release_id, int(new.is_terminal)]
-        outcome = await self._call(self._put_release(keys=keys, args=args))
+        outcome = await self._db.call(lambda: self._put_release(keys=keys, args=args))
         if outcome[0] == "stale":
             raise stale("release", new.release_id, expected_revision, int(outcome[1]))
         if outcome[0] == "busy":
@@ -187,7 +187,7 @@ class RedisModelRegistry:
         return sorted(releases, key=lambda r: (r.created_at, r.release_id))
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await self._db.aclose()
 
     # --- internals ----------------------------------------------------------------------------
 
@@ -197,18 +197,19 @@ class RedisModelRegistry:
     async def _compare_and_set(self, kind: str, key: str, expected_revision: int,
                                new: ModelRouting | Deployment) -> None:
         keys = [self._key(kind, key), self._key(f"{kind}s")]
-        stored = await self._call(self._cas(keys=keys, args=[expected_revision, _dump(new), key]))
+        args = [expected_revision, _dump(new), key]
+        stored = await self._db.call(lambda: self._cas(keys=keys, args=args))
         if int(stored) != -1:
             raise stale(kind, key, expected_revision, int(stored))
 
     async def _record(self, key: str) -> str | None:
-        text: str | None = await self._call(self._client.hget(key, "record"))
+        text: str | None = await self._db.call(lambda: self._client.hget(key, "record"))
         return text
 
     async def _records(self, index: str, kind: str) -> list[str]:
         """The JSON of every record whose id is in the set `index` (skipping any deleted
         between the two reads)."""
-        members = await self._call(self._client.smembers(self._key(index)))
+        members = await self._db.call(lambda: self._client.smembers(self._key(index)))
 
         async def read() -> list[str | None]:
             async with self._client.pipeline(transaction=False) as pipe:
@@ -217,19 +218,13 @@ class RedisModelRegistry:
                 result: list[str | None] = await pipe.execute()
                 return result
 
-        return [t for t in await self._call(read()) if t is not None]
+        return [t for t in await self._db.call(read) if t is not None]
 
     async def _get_all(self, keys: list[str]) -> list[str | None]:
         if not keys:
             return []
-        texts: list[str | None] = await self._call(self._client.mget(keys))
+        texts: list[str | None] = await self._db.call(lambda: self._client.mget(keys))
         return texts
-
-    async def _call(self, work: Awaitable[T]) -> T:
-        try:
-            return await work
-        except RedisError as exc:
-            raise RegistryError(f"redis model registry {self.url}: {exc}") from exc
 
 
 def _dump(record: ModelVersion | ModelRouting | Deployment | Release) -> str:

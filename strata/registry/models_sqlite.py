@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from strata.registry.base import RegistryError
-from strata.registry.models import ConflictError, Deployment, ModelRouting, ModelVersion, Release
+from strata.errors import ConflictError, RegistryError
+from strata.registry.models import Deployment, ModelRouting, ModelVersion, Release
 from strata.registry.models_cas import (
     next_revision,
     release_in_progress,

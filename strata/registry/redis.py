@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-
-from strata.registry.base import RegistryError, as_seen, check_ttl, unknown_instance
+from strata.errors import RegistryError
+from strata.registry.base import as_seen, check_ttl, unknown_instance
 from strata.registry.records import InstanceLoad, InstanceRecord, InstanceState
+from strata.state.redis_db import RedisDatabase
 
-T = TypeVar("T")
 _HEARTBEAT = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV))
@@ -41,8 +39,10 @@ class RedisRegistry:
         self.ttl_s = ttl_s
         self.clock = clock
         self.prefix = prefix
-        self._client: Any = aioredis.Redis.from_url(url, decode_responses=True)
-        self._heartbeat: Any = self._client.register_script(_HEARTBEAT)
+        self._db = RedisDatabase(url, error=RegistryError, what="redis registry",
+                                 decode_responses=True)
+        self._client: Any = self._db.client
+        self._heartbeat: Any = self._db.script(_HEARTBEAT)
 
     # --- Registry -----------------------------------------------------------------------------
 
@@ -58,7 +58,7 @@ class RedisRegistry:
                 pipe.delete(key).hset(key, mapping=fields).sadd(self._ids, record.instance_id)
                 await pipe.execute()
 
-        await self._call(write())
+        await self._db.call(write)
 
     async def heartbeat(self, instance_id: str, *, state: InstanceState | None = None,
                         load: InstanceLoad | None = None) -> None:
@@ -67,7 +67,8 @@ class RedisRegistry:
             args += ["state", state.value]
         if load is not None:
             args += ["load", json.dumps(load.to_json())]
-        found = await self._call(self._heartbeat(keys=[self._key(instance_id)], args=args))
+        key = self._key(instance_id)
+        found = await self._db.call(lambda: self._heartbeat(keys=[key], args=args))
         if not found:
             raise unknown_instance(instance_id)
 
@@ -77,14 +78,14 @@ class RedisRegistry:
                 pipe.delete(self._key(instance_id)).srem(self._ids, instance_id)
                 await pipe.execute()
 
-        await self._call(write())
+        await self._db.call(write)
 
     async def get(self, instance_id: str) -> InstanceRecord | None:
-        fields = await self._call(self._client.hgetall(self._key(instance_id)))
+        fields = await self._db.call(lambda: self._client.hgetall(self._key(instance_id)))
         return self._decode(fields, self.clock()) if fields else None
 
     async def list_instances(self) -> list[InstanceRecord]:
-        ids = sorted(await self._call(self._client.smembers(self._ids)))
+        ids = sorted(await self._db.call(lambda: self._client.smembers(self._ids)))
 
         async def read() -> list[dict[str, str]]:
             async with self._client.pipeline(transaction=False) as pipe:
@@ -95,10 +96,10 @@ class RedisRegistry:
 
         now = self.clock()
         # an id whose hash is gone was deregistered between the two reads
-        return [self._decode(f, now) for f in await self._call(read()) if f]
+        return [self._decode(f, now) for f in await self._db.call(read) if f]
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await self._db.aclose()
 
     # --- internals ----------------------------------------------------------------------------
 
@@ -114,12 +115,6 @@ class RedisRegistry:
         data.update(state=fields["state"], load=json.loads(fields["load"]),
                     last_heartbeat=float(fields["last_heartbeat"]))
         return as_seen(InstanceRecord.from_json(data), now, self.ttl_s)
-
-    async def _call(self, work: Awaitable[T]) -> T:
-        try:
-            return await work
-        except RedisError as exc:
-            raise RegistryError(f"redis registry {self.url}: {exc}") from exc
 
 
 __all__ = ["RedisRegistry"]

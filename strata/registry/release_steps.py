@@ -1,7 +1,7 @@
 """The steps of a release, one idempotent handler per state (the machine is drawn in releases.py).
 
     ReleaseSteps     the handlers; every release write renews this controller's lease
-    Superseded       the stored release changed under the driver (it re-reads and decides)
+    ReleaseSupersededError  the stored release changed under the driver (it re-reads and decides)
 """
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
-from strata.errors import StrataError
+from strata.errors import ConflictError, ReleaseSupersededError, StrataError
 from strata.registry.base import Registry
 from strata.registry.models import (
-    ConflictError,
     Deployment,
     DeploymentState,
     ModelRegistry,
@@ -27,16 +26,6 @@ from strata.registry.release_policy import HealthOf, ReleaseConfig, Warm, judge_
 
 S = ReleaseState
 WARM_ATTEMPTS = 3  # a warm request that fails this many times in a row rolls the release back
-
-
-class Superseded(StrataError):
-    """The stored release is no longer the one this driver read (a CAS lost, or a poll saw a
-    newer revision); `release` is the stored record."""
-
-    def __init__(self, release: Release) -> None:
-        super().__init__(f"release {release.release_id} changed: now {release.state}, "
-                         f"owner {release.owner!r}")
-        self.release = release
 
 
 class ReleaseSteps:
@@ -67,7 +56,7 @@ class ReleaseSteps:
             stored = await self.models.get_release(release.release_id)
             if stored is None or stored.revision == release.revision:
                 raise  # not a lost race: the registry refused the record itself
-            raise Superseded(stored) from None
+            raise ReleaseSupersededError(stored) from None
 
     # --- the handlers, one per state ------------------------------------------------------------
 
@@ -165,7 +154,7 @@ class ReleaseSteps:
         if stored is None:
             raise StrataError(f"release {release.release_id} was deleted while being driven")
         if stored.revision != release.revision:
-            raise Superseded(stored)
+            raise ReleaseSupersededError(stored)
         if stored.lease_until - self.clock() < self.config.lease_s / 2:
             return await self.write(stored)
         return stored
@@ -291,4 +280,4 @@ class ReleaseSteps:
         return times[-1] if times else release.updated_at
 
 
-__all__ = ["WARM_ATTEMPTS", "ReleaseSteps", "Superseded"]
+__all__ = ["WARM_ATTEMPTS", "ReleaseSteps"]

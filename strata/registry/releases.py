@@ -42,15 +42,15 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 
-from strata.errors import ConfigError, InvalidRequestError, ModelNotFoundError
-from strata.registry.base import Registry
-from strata.registry.models import (
+from strata.errors import (
+    ConfigError,
     ConflictError,
-    ModelRegistry,
-    Release,
-    ReleaseState,
-    Strategy,
+    InvalidRequestError,
+    ModelNotFoundError,
+    ReleaseSupersededError,
 )
+from strata.registry.base import Registry
+from strata.registry.models import ModelRegistry, Release, ReleaseState, Strategy
 from strata.registry.release_policy import (
     HealthOf,
     ReleaseConfig,
@@ -58,7 +58,7 @@ from strata.registry.release_policy import (
     Warm,
     judge_canary,
 )
-from strata.registry.release_steps import ReleaseSteps, Superseded
+from strata.registry.release_steps import ReleaseSteps
 
 S = ReleaseState
 ROLLBACK_REQUESTED = "rollback requested"
@@ -117,7 +117,7 @@ class ReleaseController:
             while not release.is_terminal:
                 try:
                     release = await self._steps.step(release)
-                except Superseded as changed:
+                except ReleaseSupersededError as changed:
                     release = changed.release
                     if release.owner != self.owner:
                         return release  # another controller took it over
@@ -172,7 +172,7 @@ class ReleaseController:
                     f"{release.lease_until:.1f}); it can be resumed once that lease expires")
             try:
                 return await self._steps.write(release)
-            except Superseded:
+            except ReleaseSupersededError:
                 continue
 
     async def _check_startable(self, name: str, version: str, strategy: Strategy,

@@ -15,7 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from strata.registry.base import RegistryError, as_seen, check_ttl, unknown_instance
+from strata.errors import RegistryError
+from strata.registry.base import as_seen, check_ttl, unknown_instance
 from strata.registry.records import InstanceLoad, InstanceRecord, InstanceState
 from strata.state.sqlite_db import SqliteDatabase
 

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 from strata.engine.outputs import RequestOutput
 from strata.engine.request import Request
-from strata.errors import ConfigError
+from strata.errors import ConfigError, KVStoreUnavailableError
 from strata.server.async_engine import EngineCore
 from strata.server.config import ServerConfig
 from strata.server.metrics import KVOffloadMetrics
-from strata.state.kv_store import KVItem, KVStore, KVStoreUnavailableError, create_kv_store
+from strata.state.kv_store import KVItem, KVStore, create_kv_store
 from strata.types import BlockHash
 
 log = logging.getLogger("strata.server.kv")

@@ -6,23 +6,16 @@ exactly like an unknown one, so a key cannot even learn that an id is in use.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request, Response
+from fastapi.routing import APIRoute
+from starlette.requests import Request
+from starlette.responses import Response
 
-from strata.errors import InvalidRequestError
-from strata.server.sessions import (
-    SessionNotFoundHTTPError,
-    Sessions,
-    store_errors,
-    tenant_of,
-)
-from strata.state.sessions import (
-    SessionNotFoundError,
-    SessionRecord,
-    SessionStoreUnavailableError,
-)
+from strata.errors import InvalidRequestError, SessionNotFoundError
+from strata.server.instance import instance_of
+from strata.server.sessions import tenant_of
+from strata.state.sessions import SessionRecord
 
 T = TypeVar("T")
 
@@ -38,51 +31,38 @@ def record_json(record: SessionRecord, *, with_messages: bool = True) -> dict[st
     return body
 
 
-def sessions_of(app: Any) -> Sessions:
-    """The app's sessions, or a 400 that says how to turn them on."""
-    found: Sessions | None = getattr(app.state, "sessions", None)
-    if found is None:
-        raise InvalidRequestError("this server keeps no sessions; start it with "
-                                  "--session-store URL (memory://, sqlite:///PATH, redis://...)",
-                                  param="session_id")
-    return found
+async def list_sessions(request: Request, limit: int = 100) -> dict[str, Any]:
+    sessions = instance_of(request).require_sessions()
+    if not 1 <= limit <= 1000:
+        raise InvalidRequestError("limit must be in 1..1000", param="limit")
+    tenant = tenant_of(request, sessions.config)
+    records = await sessions.store.list(tenant=tenant, limit=limit)
+    return {"object": "list", "data": [record_json(r, with_messages=False) for r in records]}
 
 
-def install_session_routes(app: FastAPI) -> None:
-    """GET /v1/sessions, GET and DELETE /v1/sessions/{id}, for the caller's tenant only."""
-
-    @app.get("/v1/sessions")
-    async def list_sessions(request: Request, limit: int = 100) -> dict[str, Any]:
-        sessions = sessions_of(request.app)
-        if not 1 <= limit <= 1000:
-            raise InvalidRequestError("limit must be in 1..1000", param="limit")
-        tenant = tenant_of(request, sessions.config)
-        records = await _store_call(sessions.store.list(tenant=tenant, limit=limit))
-        return {"object": "list", "data": [record_json(r, with_messages=False) for r in records]}
-
-    @app.get("/v1/sessions/{session_id}")
-    async def get_session(request: Request, session_id: str) -> dict[str, Any]:
-        sessions = sessions_of(request.app)
-        tenant = tenant_of(request, sessions.config)
-        record = await _store_call(sessions.store.get(session_id, tenant=tenant))
-        if record is None:
-            raise SessionNotFoundHTTPError(str(SessionNotFoundError(session_id)))
-        return record_json(record)
-
-    @app.delete("/v1/sessions/{session_id}")
-    async def delete_session(request: Request, session_id: str) -> Response:
-        sessions = sessions_of(request.app)
-        tenant = tenant_of(request, sessions.config)
-        if not await _store_call(sessions.store.delete(session_id, tenant=tenant)):
-            raise SessionNotFoundHTTPError(str(SessionNotFoundError(session_id)))
-        return Response(status_code=204)
+async def get_session(request: Request, session_id: str) -> dict[str, Any]:
+    sessions = instance_of(request).require_sessions()
+    tenant = tenant_of(request, sessions.config)
+    record = await sessions.store.get(session_id, tenant=tenant)
+    if record is None:
+        raise SessionNotFoundError(session_id)
+    return record_json(record)
 
 
-async def _store_call(work: Awaitable[T]) -> T:
-    try:
-        return await work
-    except SessionStoreUnavailableError as exc:
-        raise store_errors(exc) from exc
+async def delete_session(request: Request, session_id: str) -> Response:
+    sessions = instance_of(request).require_sessions()
+    tenant = tenant_of(request, sessions.config)
+    if not await sessions.store.delete(session_id, tenant=tenant):
+        raise SessionNotFoundError(session_id)
+    return Response(status_code=204)
 
 
-__all__ = ["install_session_routes", "record_json", "sessions_of"]
+def session_routes() -> list[APIRoute]:
+    return [
+        APIRoute("/v1/sessions", list_sessions, methods=["GET"]),
+        APIRoute("/v1/sessions/{session_id}", get_session, methods=["GET"]),
+        APIRoute("/v1/sessions/{session_id}", delete_session, methods=["DELETE"]),
+    ]
+
+
+__all__ = ["record_json", "session_routes"]

@@ -39,19 +39,17 @@ from typing import Any
 
 from fastapi import Request
 
-from strata.errors import ContextLengthError, InvalidRequestError, OverloadedError, RequestError
+from strata.errors import (
+    ContextLengthError,
+    InvalidRequestError,
+)
 from strata.protocol.openai import ChatCompletionRequest, ChatMessage
 from strata.protocol.sse import DONE_FRAME, encode_event
 from strata.server import translate as tr
 from strata.server.config import ServerConfig
-from strata.server.errors import error_body, map_exception
+from strata.server.errors import map_exception
 from strata.server.generation import ChoiceState
-from strata.state.sessions import (
-    SessionConflictError,
-    SessionNotFoundError,
-    SessionStore,
-    SessionStoreUnavailableError,
-)
+from strata.state.sessions import SessionStore
 
 Message = dict[str, Any]
 STORED_FINISH_REASONS = frozenset({"stop", "length"})
@@ -59,16 +57,6 @@ MAX_SESSION_ID_CHARS = 256
 ANONYMOUS = "anonymous"
 
 
-class SessionConflictHTTPError(RequestError):
-    """409: another turn of the session was stored first; retry the turn."""
-
-    status_code = 409
-    error_type = "session_conflict"
-
-
-class SessionNotFoundHTTPError(RequestError):
-    status_code = 404
-    error_type = "not_found_error"
 
 
 class KeyedLocks:
@@ -129,17 +117,6 @@ def session_id_of(request: Request, body: bytes) -> str | None:
     return found
 
 
-def store_errors(exc: Exception) -> Exception:
-    """Session store errors as the HTTP errors of the one error table."""
-    if isinstance(exc, SessionConflictError):
-        return SessionConflictHTTPError(str(exc))
-    if isinstance(exc, SessionNotFoundError):
-        return SessionNotFoundHTTPError(str(exc))
-    if isinstance(exc, SessionStoreUnavailableError):
-        return OverloadedError(f"the session store is unavailable: {exc}", status_code=503)
-    return exc
-
-
 @dataclass(slots=True)
 class SessionTurn:
     """One chat turn of a session: the lock is held until `release`."""
@@ -175,14 +152,11 @@ class SessionTurn:
         if not choices or any(c.finish_reason not in STORED_FINISH_REASONS for c in choices):
             return False
         answer = {"role": "assistant", "content": choices[0].text}
-        try:
-            config = self.sessions.config
-            record = await self.sessions.store.append(
-                self.session_id, tenant=self.tenant, expected_revision=self.base_revision,
-                messages=[*self.new_messages, answer], model=config.served_model_name,
-                version=config.model_version, ttl_s=config.session_ttl_s)
-        except (SessionConflictError, SessionNotFoundError, SessionStoreUnavailableError) as exc:
-            raise store_errors(exc) from exc
+        config = self.sessions.config  # store errors reach the one error table as they are
+        record = await self.sessions.store.append(
+            self.session_id, tenant=self.tenant, expected_revision=self.base_revision,
+            messages=[*self.new_messages, answer], model=config.served_model_name,
+            version=config.model_version, ttl_s=config.session_ttl_s)
         self.stored_revision = record.revision
         return True
 
@@ -195,7 +169,7 @@ class SessionTurn:
                 try:
                     await self.commit(choices)
                 except Exception as exc:
-                    yield encode_event(error_body(map_exception(exc)))
+                    yield encode_event(map_exception(exc).payload())
             yield frame
 
     def release(self) -> None:
@@ -230,10 +204,7 @@ class Sessions:
 
     async def _read(self, req: ChatCompletionRequest, session_id: str,
                     tenant: str) -> SessionTurn:
-        try:
-            record = await self.store.get(session_id, tenant=tenant)
-        except SessionStoreUnavailableError as exc:
-            raise store_errors(exc) from exc
+        record = await self.store.get(session_id, tenant=tenant)
         history = list(record.messages) if record is not None else []
         new = tr.chat_messages(req.messages)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -291,5 +262,5 @@ def split_turns(messages: list[Message]) -> list[list[Message]]:
     return turns
 
 
-__all__ = ["ANONYMOUS", "KeyedLocks", "SessionConflictHTTPError", "SessionNotFoundHTTPError",
-           "SessionTurn", "Sessions", "session_id_of", "split_turns", "store_errors", "tenant_of"]
+__all__ = ["ANONYMOUS", "KeyedLocks", "SessionTurn", "Sessions", "session_id_of", "split_turns",
+           "tenant_of"]

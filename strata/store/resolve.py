@@ -15,8 +15,8 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from strata.errors import ConfigError, ModelLoadError
-from strata.store import s3
 from strata.store.manifest import MANIFEST_NAME, read_manifest, verify_manifest
+from strata.store.s3 import S3Config, fetch
 
 log = logging.getLogger("strata.store")
 SCHEMES = ("file", "s3")
@@ -28,7 +28,7 @@ def is_model_uri(model: str) -> bool:
 
 
 def resolve_model_uri(uri: str, *, cache_dir: Path, s3_endpoint_url: str | None = None,
-                      s3_config: s3.S3Config | None = None, progress: bool = True) -> Path:
+                      s3_config: S3Config | None = None, progress: bool = True) -> Path:
     """A verified local directory (or file) for `uri`.
 
     `s3_config` carries credentials and the endpoint; `s3_endpoint_url`, when given, overrides
@@ -36,10 +36,10 @@ def resolve_model_uri(uri: str, *, cache_dir: Path, s3_endpoint_url: str | None 
     """
     scheme = urlparse(uri).scheme if "://" in uri else ""
     if scheme == "s3":
-        config = s3_config or s3.S3Config()
+        config = s3_config or S3Config()
         if s3_endpoint_url is not None:
             config = replace(config, endpoint_url=s3_endpoint_url)
-        return s3.fetch(uri, cache_dir=cache_dir, config=config, progress=progress)
+        return fetch(uri, cache_dir=cache_dir, config=config, progress=progress)
     if scheme == "file":
         return verify_local(Path(unquote(urlparse(uri).path)))
     if scheme:

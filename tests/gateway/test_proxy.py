@@ -11,9 +11,9 @@ import httpx
 from gateway_fakes import FakeClock, FixedSource, Upstreams, json_answer, sse_answer, view
 
 from strata.gateway.app import create_gateway_app
-from strata.gateway.components import Gateway
 from strata.gateway.config import GatewayConfig, RetryConfig
 from strata.gateway.instances import InstanceView
+from strata.gateway.wiring import Gateway
 from strata.protocol.sse import parse_events
 
 CONFIG = GatewayConfig(policy="round_robin", retry=RetryConfig(max_retries=2, backoff_base_s=0.0))
@@ -174,3 +174,18 @@ def test_a_gateway_with_api_keys_checks_them_before_routing() -> None:
                     (await client.get("/health")).status_code]
 
     assert asyncio.run(run()) == [401, 200, 200]
+
+
+def test_an_unexpected_transport_error_is_the_instance_failing_not_a_500() -> None:
+    """A transport that raises what httpx does not wrap (a pool closed under a request raises
+    RuntimeError) fails that attempt: retried elsewhere, never an internal error."""
+    def closed(request: httpx.Request) -> httpx.Response:
+        raise RuntimeError("Cannot send a request, as the client has been closed.")
+
+    upstreams = Upstreams(a=closed, b=completion)
+    responses, gateway = call(upstreams, [view("a"), view("b")],
+                              [("POST", "/v1/completions", {"model": "m"})])
+    assert responses[0].status_code == 200 and responses[0].headers["x-strata-instance"] == "b"
+    assert _metric(gateway, "strata:gateway_retries_total") == 1.0
+    only_a, _ = call(Upstreams(a=closed), [view("a")], [("POST", "/v1/completions", {"m": 1})])
+    assert only_a[0].status_code == 502 and "RuntimeError" in only_a[0].json()["error"]["message"]

@@ -11,11 +11,13 @@ import httpx
 import pytest
 from gateway_fakes import FakeClock, FixedSource, Upstreams, json_answer, view
 
+from strata.errors import PinStoreError
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import GatewayConfig, SessionRoutingConfig
 from strata.gateway.instances import InstanceView
-from strata.gateway.sessions import SessionRouter
-from strata.state.pins import MemoryPinStore, PinStore, PinStoreError
+from strata.gateway.policies import RoundRobinPolicy, RouteRequest
+from strata.gateway.sessions import PinnedSessionPolicy, SessionRouter
+from strata.state.pins import MemoryPinStore, PinStore
 
 SEEN: list[dict[str, str]] = []
 
@@ -271,8 +273,10 @@ def test_session_endpoints_pass_through_and_delete_unpins() -> None:
 def test_session_routing_config_names_the_valid_modes() -> None:
     with pytest.raises(ValueError, match="none, external, sticky, hybrid"):
         SessionRoutingConfig(mode="magic")
-    assert isinstance(SessionRouter(SessionRoutingConfig(mode="sticky"), MemoryPinStore()),
-                      SessionRouter)
+    modes = ("none", "external", "sticky", "hybrid")  # each valid one is accepted
+    assert [m for m in modes if SessionRoutingConfig(mode=m).is_pinning] == ["sticky", "hybrid"]
+    router = SessionRouter(SessionRoutingConfig(mode="sticky"), MemoryPinStore())
+    assert asyncio.run(router.place("s", [view("a")])).instance_id == "a"
 
 
 def test_the_cli_flags_build_the_session_routing_config() -> None:
@@ -290,3 +294,21 @@ def test_the_cli_flags_build_the_session_routing_config() -> None:
             built.sessions.pin_ttl_s) == ("hybrid", "redis://127.0.0.1:6379/0", 0.5, 60.0)
     assert gateway_command.build_config(
         parse_flags("--instances", "http://127.0.0.1:1"), ENV).sessions.mode == "none"
+
+
+def test_the_pinned_session_policy_sends_a_session_to_its_placement_and_the_rest_on() -> None:
+    sessions = SessionRouter(SessionRoutingConfig(mode="sticky"), MemoryPinStore(),
+                             clock=FakeClock())
+    policy = PinnedSessionPolicy(sessions, RoundRobinPolicy())
+    views = [view("a"), view("b"), view("c")]
+    home = asyncio.run(sessions.place("s", views)).instance_id
+    turn = RouteRequest(session_id="s")
+    for _ in range(2):
+        chosen = policy.choose(turn, views)
+        assert chosen.instance_id == home
+        policy.on_request_routed(turn, chosen)
+    # the hooks reached round robin: two routed, so a request without a session goes to c
+    assert policy.choose(RouteRequest(), views).instance_id == "c"
+    # a retry after the placement failed: the bounded consistent hash over the others
+    rest = [v for v in views if v.instance_id != home]
+    assert policy.choose(turn, rest).instance_id == sessions.prefer("s", rest).instance_id != home

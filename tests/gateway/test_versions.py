@@ -11,10 +11,11 @@ import httpx
 import pytest
 from gateway_fakes import FakeClock, FixedSource, Upstreams, json_answer, view
 
+from strata.errors import InvalidRequestError
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import GatewayConfig, RetryConfig
 from strata.gateway.instances import InstanceSet, InstanceView
-from strata.gateway.requests import RequestParseError, route_request
+from strata.gateway.requests import route_request
 from strata.gateway.versions import VersionRouter, VersionStats
 from strata.registry.model_registry import create_model_registry
 from strata.registry.models import ModelRegistry, ModelRouting, ModelVersion
@@ -27,9 +28,9 @@ def test_model_at_version_names_a_version_like_the_header() -> None:
     route = route_request(b'{"model": "m"}', {"x-model-version": "v1"})
     assert (route.model, route.version) == ("m", "v1")
     assert route_request(b'{"model": "m@v1"}', {"x-model-version": "v1"}).version == "v1"
-    with pytest.raises(RequestParseError, match="asks for 'v2'"):
+    with pytest.raises(InvalidRequestError, match="asks for 'v2'"):
         route_request(b'{"model": "m@v1"}', {"x-model-version": "v2"})
-    with pytest.raises(RequestParseError, match="NAME@VERSION"):
+    with pytest.raises(InvalidRequestError, match="NAME@VERSION"):
         route_request(b'{"model": "m@"}', {})
 
 
@@ -217,5 +218,31 @@ def test_the_response_cache_never_answers_for_one_version_with_another() -> None
         random_body = body | {"temperature": 0.8}
         assert "x-strata-cache" not in (await _post(app, random_body)).headers
         assert [host for host, _ in upstreams.calls] == ["a", "b", "b"]
+
+    asyncio.run(story())
+
+
+def test_an_answer_sent_again_to_the_new_version_is_cached_under_the_new_version() -> None:
+    """The cache step sits inside the version step: a request sent once more after its version
+    was gone passes the cache again, keyed by the version that answers it."""
+    async def story() -> None:
+        models = await _registry()
+        upstreams = Upstreams(a=_draining, b=_answer("v2"))
+        app = _gateway_app(models, upstreams, view("a", version="v1"), view("b", version="v2"),
+                           cache_url="memory://")
+        gateway = app.state.gateway
+        await gateway.versions.refresh()  # sees live = v1
+        routing = await models.get_routing("m")
+        assert routing is not None
+        await models.set_routing(routing.flipped_to("v2"), expected_revision=routing.revision)
+        body = {"model": "m", "prompt": "same", "max_tokens": 4, "temperature": 0}
+        first = await _post(app, body)  # v1 refuses; the registry is read again; v2 answers
+        assert (first.headers["x-strata-cache"], first.headers["x-model-version"]) == (
+            "miss", "m@v2")
+        second = await _post(app, body)  # this gateway now routes to v2: its answer is cached
+        assert (second.headers["x-strata-cache"], second.json()["choices"][0]["text"]) == (
+            "hit", "v2")
+        assert [host for host, _ in upstreams.calls] == ["a", "b"]
+        assert (gateway.cache.misses, gateway.cache.stores, gateway.cache.hits) == (2, 1, 1)
 
     asyncio.run(story())

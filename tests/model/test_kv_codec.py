@@ -11,8 +11,9 @@ import pytest
 import torch
 from tiny_models import make_tiny_model_dir
 
+from strata.errors import KVPayloadError
 from strata.model.executor import TorchExecutor
-from strata.model.kv_codec import FORMAT_VERSION, KVCodec, KVLayout, KVPayloadError
+from strata.model.kv_codec import FORMAT_VERSION, KVCodec, KVLayout
 from strata.model.loader import LoadedModel, load_model
 
 LAYOUT = KVLayout(model="tiny", version="v1", dtype="float16", num_layers=2, block_size=4,

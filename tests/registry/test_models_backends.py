@@ -11,11 +11,12 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
-from model_registries import FakeClock, backend_url, full_records
+from model_registries import backend_url, full_records
 from redis_server import free_port, redis_server, redis_url  # noqa: F401
 
-from strata.errors import ConfigError
-from strata.registry import InstanceRecord, RegistryError, create_registry
+from strata.clock import ManualClock
+from strata.errors import ConfigError, RegistryError
+from strata.registry import InstanceRecord, create_registry
 from strata.registry.model_registry import create_model_registry
 from strata.registry.models import Deployment, ModelRouting, ModelVersion
 
@@ -38,7 +39,8 @@ def test_memory_urls_give_fresh_registries_and_bad_urls_say_what_to_use() -> Non
 _INCREMENTS = """
 import asyncio, sys
 from strata.registry.model_registry import create_model_registry
-from strata.registry.models import ConflictError, Deployment
+from strata.registry.models import Deployment
+from strata.errors import ConflictError
 
 async def main(url: str, count: int) -> None:
     reg = create_model_registry(url)
@@ -84,7 +86,7 @@ def test_sqlite_shares_the_instance_registry_file_and_stores_json(tmp_path: Path
 
     async def main() -> None:
         instances = create_registry(f"sqlite:///{path}")
-        models = create_model_registry(f"sqlite:///{path}", clock=FakeClock())
+        models = create_model_registry(f"sqlite:///{path}", clock=ManualClock(1000.0))
         try:
             await instances.register(InstanceRecord("i-1", "http://127.0.0.1:9", "chat"))
             stored = await models.put_release(full_records()[3], expected_revision=0)

@@ -197,7 +197,7 @@ def test_draining_refuses_new_requests_with_503(
         gated: tuple[LiveServer, GatedExecutor]) -> None:
     live, _ = gated
     app = live.server.config.app
-    app.state.draining = True
+    app.state.instance.is_draining = True
     try:
         r = post(live, "/v1/completions", {"prompt": "x"})
         assert_error(r, 503)
@@ -205,4 +205,4 @@ def test_draining_refuses_new_requests_with_503(
         assert httpx.get(f"{live.base_url}/ready").status_code == 503
         assert httpx.get(f"{live.base_url}/health").status_code == 200
     finally:
-        app.state.draining = False
+        app.state.instance.is_draining = False

@@ -1,5 +1,9 @@
-"""Redis killed (SIGKILL) and restarted mid-run with appendfsync always: no acknowledged turn is
-lost, and the store's client reconnects by itself."""
+"""Redis killed (SIGKILL) and restarted mid-run with `--appendonly yes --appendfsync always`: no
+acknowledged turn is lost, and the store's client reconnects by itself.
+
+The guarantee shown is for a crash of the Redis process: the kernel keeps what Redis wrote
+before it replied, so `appendfsync everysec` or `no` would pass as well, and `--appendonly no`
+fails. A crash of the machine (what the fsync of `always` is for) is not simulated."""
 
 from __future__ import annotations
 
@@ -9,12 +13,8 @@ from pathlib import Path
 import redis
 from redis_server import RedisServer
 
-from strata.state import (
-    SessionConflictError,
-    SessionStore,
-    SessionStoreUnavailableError,
-    create_session_store,
-)
+from strata.errors import SessionConflictError, SessionStoreUnavailableError
+from strata.state import SessionStore, create_session_store
 
 KILL_AFTER = 20  # turns acknowledged before the SIGKILL
 TURNS_AFTER_RESTART = 20

@@ -1,10 +1,23 @@
 """The routing policy contract.
 
-A policy ranks candidates over a snapshot: `choose` is a pure function of the request and the
-candidates (which the pipeline has already filtered to routable instances serving the request's
-model; never empty). What a policy learns from routing happens in the hooks, which the proxy calls
-once per attempt: `on_request_routed` when a request is sent to an instance, and
-`on_request_finished` when that attempt ends (success or not).
+A policy picks ONE instance: `choose` is a pure function of the request and the candidates (the
+pipeline has already filtered them to routable instances serving the request's model, version,
+role and pool; never empty, ordered by instance id). What a policy learns from routing happens
+in the hooks, which the proxy calls once per attempt: `on_request_routed` when a request is sent
+to an instance, and `on_request_finished` when that attempt ends (success or not). A retry asks
+`choose` again, over the candidates not tried yet.
+
+Why one instance and not ranked groups (Ray Serve's router has a policy return groups of
+replicas in order of preference, then probes the replicas of a group for queue room and takes
+one): a Strata gateway does not probe instances, every load figure a policy weighs is already in
+the snapshot, so the policy itself can make the final pick; with groups, the pick inside a group
+would be a second rule beside the policy. Nor would a ranking be reused: a retry re-asks over
+fresh loads, so every rank after the first would be computed and thrown away on each request.
+Preferences compose by wrapping instead: session pinning is a policy around the configured one
+(`PinnedSessionPolicy` in strata/gateway/sessions.py), so the pipeline has one way to choose.
+
+Adding a policy: one module in this package and one row in `POLICIES`
+(strata/gateway/policies/__init__.py).
 """
 
 from __future__ import annotations
@@ -31,7 +44,7 @@ class RouteRequest:
 
 
 class RoutingPolicy(Protocol):
-    """Picks one instance among routable candidates."""
+    """Picks one instance among routable candidates; `name` is its row in the policy table."""
 
     name: str
 

@@ -1,0 +1,244 @@
+"""What `strata serve` composes: model -> executor -> engine -> async engine -> HTTP app -> uvicorn.
+
+`build_engine` loads a model and builds the real stack; `build_simulated` builds the same engine
+over a latency model (no torch); `serve_http` binds, registers (with `--registry`) and serves
+either until SIGTERM/SIGINT. The flags are in serve.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from strata.commands.env import CliEnv, read_api_keys
+from strata.commands.serve_parallel import (
+    load_for_serving,
+    make_executor,
+    rank_threads,
+    watch_ranks,
+)
+from strata.errors import ConfigError
+
+if TYPE_CHECKING:
+    from strata.commands.serve_parallel import ParallelModel
+    from strata.engine.config import SchedulerConfig
+    from strata.model.loader import LoadedModel
+    from strata.server.async_engine import AsyncEngine
+    from strata.server.registration import Registration
+
+DEFAULT_MAX_MODEL_LEN = 2048
+log = logging.getLogger("strata")
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltEngine:
+    """What `serve_http` serves: the async engine, its tokenizer and the name clients send."""
+
+    async_engine: AsyncEngine
+    tokenizer: Any
+    name: str
+    simulated: bool = False
+
+
+def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
+    """Load the model (an alias is pulled) and build the engine stack over it."""
+    from strata.model.fetch import DEFAULT_MODEL, KNOWN_MODELS
+
+    path = _model_path(args, env)
+    log.info("loading %s", path)
+    with openmp_free_main_thread(rank_threads(args)):
+        loaded, parallel = load_for_serving(args, path, env.cache_dir)
+        alias = KNOWN_MODELS.get(args.model or DEFAULT_MODEL)
+        name = args.served_model_name or (alias.served_name if alias else loaded.name)
+        async_engine = build_async_engine(args, loaded, name, parallel)
+        loaded.weights.clear()  # the executor holds its own (packed) copies
+    return BuiltEngine(async_engine, loaded.tokenizer, name)
+
+
+def build_simulated(args: argparse.Namespace) -> BuiltEngine:
+    """The same engine; a latency model instead of the maths (no torch)."""
+    from strata.sim import load_profile
+    from strata.sim.server import (
+        build_simulated_async_engine,
+        build_simulated_engine,
+        sim_kv_blocks,
+    )
+
+    if args.no_chunked_prefill:
+        raise ConfigError("--no-chunked-prefill is not supported with --simulate")
+    if args.kv_offload:
+        raise ConfigError("--kv-offload needs the real model (a simulated instance has no KV "
+                          "to publish); drop --kv-offload or --simulate")
+    profile = load_profile(args.simulate)
+    name = args.served_model_name or profile.model
+    async_engine, tokenizer = build_simulated_async_engine(build_simulated_engine(
+        profile, max_num_seqs=args.max_num_seqs,
+        kv_blocks=sim_kv_blocks(profile, args.kv_cache_gb, args.block_size),
+        block_size=args.block_size, max_model_len=args.max_model_len or DEFAULT_MAX_MODEL_LEN,
+        max_num_batched_tokens=args.max_num_batched_tokens or 512,
+        enable_prefix_caching=not args.no_prefix_cache, max_waiting=args.max_waiting,
+        namespace=f"{name}@{args.model_version}",
+    ))
+    return BuiltEngine(async_engine, tokenizer, name, simulated=True)
+
+
+@contextmanager
+def openmp_free_main_thread(threads: int | None) -> Iterator[None]:
+    """Load and build on one thread; afterwards torch uses `threads` (default: its own).
+
+    The engine steps on its own thread. libgomp gives every thread that starts a parallel region
+    a team of its own, and once a process holds more OpenMP threads than CPUs it stops spinning
+    between regions: a futex wake per region, +60 us each, which made every decode step behind
+    the HTTP server ~25 % slower than offline. Built on one thread, the main thread never gets
+    a team, so the engine thread's is the only one. `torch.set_num_threads` is a process-wide
+    setting that each thread applies at its first parallel op, so the engine thread sees the
+    value restored here.
+    """
+    import torch
+
+    threads = threads or torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _model_path(args: argparse.Namespace, env: CliEnv) -> Path:
+    """An alias is pulled; a path, file:// or s3:// URI is verified against its manifest."""
+    from strata.model.fetch import resolve_model
+    from strata.store import is_model_uri, resolve_model_uri
+
+    if args.model is not None and (is_model_uri(args.model) or Path(args.model).exists()):
+        return resolve_model_uri(args.model, cache_dir=env.cache_dir,
+                                 s3_endpoint_url=args.s3_endpoint_url, progress=True)
+    return resolve_model(args.model, cache_dir=env.cache_dir, progress=True)
+
+
+def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str,
+                       parallel: ParallelModel | None = None) -> AsyncEngine:
+    """model -> TorchExecutor (or ParallelExecutor) -> Engine -> AsyncEngine, from the flags."""
+    import torch
+
+    from strata.engine.config import CacheConfig
+    from strata.engine.engine import Engine
+    from strata.server.async_engine import AsyncEngine
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    executor = make_executor(args, loaded, parallel, device, name)
+    max_model_len = args.max_model_len or min(loaded.config.max_position_embeddings,
+                                              DEFAULT_MAX_MODEL_LEN)
+    scheduler_config = scheduler_config_from(args, max_model_len)
+    cache_config = CacheConfig(
+        block_size=args.block_size,
+        num_blocks=CacheConfig.blocks_for_gb(args.kv_cache_gb, executor.kv_bytes_per_token(),
+                                             args.block_size),
+        enable_prefix_caching=not args.no_prefix_cache,
+        namespace=f"{name}@{args.model_version}",
+    )
+    log.info("device %s, dtype %s, %d KV blocks of %d tokens, max_model_len %d", device,
+             args.dtype, cache_config.num_blocks, cache_config.block_size, max_model_len)
+    engine = Engine(executor, cache_config, scheduler_config, loaded.tokenizer,
+                    vocab_size=loaded.config.vocab_size)
+    return AsyncEngine(engine, max_model_len=max_model_len)
+
+
+def scheduler_config_from(args: argparse.Namespace, max_model_len: int) -> SchedulerConfig:
+    from strata.engine.config import SchedulerConfig
+
+    chunked = not args.no_chunked_prefill
+    budget = args.max_num_batched_tokens or (512 if chunked else max(512, max_model_len))
+    return SchedulerConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+        max_model_len=max_model_len, enable_chunked_prefill=chunked, max_waiting=args.max_waiting,
+    )
+
+
+async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
+                     started: float) -> int:
+    """Bind, register (if asked), serve; SIGTERM/SIGINT drain in-flight requests, exit 0
+    (1 when a parallel instance lost a rank)."""
+    import uvicorn
+
+    from strata.server.app import create_app
+    from strata.server.config import ServerConfig
+
+    name, simulated = built.name, built.simulated
+    sock = _bind(args.host, args.port)
+    port = sock.getsockname()[1]
+    registration = _registration(args, env, built.async_engine, name, port, simulated)
+    server_config = ServerConfig(served_model_name=name, host=args.host, port=port,
+                                 shutdown_timeout_s=args.shutdown_timeout_s,
+                                 api_keys=read_api_keys(args.api_key_file, env.api_keys),
+                                 rate_limit_per_s=args.rate_limit_per_s, simulated=simulated,
+                                 model_version=args.model_version,
+                                 session_store_url=args.session_store,
+                                 session_ttl_s=args.session_ttl_s,
+                                 session_redis_appendfsync=args.session_redis_appendfsync,
+                                 **_kv_options(args))
+    app = create_app(built.async_engine, built.tokenizer, server_config,
+                     registration=registration)
+    server = uvicorn.Server(uvicorn.Config(
+        app, log_level=args.log_level, access_log=args.log_level == "debug",
+        timeout_graceful_shutdown=args.shutdown_timeout_s,
+    ))
+    # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown; these handlers
+    # absorb it so that a requested stop exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    announce = asyncio.create_task(_announce_when_started(server, args.host, port, name, started))
+    fatal = watch_ranks(app, built.async_engine, server)
+    await server.serve(sockets=[sock])  # the lifespan shutdown drains, deregisters, stops
+    announce.cancel()
+    return fatal.exit_code
+
+
+def _kv_options(args: argparse.Namespace) -> dict[str, Any]:
+    maxmemory_mb = args.kv_redis_maxmemory_mb
+    return {"kv_offload": args.kv_offload, "kv_store_url": args.kv_store,
+            "kv_ttl_s": args.kv_ttl_s, "kv_min_fetch_tokens": args.kv_min_fetch_tokens,
+            "kv_max_put_bytes": int(args.kv_max_put_mb * (1 << 20)),
+            "kv_redis_maxmemory_bytes": maxmemory_mb << 20 if maxmemory_mb else None}
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind before serving so that `--port 0` yields a known URL to advertise.
+
+    IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets whose protocol is TCP; with
+    protocol 0, Nagle stays on and a proxied stream's first chunk waits ~40 ms for a delayed ACK."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def _registration(args: argparse.Namespace, env: CliEnv, async_engine: AsyncEngine, name: str,
+                  port: int, simulated: bool) -> Registration | None:
+    registry_url = args.registry or env.registry_url
+    if not registry_url or registry_url == "none":
+        return None
+    from strata.server.registration import build_registration
+
+    return build_registration(
+        registry_url, instance_id=args.instance_id or f"{socket.gethostname()}-{port}",
+        advertise_url=args.advertise_url or f"http://{args.host}:{port}", model=name,
+        async_engine=async_engine, version=args.model_version,
+        role=args.role, pool=args.pool, simulated=simulated,
+    )
+
+
+async def _announce_when_started(server: Any, host: str, port: int, name: str,
+                                 started: float) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    ready_s = time.perf_counter() - started
+    print(f"Strata serving {name} on http://{host}:{port} (ready in {ready_s:.1f}s)", flush=True)

@@ -1,0 +1,229 @@
+"""The path of a generation request through the gateway, read top to bottom.
+
+`routes.py` parses what routing needs (a `RouteRequest`) into a `ProxyRequest`, then hands it to
+the chain of `path_steps`, which ends in the proxy; each step below wraps the next one:
+
+    Admit           an admission slot, held until the answer is fully sent (streams: until
+                    they end); a full queue is answered 429/503 at once
+    ChooseVersion   with a model registry: the model version (explicit, session, canary, live;
+                    strata/gateway/versions.py), chosen once more when that version is gone
+    CacheAnswers    with a response cache too: a deterministic answer asked again comes from
+                    the cache (strata/gateway/response_cache.py)
+    PlaceSession    with sticky or hybrid session routing: the session is placed (its pin read
+                    or written) before routing (strata/gateway/sessions.py)
+    Proxy.forward   filters -> policy -> send; retries on another instance until the first byte
+                    reaches the client (strata/gateway/proxy.py, pipeline.py, policies/)
+
+A step whose feature is off is not in the list; no step asks whether a feature is on. A new
+feature (prefill/decode hand-off, priority classes) is one more step class and one more line in
+`path_steps`. Steps add no work per streamed chunk: a stream is a `RelayResponse` whose body
+the steps never touch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
+
+from starlette.responses import Response
+
+from strata.errors import OverloadedError
+from strata.gateway.admission import Admission
+from strata.gateway.metrics import GatewayMetrics
+from strata.gateway.pipeline import RoutingPipeline
+from strata.gateway.policies.base import RouteRequest
+from strata.gateway.proxy import Proxy, ProxyRequest
+from strata.gateway.response_cache import CACHE_HEADER, ResponseCacheLayer, cache_key
+from strata.gateway.sessions import MOVED_HEADER as SESSION_MOVED_HEADER
+from strata.gateway.sessions import ROUTING_HEADER, SessionRouter
+from strata.gateway.upstream import INSTANCE_HEADER, RelayResponse, error_response
+from strata.gateway.versions import CANARY, LIVE, SESSION, VersionChoice, VersionRouter
+from strata.gateway.versions import MOVED_HEADER as VERSION_MOVED_HEADER
+
+Handler = Callable[[ProxyRequest], Awaitable[Response]]
+
+
+class Step(Protocol):
+    """One feature on the path: does its part, calls `call_next` (zero, one or more times)."""
+
+    async def __call__(self, request: ProxyRequest, call_next: Handler) -> Response: ...
+
+
+def path_steps(*, admission: Admission, metrics: GatewayMetrics, proxy: Proxy,
+               versions: VersionRouter | None = None, cache: ResponseCacheLayer | None = None,
+               sessions: SessionRouter | None = None) -> list[Step]:
+    """The steps before the proxy, outermost first: one per feature that is on. The gateway's
+    path is `chain(path_steps(...), proxy.forward)`."""
+    steps: list[Step] = [Admit(admission, metrics)]
+    if versions is not None:
+        steps.append(ChooseVersion(versions, metrics))
+        if cache is not None:  # a cache key carries the chosen version
+            steps.append(CacheAnswers(cache, versions))
+    if sessions is not None:
+        steps.append(PlaceSession(sessions, proxy.pipeline))
+    return steps
+
+
+def chain(steps: Sequence[Step], last: Handler) -> Handler:
+    """`steps[0]` wrapping `steps[1]` ... wrapping `last`."""
+    handler = last
+    for step in reversed(steps):
+        handler = functools.partial(step, call_next=handler)
+    return handler
+
+
+class Admit:
+    """Holds an admission slot until the answer is fully sent (a stream: until it ends, however
+    it ends); an exception releases it at once."""
+
+    def __init__(self, admission: Admission, metrics: GatewayMetrics) -> None:
+        self.admission = admission
+        self.metrics = metrics
+
+    async def __call__(self, request: ProxyRequest, call_next: Handler) -> Response:
+        try:
+            await self.admission.acquire()
+        except OverloadedError as exc:
+            self.metrics.errors.labels(f"admission_{exc.status_code}").inc()
+            return error_response(exc.status_code, exc.message, retry_after_s=exc.retry_after_s)
+        try:
+            response = await call_next(request)
+        except BaseException:
+            self.admission.release()
+            raise
+        if isinstance(response, RelayResponse):
+            response.on_close.append(self.admission.release)
+        else:
+            self.admission.release()
+        return response
+
+
+class ChooseVersion:
+    """Routes the request to one version of its model. When no instance of a version the
+    gateway chose (not one the client named) could take it, the gateway's view of a retiring
+    version lagged the registry by up to one refresh: a session moves off that version, other
+    requests re-read the routing pointers, and the request is sent once more if that names
+    another version. A moved session's answer carries `X-Strata-Version-Moved: old->new`."""
+
+    def __init__(self, versions: VersionRouter, metrics: GatewayMetrics) -> None:
+        self.versions = versions
+        self.metrics = metrics
+
+    async def __call__(self, request: ProxyRequest, call_next: Handler) -> Response:
+        route = request.route
+        choice = await self.versions.choose(route.model, route.version, route.session_id)
+        if choice.status_code != 200:
+            self.metrics.errors.labels(f"version_{choice.status_code}").inc()
+            return error_response(choice.status_code, choice.reason)
+        response = await call_next(_at_version(request, choice.version))
+        if _version_is_gone(choice, response):
+            again = await self._choose_again(route, choice)
+            if again is not None and again.version != choice.version:
+                choice = again
+                response = await call_next(_at_version(request, choice.version))
+        if choice.moved_from is not None:
+            response.headers[VERSION_MOVED_HEADER] = f"{choice.moved_from}->{choice.version}"
+        return response
+
+    async def _choose_again(self, route: RouteRequest,
+                            failed: VersionChoice) -> VersionChoice | None:
+        if failed.source == SESSION:
+            return await self.versions.choose(route.model, None, route.session_id,
+                                              avoid=failed.version)
+        try:
+            await self.versions.refresh()
+        except Exception:  # the registry is down: the answer stands
+            return None
+        return await self.versions.choose(route.model, None, route.session_id)
+
+
+def _at_version(request: ProxyRequest, version: str | None) -> ProxyRequest:
+    return dataclasses.replace(request, route=dataclasses.replace(request.route, version=version))
+
+
+def _version_is_gone(choice: VersionChoice, response: Response) -> bool:
+    return (choice.source in (SESSION, LIVE, CANARY) and choice.moved_from is None
+            and response.status_code in (502, 503) and not isinstance(response, RelayResponse))
+
+
+class CacheAnswers:
+    """Answers a deterministic request (temperature 0 or a seed; not streamed, not a session's
+    turn, whose answer depends on the stored history) from the response cache; a miss is
+    stored on its way back (`X-Strata-Cache: hit|miss`). Keys carry the chosen version, so
+    nothing one version computed answers for another."""
+
+    def __init__(self, cache: ResponseCacheLayer, versions: VersionRouter) -> None:
+        self.cache = cache
+        self.versions = versions
+
+    async def __call__(self, request: ProxyRequest, call_next: Handler) -> Response:
+        key = self._key(request)
+        if key is None:
+            return await call_next(request)
+        cached = await self.cache.lookup(key)
+        if cached is not None:
+            model, version = request.route.model or "", request.route.version
+            return Response(cached, 200, media_type="application/json",
+                            headers={CACHE_HEADER: "hit", "x-model-version": f"{model}@{version}"})
+        response = await call_next(request)
+        if not isinstance(response, RelayResponse):
+            await self.cache.store(key, response.status_code, bytes(response.body))
+            response.headers[CACHE_HEADER] = "miss"
+        return response
+
+    def _key(self, request: ProxyRequest) -> str | None:
+        """None before the body is parsed again for a stream, a session or no known version."""
+        route = request.route
+        if route.version is None or route.session_id or route.is_stream:
+            return None
+        routed = self.versions.routing
+        model = route.model or (next(iter(routed)) if len(routed) == 1 else None)
+        if model is None:
+            return None
+        try:
+            body = json.loads(request.body)
+        except ValueError:
+            return None
+        if not isinstance(body, dict):
+            return None
+        return cache_key(request.path, body, model=model, version=route.version)
+
+
+class PlaceSession:
+    """Places a request's session before routing (reading and writing the shared pin store);
+    the policy then sends it there (`PinnedSessionPolicy`). The answer carries
+    `X-Strata-Session-Routing` (pinned, placed, moved, unpinned or rerouted); in hybrid mode a
+    moved session's request and answer carry `X-Strata-Session-Moved: 1`."""
+
+    def __init__(self, sessions: SessionRouter, pipeline: RoutingPipeline) -> None:
+        self.sessions = sessions
+        self.pipeline = pipeline
+
+    async def __call__(self, request: ProxyRequest, call_next: Handler) -> Response:
+        route = request.route
+        if route.session_id is None:
+            return await call_next(request)
+        candidates = self.pipeline.candidates(route)
+        if not candidates:
+            return await call_next(request)
+        other_models = [view.instance_id for view in self.pipeline.instances.snapshot()
+                        if route.model is not None and view.model != route.model]
+        placement = await self.sessions.place_or_unpinned(route.session_id, candidates,
+                                                          other_models)
+        is_hybrid_move = placement.is_moved and self.sessions.config.mode == "hybrid"
+        if is_hybrid_move:
+            moved = [*request.headers, (SESSION_MOVED_HEADER, "1")]
+            request = dataclasses.replace(request, headers=moved)
+        response = await call_next(request)
+        served_by = response.headers.get(INSTANCE_HEADER)
+        response.headers[ROUTING_HEADER] = placement.outcome_served_by(served_by)
+        if is_hybrid_move:
+            response.headers[SESSION_MOVED_HEADER] = "1"
+        return response
+
+
+__all__ = ["Admit", "CacheAnswers", "ChooseVersion", "Handler", "PlaceSession", "Step", "chain",
+           "path_steps"]

@@ -1,0 +1,179 @@
+"""The parts of one gateway, built and wired together (`build_gateway`); routes reach them as
+`app.state.gateway`. The path a request takes through them is strata/gateway/forward.py.
+
+Every part that holds connections or tasks registers its close on one `AsyncExitStack` as it is
+built; `Gateway.close` unwinds it, so parts close in the reverse order of their construction
+(releases first, the upstream pools and the control client last). A close that fails does not
+stop the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import httpx
+
+from strata.gateway.admission import Admission
+from strata.gateway.config import GatewayConfig
+from strata.gateway.forward import Handler, chain, path_steps
+from strata.gateway.health import HealthChecker, OutlierDetector
+from strata.gateway.instances import InstanceSet
+from strata.gateway.metrics import GatewayMetrics
+from strata.gateway.pipeline import RoutingPipeline
+from strata.gateway.policies import RoutingPolicy, create_policy
+from strata.gateway.proxy import Proxy
+from strata.gateway.releases import ReleaseService, build_release_service, controller_owner
+from strata.gateway.response_cache import ResponseCacheLayer
+from strata.gateway.retry import RetryBudget
+from strata.gateway.sessions import PinnedSessionPolicy, SessionRouter
+from strata.gateway.sources import InstanceSource
+from strata.gateway.upstream import UpstreamPools
+from strata.gateway.versions import VersionRouter, VersionStats
+from strata.registry.base import Registry
+from strata.registry.models import ModelRegistry
+from strata.state.pins import PinStore, create_pin_store
+from strata.state.response_cache import create_response_cache
+
+
+@dataclass(slots=True)
+class Gateway:
+    """Everything one gateway app holds."""
+
+    config: GatewayConfig
+    source: InstanceSource
+    proxy: Proxy  # routes and sends; `proxy.forward` alone serves /tokenize and /v1/sessions
+    admission: Admission
+    health: HealthChecker
+    control: httpx.AsyncClient  # health checks, refreshes, admin calls; short timeouts
+    metrics: GatewayMetrics
+    forward: Handler  # the request path of /v1/completions and /v1/chat/completions
+    exits: contextlib.AsyncExitStack
+    sessions: SessionRouter | None = None  # sticky and hybrid session routing
+    versions: VersionRouter | None = None  # with a model registry: live, canary, pinned versions
+    models: ModelRegistry | None = None
+    releases: ReleaseService | None = None  # with a model registry and an instance registry
+    cache: ResponseCacheLayer | None = None  # opt-in; deterministic answers keyed by version
+
+    async def close(self) -> None:
+        await self.exits.aclose()
+
+
+def build_gateway(config: GatewayConfig, source: InstanceSource, *,
+                  transport: httpx.AsyncBaseTransport | None = None,
+                  control_client: httpx.AsyncClient | None = None,
+                  clock: Callable[[], float] = time.monotonic,
+                  rng: random.Random | None = None,
+                  pin_store: PinStore | None = None,
+                  models: ModelRegistry | None = None,
+                  instance_registry: Registry | None = None) -> Gateway:
+    """Builds the parts; `clock` drives ejection, the retry budget and the age of the session
+    counts (tests inject one). `pin_store` overrides `config.sessions.store_url` (tests share
+    one store between gateway objects; the caller closes it). With `models` (the model
+    registry), requests are routed by version (live, canary, session pins); with
+    `instance_registry` too, releases are driven from here (the controller watches instances
+    register there). `control_client` is closed with the gateway."""
+    policy = create_policy(config.policy, config=config, rng=rng)
+    exits = contextlib.AsyncExitStack()
+    metrics = GatewayMetrics()
+    instances = source.instances
+    sessions = _session_router(config, pin_store, clock, exits)
+    if sessions is not None:
+        policy = PinnedSessionPolicy(sessions, policy)
+    proxy = _proxy(config, instances, policy, transport, clock, metrics, exits)
+    control = control_client or httpx.AsyncClient(
+        transport=transport, timeout=httpx.Timeout(config.health_timeout_s))
+    _close_with(exits, control.aclose)
+    health = HealthChecker(instances, proxy.detector, control, config.health_timeout_s)
+    admission = Admission(config.admission)
+    cache = _response_cache(config, exits)
+    versions, releases = None, None
+    if models is not None:
+        versions = _version_router(config, models, instances, rng, exits)
+        stats = VersionStats(config.versions.stats_window_s)
+        proxy.observers.append(stats.observe)
+        if instance_registry is not None:
+            releases = _release_service(config, models, instance_registry, stats, control, exits)
+    steps = path_steps(admission=admission, metrics=metrics, proxy=proxy, versions=versions,
+                       cache=cache, sessions=sessions)
+    forward = chain(steps, proxy.forward)
+    return Gateway(config, source, proxy, admission, health, control, metrics, forward, exits,
+                   sessions, versions, models, releases, cache)
+
+
+def _proxy(config: GatewayConfig, instances: InstanceSet, policy: RoutingPolicy,
+           transport: httpx.AsyncBaseTransport | None, clock: Callable[[], float],
+           metrics: GatewayMetrics, exits: contextlib.AsyncExitStack) -> Proxy:
+    detector = OutlierDetector(instances, config.ejection, clock,
+                               on_eject=lambda v: metrics.ejections.labels(v.instance_id).inc())
+    upstreams = UpstreamPools(config, transport)
+    _close_with(exits, upstreams.aclose)
+    return Proxy(RoutingPipeline(instances, policy), upstreams, detector,
+                 RetryBudget(config.retry, clock), metrics, config.retry.max_retries)
+
+
+def _response_cache(config: GatewayConfig,
+                    exits: contextlib.AsyncExitStack) -> ResponseCacheLayer | None:
+    if config.response_cache_url is None:
+        return None
+    cache = ResponseCacheLayer(create_response_cache(config.response_cache_url,
+                                                     ttl_s=config.response_cache_ttl_s))
+    _close_with(exits, cache.close)
+    return cache
+
+
+def _version_router(config: GatewayConfig, models: ModelRegistry, instances: InstanceSet,
+                    rng: random.Random | None,
+                    exits: contextlib.AsyncExitStack) -> VersionRouter:
+    pins = _version_pins(config)
+    _close_with(exits, pins.close)
+    return VersionRouter(models, instances, pins, rng=rng)
+
+
+def _release_service(config: GatewayConfig, models: ModelRegistry, instances: Registry,
+                     stats: VersionStats, control: httpx.AsyncClient,
+                     exits: contextlib.AsyncExitStack) -> ReleaseService:
+    releases = build_release_service(
+        models, instances, stats, control, owner=controller_owner(config.port),
+        warm_timeout_s=config.versions.warm_timeout_s,
+        api_key=config.api_keys[0] if config.api_keys else None,
+        config=config.versions.release)
+    _close_with(exits, releases.close)
+    return releases
+
+
+def _version_pins(config: GatewayConfig) -> PinStore:
+    """Session -> version pins, in the store every gateway of the cluster shares."""
+    url = config.versions.pin_store_url or config.sessions.store_url
+    if url is None and config.registry_url and not config.registry_url.startswith("memory"):
+        url = config.registry_url
+    return create_pin_store(url or "memory://", ttl_s=config.versions.pin_ttl_s,
+                            namespace="versions")
+
+
+def _session_router(config: GatewayConfig, pin_store: PinStore | None,
+                    clock: Callable[[], float],
+                    exits: contextlib.AsyncExitStack) -> SessionRouter | None:
+    settings = config.sessions
+    if not settings.is_pinning:
+        return None
+    pins = pin_store
+    if pins is None:
+        pins = create_pin_store(settings.store_url or "memory://", ttl_s=settings.pin_ttl_s)
+        _close_with(exits, pins.close)
+    return SessionRouter(settings, pins, clock=clock)
+
+
+def _close_with(exits: contextlib.AsyncExitStack, close: Callable[[], Awaitable[object]]) -> None:
+    """Registers `close` on the gateway's exit stack; its failure does not stop the others."""
+    async def quietly() -> None:
+        with contextlib.suppress(Exception):
+            await close()
+
+    exits.push_async_callback(quietly)
+
+
+__all__ = ["Gateway", "build_gateway"]

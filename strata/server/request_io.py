@@ -1,0 +1,72 @@
+"""What the route modules share about reading a request and sending a stream.
+
+`parse_body` turns the JSON body into a protocol model (anything else is a 400 through the error
+table); `unless_disconnected` cancels work, and so aborts its engine requests, when the client
+leaves; `SSEResponse` streams frames and runs a close hook however the stream ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import TypeVar
+
+from pydantic import BaseModel
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import StreamingResponse
+from starlette.types import Send
+
+from strata.errors import InvalidRequestError
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """JSON body -> model; malformed JSON and wrong types raise (mapped to 400)."""
+    body = await request.body()
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError("request body must be a JSON object")
+    return model.model_validate(data)
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts its engine requests) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientDisconnect()
+    finally:
+        task.cancel()
+
+
+class SSEResponse(StreamingResponse):
+    """Streams SSE frames; whatever ends the stream (done, error, client gone) runs `on_close`."""
+
+    def __init__(self, frames: AsyncGenerator[bytes, None],
+                 on_close: Callable[[], Awaitable[None]],
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(frames, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                  **(headers or {})})
+        self._frames = frames
+        self._on_close = on_close
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self._frames.aclose()
+            await self._on_close()
+
+
+__all__ = ["SSEResponse", "parse_body", "unless_disconnected"]

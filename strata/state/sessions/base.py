@@ -1,0 +1,148 @@
+"""The session store: conversation history outside the instances, one source of truth.
+
+A session is keyed by (tenant, session id): the tenant is the hashed API key that created it, so
+two tenants that pick the same id get two independent sessions and neither can read, extend,
+list or delete the other's (`get` answers None, `delete` False).
+
+Every change is one `append` guarded by a revision number (optimistic concurrency):
+
+    revision 0         the session does not exist (never created, deleted or expired)
+    append(expected_revision=r)  stores the messages and returns revision r + 1, atomically,
+                       only if the current revision is r; else SessionConflictError
+                       (r = 0 against a live session is a conflict too)
+
+`ttl_s` is sliding: each append sets the expiry to `ttl_s` after it (None: never expires). An
+expired session reads as absent. Values are JSON everywhere (never pickle).
+
+    StrataError
+    ├── SessionConflictError          the revision moved on (another turn was stored first)
+    ├── SessionNotFoundError          no such session for this tenant (unknown, expired, deleted)
+    └── SessionStoreUnavailableError  the backend cannot be reached (Redis down, disk error)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from strata.errors import (
+    ConfigError,
+    SessionConflictError,
+    SessionNotFoundError,
+    SessionStoreUnavailableError,
+    StrataError,
+)
+
+Clock = Callable[[], float]
+Message = dict[str, Any]
+
+@dataclass(frozen=True, slots=True)
+class SessionRecord:
+    """One session as stored. `messages` are OpenAI chat messages (role, content, name?)."""
+
+    session_id: str
+    tenant: str
+    messages: tuple[Message, ...]
+    revision: int
+    model: str
+    version: str
+    created_at: float
+    updated_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.session_id, "tenant": self.tenant, "messages": list(self.messages),
+                "revision": self.revision, "model": self.model, "version": self.version,
+                "created_at": self.created_at, "updated_at": self.updated_at}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SessionRecord:
+        return cls(session_id=str(data["id"]), tenant=str(data["tenant"]),
+                   messages=tuple(dict(m) for m in data["messages"]),
+                   revision=int(data["revision"]), model=str(data["model"]),
+                   version=str(data["version"]), created_at=float(data["created_at"]),
+                   updated_at=float(data["updated_at"]))
+
+
+class SessionStore(Protocol):
+    """Async session history store; memory, SQLite (WAL) and Redis (Lua CAS) pass one contract."""
+
+    async def get(self, session_id: str, *, tenant: str) -> SessionRecord | None:
+        """The live session, or None (unknown, expired, or another tenant's)."""
+        ...
+
+    async def append(self, session_id: str, *, tenant: str, expected_revision: int,
+                     messages: Sequence[Message], model: str, version: str,
+                     ttl_s: float | None) -> SessionRecord:
+        """Compare-and-set: add `messages` if the revision is `expected_revision` (0 creates).
+
+        Raises SessionConflictError when the revision differs, SessionNotFoundError when
+        `expected_revision` > 0 and the session no longer exists."""
+        ...
+
+    async def delete(self, session_id: str, *, tenant: str) -> bool:
+        """True when this tenant's live session was removed."""
+        ...
+
+    async def list(self, *, tenant: str | None = None, limit: int = 100) -> list[SessionRecord]:
+        """Live sessions (of `tenant`, or of everyone), most recently updated first."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections; the store is unusable afterwards."""
+        ...
+
+
+def check_append(session_id: str, tenant: str, expected_revision: int,
+                 ttl_s: float | None) -> None:
+    """Argument checks shared by every backend."""
+    if not session_id or not tenant:
+        raise ConfigError("session_id and tenant must be non-empty strings")
+    if expected_revision < 0:
+        raise ConfigError(f"expected_revision must be >= 0, got {expected_revision}")
+    if ttl_s is not None and ttl_s <= 0:
+        raise ConfigError(f"ttl_s must be positive or None (no expiry), got {ttl_s}")
+
+
+def cas_failure(session_id: str, expected_revision: int, actual_revision: int) -> StrataError:
+    """The error of a failed compare-and-set: not found (the session vanished) or conflict."""
+    if actual_revision == 0 and expected_revision > 0:
+        return SessionNotFoundError(session_id)
+    return SessionConflictError(session_id, expected_revision=expected_revision,
+                                actual_revision=actual_revision)
+
+
+APPENDFSYNC = ("always", "everysec", "no")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionStoreOptions:
+    """What `create_session_store` hands every backend's `from_url`.
+
+    `redis_appendfsync` ("always", "everysec", "no"): the Redis store turns on Redis' append-only
+    file with that fsync policy (CONFIG SET) before its first command; with None the server's own
+    settings stand (start it with `--appendonly yes --appendfsync always` for zero loss)."""
+
+    clock: Clock = time.time
+    redis_appendfsync: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.redis_appendfsync is not None and self.redis_appendfsync not in APPENDFSYNC:
+            raise ConfigError(f"redis_appendfsync must be one of {', '.join(APPENDFSYNC)}, "
+                              f"got {self.redis_appendfsync!r}")
+
+
+__all__ = [
+    "APPENDFSYNC",
+    "Clock",
+    "Message",
+    "SessionConflictError",
+    "SessionNotFoundError",
+    "SessionRecord",
+    "SessionStore",
+    "SessionStoreOptions",
+    "SessionStoreUnavailableError",
+    "cas_failure",
+    "check_append",
+]

@@ -1,0 +1,8 @@
+"""The deploy tests' helpers (deploy_files, live_stack) live next to them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
