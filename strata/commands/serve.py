@@ -20,6 +20,7 @@ from strata.commands.argtypes import (
     positive_int,
 )
 from strata.commands.env import CliEnv, add_auth_flags
+from strata.commands.serve_parallel import add_parallel_flags
 from strata.commands.serve_stack import (
     DEFAULT_MAX_MODEL_LEN,
     build_engine,
@@ -59,6 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shutdown-timeout-s", type=non_negative_float, default=30.0,
                    help="on SIGTERM/SIGINT, how long in-flight requests may finish")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    add_parallel_flags(p)
     _add_cluster_flags(p)
 
 

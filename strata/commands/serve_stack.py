@@ -20,9 +20,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from strata.commands.env import CliEnv, read_api_keys
+from strata.commands.serve_parallel import (
+    load_for_serving,
+    make_executor,
+    rank_threads,
+    watch_ranks,
+)
 from strata.errors import ConfigError
 
 if TYPE_CHECKING:
+    from strata.commands.serve_parallel import ParallelModel
     from strata.engine.config import SchedulerConfig
     from strata.model.loader import LoadedModel
     from strata.server.async_engine import AsyncEngine
@@ -45,15 +52,14 @@ class BuiltEngine:
 def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
     """Load the model (an alias is pulled) and build the engine stack over it."""
     from strata.model.fetch import DEFAULT_MODEL, KNOWN_MODELS
-    from strata.model.loader import load_model
 
     path = _model_path(args, env)
     log.info("loading %s", path)
-    with openmp_free_main_thread(args.threads):
-        loaded = load_model(path, dtype=args.dtype, cache_dir=env.cache_dir)
+    with openmp_free_main_thread(rank_threads(args)):
+        loaded, parallel = load_for_serving(args, path, env.cache_dir)
         alias = KNOWN_MODELS.get(args.model or DEFAULT_MODEL)
         name = args.served_model_name or (alias.served_name if alias else loaded.name)
-        async_engine = build_async_engine(args, loaded, name)
+        async_engine = build_async_engine(args, loaded, name, parallel)
         loaded.weights.clear()  # the executor holds its own (packed) copies
     return BuiltEngine(async_engine, loaded.tokenizer, name)
 
@@ -118,18 +124,17 @@ def _model_path(args: argparse.Namespace, env: CliEnv) -> Path:
     return resolve_model(args.model, cache_dir=env.cache_dir, progress=True)
 
 
-def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str) -> AsyncEngine:
-    """model -> TorchExecutor -> Engine -> AsyncEngine, configured from the flags."""
+def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str,
+                       parallel: ParallelModel | None = None) -> AsyncEngine:
+    """model -> TorchExecutor (or ParallelExecutor) -> Engine -> AsyncEngine, from the flags."""
     import torch
 
     from strata.engine.config import CacheConfig
     from strata.engine.engine import Engine
-    from strata.model.executor import TorchExecutor
     from strata.server.async_engine import AsyncEngine
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    executor = TorchExecutor(loaded.config, loaded.weights, dtype=args.dtype, device=device,
-                             model_name=name, model_version=args.model_version)
+    executor = make_executor(args, loaded, parallel, device, name)
     max_model_len = args.max_model_len or min(loaded.config.max_position_embeddings,
                                               DEFAULT_MAX_MODEL_LEN)
     scheduler_config = scheduler_config_from(args, max_model_len)
@@ -160,7 +165,8 @@ def scheduler_config_from(args: argparse.Namespace, max_model_len: int) -> Sched
 
 async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
                      started: float) -> int:
-    """Bind, register (if asked), serve; SIGTERM/SIGINT drain in-flight requests, exit 0."""
+    """Bind, register (if asked), serve; SIGTERM/SIGINT drain in-flight requests, exit 0
+    (1 when a parallel instance lost a rank)."""
     import uvicorn
 
     from strata.server.app import create_app
@@ -190,9 +196,10 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     announce = asyncio.create_task(_announce_when_started(server, args.host, port, name, started))
+    fatal = watch_ranks(app, built.async_engine, server)
     await server.serve(sockets=[sock])  # the lifespan shutdown drains, deregisters, stops
     announce.cancel()
-    return 0
+    return fatal.exit_code
 
 
 def _kv_options(args: argparse.Namespace) -> dict[str, Any]:

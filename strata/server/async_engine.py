@@ -7,6 +7,9 @@ thread sleeps on an Event; every command sets it.
 
 If `step()` raises, every in-flight request ends with finish_reason "error", the engine is marked
 dead (`is_healthy` turns false, new requests raise `EngineDeadError`) and the error is logged.
+`kill(exc)` makes the engine thread die of `exc` as if a step raised it (a parallel executor's
+watcher calls it when a rank exits while the engine is idle); `on_death`, when set, hears of
+the death after the streams did.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,7 +66,7 @@ class _Stream:
             pass
 
 
-_Command = tuple[str, Request | RequestId | None]
+_Command = tuple[str, Request | RequestId | Exception | None]
 
 
 class AsyncEngine:
@@ -80,6 +83,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead_reason: str | None = None
+        self.on_death: Callable[[Exception], None] | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -113,6 +117,10 @@ class AsyncEngine:
         self._post(("stop", None))
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, max(timeout_s, 1.0))
+
+    def kill(self, exc: Exception) -> None:
+        """Make the engine thread die of `exc` (thread-safe)."""
+        self._post(("fail", exc))
 
     def stats(self) -> EngineStats:
         """The snapshot taken by the engine thread after its last step or command."""
@@ -192,6 +200,8 @@ class AsyncEngine:
                 self._stopping = True
             elif kind == "abort":
                 self.engine.abort_request(RequestId(str(arg)))
+            elif kind == "fail" and isinstance(arg, Exception):
+                raise arg
             elif isinstance(arg, Request):
                 self._add(arg)
         if applied:
@@ -225,6 +235,8 @@ class AsyncEngine:
         for request_id, stream in streams.items():
             stream.put(RequestOutput(request_id=request_id, new_token_ids=[], new_text="",
                                      finished=True, finish_reason=FinishReason.ERROR))
+        if self.on_death is not None:
+            self.on_death(exc)
 
 
 __all__ = ["AsyncEngine", "EngineCore"]
