@@ -23,6 +23,7 @@
     │   └── RegistryError               the instance registry (or an unknown instance)
     ├── OverloadedError                 429/503: the waiting queue is full (carries retry_after_s)
     ├── EngineDeadError                 the engine loop died; the instance is unhealthy
+    ├── RequestFailedError              500: the executor failed on this request alone
     └── ChatError                       `strata chat`: the server refused or is unreachable
 
 Each HTTP-facing class says how it is answered (`status_code`, OpenAI `error_type`, and
@@ -184,6 +185,14 @@ class EngineDeadError(StrataError):
     error_type = "service_unavailable_error"
 
 
+class RequestFailedError(StrataError):
+    """The executor failed on this request's sequence alone (strata/engine/isolation.py); the
+    request ended with finish_reason "error" and the instance goes on."""
+
+    status_code = 500
+    error_type = "internal_server_error"
+
+
 class ChatError(StrataError):
     """`strata chat`: the server refused a message or could not be reached; says why."""
 
@@ -207,6 +216,7 @@ __all__ = [
     "RegistryError",
     "ReleaseSupersededError",
     "RequestError",
+    "RequestFailedError",
     "ResponseCacheError",
     "SessionConflictError",
     "SessionNotFoundError",

@@ -13,7 +13,7 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from strata.server.registration import Registration
 
 DEFAULT_MAX_MODEL_LEN = 2048
+ENGINE_DIED_EXIT_STATUS = 3  # the engine could not go on: the launcher restarts the instance
 log = logging.getLogger("strata")
 
 
@@ -189,10 +190,30 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
     # absorb it so that a requested stop exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    exit_status = exit_when_engine_dies(server, built.async_engine)
     announce = asyncio.create_task(_announce_when_started(server, args.host, port, name, started))
     await server.serve(sockets=[sock])  # the lifespan shutdown drains, deregisters, stops
     announce.cancel()
-    return 0
+    return exit_status()
+
+
+def exit_when_engine_dies(server: Any, async_engine: AsyncEngine) -> Callable[[], int]:
+    """Once the engine dies (it failed every stream with "error"), stop serving as a SIGTERM
+    would; the returned function gives the exit status: 0, or ENGINE_DIED_EXIT_STATUS."""
+    loop = asyncio.get_running_loop()
+    died: list[str] = []
+
+    def stop(reason: str) -> None:
+        log.error("the engine died (%s); stopping, exit status %d, so that the launcher "
+                  "restarts this instance", reason, ENGINE_DIED_EXIT_STATUS)
+        server.should_exit = True
+
+    def on_death(reason: str) -> None:  # on the engine thread
+        died.append(reason)
+        loop.call_soon_threadsafe(stop, reason)
+
+    async_engine.on_death(on_death)
+    return lambda: ENGINE_DIED_EXIT_STATUS if died else 0
 
 
 def _kv_options(args: argparse.Namespace) -> dict[str, Any]:

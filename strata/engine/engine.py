@@ -131,8 +131,11 @@ class Engine:
         collected = self._batches.collect_oldest()
         if collected is None:
             return []
-        scheduled, model_output = collected
-        return self._update(self.scheduler.on_collected(scheduled), model_output)
+        applied = self.scheduler.on_collected(collected.scheduled)
+        failed = [self._fail(r) for r, _ in applied if r.request_id in collected.failed]
+        return failed + self._update([(r, n) for r, n in applied
+                                     if r.status == RequestStatus.RUNNING],
+                                     collected.output)
 
     def _submit_next(self) -> bool:
         """Schedule a batch and submit it; False when no request can run now."""
@@ -212,6 +215,16 @@ class Engine:
             num_output_tokens=request.num_output_tokens,
             kv_blocks=kv_blocks,
         )
+
+    def _fail(self, request: Request) -> RequestOutput:
+        """The executor failed on this request alone (isolation.py): it ends with "error"."""
+        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        self._detok.pop(request.request_id, None)
+        return RequestOutput(request_id=request.request_id, new_token_ids=[], new_text="",
+                             finished=True, finish_reason=request.finish_reason,
+                             num_prompt_tokens=request.num_prompt_tokens,
+                             num_cached_tokens=request.num_cached_tokens,
+                             num_output_tokens=request.num_output_tokens)
 
     def _export_kv(self, request: Request) -> list[tuple[BlockHash, bytes]]:
         """(hash, payload) of the request's computed full blocks not known to be stored."""

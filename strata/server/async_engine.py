@@ -5,8 +5,12 @@ thread-safe). Coroutines hand it commands through a thread-safe queue and receiv
 per-request `asyncio.Queue`, fed with `loop.call_soon_threadsafe`. When there is no work the
 thread sleeps on an Event; every command sets it.
 
-If `step()` raises, every in-flight request ends with finish_reason "error", the engine is marked
-dead (`is_healthy` turns false, new requests raise `EngineDeadError`) and the error is logged.
+Failures. A request whose sequence the executor cannot run fails alone inside `step()`
+(strata/engine/isolation.py: finish_reason "error", the others go on). If `step()` itself raises
+(the executor can run nothing, or an invariant broke), every in-flight
+request ends with finish_reason "error", the engine is marked dead (`is_healthy` turns false, new
+requests raise `EngineDeadError`), the error is logged and the death hooks run (`on_death`:
+`strata serve` exits non-zero so that its launcher restarts it).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -80,6 +84,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead_reason: str | None = None
+        self._death_hooks: list[Callable[[str], None]] = []
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -113,6 +118,11 @@ class AsyncEngine:
         self._post(("stop", None))
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, max(timeout_s, 1.0))
+
+    def on_death(self, hook: Callable[[str], None]) -> None:
+        """Call `hook(reason)` on the engine thread once the engine has died, after every stream
+        got its final "error" output."""
+        self._death_hooks.append(hook)
 
     def stats(self) -> EngineStats:
         """The snapshot taken by the engine thread after its last step or command."""
@@ -225,6 +235,8 @@ class AsyncEngine:
         for request_id, stream in streams.items():
             stream.put(RequestOutput(request_id=request_id, new_token_ids=[], new_text="",
                                      finished=True, finish_reason=FinishReason.ERROR))
+        for hook in self._death_hooks:
+            hook(self.dead_reason)
 
 
 __all__ = ["AsyncEngine", "EngineCore"]

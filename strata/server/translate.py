@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Protocol
 
-from strata.engine.request import Logprob, Request, SamplingParams
+from strata.engine.request import INT64_MAX, INT64_MIN, Logprob, Request, SamplingParams
 from strata.errors import InvalidRequestError
 from strata.protocol.openai import (
     ChatCompletionRequest,
@@ -123,7 +123,7 @@ def resolve_max_tokens(requested: int | None, default: int | None, num_prompt: i
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
                     num_logprobs: int | None, choice: int) -> SamplingParams:
     """SamplingParams validates the ranges itself (InvalidRequestError naming the param)."""
-    seed = None if req.seed is None else req.seed + choice  # choices differ, runs reproduce
+    seed = None if req.seed is None else _choice_seed(req.seed, choice)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -137,6 +137,13 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
     )
+
+
+def _choice_seed(seed: int, choice: int) -> int:
+    """seed + choice (choices differ, runs reproduce), wrapped to stay an int64."""
+    if not INT64_MIN <= seed <= INT64_MAX:
+        raise _fail("seed", f"must be a 64-bit signed integer (-2**63 .. 2**63-1), got {seed}")
+    return (seed + choice - INT64_MIN) % (1 << 64) + INT64_MIN
 
 
 def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
