@@ -35,6 +35,7 @@ from starlette.applications import Starlette
 from strata.gateway.admin import admin_routes
 from strata.gateway.config import GatewayConfig
 from strata.gateway.dashboard import DASHBOARD_PATHS, dashboard_routes
+from strata.gateway.error_handlers import EXCEPTION_HANDLERS
 from strata.gateway.routes import build_routes
 from strata.gateway.sources import InstanceSource
 from strata.gateway.wiring import Gateway, build_gateway
@@ -78,7 +79,7 @@ def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
             await gateway.close()
 
     app = Starlette(routes=[*build_routes(), *admin_routes(), *dashboard_routes(gateway)],
-                    lifespan=lifespan)
+                    lifespan=lifespan, exception_handlers=dict(EXCEPTION_HANDLERS))
     app.state.gateway = gateway
     if config.api_keys:
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
