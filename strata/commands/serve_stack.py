@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from strata.commands.env import CliEnv, read_api_keys
+from strata.commands.env import CliEnv, read_admin_keys, read_api_keys
 from strata.errors import ConfigError
+from strata.protocol.auth import check_exposure
 
 if TYPE_CHECKING:
     from strata.engine.config import SchedulerConfig
@@ -168,12 +169,15 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
     from strata.server.config import ServerConfig
 
     name, simulated = built.name, built.simulated
+    api_keys = read_api_keys(args.api_key_file, env.api_keys)
+    admin_keys = read_admin_keys(args.admin_key_file, env.admin_keys)
+    check_exposure("strata serve", args.host, api_keys, admin_keys, insecure=args.insecure)
     sock = _bind(args.host, args.port)
     port = sock.getsockname()[1]
     registration = _registration(args, env, built.async_engine, name, port, simulated)
     server_config = ServerConfig(served_model_name=name, host=args.host, port=port,
                                  shutdown_timeout_s=args.shutdown_timeout_s,
-                                 api_keys=read_api_keys(args.api_key_file, env.api_keys),
+                                 api_keys=api_keys, admin_keys=admin_keys,
                                  rate_limit_per_s=args.rate_limit_per_s, simulated=simulated,
                                  model_version=args.model_version,
                                  session_store_url=args.session_store,

@@ -113,10 +113,11 @@ class Engine:
         """True while a request is unfinished or a batch is in flight (`step` collects it)."""
         return self.scheduler.has_unfinished() or len(self._batches) > 0
 
-    def block_hashes(self, token_ids: list[int], cache_salt: str = "") -> list[BlockHash]:
-        """The identities of the full blocks of `token_ids` (model, version and salt included);
-        safe from any thread."""
-        return self.kv.hash_tokens(token_ids, cache_salt)
+    def block_hashes(self, token_ids: list[int], cache_salt: str = "",
+                     num_public_tokens: int = 0) -> list[BlockHash]:
+        """The identities of the full blocks of `token_ids` (model, version and salt included;
+        see `Request.num_public_tokens`); safe from any thread."""
+        return self.kv.hash_tokens(token_ids, cache_salt, num_public_tokens)
 
     def num_cached_blocks(self, hashes: list[BlockHash]) -> int:
         """How many leading blocks of `hashes` the prefix cache holds: a hint, safe from any

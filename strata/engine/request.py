@@ -119,6 +119,9 @@ class Request:
     arrival_time: float = 0.0
     priority: int = 0  # lower runs first; FCFS within a priority
     cache_salt: str = ""
+    # leading prompt tokens that are public (a shared system prompt): their full blocks are
+    # named without `cache_salt`, in the namespace every tenant shares (kv_cache_manager.py)
+    num_public_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Logprob] = field(default_factory=list)

@@ -81,8 +81,9 @@ def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
     app = Starlette(routes=[*build_routes(), *admin_routes(), *dashboard_routes(gateway)],
                     lifespan=lifespan, exception_handlers=dict(EXCEPTION_HANDLERS))
     app.state.gateway = gateway
-    if config.api_keys:
+    if config.api_keys or config.admin_keys:
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
+                           admin_keys=list(config.admin_keys),
                            rate_limit_per_s=config.rate_limit_per_s,
                            exempt_paths=EXEMPT_PATHS | DASHBOARD_PATHS)
     return app

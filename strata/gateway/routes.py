@@ -116,11 +116,18 @@ async def drain_instance(request: Request) -> Response:
     view.is_draining = True
     result: dict[str, Any] = {"instance_id": instance_id, "draining": True}
     try:
-        answer = await gateway.control.post(f"{view.url}/admin/drain")
+        answer = await gateway.control.post(f"{view.url}/admin/drain",
+                                            headers=_admin_auth(gateway))
         result["instance_status"] = answer.status_code
     except Exception as exc:  # the instance may be gone; we stop routing there regardless
         result["instance_error"] = f"{type(exc).__name__}: {exc}"
     return JSONResponse(result, status_code=202)
+
+
+def _admin_auth(gateway: Gateway) -> dict[str, str]:
+    """What the instances' admin API takes: the gateway's admin key, else its client key."""
+    keys = gateway.config.admin_keys or gateway.config.api_keys
+    return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
 
 
 def build_routes() -> list[Route]:

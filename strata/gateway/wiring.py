@@ -120,7 +120,8 @@ def _response_cache(config: GatewayConfig,
     if config.response_cache_url is None:
         return None
     cache = ResponseCacheLayer(create_response_cache(config.response_cache_url,
-                                                     ttl_s=config.response_cache_ttl_s))
+                                                     ttl_s=config.response_cache_ttl_s),
+                               is_per_tenant=bool(config.api_keys))
     _close_with(exits, cache.close)
     return cache
 

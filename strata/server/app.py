@@ -70,8 +70,9 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
     app.add_middleware(ModelVersionHeader,
                        value=f"{config.served_model_name}@{config.model_version}")
-    if config.api_keys:
+    if config.api_keys or config.admin_keys:
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
+                           admin_keys=list(config.admin_keys),
                            rate_limit_per_s=config.rate_limit_per_s)
     install_error_handlers(app)
     return app

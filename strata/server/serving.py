@@ -102,10 +102,11 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest) -> Started
         else req.max_tokens
     max_tokens = tr.resolve_max_tokens(requested, None, len(prompt), ctx.engine.max_model_len)
     rid, arrival = tr.new_id("chatcmpl"), ctx.clock()
+    num_public = tr.public_prefix_tokens(req, prompt, ctx.tokenizer)
     requests = [
         tr.engine_request(f"{rid}-{j}", prompt, tr.sampling_params(
             req, max_tokens=max_tokens, num_logprobs=num_logprobs, choice=j),
-            req, ctx.tokenizer, arrival)
+            req, ctx.tokenizer, arrival, num_public)
         for j in range(req.n)
     ]
     generation = await start(ctx.engine, requests, [0] * req.n, ctx.metrics, ctx.clock,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from typing import Protocol
+from itertools import takewhile
+from typing import Protocol, TypeVar
 
 from strata.engine.request import INT64_MAX, INT64_MIN, Logprob, Request, SamplingParams
 from strata.errors import InvalidRequestError
@@ -148,10 +149,42 @@ def _choice_seed(seed: int, choice: int) -> int:
 
 def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
                    req: CompletionRequest | ChatCompletionRequest,
-                   tokenizer: ServerTokenizer, arrival_s: float) -> Request:
+                   tokenizer: ServerTokenizer, arrival_s: float,
+                   num_public_tokens: int = 0) -> Request:
     return Request(request_id=RequestId(request_id), prompt_token_ids=prompt,
                    sampling_params=params, eos_token_ids=tuple(tokenizer.eos_token_ids),
-                   arrival_time=arrival_s, priority=req.priority, cache_salt=req.cache_salt or "")
+                   arrival_time=arrival_s, priority=req.priority, cache_salt=req.cache_salt or "",
+                   num_public_tokens=num_public_tokens)
+
+
+R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
+
+
+def tenant_scoped(req: R, tenant: str | None) -> R:
+    """The request with its tenant in `cache_salt` (None: a server without keys, one tenant), so
+    that no tenant's prompt is ever served from, or probed through, another's KV blocks."""
+    if tenant is None:
+        return req
+    return req.model_copy(update={"cache_salt": f"{tenant}:{req.cache_salt or ''}"})
+
+
+def public_prefix_tokens(req: ChatCompletionRequest, prompt: list[int],
+                         tokenizer: ServerTokenizer) -> int:
+    """With `share_system_prompt`, how many leading tokens of `prompt` are the leading system
+    (or developer) messages: their full blocks are cached for every tenant to share."""
+    lead = list(takewhile(lambda m: m.role in ("system", "developer"), req.messages))
+    if not req.share_system_prompt or not lead:
+        return 0
+    try:
+        public = chat_prompt(lead, tokenizer, add_generation_prompt=False)
+    except Exception:  # a template that refuses a conversation of system messages only
+        return 0
+    num = 0
+    for a, b in zip(public, prompt, strict=False):
+        if a != b:
+            break
+        num += 1
+    return num
 
 
 def completion_logprobs(logprobs: list[Logprob], tokenizer: ServerTokenizer,
@@ -198,5 +231,7 @@ __all__ = [
     "engine_request",
     "new_id",
     "resolve_max_tokens",
+    "public_prefix_tokens",
     "sampling_params",
+    "tenant_scoped",
 ]

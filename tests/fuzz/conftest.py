@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))  # fuzz_targets.py sits next to the tests
-
-from fuzz_targets import Targets, fuzz_targets  # noqa: E402
+from sim_stack import Targets, sim_stack
 
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Targets]:
-    with fuzz_targets(tmp_path_factory.mktemp("fuzz")) as running:
+    with sim_stack(tmp_path_factory.mktemp("fuzz")) as running:
         yield running

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from fuzz_targets import MODEL, Targets
+from sim_stack import MODEL, Targets
 
 from strata.bench.fuzz import is_error_body
 from strata.errors import InvalidRequestError

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from fuzz_targets import MODEL, Targets
+from sim_stack import MODEL, Targets
 
 from strata.bench.fuzz import run_fuzz
 from strata.bench.mutations import KINDS, Mutator

@@ -1,4 +1,5 @@
-"""A simulated instance and a gateway in front of it, as real processes, for the fuzzers."""
+"""A simulated instance (sessions on) and a gateway in front of it, as real processes: what the
+fuzzers and the security tests send their requests to."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from strata.bench.procs import Proc, spawn
 from strata.sim.profile import LatencyProfile
 
 MODEL = "fuzz-sim"
-CLIENT_KEY = "fuzz-client-key"
-ADMIN_KEY = "fuzz-admin-key"
+CLIENT_KEY = "tenant-a-client-key"
+OTHER_CLIENT_KEY = "tenant-b-client-key"
+ADMIN_KEY = "operator-admin-key"
 _GATEWAY_READY = r"Strata gateway on (http://127\.0\.0\.1:\d+) "
 
 
@@ -30,19 +32,21 @@ class Targets:
 
 
 @contextmanager
-def fuzz_targets(root: Path, *, keyed: bool = False) -> Iterator[Targets]:
-    """`strata serve --simulate` (no step latency) and `strata gateway --instances` over it;
-    with `keyed`, both take CLIENT_KEY and the admin key ADMIN_KEY."""
+def sim_stack(root: Path, *, keyed: bool = False) -> Iterator[Targets]:
+    """`strata serve --simulate` (no step latency, sessions in memory) and `strata gateway
+    --instances` over it; with `keyed`, both take the client keys CLIENT_KEY and
+    OTHER_CLIENT_KEY (two tenants) and the admin key ADMIN_KEY."""
     profile = root / "fuzz-profile.json"
     LatencyProfile(model=MODEL, source="synthetic", prefill_ms_base=0.0,
                    prefill_ms_per_token=0.0, decode_ms_base=0.0, decode_ms_per_seq=0.0
                    ).save(profile)
     auth: list[str] = []
     if keyed:
-        (root / "keys").write_text(CLIENT_KEY + "\n")
+        (root / "keys").write_text(f"{CLIENT_KEY}\n{OTHER_CLIENT_KEY}\n")
         (root / "admin-key").write_text(ADMIN_KEY + "\n")
         auth = ["--api-key-file", str(root / "keys"), "--admin-key-file", str(root / "admin-key")]
-    instance = start_serve(["--simulate", str(profile), "--max-model-len", "512", *auth],
+    instance = start_serve(["--simulate", str(profile), "--max-model-len", "512",
+                            "--session-store", "memory://", *auth],
                            cache_dir=root / "cache", timeout_s=60, log_dir=root / "logs")
     gateway = None
     try:
