@@ -246,7 +246,11 @@ class KeyPrefix:
 
     async def __call__(self, request: ProxyRequest, call_next: Handler) -> Response:
         route = request.route
-        keys = self.prefix.keys(request.body, route.session_id, self.pipeline.candidates(route))
+        tenant = ""
+        if self.prefix.is_per_tenant:
+            tenant = tenant_of_key(bearer_key(dict(request.headers).get("authorization", "")))
+        keys = self.prefix.keys(request.body, route.session_id, self.pipeline.candidates(route),
+                                tenant)
         if keys is not None:
             request = dataclasses.replace(request, route=dataclasses.replace(route, prefix=keys))
         return await call_next(request)

@@ -178,7 +178,8 @@ def _prefix_routing(config: GatewayConfig, policy: RoutingPolicy, instances: Ins
         return None
     client = httpx.AsyncClient(timeout=httpx.Timeout(config.health_timeout_s))
     prefix = PrefixRouting(policy.index, instances, client,
-                           api_key=config.api_keys[0] if config.api_keys else None)
+                           api_key=config.api_keys[0] if config.api_keys else None,
+                           is_per_tenant=bool(config.api_keys))
     _close_with(exits, client.aclose)
     _close_with(exits, prefix.close)
     return prefix
