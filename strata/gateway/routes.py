@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
@@ -55,7 +56,10 @@ async def session_call(request: Request) -> Response:
     """GET /v1/sessions[/{id}] and DELETE /v1/sessions/{id}: passed to any routable instance
     (every instance reads the same session store); a successful DELETE also unpins the session."""
     gateway = _gateway(request)
-    path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    # forwarded as received: re-quoted, so that an id with control or odd characters is
+    # the same id on the instance (a decoded one made an invalid URL: a 500)
+    path = quote(request.url.path, safe="/") + (f"?{request.url.query}" if request.url.query
+                                                else "")
     preq = ProxyRequest(request.method, path, await request.body(),
                         list(request.headers.items()), RouteRequest(), gateway.proxy.clock())
     response = await gateway.proxy.forward(preq)

@@ -78,3 +78,13 @@ def test_the_depth_scan_skips_brackets_inside_strings_and_escapes() -> None:
     with pytest.raises(InvalidRequestError, match="more than 2 levels"):
         check_depth(b'{"a": "\\\\", "b": [[1]]}', max_depth=2)
     assert parse_json_object(b'{"e": "\\ud83d\\ude00"}') == {"e": "\U0001f600"}  # paired: fine
+
+
+@pytest.mark.parametrize("target", ["instance", "gateway"])
+def test_a_session_id_with_control_characters_is_a_404_not_a_500(targets: Targets,
+                                                                 target: str) -> None:
+    """Found by Schemathesis: the gateway forwarded the decoded path, an invalid URL."""
+    odd = "%3FH%60%3C%24j%C3%90%16%C3%AE%F1%A2%B0%A8"
+    answer = httpx.get(f"{targets.urls[target]}/v1/sessions/{odd}", timeout=10)
+    assert answer.status_code == 404, answer.text
+    assert is_error_body(answer.content)
