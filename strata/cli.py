@@ -8,8 +8,8 @@ fast.
 
 Environment: STRATA_CACHE_DIR (default `$XDG_CACHE_HOME/strata`, else `~/.cache/strata`) holds
 pulled models and dequantized weights; STRATA_RUN_DIR (default `$STRATA_CACHE_DIR/run`) what
-`strata up` keeps; STRATA_API_KEYS (comma separated) the accepted API keys; STRATA_REGISTRY the
-default registry URL.
+`strata up` keeps; STRATA_API_KEYS (comma separated) the accepted API keys; STRATA_ADMIN_KEYS
+(comma separated) the admin keys (for /admin/*); STRATA_REGISTRY the default registry URL.
 """
 
 from __future__ import annotations
@@ -53,9 +53,14 @@ def cache_dir_from_env(env: Mapping[str, str]) -> Path:
 def cli_env_from(env: Mapping[str, str]) -> CliEnv:
     cache_dir = cache_dir_from_env(env)
     run_dir = Path(env["STRATA_RUN_DIR"]).expanduser() if env.get("STRATA_RUN_DIR") else None
-    keys = tuple(k.strip() for k in env.get("STRATA_API_KEYS", "").split(",") if k.strip())
-    return CliEnv(cache_dir=cache_dir, run_dir=run_dir or cache_dir / "run", api_keys=keys,
+    return CliEnv(cache_dir=cache_dir, run_dir=run_dir or cache_dir / "run",
+                  api_keys=_keys(env, "STRATA_API_KEYS"),
+                  admin_keys=_keys(env, "STRATA_ADMIN_KEYS"),
                   registry_url=env.get("STRATA_REGISTRY") or None)
+
+
+def _keys(env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    return tuple(k.strip() for k in env.get(name, "").split(",") if k.strip())
 
 
 def _command_modules() -> list[Any]:

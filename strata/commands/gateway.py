@@ -23,7 +23,7 @@ from strata.commands.argtypes import (
     positive_float,
     positive_int,
 )
-from strata.commands.env import CliEnv, add_auth_flags, read_api_keys
+from strata.commands.env import CliEnv, add_auth_flags, read_admin_keys, read_api_keys
 from strata.errors import ConfigError
 from strata.gateway.config import (
     SESSION_ROUTING_MODES,
@@ -35,6 +35,7 @@ from strata.gateway.config import (
 )
 from strata.gateway.policies import policy_names
 from strata.gateway.sources import InstanceSource, RegistrySource, StaticSource
+from strata.protocol.auth import check_exposure
 from strata.registry.models import ModelRegistry
 from strata.registry.release_policy import ReleaseConfig
 from strata.state.urls import schemes_help
@@ -105,6 +106,9 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
     if not registry and not args.instances:
         raise ConfigError("give --registry URL or --instances URL [URL ...] "
                           "(or set STRATA_REGISTRY)")
+    api_keys = read_api_keys(args.api_key_file, env.api_keys)
+    admin_keys = read_admin_keys(args.admin_key_file, env.admin_keys)
+    check_exposure("strata gateway", args.host, api_keys, admin_keys, insecure=args.insecure)
     return GatewayConfig(
         host=args.host, port=args.port, policy=args.policy,
         instance_urls=tuple(args.instances or ()), registry_url=registry,
@@ -112,7 +116,7 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
         retry=RetryConfig(max_retries=args.max_retries),
         admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue,
                                   queue_timeout_s=args.queue_timeout_s),
-        api_keys=read_api_keys(args.api_key_file, env.api_keys),
+        api_keys=api_keys, admin_keys=admin_keys,
         rate_limit_per_s=args.rate_limit_per_s, shutdown_timeout_s=args.shutdown_timeout_s,
         sessions=_session_config(args),
         versions=VersionConfig(routing_poll_s=args.routing_poll_s,
@@ -170,7 +174,11 @@ async def _serve(config: GatewayConfig, log_level: str, started: float) -> int:
 
     from strata.gateway.app import create_gateway_app
 
-    control = httpx.AsyncClient(timeout=httpx.Timeout(config.health_timeout_s))
+    # the control plane's calls to instances (model and load of static ones, drains) carry the
+    # key their admin API takes: the admin key, else the first client key
+    keys = config.admin_keys or config.api_keys
+    control = httpx.AsyncClient(timeout=httpx.Timeout(config.health_timeout_s),
+                                headers={"Authorization": f"Bearer {keys[0]}"} if keys else {})
     source, registry = build_source(config, control)
     models = build_model_registry(config)
     app = create_gateway_app(config, source, control_client=control, models=models,

@@ -13,13 +13,13 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from strata.commands.env import CliEnv, read_api_keys
+from strata.commands.env import CliEnv, read_admin_keys, read_api_keys
 from strata.commands.serve_parallel import (
     load_for_serving,
     make_executor,
@@ -27,6 +27,7 @@ from strata.commands.serve_parallel import (
     watch_ranks,
 )
 from strata.errors import ConfigError
+from strata.protocol.auth import check_exposure
 
 if TYPE_CHECKING:
     from strata.commands.serve_parallel import ParallelModel
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from strata.server.registration import Registration
 
 DEFAULT_MAX_MODEL_LEN = 2048
+ENGINE_DIED_EXIT_STATUS = 3  # the engine could not go on: the launcher restarts the instance
 log = logging.getLogger("strata")
 
 
@@ -173,12 +175,15 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
     from strata.server.config import ServerConfig
 
     name, simulated = built.name, built.simulated
+    api_keys = read_api_keys(args.api_key_file, env.api_keys)
+    admin_keys = read_admin_keys(args.admin_key_file, env.admin_keys)
+    check_exposure("strata serve", args.host, api_keys, admin_keys, insecure=args.insecure)
     sock = _bind(args.host, args.port)
     port = sock.getsockname()[1]
     registration = _registration(args, env, built.async_engine, name, port, simulated)
     server_config = ServerConfig(served_model_name=name, host=args.host, port=port,
                                  shutdown_timeout_s=args.shutdown_timeout_s,
-                                 api_keys=read_api_keys(args.api_key_file, env.api_keys),
+                                 api_keys=api_keys, admin_keys=admin_keys,
                                  rate_limit_per_s=args.rate_limit_per_s, simulated=simulated,
                                  model_version=args.model_version,
                                  session_store_url=args.session_store,
@@ -195,11 +200,31 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
     # absorb it so that a requested stop exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    exit_status = exit_when_engine_dies(server, built.async_engine)
     announce = asyncio.create_task(_announce_when_started(server, args.host, port, name, started))
-    fatal = watch_ranks(app, built.async_engine, server)
+    watch_ranks(app, built.async_engine)
     await server.serve(sockets=[sock])  # the lifespan shutdown drains, deregisters, stops
     announce.cancel()
-    return fatal.exit_code
+    return exit_status()
+
+
+def exit_when_engine_dies(server: Any, async_engine: AsyncEngine) -> Callable[[], int]:
+    """Once the engine dies (it failed every stream with "error"), stop serving as a SIGTERM
+    would; the returned function gives the exit status: 0, or ENGINE_DIED_EXIT_STATUS."""
+    loop = asyncio.get_running_loop()
+    died: list[str] = []
+
+    def stop(reason: str) -> None:
+        log.error("the engine died (%s); stopping, exit status %d, so that the launcher "
+                  "restarts this instance", reason, ENGINE_DIED_EXIT_STATUS)
+        server.should_exit = True
+
+    def on_death(reason: str) -> None:  # on the engine thread
+        died.append(reason)
+        loop.call_soon_threadsafe(stop, reason)
+
+    async_engine.on_death(on_death)
+    return lambda: ENGINE_DIED_EXIT_STATUS if died else 0
 
 
 def _kv_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -24,8 +24,9 @@ from strata.cluster.deployments import VERSION_FLAGS
 from strata.cluster.local import LocalClusterConfig, Supervisor
 from strata.cluster.seed import ClusterSeed, seed_registry
 from strata.commands.argtypes import port_number, positive_float, positive_int
-from strata.commands.env import CliEnv
+from strata.commands.env import CliEnv, read_admin_keys, read_api_keys
 from strata.errors import ConfigError, StrataError
+from strata.protocol.auth import check_exposure
 from strata.registry.models import ModelVersion
 from strata.store.manifest import local_manifest_sha256
 
@@ -76,10 +77,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="Ray CPUs reserved per instance actor (fractions allowed)")
     for flag, kind in _SERVE_FLAGS:
         p.add_argument(flag, type=kind, default=None, help="passed to every instance")
+    p.add_argument("--api-key-file", type=Path, default=None,
+                   help="client API keys, one per line: passed to the gateway and every instance "
+                        "(STRATA_API_KEYS, inherited, adds more)")
+    p.add_argument("--admin-key-file", type=Path, default=None,
+                   help="admin key(s) for /admin/*: passed to the gateway and every instance "
+                        "(STRATA_ADMIN_KEYS, inherited, adds more)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow --host beyond the loopback without keys (passed through)")
 
 
 def run(args: argparse.Namespace, env: CliEnv) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    check_exposure("strata up", args.host, read_api_keys(args.api_key_file, env.api_keys),
+                   read_admin_keys(args.admin_key_file, env.admin_keys), insecure=args.insecure)
     config = _config(args, env)
     _check_not_running(config.run_dir)
     config.run_dir.mkdir(parents=True, exist_ok=True)
@@ -206,14 +217,26 @@ def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             serve_args += [flag, str(value)]
+    serve_args += _auth_args(args)
     threads = args.threads_per_instance or max(1, (os.cpu_count() or 1) // args.replicas)
-    gateway_args = [*(["--policy", args.policy] if args.policy else []), *args.gateway_arg]
+    gateway_args = [*(["--policy", args.policy] if args.policy else []), *_auth_args(args),
+                    *args.gateway_arg]
     return LocalClusterConfig(
         replicas=args.replicas, run_dir=env.run_dir, model=args.model, host=args.host,
         port=args.port, serve_args=tuple(serve_args), gateway_args=tuple(gateway_args),
         threads_per_instance=None if args.simulate else threads,
         registry=args.registry or env.registry_url,
     )
+
+
+def _auth_args(args: argparse.Namespace) -> list[str]:
+    """The key flags every child gets (files by absolute path: children may run elsewhere)."""
+    out: list[str] = []
+    for flag, path in (("--api-key-file", args.api_key_file),
+                       ("--admin-key-file", args.admin_key_file)):
+        if path is not None:
+            out += [flag, str(Path(path).resolve())]
+    return out + (["--insecure"] if args.insecure else [])
 
 
 def _prefetch(args: argparse.Namespace, env: CliEnv) -> None:

@@ -35,6 +35,8 @@ from starlette.applications import Starlette
 from strata.gateway.admin import admin_routes
 from strata.gateway.config import GatewayConfig
 from strata.gateway.dashboard import DASHBOARD_PATHS, dashboard_routes
+from strata.gateway.error_handlers import EXCEPTION_HANDLERS
+from strata.gateway.openapi_routes import openapi_route
 from strata.gateway.routes import build_routes
 from strata.gateway.sources import InstanceSource
 from strata.gateway.wiring import Gateway, build_gateway
@@ -77,11 +79,13 @@ def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
             await asyncio.gather(*tasks, return_exceptions=True)
             await gateway.close()
 
-    app = Starlette(routes=[*build_routes(), *admin_routes(), *dashboard_routes(gateway)],
-                    lifespan=lifespan)
+    app = Starlette(routes=[*build_routes(), *admin_routes(), *dashboard_routes(gateway),
+                            openapi_route()],
+                    lifespan=lifespan, exception_handlers=dict(EXCEPTION_HANDLERS))
     app.state.gateway = gateway
-    if config.api_keys:
+    if config.api_keys or config.admin_keys:
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
+                           admin_keys=list(config.admin_keys),
                            rate_limit_per_s=config.rate_limit_per_s,
                            exempt_paths=EXEMPT_PATHS | DASHBOARD_PATHS)
     return app

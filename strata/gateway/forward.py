@@ -45,6 +45,7 @@ from strata.gateway.sessions import ROUTING_HEADER, SessionRouter
 from strata.gateway.upstream import INSTANCE_HEADER, RelayResponse, error_response
 from strata.gateway.versions import CANARY, LIVE, SESSION, VersionChoice, VersionRouter
 from strata.gateway.versions import MOVED_HEADER as VERSION_MOVED_HEADER
+from strata.protocol.auth import bearer_key, tenant_of_key
 
 Handler = Callable[[ProxyRequest], Awaitable[Response]]
 
@@ -195,7 +196,10 @@ class CacheAnswers:
             return None
         if not isinstance(body, dict):
             return None
-        return cache_key(request.path, body, model=model, version=route.version)
+        tenant = ""
+        if self.cache.is_per_tenant:
+            tenant = tenant_of_key(bearer_key(dict(request.headers).get("authorization", "")))
+        return cache_key(request.path, body, model=model, version=route.version, tenant=tenant)
 
 
 class PlaceSession:
@@ -242,7 +246,11 @@ class KeyPrefix:
 
     async def __call__(self, request: ProxyRequest, call_next: Handler) -> Response:
         route = request.route
-        keys = self.prefix.keys(request.body, route.session_id, self.pipeline.candidates(route))
+        tenant = ""
+        if self.prefix.is_per_tenant:
+            tenant = tenant_of_key(bearer_key(dict(request.headers).get("authorization", "")))
+        keys = self.prefix.keys(request.body, route.session_id, self.pipeline.candidates(route),
+                                tenant)
         if keys is not None:
             request = dataclasses.replace(request, route=dataclasses.replace(route, prefix=keys))
         return await call_next(request)

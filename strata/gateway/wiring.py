@@ -123,7 +123,8 @@ def _response_cache(config: GatewayConfig,
     if config.response_cache_url is None:
         return None
     cache = ResponseCacheLayer(create_response_cache(config.response_cache_url,
-                                                     ttl_s=config.response_cache_ttl_s))
+                                                     ttl_s=config.response_cache_ttl_s),
+                               is_per_tenant=bool(config.api_keys))
     _close_with(exits, cache.close)
     return cache
 
@@ -177,7 +178,8 @@ def _prefix_routing(config: GatewayConfig, policy: RoutingPolicy, instances: Ins
         return None
     client = httpx.AsyncClient(timeout=httpx.Timeout(config.health_timeout_s))
     prefix = PrefixRouting(policy.index, instances, client,
-                           api_key=config.api_keys[0] if config.api_keys else None)
+                           api_key=config.api_keys[0] if config.api_keys else None,
+                           is_per_tenant=bool(config.api_keys))
     _close_with(exits, client.aclose)
     _close_with(exits, prefix.close)
     return prefix

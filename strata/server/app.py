@@ -36,6 +36,7 @@ from strata.server.instance import Instance
 from strata.server.kv_events import open_prefix_serving
 from strata.server.kv_offload import open_kv_offload
 from strata.server.metrics import ServerMetrics
+from strata.server.openapi_routes import instance_openapi
 from strata.server.prefix_routes import prefix_routes
 from strata.server.registration import Registration
 from strata.server.serving import ServingContext
@@ -71,11 +72,14 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
     app = FastAPI(title="Strata", routes=build_routes(), lifespan=lifespan, docs_url=None,
                   redoc_url=None)
     app.state.instance = instance
+    document = instance_openapi()  # GET /openapi.json serves it (openapi_routes.py)
+    app.openapi = lambda: document  # type: ignore[method-assign]
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
     app.add_middleware(ModelVersionHeader,
                        value=f"{config.served_model_name}@{config.model_version}")
-    if config.api_keys:
+    if config.api_keys or config.admin_keys:
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
+                           admin_keys=list(config.admin_keys),
                            rate_limit_per_s=config.rate_limit_per_s)
     install_error_handlers(app)
     return app
