@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from strata.commands.env import CliEnv, read_api_keys
 from strata.errors import ConfigError
+from strata.logs import announce
 
 if TYPE_CHECKING:
     from strata.engine.config import SchedulerConfig
@@ -183,6 +184,7 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
                      registration=registration)
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=args.log_level, access_log=args.log_level == "debug",
+        log_config=None,  # its loggers go through strata/logs.py's handler
         timeout_graceful_shutdown=args.shutdown_timeout_s,
     ))
     # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown; these handlers
@@ -234,4 +236,4 @@ async def _announce_when_started(server: Any, host: str, port: int, name: str,
     while not server.started:
         await asyncio.sleep(0.05)
     ready_s = time.perf_counter() - started
-    print(f"Strata serving {name} on http://{host}:{port} (ready in {ready_s:.1f}s)", flush=True)
+    announce(f"Strata serving {name} on http://{host}:{port} (ready in {ready_s:.1f}s)")

@@ -26,6 +26,7 @@ from strata.cluster.seed import ClusterSeed, seed_registry
 from strata.commands.argtypes import port_number, positive_float, positive_int
 from strata.commands.env import CliEnv
 from strata.errors import ConfigError, StrataError
+from strata.logs import announce
 from strata.registry.models import ModelVersion
 from strata.store.manifest import local_manifest_sha256
 
@@ -79,7 +80,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, env: CliEnv) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = _config(args, env)
     _check_not_running(config.run_dir)
     config.run_dir.mkdir(parents=True, exist_ok=True)
@@ -99,13 +99,13 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
         _wait_ready(supervisor, config, args.ready_timeout_s, lambda: stop["now"])
         if not stop["now"]:
             _write_cluster_file(config)
-            print(f"Strata cluster: {config.replicas} instances behind "
-                  f"http://{config.host}:{config.port} serving {seed.version.key} "
-                  f"(logs in {config.log_dir})", flush=True)
-            print(f"Dashboard: http://{config.host}:{config.port}/dashboard", flush=True)
+            announce(f"Strata cluster: {config.replicas} instances behind "
+                     f"http://{config.host}:{config.port} serving {seed.version.key} "
+                     f"(logs in {config.log_dir})")
+            announce(f"Dashboard: http://{config.host}:{config.port}/dashboard")
         supervisor.run_forever(lambda: stop["now"])
     finally:
-        print("stopping the cluster...", flush=True)
+        announce("stopping the cluster...")
         _cluster_file(config.run_dir).unlink(missing_ok=True)
         supervisor.stop()
     return 0
@@ -199,7 +199,8 @@ def _launcher(args: argparse.Namespace, config: LocalClusterConfig) -> Launcher:
 
 
 def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
-    serve_args: list[str] = ["--log-level", "warning"]
+    log_flags = _log_flags(args, env)
+    serve_args: list[str] = ["--log-level", "warning", *log_flags]
     for flag, _ in _SERVE_FLAGS:
         if flag in VERSION_FLAGS:
             continue  # each instance gets these from its model version
@@ -207,13 +208,20 @@ def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
         if value is not None:
             serve_args += [flag, str(value)]
     threads = args.threads_per_instance or max(1, (os.cpu_count() or 1) // args.replicas)
-    gateway_args = [*(["--policy", args.policy] if args.policy else []), *args.gateway_arg]
+    gateway_args = [*(["--policy", args.policy] if args.policy else []), *log_flags,
+                    *args.gateway_arg]
     return LocalClusterConfig(
         replicas=args.replicas, run_dir=env.run_dir, model=args.model, host=args.host,
         port=args.port, serve_args=tuple(serve_args), gateway_args=tuple(gateway_args),
         threads_per_instance=None if args.simulate else threads,
         registry=args.registry or env.registry_url,
     )
+
+
+def _log_flags(args: argparse.Namespace, env: CliEnv) -> list[str]:
+    """`--log-format` for the children, unless text is both chosen and their default."""
+    chosen = getattr(args, "log_format", None) or env.log_format
+    return [] if chosen == env.log_format == "text" else ["--log-format", chosen]
 
 
 def _prefetch(args: argparse.Namespace, env: CliEnv) -> None:
