@@ -4,6 +4,7 @@ Tensors are dequantized with numpy (`gguf.quants.dequantize`) and renamed to Hug
 llama's attn_q / attn_k are un-permuted back to the HF rotary layout. The result (weights in the
 requested dtype, plus config and tokenizer in the header metadata) is cached as one safetensors
 file keyed by the GGUF file's size, mtime and first bytes, so a second load skips dequantization.
+The first load shows its progress, tensor by tensor (strata/progress.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tokenizers import processors
 from strata.errors import ModelLoadError
 from strata.model.config import ModelConfig
 from strata.model.tokenizer import Tokenizer, byte_level_bpe
+from strata.progress import progress
 
 CACHE_FORMAT = "strata-gguf-1"
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -90,9 +92,11 @@ def _read_gguf(path: Path, dtype: torch.dtype) -> GGUFModel:
     tokenizer = _tokenizer(meta)
     config = _config(meta, arch, reader, tokenizer)
     weights = {}
-    for t in reader.tensors:
-        if t.name not in _SKIPPED:
-            weights[_hf_name(t.name, path)] = _tensor(t, config, path).to(dtype)
+    with progress(len(reader.tensors), f"dequantizing {path.name}", unit="tensors") as bar:
+        for t in reader.tensors:
+            if t.name not in _SKIPPED:
+                weights[_hf_name(t.name, path)] = _tensor(t, config, path).to(dtype)
+            bar.update(1)
     name = str(meta.get("general.name", path.stem))
     return GGUFModel(config, weights, tokenizer, name, path)
 
