@@ -39,7 +39,7 @@ log = logging.getLogger("strata")
 # modules of strata.commands, one subcommand each (add_parser + run)
 COMMAND_MODULES: tuple[str, ...] = (
     "serve", "gateway", "up", "status", "sessions", "store", "profile", "models", "release",
-    "rollback",
+    "rollback", "doctor",
 )
 
 

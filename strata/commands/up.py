@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -192,6 +193,9 @@ def _write_cluster_file(config: LocalClusterConfig) -> None:
 def _launcher(args: argparse.Namespace, config: LocalClusterConfig) -> Launcher:
     if not args.ray:
         return Supervisor(config)
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("--ray needs Ray, which is not installed: pip install 'strata[ray]' "
+                          "(`strata doctor` says which optional parts are usable)")
     from strata.cluster.ray_launcher import RayClusterConfig, RayLauncher
 
     return RayLauncher(RayClusterConfig(config, address=args.address,
