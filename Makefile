@@ -4,6 +4,7 @@
 # newer than pyproject.toml; the dev install also satisfies `make serve`.
 #   PIP_ARGS   extra pip flags, e.g. --extra-index-url https://download.pytorch.org/whl/cpu
 #   ARGS       extra flags for `strata serve` / `strata bench`
+#   PYTEST_ARGS  extra pytest flags for `make test`, e.g. "-x tests/test_cli.py" or --collect-only
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,6 +14,7 @@ DEV_STAMP := $(VENV)/.strata-installed-dev
 PIP_INSTALL = $(BIN)/python -m pip install --disable-pip-version-check -q
 PIP_ARGS ?=
 ARGS ?=
+PYTEST_ARGS ?=
 
 .PHONY: install install-dev serve test lint bench doctor clean-stamp
 
@@ -35,7 +37,7 @@ serve: install
 	$(BIN)/strata serve $(ARGS)
 
 test: install-dev
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: install-dev
 	$(BIN)/ruff check strata tests
