@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -53,13 +54,17 @@ class Progress:
         self.clock = clock
         self.logger = logger
         self.started_at = self.last_logged_at = clock()
+        self._lock = threading.Lock()
 
     def update(self, amount: float = 1) -> None:
-        self.done += amount
-        now = self.clock()
-        if now - self.last_logged_at >= self.log_every_s:
+        """Add `amount` done; safe from several threads (boto3 reports from its workers)."""
+        with self._lock:
+            self.done += amount
+            now = self.clock()
+            if now - self.last_logged_at < self.log_every_s:
+                return
             self.last_logged_at = now
-            self.logger.info("%s: %s", self.desc, self.status())
+        self.logger.info("%s: %s", self.desc, self.status())
 
     def status(self) -> str:
         """`45.0 MB of 98.0 MB (46%)`, `12/32 req (38%)`, or `12 req` (total unknown)."""
