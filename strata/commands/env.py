@@ -17,6 +17,7 @@ class CliEnv:
     api_keys: tuple[str, ...] = ()  # STRATA_API_KEYS, comma separated
     admin_keys: tuple[str, ...] = ()  # STRATA_ADMIN_KEYS, comma separated
     registry_url: str | None = None  # STRATA_REGISTRY
+    log_format: str = "text"  # STRATA_LOG_FORMAT: a command's --log-format default
 
 
 def add_auth_flags(p: argparse.ArgumentParser) -> None:

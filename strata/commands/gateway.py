@@ -35,6 +35,7 @@ from strata.gateway.config import (
 )
 from strata.gateway.policies import policy_names
 from strata.gateway.sources import InstanceSource, RegistrySource, StaticSource
+from strata.logs import announce
 from strata.protocol.auth import check_exposure
 from strata.registry.models import ModelRegistry
 from strata.registry.release_policy import ReleaseConfig
@@ -184,7 +185,8 @@ async def _serve(config: GatewayConfig, log_level: str, started: float) -> int:
     app = create_gateway_app(config, source, control_client=control, models=models,
                              instance_registry=registry)
     server = uvicorn.Server(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=log_level, access_log=False,
+        app, host=config.host, port=config.port, log_level=log_level,
+        access_log=log_level == "debug", log_config=None,  # through strata/logs.py's handler
         timeout_graceful_shutdown=math.ceil(config.shutdown_timeout_s)))
     # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown; absorb it: exit 0
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -206,7 +208,7 @@ async def _announce(server: Any, config: GatewayConfig, started: float) -> None:
         await asyncio.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1] if server.servers else config.port
     ready_s = time.perf_counter() - started
-    print(f"Strata gateway on http://{config.host}:{port} (ready in {ready_s:.1f}s)", flush=True)
+    announce(f"Strata gateway on http://{config.host}:{port} (ready in {ready_s:.1f}s)")
 
 
 __all__ = ["add_parser", "build_config", "read_api_keys", "run"]

@@ -8,7 +8,6 @@ This module holds the flags and `run`; serve_stack.py composes the instance.
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 
 from strata.commands import aio
@@ -109,6 +108,5 @@ def _add_kv_flags(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, env: CliEnv) -> int:
     """Load the model, build the engine stack and serve until SIGTERM/SIGINT."""
     started = time.perf_counter()
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     built = build_simulated(args) if args.simulate else build_engine(args, env)
     return aio.run(serve_http(args, env, built, started))

@@ -27,6 +27,7 @@ from strata.commands.serve_parallel import (
     watch_ranks,
 )
 from strata.errors import ConfigError
+from strata.logs import announce
 from strata.protocol.auth import check_exposure
 
 if TYPE_CHECKING:
@@ -194,6 +195,7 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
                      registration=registration)
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=args.log_level, access_log=args.log_level == "debug",
+        log_config=None,  # its loggers go through strata/logs.py's handler
         timeout_graceful_shutdown=args.shutdown_timeout_s,
     ))
     # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown; these handlers
@@ -266,4 +268,4 @@ async def _announce_when_started(server: Any, host: str, port: int, name: str,
     while not server.started:
         await asyncio.sleep(0.05)
     ready_s = time.perf_counter() - started
-    print(f"Strata serving {name} on http://{host}:{port} (ready in {ready_s:.1f}s)", flush=True)
+    announce(f"Strata serving {name} on http://{host}:{port} (ready in {ready_s:.1f}s)")

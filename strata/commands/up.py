@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from strata.cluster.seed import ClusterSeed, seed_registry
 from strata.commands.argtypes import port_number, positive_float, positive_int
 from strata.commands.env import CliEnv, read_admin_keys, read_api_keys
 from strata.errors import ConfigError, StrataError
+from strata.logs import announce
 from strata.protocol.auth import check_exposure
 from strata.registry.models import ModelVersion
 from strata.store.manifest import local_manifest_sha256
@@ -88,7 +90,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, env: CliEnv) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     check_exposure("strata up", args.host, read_api_keys(args.api_key_file, env.api_keys),
                    read_admin_keys(args.admin_key_file, env.admin_keys), insecure=args.insecure)
     config = _config(args, env)
@@ -110,13 +111,13 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
         _wait_ready(supervisor, config, args.ready_timeout_s, lambda: stop["now"])
         if not stop["now"]:
             _write_cluster_file(config)
-            print(f"Strata cluster: {config.replicas} instances behind "
-                  f"http://{config.host}:{config.port} serving {seed.version.key} "
-                  f"(logs in {config.log_dir})", flush=True)
-            print(f"Dashboard: http://{config.host}:{config.port}/dashboard", flush=True)
+            announce(f"Strata cluster: {config.replicas} instances behind "
+                     f"http://{config.host}:{config.port} serving {seed.version.key} "
+                     f"(logs in {config.log_dir})")
+            announce(f"Dashboard: http://{config.host}:{config.port}/dashboard")
         supervisor.run_forever(lambda: stop["now"])
     finally:
-        print("stopping the cluster...", flush=True)
+        announce("stopping the cluster...")
         _cluster_file(config.run_dir).unlink(missing_ok=True)
         supervisor.stop()
     return 0
@@ -203,6 +204,9 @@ def _write_cluster_file(config: LocalClusterConfig) -> None:
 def _launcher(args: argparse.Namespace, config: LocalClusterConfig) -> Launcher:
     if not args.ray:
         return Supervisor(config)
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("--ray needs Ray, which is not installed: pip install 'strata[ray]' "
+                          "(`strata doctor` says which optional parts are usable)")
     from strata.cluster.ray_launcher import RayClusterConfig, RayLauncher
 
     return RayLauncher(RayClusterConfig(config, address=args.address,
@@ -210,7 +214,8 @@ def _launcher(args: argparse.Namespace, config: LocalClusterConfig) -> Launcher:
 
 
 def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
-    serve_args: list[str] = ["--log-level", "warning"]
+    log_flags = _log_flags(args, env)
+    serve_args: list[str] = ["--log-level", "warning", *log_flags]
     for flag, _ in _SERVE_FLAGS:
         if flag in VERSION_FLAGS:
             continue  # each instance gets these from its model version
@@ -220,7 +225,7 @@ def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
     serve_args += _auth_args(args)
     threads = args.threads_per_instance or max(1, (os.cpu_count() or 1) // args.replicas)
     gateway_args = [*(["--policy", args.policy] if args.policy else []), *_auth_args(args),
-                    *args.gateway_arg]
+                    *log_flags, *args.gateway_arg]
     return LocalClusterConfig(
         replicas=args.replicas, run_dir=env.run_dir, model=args.model, host=args.host,
         port=args.port, serve_args=tuple(serve_args), gateway_args=tuple(gateway_args),
@@ -237,6 +242,12 @@ def _auth_args(args: argparse.Namespace) -> list[str]:
         if path is not None:
             out += [flag, str(Path(path).resolve())]
     return out + (["--insecure"] if args.insecure else [])
+
+
+def _log_flags(args: argparse.Namespace, env: CliEnv) -> list[str]:
+    """`--log-format` for the children, unless text is both chosen and their default."""
+    chosen = getattr(args, "log_format", None) or env.log_format
+    return [] if chosen == env.log_format == "text" else ["--log-format", chosen]
 
 
 def _prefetch(args: argparse.Namespace, env: CliEnv) -> None:

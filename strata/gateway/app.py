@@ -17,7 +17,9 @@ Only what routing needs is read from a body (model, stream, max_tokens); the byt
 untouched. `X-Model-Version` (or `model: "name@version"`) names a version, `X-Strata-Pool` a
 pool; with a model registry the gateway otherwise picks the version (strata/gateway/versions.py).
 Every proxied answer carries `X-Strata-Instance: <instance id>`. `--session-routing` decides
-where requests with a session id go (strata/gateway/sessions.py).
+where requests with a session id go (strata/gateway/sessions.py). Every answer carries
+`X-Request-Id`: the client's when sane, else a new one, forwarded to the instance too
+(strata/protocol/request_id.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from strata.gateway.routes import build_routes
 from strata.gateway.sources import InstanceSource
 from strata.gateway.wiring import Gateway, build_gateway
 from strata.protocol.auth import EXEMPT_PATHS, ApiKeyAuth
+from strata.protocol.request_id import RequestIdMiddleware
 from strata.registry.base import Registry
 from strata.registry.models import ModelRegistry
 from strata.state.pins import PinStore
@@ -88,6 +91,8 @@ def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
                            admin_keys=list(config.admin_keys),
                            rate_limit_per_s=config.rate_limit_per_s,
                            exempt_paths=EXEMPT_PATHS | DASHBOARD_PATHS)
+    # outermost: the id (the client's, else a new one) is in the headers the proxy forwards
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 

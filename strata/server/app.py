@@ -7,8 +7,9 @@
     POST /tokenize, /detokenize, /admin/drain           info_routes.py
 
 Every route reaches the instance's parts through one typed object (`Instance`, instance.py);
-every error leaves through one table (errors.py). Middleware, outermost first: API keys
-(`strata.protocol.auth`), `X-Model-Version`, the body limit (body_limit.py).
+every error leaves through one table (errors.py). Middleware, outermost first: `X-Request-Id`
+(`strata.protocol.request_id`), API keys (`strata.protocol.auth`), `X-Model-Version`, the body
+limit (body_limit.py).
 
 Draining (`Instance.is_draining`, set by POST /admin/drain or the lifespan shutdown): new
 requests get 503 with Retry-After while in-flight ones finish. uvicorn's graceful shutdown waits
@@ -26,6 +27,7 @@ from fastapi import FastAPI
 from starlette.routing import BaseRoute
 
 from strata.protocol.auth import ApiKeyAuth
+from strata.protocol.request_id import RequestIdMiddleware
 from strata.server.async_engine import AsyncEngine
 from strata.server.body_limit import BodyLimitMiddleware, ModelVersionHeader
 from strata.server.config import ServerConfig
@@ -81,6 +83,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
                            admin_keys=list(config.admin_keys),
                            rate_limit_per_s=config.rate_limit_per_s)
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer and log line has the id
     install_error_handlers(app)
     return app
 
