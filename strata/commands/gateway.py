@@ -23,7 +23,7 @@ from strata.commands.argtypes import (
     positive_float,
     positive_int,
 )
-from strata.commands.env import CliEnv, add_auth_flags, read_api_keys
+from strata.commands.env import CliEnv, add_auth_flags, read_api_keys, read_key_max_priority
 from strata.errors import ConfigError
 from strata.gateway.config import (
     SESSION_ROUTING_MODES,
@@ -113,6 +113,7 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
         admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue,
                                   queue_timeout_s=args.queue_timeout_s),
         api_keys=read_api_keys(args.api_key_file, env.api_keys),
+        key_max_priority=read_key_max_priority(args.api_key_file, env),
         rate_limit_per_s=args.rate_limit_per_s, shutdown_timeout_s=args.shutdown_timeout_s,
         sessions=_session_config(args),
         versions=VersionConfig(routing_poll_s=args.routing_poll_s,

@@ -55,6 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--max-waiting", type=positive_int, default=1024,
                    help="queued requests beyond which new ones get 429")
+    p.add_argument("--max-queue-wait-s", type=non_negative_float, default=30.0,
+                   help="aging: a request (not sheddable) that has waited this long in the "
+                        "engine's queue ranks with the interactive class; 0: no aging")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--shutdown-timeout-s", type=non_negative_float, default=30.0,
                    help="on SIGTERM/SIGINT, how long in-flight requests may finish")

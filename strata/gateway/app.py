@@ -83,7 +83,8 @@ def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
     if config.api_keys:
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
                            rate_limit_per_s=config.rate_limit_per_s,
-                           exempt_paths=EXEMPT_PATHS | DASHBOARD_PATHS)
+                           exempt_paths=EXEMPT_PATHS | DASHBOARD_PATHS,
+                           max_priority=dict(config.key_max_priority))
     return app
 
 

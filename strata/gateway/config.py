@@ -149,6 +149,7 @@ class GatewayConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     api_keys: tuple[str, ...] = ()
     rate_limit_per_s: float | None = None
+    key_max_priority: tuple[tuple[str, int], ...] = ()  # (key, priority ceiling) pairs
     shutdown_timeout_s: float = 30.0
     sessions: SessionRoutingConfig = field(default_factory=SessionRoutingConfig)
     versions: VersionConfig = field(default_factory=VersionConfig)

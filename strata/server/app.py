@@ -72,7 +72,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
                        value=f"{config.served_model_name}@{config.model_version}")
     if config.api_keys:
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
-                           rate_limit_per_s=config.rate_limit_per_s)
+                           rate_limit_per_s=config.rate_limit_per_s,
+                           max_priority=dict(config.key_max_priority))
     install_error_handlers(app)
     return app
 

@@ -16,12 +16,18 @@ from strata.protocol.openai import ChatCompletionRequest, CompletionRequest
 from strata.server import serving
 from strata.server import sessions as sess
 from strata.server.instance import instance_of
-from strata.server.request_io import SSEResponse, parse_body, unless_disconnected
+from strata.server.request_io import (
+    SSEResponse,
+    parse_body,
+    request_priority,
+    unless_disconnected,
+)
 
 
 async def completions(request: Request) -> Response:
     instance = instance_of(request)
     req = await parse_body(request, CompletionRequest)
+    req.priority = request_priority(request, req.priority)
     instance.admit(req.model)
     ctx = instance.serving
     started = await unless_disconnected(request, serving.start_completion(ctx, req))
@@ -36,6 +42,7 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     instance = instance_of(request)
     req = await parse_body(request, ChatCompletionRequest)
+    req.priority = request_priority(request, req.priority)
     instance.admit(req.model)
     session_id = sess.session_id_of(request, await request.body())
     if session_id is None:

@@ -18,6 +18,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Send
 
 from strata.errors import InvalidRequestError
+from strata.protocol.priority import MAX_PRIORITY_STATE, PRIORITY_HEADER, effective_priority
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -33,6 +34,13 @@ async def parse_body(request: Request, model: type[M]) -> M:
     if not isinstance(data, dict):
         raise InvalidRequestError("request body must be a JSON object")
     return model.model_validate(data)
+
+
+def request_priority(request: Request, body_priority: object) -> int:
+    """`X-Priority`, else the body's `priority`, else standard; clamped to the API key's
+    ceiling (strata/protocol/priority.py)."""
+    ceiling = request.scope.get("state", {}).get(MAX_PRIORITY_STATE)
+    return effective_priority(request.headers.get(PRIORITY_HEADER), body_priority, ceiling)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
