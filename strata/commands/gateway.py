@@ -23,6 +23,7 @@ from strata.commands.argtypes import (
     positive_float,
     positive_int,
 )
+from strata.commands.class_flags import add_class_flags, class_config
 from strata.commands.env import CliEnv, add_auth_flags, read_api_keys, read_key_max_priority
 from strata.errors import ConfigError
 from strata.gateway.config import (
@@ -97,6 +98,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"by model version: {schemes_help('response_cache')}")
     p.add_argument("--response-cache-ttl-s", type=positive_float, default=600.0)
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    add_class_flags(p)
 
 
 def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
@@ -111,7 +113,9 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
         health_check_interval_s=args.health_check_interval_s,
         retry=RetryConfig(max_retries=args.max_retries),
         admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue,
-                                  queue_timeout_s=args.queue_timeout_s),
+                                  queue_timeout_s=args.queue_timeout_s,
+                                  batch_max_queue=args.batch_max_queue),
+        classes=class_config(args),
         api_keys=read_api_keys(args.api_key_file, env.api_keys),
         key_max_priority=read_key_max_priority(args.api_key_file, env),
         rate_limit_per_s=args.rate_limit_per_s, shutdown_timeout_s=args.shutdown_timeout_s,

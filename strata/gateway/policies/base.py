@@ -41,6 +41,7 @@ class RouteRequest:
     session_id: str | None = None
     is_stream: bool = False
     num_tokens: int = 0  # estimate: prompt bytes / 4 + max_tokens
+    priority: int = 0  # higher = more important (strata/protocol/priority.py), key-clamped
 
 
 class RoutingPolicy(Protocol):
