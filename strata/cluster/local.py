@@ -60,8 +60,8 @@ class LocalClusterConfig:
     reconcile_interval_s: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ConfigError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.replicas < 0:  # 0: an autoscaler starts the first one on demand
+            raise ConfigError(f"--replicas must be >= 0, got {self.replicas}")
         if self.restart_backoff_s <= 0 or self.max_backoff_s < self.restart_backoff_s:
             raise ConfigError("restart backoff must be > 0 and <= the maximum backoff")
         if self.reconcile_interval_s <= 0:

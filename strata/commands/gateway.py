@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import math
 import signal
 import time
@@ -23,6 +24,7 @@ from strata.commands.argtypes import (
     positive_float,
     positive_int,
 )
+from strata.commands.autoscale_flags import add_autoscale_flags, build_autoscaler
 from strata.commands.class_flags import add_class_flags, class_config
 from strata.commands.env import CliEnv, add_auth_flags, read_api_keys, read_key_max_priority
 from strata.errors import ConfigError
@@ -99,6 +101,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--response-cache-ttl-s", type=positive_float, default=600.0)
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     add_class_flags(p)
+    add_autoscale_flags(p)
 
 
 def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
@@ -166,20 +169,24 @@ def build_model_registry(config: GatewayConfig) -> ModelRegistry | None:
 
 def run(args: argparse.Namespace, env: CliEnv) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit code."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = build_config(args, env)
-    return aio.run(_serve(config, args.log_level, time.perf_counter()))
+    return aio.run(_serve(config, args, time.perf_counter()))
 
 
-async def _serve(config: GatewayConfig, log_level: str, started: float) -> int:
+async def _serve(config: GatewayConfig, args: argparse.Namespace, started: float) -> int:
     import uvicorn
 
     from strata.gateway.app import create_gateway_app
+    from strata.gateway.releases import controller_owner
 
+    log_level = args.log_level
     control = httpx.AsyncClient(timeout=httpx.Timeout(config.health_timeout_s))
     source, registry = build_source(config, control)
     models = build_model_registry(config)
+    autoscaler = build_autoscaler(args, models, controller_owner(config.port))
     app = create_gateway_app(config, source, control_client=control, models=models,
-                             instance_registry=registry)
+                             instance_registry=registry, autoscaler=autoscaler)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=log_level, access_log=False,
         timeout_graceful_shutdown=math.ceil(config.shutdown_timeout_s)))

@@ -85,6 +85,9 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--simulate", default=None, metavar="PROFILE",
                    help="answer from a latency model instead of the maths (a profile JSON or a "
                         "bundled name such as smollm2-cpu); labelled simulated everywhere")
+    p.add_argument("--sim-start-s", type=non_negative_float, default=0.0,
+                   help="with --simulate: take this long from launch to serving, as loading "
+                        "a real model would (autoscaling benchmarks use 5)")
     p.add_argument("--s3-endpoint-url", default=None,
                    help="S3-compatible endpoint for s3:// model URIs")
     add_auth_flags(p)
@@ -112,4 +115,6 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
     started = time.perf_counter()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     built = build_simulated(args) if args.simulate else build_engine(args, env)
+    if args.simulate and args.sim_start_s:  # the model "loads" for the rest of the start time
+        time.sleep(max(0.0, args.sim_start_s - (time.perf_counter() - started)))
     return aio.run(serve_http(args, env, built, started))
