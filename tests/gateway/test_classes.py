@@ -199,3 +199,22 @@ def test_the_gateway_forwards_the_clamped_priority_to_the_instance() -> None:
 
     asyncio.run(story())
     assert seen == ["-10", "10", "-10", "0"]
+
+
+def test_with_classes_on_the_class_step_is_the_outermost() -> None:
+    import functools
+
+    from strata.gateway.wiring import build_gateway
+
+    def steps(config: GatewayConfig) -> list[str]:
+        gateway = build_gateway(config, FixedSource(view("a")))
+        names, handler = [], gateway.forward
+        while isinstance(handler, functools.partial):
+            names.append(type(handler.func).__name__)
+            handler = handler.keywords["call_next"]
+        asyncio.run(gateway.close())
+        return names
+
+    assert steps(GatewayConfig()) == ["Admit"]
+    assert steps(GatewayConfig(classes=ClassConfig(instance_slots=2))) == ["RouteByClass",
+                                                                           "Admit"]
