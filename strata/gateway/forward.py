@@ -14,6 +14,8 @@ the chain of `path_steps`, which ends in the proxy; each step below wraps the ne
                     the cache (strata/gateway/response_cache.py)
     PlaceSession    with sticky or hybrid session routing: the session is placed (its pin read
                     or written) before routing (strata/gateway/sessions.py)
+    KeyPrefix       with --policy cache_aware: the prompt's block keys for each candidate ride
+                    on the route (strata/gateway/prefix_index_feed.py)
     Proxy.forward   filters -> policy -> send; retries on another instance until the first byte
                     reaches the client (strata/gateway/proxy.py, pipeline.py, policies/)
 
@@ -39,6 +41,7 @@ from strata.gateway.classes import ClassFlow, RouteByClass
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.pipeline import RoutingPipeline
 from strata.gateway.policies.base import RouteRequest
+from strata.gateway.prefix_index_feed import PrefixRouting
 from strata.gateway.proxy import Proxy, ProxyRequest
 from strata.gateway.response_cache import CACHE_HEADER, ResponseCacheLayer, cache_key
 from strata.gateway.sessions import MOVED_HEADER as SESSION_MOVED_HEADER
@@ -59,6 +62,7 @@ class Step(Protocol):
 def path_steps(*, admission: Admission, metrics: GatewayMetrics, proxy: Proxy,
                versions: VersionRouter | None = None, cache: ResponseCacheLayer | None = None,
                sessions: SessionRouter | None = None,
+               prefix: PrefixRouting | None = None,
                classes: ClassFlow | None = None) -> list[Step]:
     """The steps before the proxy, outermost first: one per feature that is on. The gateway's
     path is `chain(path_steps(...), proxy.forward)`."""
@@ -70,6 +74,8 @@ def path_steps(*, admission: Admission, metrics: GatewayMetrics, proxy: Proxy,
             steps.append(CacheAnswers(cache, versions))
     if sessions is not None:
         steps.append(PlaceSession(sessions, proxy.pipeline))
+    if prefix is not None:
+        steps.append(KeyPrefix(prefix, proxy.pipeline))
     return steps
 
 
@@ -231,5 +237,22 @@ class PlaceSession:
         return response
 
 
-__all__ = ["Admit", "CacheAnswers", "ChooseVersion", "Handler", "PlaceSession", "Step", "chain",
-           "path_steps"]
+class KeyPrefix:
+    """Computes the prompt's keys for each candidate once (block hashes with the instance's
+    tokenizer, or text keys), so the cache-aware policy scores them and learns where they went;
+    a retry reuses them."""
+
+    def __init__(self, prefix: PrefixRouting, pipeline: RoutingPipeline) -> None:
+        self.prefix = prefix
+        self.pipeline = pipeline
+
+    async def __call__(self, request: ProxyRequest, call_next: Handler) -> Response:
+        route = request.route
+        keys = self.prefix.keys(request.body, route.session_id, self.pipeline.candidates(route))
+        if keys is not None:
+            request = dataclasses.replace(request, route=dataclasses.replace(route, prefix=keys))
+        return await call_next(request)
+
+
+__all__ = ["Admit", "CacheAnswers", "ChooseVersion", "Handler", "KeyPrefix", "PlaceSession",
+           "Step", "chain", "path_steps"]

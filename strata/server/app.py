@@ -3,6 +3,7 @@
     POST /v1/completions, /v1/chat/completions   generation_routes.py (SSE when stream=true)
     GET  /v1/sessions, GET|DELETE /v1/sessions/{id}   session_routes.py (sessions.py)
     GET  /v1/models, /health, /ready, /metrics, /load   info_routes.py
+    GET  /v1/strata/kv-events, /v1/strata/tokenizer     prefix_routes.py (cache-aware gateways)
     POST /tokenize, /detokenize, /admin/drain           info_routes.py
 
 Every route reaches the instance's parts through one typed object (`Instance`, instance.py);
@@ -32,8 +33,10 @@ from strata.server.errors import install_error_handlers
 from strata.server.generation_routes import generation_routes
 from strata.server.info_routes import info_routes
 from strata.server.instance import Instance
+from strata.server.kv_events import open_prefix_serving
 from strata.server.kv_offload import open_kv_offload
 from strata.server.metrics import ServerMetrics
+from strata.server.prefix_routes import prefix_routes
 from strata.server.registration import Registration
 from strata.server.serving import ServingContext
 from strata.server.session_routes import session_routes
@@ -57,6 +60,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
     async_engine.start()
     metrics = ServerMetrics(config.served_model_name, simulated=config.simulated)
     instance = Instance(ServingContext(async_engine, tokenizer, config, metrics), registration)
+    instance.prefix = open_prefix_serving(async_engine.engine, tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -79,7 +83,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
 
 
 def build_routes() -> list[BaseRoute]:
-    return [*generation_routes(), *session_routes(), *info_routes()]
+    return [*generation_routes(), *session_routes(), *info_routes(), *prefix_routes()]
 
 
 def _open_parts(instance: Instance, stack: AsyncExitStack, session_store: SessionStore | None,

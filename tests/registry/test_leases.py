@@ -7,19 +7,19 @@ import asyncio
 from typing import Any
 
 from model_registries import (
-    FakeClock,
     Make,
     make_fixture,  # noqa: F401  (the `make` fixture)
     story,
 )
 from redis_server import redis_server, redis_url  # noqa: F401
 
+from strata.clock import ManualClock
 from strata.registry import leases
 from strata.registry.leases import Lease
 
 
 def test_one_holder_at_a_time_and_an_expired_lease_passes_on(make: Make) -> None:
-    async def body(reg: Any, clock: FakeClock) -> None:
+    async def body(reg: Any, clock: ManualClock) -> None:
         a = await leases.hold(reg, "autoscaler", "gw-a", lease_s=5.0, now=100.0)
         assert a is not None and (a.holder, a.until, a.revision) == ("gw-a", 105.0, 1)
         assert await leases.hold(reg, "autoscaler", "gw-b", lease_s=5.0, now=104.9) is None
@@ -38,7 +38,7 @@ def test_one_holder_at_a_time_and_an_expired_lease_passes_on(make: Make) -> None
 
 
 def test_racing_takers_exactly_one_wins(make: Make) -> None:
-    async def body(reg: Any, clock: FakeClock) -> None:
+    async def body(reg: Any, clock: ManualClock) -> None:
         others = [make(clock) for _ in range(7)]
         try:
             got = await asyncio.gather(*(

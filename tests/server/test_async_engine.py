@@ -6,7 +6,7 @@ import asyncio
 import threading
 
 import pytest
-from engine_fakes import ALPHABET, make_engine, make_request, prompt_of, reference_tokens
+from engine_fakes import make_engine, make_request, prompt_of, reference_tokens
 
 from strata.engine.executor import ModelInput, ModelOutput
 from strata.errors import EngineDeadError, InvalidRequestError
@@ -121,11 +121,14 @@ def test_a_failing_step_ends_every_request_with_error_and_kills_the_engine() -> 
     async_engine = AsyncEngine(engine, max_model_len=256)
     async_engine.start()
 
+    tokens: dict[int, list[int]] = {3: [], 4: []}
+
     async def story() -> list[str | None]:
         async def run(n: int) -> str | None:
             reason = None
             async for out in async_engine.generate(make_request(prompt_of(n), 50, ignore_eos=True)):
                 reason = out.finish_reason.value if out.finish_reason else None
+                tokens[n] += out.new_token_ids
             return reason
 
         return list(await asyncio.gather(run(3), run(4)))
@@ -135,4 +138,6 @@ def test_a_failing_step_ends_every_request_with_error_and_kills_the_engine() -> 
     assert async_engine.dead_reason == "Boom: the GPU fell off"
     with pytest.raises(EngineDeadError, match="GPU fell off"):
         async_engine.generate(make_request(prompt_of(3), 2))
-    assert ALPHABET  # the fake decoder's alphabet is what text is made of
+    for n, streamed in tokens.items():  # what streamed before the failure was right, and short
+        assert streamed == reference_tokens(prompt_of(n), 50)[:len(streamed)] and \
+            len(streamed) < 50
