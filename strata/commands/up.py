@@ -242,7 +242,7 @@ def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
         replicas=replicas, run_dir=env.run_dir, model=args.model, host=args.host,
         port=args.port, serve_args=tuple(serve_args), gateway_args=tuple(gateway),
         threads_per_instance=None if args.simulate else threads,
-        registry=args.registry or env.registry_url,
+        registry=args.registry or env.registry_url, is_autoscaled=args.autoscale,
     )
 
 
