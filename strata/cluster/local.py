@@ -63,10 +63,12 @@ class LocalClusterConfig:
     threads_per_instance: int | None = None
     registry: str | None = None  # default: SQLite in run_dir (one machine)
     reconcile_interval_s: float = 0.5
+    is_autoscaled: bool = False  # the gateway's autoscaler sizes it: it may start with none
 
     def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ConfigError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.replicas < (0 if self.is_autoscaled else 1):
+            raise ConfigError(f"--replicas must be >= 1 (0 only with --autoscale "
+                              f"--min-replicas 0), got {self.replicas}")
         if self.restart_backoff_s <= 0 or self.max_backoff_s < self.restart_backoff_s:
             raise ConfigError("restart backoff must be > 0 and <= the maximum backoff")
         if self.reconcile_interval_s <= 0:

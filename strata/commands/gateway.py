@@ -23,7 +23,15 @@ from strata.commands.argtypes import (
     positive_float,
     positive_int,
 )
-from strata.commands.env import CliEnv, add_auth_flags, read_admin_keys, read_api_keys
+from strata.commands.autoscale_flags import add_autoscale_flags, build_autoscaler
+from strata.commands.class_flags import add_class_flags, class_config
+from strata.commands.env import (
+    CliEnv,
+    add_auth_flags,
+    read_admin_keys,
+    read_api_keys,
+    read_key_max_priority,
+)
 from strata.errors import ConfigError
 from strata.gateway.config import (
     SESSION_ROUTING_MODES,
@@ -99,6 +107,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"by model version: {schemes_help('response_cache')}")
     p.add_argument("--response-cache-ttl-s", type=positive_float, default=600.0)
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    add_class_flags(p)
+    add_autoscale_flags(p)
 
 
 def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
@@ -116,8 +126,11 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
         health_check_interval_s=args.health_check_interval_s,
         retry=RetryConfig(max_retries=args.max_retries),
         admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue,
-                                  queue_timeout_s=args.queue_timeout_s),
+                                  queue_timeout_s=args.queue_timeout_s,
+                                  batch_max_queue=args.batch_max_queue),
+        classes=class_config(args),
         api_keys=api_keys, admin_keys=admin_keys,
+        key_max_priority=read_key_max_priority(args.api_key_file, env),
         rate_limit_per_s=args.rate_limit_per_s, shutdown_timeout_s=args.shutdown_timeout_s,
         sessions=_session_config(args),
         versions=VersionConfig(routing_poll_s=args.routing_poll_s,
@@ -167,23 +180,26 @@ def build_model_registry(config: GatewayConfig) -> ModelRegistry | None:
 def run(args: argparse.Namespace, env: CliEnv) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit code."""
     config = build_config(args, env)
-    return aio.run(_serve(config, args.log_level, time.perf_counter()))
+    return aio.run(_serve(config, args, time.perf_counter()))
 
 
-async def _serve(config: GatewayConfig, log_level: str, started: float) -> int:
+async def _serve(config: GatewayConfig, args: argparse.Namespace, started: float) -> int:
     import uvicorn
 
     from strata.gateway.app import create_gateway_app
+    from strata.gateway.releases import controller_owner
 
     # the control plane's calls to instances (model and load of static ones, drains) carry the
     # key their admin API takes: the admin key, else the first client key
     keys = config.admin_keys or config.api_keys
     control = httpx.AsyncClient(timeout=httpx.Timeout(config.health_timeout_s),
                                 headers={"Authorization": f"Bearer {keys[0]}"} if keys else {})
+    log_level = args.log_level
     source, registry = build_source(config, control)
     models = build_model_registry(config)
+    autoscaler = build_autoscaler(args, models, controller_owner(config.port))
     app = create_gateway_app(config, source, control_client=control, models=models,
-                             instance_registry=registry)
+                             instance_registry=registry, autoscaler=autoscaler)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=log_level,
         access_log=log_level == "debug", log_config=None,  # through strata/logs.py's handler

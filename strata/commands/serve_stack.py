@@ -19,7 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from strata.commands.env import CliEnv, read_admin_keys, read_api_keys
+from strata.commands.env import (
+    CliEnv,
+    read_admin_keys,
+    read_api_keys,
+    read_key_max_priority,
+)
 from strata.commands.serve_parallel import (
     load_for_serving,
     make_executor,
@@ -89,7 +94,7 @@ def build_simulated(args: argparse.Namespace) -> BuiltEngine:
         block_size=args.block_size, max_model_len=args.max_model_len or DEFAULT_MAX_MODEL_LEN,
         max_num_batched_tokens=args.max_num_batched_tokens or 512,
         enable_prefix_caching=not args.no_prefix_cache, max_waiting=args.max_waiting,
-        namespace=f"{name}@{args.model_version}",
+        max_queue_wait_s=args.max_queue_wait_s or None, namespace=f"{name}@{args.model_version}",
     ))
     return BuiltEngine(async_engine, tokenizer, name, simulated=True)
 
@@ -151,7 +156,7 @@ def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str,
     log.info("device %s, dtype %s, %d KV blocks of %d tokens, max_model_len %d", device,
              args.dtype, cache_config.num_blocks, cache_config.block_size, max_model_len)
     engine = Engine(executor, cache_config, scheduler_config, loaded.tokenizer,
-                    vocab_size=loaded.config.vocab_size)
+                    vocab_size=loaded.config.vocab_size, clock=time.monotonic)
     return AsyncEngine(engine, max_model_len=max_model_len)
 
 
@@ -163,6 +168,7 @@ def scheduler_config_from(args: argparse.Namespace, max_model_len: int) -> Sched
     return SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
         max_model_len=max_model_len, enable_chunked_prefill=chunked, max_waiting=args.max_waiting,
+        max_queue_wait_s=args.max_queue_wait_s or None,
     )
 
 
@@ -185,6 +191,7 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
     server_config = ServerConfig(served_model_name=name, host=args.host, port=port,
                                  shutdown_timeout_s=args.shutdown_timeout_s,
                                  api_keys=api_keys, admin_keys=admin_keys,
+                                 key_max_priority=read_key_max_priority(args.api_key_file, env),
                                  rate_limit_per_s=args.rate_limit_per_s, simulated=simulated,
                                  model_version=args.model_version,
                                  session_store_url=args.session_store,

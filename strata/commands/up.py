@@ -24,7 +24,14 @@ from typing import Any, Protocol
 from strata.cluster.deployments import VERSION_FLAGS
 from strata.cluster.local import LocalClusterConfig, Supervisor
 from strata.cluster.seed import ClusterSeed, seed_registry
-from strata.commands.argtypes import port_number, positive_float, positive_int
+from strata.commands.argtypes import (
+    non_negative_float,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
+from strata.commands.autoscale_flags import add_autoscale_flags, gateway_args
 from strata.commands.env import CliEnv, read_admin_keys, read_api_keys
 from strata.errors import ConfigError, StrataError
 from strata.logs import announce
@@ -52,14 +59,17 @@ _SERVE_FLAGS: tuple[tuple[str, Any], ...] = (
     ("--served-model-name", str), ("--model-version", str), ("--dtype", str),
     ("--max-model-len", positive_int), ("--kv-cache-gb", positive_float),
     ("--block-size", positive_int), ("--max-num-seqs", positive_int), ("--simulate", str),
-    ("--session-store", str),
+    ("--session-store", str), ("--sim-start-s", non_negative_float),
+    ("--max-queue-wait-s", non_negative_float),
 )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start N instances behind the gateway on one machine")
     p.add_argument("model", nargs="?", default=None, help="as for `strata serve`")
-    p.add_argument("--replicas", type=positive_int, default=2)
+    p.add_argument("--replicas", type=non_negative_int, default=None,
+                   help="instances to start with (default 2; with --autoscale, "
+                        "--min-replicas, and 0 only then)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000, help="the gateway's port")
     p.add_argument("--policy", default=None, help="gateway routing policy")
@@ -87,6 +97,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(STRATA_ADMIN_KEYS, inherited, adds more)")
     p.add_argument("--insecure", action="store_true",
                    help="allow --host beyond the loopback without keys (passed through)")
+    add_autoscale_flags(p)
 
 
 def run(args: argparse.Namespace, env: CliEnv) -> int:
@@ -96,7 +107,7 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
     _check_not_running(config.run_dir)
     config.run_dir.mkdir(parents=True, exist_ok=True)
     _prefetch(args, env)
-    seed = ClusterSeed(seed_version(args), replicas=args.replicas)
+    seed = ClusterSeed(seed_version(args), replicas=config.replicas)
     asyncio.run(_seed(config.registry_url, seed))
     supervisor = _launcher(args, config)
     stop = {"now": False}
@@ -123,20 +134,36 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
     return 0
 
 
+def _initial_replicas(args: argparse.Namespace) -> int:
+    replicas = args.replicas if args.replicas is not None else (
+        args.min_replicas if args.autoscale else 2)
+    if replicas == 0 and not (args.autoscale and args.min_replicas == 0):
+        raise ConfigError("--replicas 0 needs --autoscale --min-replicas 0 (an autoscaler to "
+                          "start the first instance when a request comes)")
+    return int(replicas)
+
+
 def seed_version(args: argparse.Namespace) -> ModelVersion:
     """The catalogue entry of the flags' model: NAME is what `strata serve` would call it."""
-    version = args.model_version or "default"
+    version, name = args.model_version or "default", _model_name(args)
     if args.simulate:
-        from strata.sim import load_profile
-
-        name = args.served_model_name or load_profile(args.simulate).model
         return ModelVersion(name, version, f"sim:{_absolute_if_local(args.simulate)}")
     from strata.model.fetch import DEFAULT_MODEL
 
-    model = args.model or DEFAULT_MODEL
-    uri = _absolute_if_local(model)
-    name = args.served_model_name or _served_name(model)
+    uri = _absolute_if_local(args.model or DEFAULT_MODEL)
     return ModelVersion(name, version, uri, manifest_sha256=local_manifest_sha256(uri))
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return str(args.served_model_name)
+    if args.simulate:
+        from strata.sim import load_profile
+
+        return load_profile(args.simulate).model
+    from strata.model.fetch import DEFAULT_MODEL
+
+    return _served_name(args.model or DEFAULT_MODEL)
 
 
 def _absolute_if_local(model: str) -> str:
@@ -223,14 +250,16 @@ def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
         if value is not None:
             serve_args += [flag, str(value)]
     serve_args += _auth_args(args)
-    threads = args.threads_per_instance or max(1, (os.cpu_count() or 1) // args.replicas)
-    gateway_args = [*(["--policy", args.policy] if args.policy else []), *_auth_args(args),
-                    *log_flags, *args.gateway_arg]
+    replicas = _initial_replicas(args)
+    threads = args.threads_per_instance or max(1, (os.cpu_count() or 1) // max(1, replicas))
+    autoscale = gateway_args(args, _model_name(args), args.simulate) if args.autoscale else []
+    gateway = [*(["--policy", args.policy] if args.policy else []), *autoscale,
+               *_auth_args(args), *log_flags, *args.gateway_arg]
     return LocalClusterConfig(
-        replicas=args.replicas, run_dir=env.run_dir, model=args.model, host=args.host,
-        port=args.port, serve_args=tuple(serve_args), gateway_args=tuple(gateway_args),
+        replicas=replicas, run_dir=env.run_dir, model=args.model, host=args.host,
+        port=args.port, serve_args=tuple(serve_args), gateway_args=tuple(gateway),
         threads_per_instance=None if args.simulate else threads,
-        registry=args.registry or env.registry_url,
+        registry=args.registry or env.registry_url, is_autoscaled=args.autoscale,
     )
 
 
@@ -265,6 +294,8 @@ def _gateway_routes_all(config: LocalClusterConfig) -> bool:
     import httpx
 
     try:
+        if config.replicas == 0:  # an autoscaler starts the first instance on demand
+            return httpx.get(f"http://{config.host}:{config.port}/health", timeout=2).is_success
         resp = httpx.get(f"http://{config.host}:{config.port}/ready", timeout=2)
         num_routable = int(resp.json()["num_routable"]) if resp.status_code == 200 else 0
     except (httpx.HTTPError, ValueError, KeyError, TypeError):

@@ -16,6 +16,8 @@ does the fetching and publishing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from strata.engine.batch_queue import BatchQueue
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.detokenizer import IncrementalDetokenizer, check_stop
@@ -44,7 +46,10 @@ class Engine:
         decoder: TokenDecoder,
         *,
         vocab_size: int | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        """`clock`: the clock of `Request.arrival_time`, which aging reads (the engine never
+        reads the time itself)."""
         self.executor = executor
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
@@ -54,7 +59,7 @@ class Engine:
         self.kv = KVCacheManager(cache_config)
         self._batches = BatchQueue(executor)
         self.scheduler = Scheduler(scheduler_config, self.kv,
-                                   max_concurrent_batches=self._batches.max_batches)
+                                   max_concurrent_batches=self._batches.max_batches, clock=clock)
         self._detok: dict[RequestId, IncrementalDetokenizer] = {}
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
@@ -261,6 +266,7 @@ class Engine:
             prefix_cache_queries=self.kv.num_queried_tokens,
             prefix_cache_hits=self.kv.num_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            num_priority_preemptions=self.scheduler.num_priority_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generated_tokens=self.num_generated_tokens,
             num_external_hit_tokens=self.kv.num_external_hit_tokens,

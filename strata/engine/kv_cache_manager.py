@@ -119,20 +119,34 @@ class KVCacheManager:
 
         `request.num_computed_tokens` already counts the hit tokens of `computed`.
         """
-        table = self._blocks.setdefault(request.request_id, [])
-        num_total = request.num_computed_tokens + request.num_in_flight_tokens + num_new_tokens
-        num_needed = -(-num_total // self.block_size) - len(table) - len(computed.blocks)
-        num_revived = sum(1 for b in computed.blocks if b.ref_cnt == 0)
-        if num_needed + num_revived > self.pool.num_free_blocks:
-            if not table:
-                del self._blocks[request.request_id]
+        if self.num_blocks_short(request, num_new_tokens, computed) > 0:
             return False
+        table = self._blocks.setdefault(request.request_id, [])
+        num_needed = self._num_new_blocks(request, num_new_tokens, computed)
         self.pool.touch(computed.blocks)
         table.extend(computed.blocks)
         if num_needed > 0:
             table.extend(self.pool.get_new_blocks(num_needed))
         self._num_cached.setdefault(request.request_id, len(computed.blocks))
         return True
+
+    def num_blocks_short(self, request: Request, num_new_tokens: int,
+                         computed: ComputedBlocks = _NO_HIT) -> int:
+        """How many more free blocks `allocate_slots` would need to succeed (0: it would)."""
+        num_revived = sum(1 for b in computed.blocks if b.ref_cnt == 0)
+        num_wanted = self._num_new_blocks(request, num_new_tokens, computed) + num_revived
+        return max(0, num_wanted - self.pool.num_free_blocks)
+
+    def num_freeable(self, request: Request) -> int:
+        """Blocks that would return to the free queue if `request` were freed now (those no
+        other request or batch in flight holds)."""
+        return sum(1 for b in self._blocks.get(request.request_id, ()) if b.ref_cnt == 1)
+
+    def _num_new_blocks(self, request: Request, num_new_tokens: int,
+                        computed: ComputedBlocks) -> int:
+        num_total = request.num_computed_tokens + request.num_in_flight_tokens + num_new_tokens
+        num_held = len(self._blocks.get(request.request_id, ())) + len(computed.blocks)
+        return -(-num_total // self.block_size) - num_held
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the blocks that became full and computed this step."""

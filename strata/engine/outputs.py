@@ -47,6 +47,7 @@ class EngineStats:
     num_external_hit_tokens: int = 0  # prompt tokens imported from fetched KV, cumulative
     num_kv_import_failures: int = 0  # fetched payloads the executor refused (recomputed)
     num_batches_in_flight: int = 0  # submitted to the executor, not yet collected
+    num_priority_preemptions: int = 0  # of num_preemptions: room made for a higher priority
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -117,7 +117,7 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = 0.0
-    priority: int = 0  # lower runs first; FCFS within a priority
+    priority: int = 0  # higher runs first (strata.types.PriorityClass); FCFS within one
     cache_salt: str = ""
     # leading prompt tokens that are public (a shared system prompt): their full blocks are
     # named without `cache_salt`, in the namespace every tenant shares (kv_cache_manager.py)
@@ -129,6 +129,11 @@ class Request:
     num_in_flight_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first schedule)
     num_preemptions: int = 0
+    # aging (strata/engine/priority.py): seconds waited before the current wait, when the
+    # current wait began (None: at arrival), and whether it ranks with the top class for good
+    waited_s: float = 0.0
+    queued_at: float | None = None
+    is_aged: bool = False
     stop_reason: str | int | None = None
     output_text: str = ""
     # KV offload. `external_kv`: fetched KV payloads by block hash, used at admission only for

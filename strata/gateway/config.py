@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from strata.errors import ConfigError
 from strata.registry.release_policy import ReleaseConfig
+from strata.types import PriorityClass
 
 SESSION_ROUTING_MODES = ("none", "external", "sticky", "hybrid")
 
@@ -60,18 +61,48 @@ class RetryConfig:
 
 @dataclass(frozen=True, slots=True)
 class AdmissionConfig:
-    """At most `max_in_flight` proxied requests; up to `max_queue` more wait (FIFO) for at most
-    `queue_timeout_s`. A full queue answers 429, a timeout 503, both with Retry-After."""
+    """At most `max_in_flight` proxied requests; up to `max_queue` more wait (by class, FIFO in
+    a class) for at most `queue_timeout_s`, of them at most `batch_max_queue` batch requests
+    (sheddable ones never wait). A full queue answers 429, a timeout 503, with Retry-After."""
 
     max_in_flight: int = 256
     max_queue: int = 512
     queue_timeout_s: float = 10.0
     retry_after_s: float = 1.0
+    batch_max_queue: int = 128
 
     def __post_init__(self) -> None:
         _positive(self, "max_in_flight", "queue_timeout_s", "retry_after_s")
-        if self.max_queue < 0:
-            raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.max_queue < 0 or self.batch_max_queue < 0:
+            raise ConfigError(f"max_queue and batch_max_queue must be >= 0, got "
+                              f"{self.max_queue} and {self.batch_max_queue}")
+
+
+@dataclass(frozen=True, slots=True)
+class ClassConfig:
+    """Priority classes routed to pools, with flow control (strata/gateway/classes.py).
+    `class_pools`: (class, pool) pairs; `instance_slots`: requests one routable instance takes
+    at once (0: no cap); `hold_without_instances`: requests wait (up to the queue timeout)
+    while no instance can take them, as when an autoscaler starts the first one."""
+
+    class_pools: tuple[tuple[str, str], ...] = ()
+    instance_slots: int = 0
+    hold_without_instances: bool = False
+    recheck_s: float = 0.05  # how often waiters look for room that did not come from a release
+
+    def __post_init__(self) -> None:
+        names = [klass.label for klass in PriorityClass]
+        for klass, pool in self.class_pools:
+            if klass not in names or not pool:
+                raise ConfigError(f"--class-pool wants CLASS=POOL with CLASS one of "
+                                  f"{', '.join(names)}; got {klass}={pool}")
+        if self.instance_slots < 0:
+            raise ConfigError(f"instance_slots must be >= 0, got {self.instance_slots}")
+        _positive(self, "recheck_s")
+
+    @property
+    def is_on(self) -> bool:
+        return bool(self.class_pools or self.instance_slots or self.hold_without_instances)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,9 +178,11 @@ class GatewayConfig:
     ejection: EjectionConfig = field(default_factory=EjectionConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    classes: ClassConfig = field(default_factory=ClassConfig)
     api_keys: tuple[str, ...] = ()  # client keys
     admin_keys: tuple[str, ...] = ()  # for /admin/* (and sent to instances' /admin/drain)
     rate_limit_per_s: float | None = None
+    key_max_priority: tuple[tuple[str, int], ...] = ()  # (key, priority ceiling) pairs
     shutdown_timeout_s: float = 30.0
     sessions: SessionRoutingConfig = field(default_factory=SessionRoutingConfig)
     versions: VersionConfig = field(default_factory=VersionConfig)
@@ -173,5 +206,5 @@ class GatewayConfig:
             raise ConfigError("api keys must not be empty strings")
 
 
-__all__ = ["SESSION_ROUTING_MODES", "AdmissionConfig", "EjectionConfig",
+__all__ = ["SESSION_ROUTING_MODES", "AdmissionConfig", "ClassConfig", "EjectionConfig",
            "GatewayConfig", "RetryConfig", "SessionRoutingConfig", "VersionConfig"]

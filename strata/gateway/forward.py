@@ -3,8 +3,11 @@
 `routes.py` parses what routing needs (a `RouteRequest`) into a `ProxyRequest`, then hands it to
 the chain of `path_steps`, which ends in the proxy; each step below wraps the next one:
 
+    RouteByClass    with priority classes on: the request's pool by class (spill-over only to
+                    pools with room), held while no pool has room, sheddable and then batch
+                    refused first (strata/gateway/classes.py)
     Admit           an admission slot, held until the answer is fully sent (streams: until
-                    they end); a full queue is answered 429/503 at once
+                    they end), by class; a full queue is answered 429/503 at once
     ChooseVersion   with a model registry: the model version (explicit, session, canary, live;
                     strata/gateway/versions.py), chosen once more when that version is gone
     CacheAnswers    with a response cache too: a deterministic answer asked again comes from
@@ -34,6 +37,7 @@ from starlette.responses import Response
 
 from strata.errors import OverloadedError
 from strata.gateway.admission import Admission
+from strata.gateway.classes import ClassFlow, RouteByClass
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.pipeline import RoutingPipeline
 from strata.gateway.policies.base import RouteRequest
@@ -59,10 +63,12 @@ class Step(Protocol):
 def path_steps(*, admission: Admission, metrics: GatewayMetrics, proxy: Proxy,
                versions: VersionRouter | None = None, cache: ResponseCacheLayer | None = None,
                sessions: SessionRouter | None = None,
-               prefix: PrefixRouting | None = None) -> list[Step]:
+               prefix: PrefixRouting | None = None,
+               classes: ClassFlow | None = None) -> list[Step]:
     """The steps before the proxy, outermost first: one per feature that is on. The gateway's
     path is `chain(path_steps(...), proxy.forward)`."""
-    steps: list[Step] = [Admit(admission, metrics)]
+    steps: list[Step] = [RouteByClass(classes, metrics)] if classes is not None else []
+    steps.append(Admit(admission, metrics))
     if versions is not None:
         steps.append(ChooseVersion(versions, metrics))
         if cache is not None:  # a cache key carries the chosen version
@@ -92,7 +98,7 @@ class Admit:
 
     async def __call__(self, request: ProxyRequest, call_next: Handler) -> Response:
         try:
-            await self.admission.acquire()
+            await self.admission.acquire(request.route.priority)
         except OverloadedError as exc:
             self.metrics.errors.labels(f"admission_{exc.status_code}").inc()
             return error_response(exc.status_code, exc.message, retry_after_s=exc.retry_after_s)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import httpx
 
 from strata.gateway.admission import Admission
+from strata.gateway.classes import ClassFlow
 from strata.gateway.config import GatewayConfig
 from strata.gateway.forward import Handler, chain, path_steps
 from strata.gateway.health import HealthChecker, OutlierDetector
@@ -59,6 +60,7 @@ class Gateway:
     releases: ReleaseService | None = None  # with a model registry and an instance registry
     cache: ResponseCacheLayer | None = None  # opt-in; deterministic answers keyed by version
     prefix: PrefixRouting | None = None  # --policy cache_aware: feeds its index (in background)
+    classes: ClassFlow | None = None  # priority classes: pools, flow control, shedding
 
     async def close(self) -> None:
         await self.exits.aclose()
@@ -100,11 +102,15 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
         proxy.observers.append(stats.observe)
         if instance_registry is not None:
             releases = _release_service(config, models, instance_registry, stats, control, exits)
+    classes = None
+    if config.classes.is_on:
+        classes = ClassFlow(config.classes, config.admission, instances)
+        _close_with(exits, classes.close)
     steps = path_steps(admission=admission, metrics=metrics, proxy=proxy, versions=versions,
-                       cache=cache, sessions=sessions, prefix=prefix)
+                       cache=cache, sessions=sessions, prefix=prefix, classes=classes)
     forward = chain(steps, proxy.forward)
     return Gateway(config, source, proxy, admission, health, control, metrics, forward, exits,
-                   sessions, versions, models, releases, cache, prefix)
+                   sessions, versions, models, releases, cache, prefix, classes)
 
 
 def _proxy(config: GatewayConfig, instances: InstanceSet, policy: RoutingPolicy,

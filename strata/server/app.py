@@ -82,7 +82,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
     if config.api_keys or config.admin_keys:
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
                            admin_keys=list(config.admin_keys),
-                           rate_limit_per_s=config.rate_limit_per_s)
+                           rate_limit_per_s=config.rate_limit_per_s,
+                           max_priority=dict(config.key_max_priority))
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer and log line has the id
     install_error_handlers(app)
     return app

@@ -30,6 +30,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()  # client keys; empty (and no admin key): no authentication
     admin_keys: tuple[str, ...] = ()  # for /admin/*; empty: the client keys open it too
     rate_limit_per_s: float | None = None  # per API key
+    key_max_priority: tuple[tuple[str, int], ...] = ()  # (key, priority ceiling) pairs
     model_version: str = "default"  # stored with each session
     session_store_url: str | None = None  # memory://, sqlite:///PATH, redis://...; None: off
     session_ttl_s: float | None = 86_400.0  # sliding: each stored turn restarts it; None: never

@@ -19,7 +19,12 @@ from strata.protocol.openai import ChatCompletionRequest, CompletionRequest
 from strata.server import serving
 from strata.server import sessions as sess
 from strata.server.instance import instance_of
-from strata.server.request_io import SSEResponse, parse_body, unless_disconnected
+from strata.server.request_io import (
+    SSEResponse,
+    parse_body,
+    request_priority,
+    unless_disconnected,
+)
 from strata.server.sessions import cache_tenant
 from strata.server.translate import tenant_scoped
 
@@ -28,6 +33,7 @@ async def completions(request: Request) -> Response:
     instance = instance_of(request)
     req = tenant_scoped(await parse_body(request, CompletionRequest),
                         cache_tenant(request, instance.config))
+    req.priority = request_priority(request, req.priority)
     instance.admit(req.model)
     ctx = instance.serving
     started = await unless_disconnected(request, serving.start_completion(ctx, req))
@@ -43,6 +49,7 @@ async def chat_completions(request: Request) -> Response:
     instance = instance_of(request)
     req = tenant_scoped(await parse_body(request, ChatCompletionRequest),
                         cache_tenant(request, instance.config))
+    req.priority = request_priority(request, req.priority)
     instance.admit(req.model)
     session_id = sess.session_id_of(request, await request.body())
     if session_id is None:

@@ -43,7 +43,8 @@ def build_simulated_engine(
     block_size: int = 16, max_model_len: int = DEFAULT_MAX_MODEL_LEN,
     max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
     max_waiting: int = 1024, namespace: str = "", seed: int = 0,
-    sleep: Callable[[float], None] = time.sleep,
+    sleep: Callable[[float], None] = time.sleep, max_queue_wait_s: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> SimulatedEngineParts:
     """A real `Engine` whose executor sleeps for the profile's step times."""
     tokenizer = build_sim_tokenizer()
@@ -51,12 +52,12 @@ def build_simulated_engine(
                                  token_ids=word_token_ids(tokenizer))
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len, max_waiting=max_waiting)
+        max_model_len=max_model_len, max_waiting=max_waiting, max_queue_wait_s=max_queue_wait_s)
     cache_config = CacheConfig(block_size=block_size, num_blocks=kv_blocks,
                                enable_prefix_caching=enable_prefix_caching,
                                namespace=namespace or f"{profile.model}@simulated")
     engine = Engine(executor, cache_config, scheduler_config, tokenizer,
-                    vocab_size=tokenizer.vocab_size)
+                    vocab_size=tokenizer.vocab_size, clock=clock)
     return SimulatedEngineParts(engine, executor, tokenizer)
 
 
