@@ -5,10 +5,12 @@ The bottleneck is read from the run, in this order (the first that holds is name
     prefill floor   the prompt's prefill alone, unloaded, exceeds the TTFT bound: no number
                     of replicas helps, only a faster step (TP) or fewer tokens to compute
     decode floor    a decode step at batch 1 exceeds the TPOT bound: likewise
+    scale-up lag    (autoscaled) the SLO was missed while the fleet grew
     KV cache        requests were preempted (the cache ran out of blocks)
+    prefix recompute  the prefix-hit rate is > 10 points under the best configuration's:
+                    prompt tokens are recomputed that another placement would have hit
     compute         the instances were busy >= 85 % of the run: requests queue for steps
     imbalance       the busiest instance worked > 1.25x the mean
-    prefix recompute  prompt tokens were recomputed that another placement would have hit
     queueing        what remains: bursts queue behind prefills (TTFT) or share decode steps
                     with prefills (TPOT)
 """
@@ -89,7 +91,7 @@ def outcome(arch: Architecture, run: FleetResult, slo: Slo) -> Outcome:
         arch, _stats_ms(ttfts), _stats_ms(tpots) if tpots else dict.fromkeys(_KEYS, 0.0),
         output_tokens_per_s=sum(t.num_output_tokens for t, _, _ in done) / span,
         requests_per_s=len(done) / span, instances=instances, ranks=instances * arch.tp,
-        utilization=run.busy_seconds / max(run.instance_seconds, 1e-9),
+        utilization=min(1.0, run.busy_seconds / max(run.instance_seconds, 1e-9)),
         prefix_hit_rate=sum(t.num_cached_tokens for t, _, _ in done) / max(num_prompt, 1),
         num_preemptions=run.num_preemptions, num_requests=len(run.turns))
     out.is_stopped_early = run.is_stopped_early
@@ -112,16 +114,20 @@ def diagnose(out: Outcome, run: FleetResult, slo: Slo, workload: Workload,
         return f"prefill floor: {prompt:.0f} prompt tokens take {floor_ms:.0f} ms unloaded"
     if misses == "TPOT" and profile.step_ms(0, 1, int(prompt)) > slo.tpot_ms:
         return f"decode floor: one decode step takes {profile.step_ms(0, 1, int(prompt)):.0f} ms"
+    if out.arch.autoscale:
+        return (f"scale-up lag: the fleet grew from 1 to {run.max_instances} instances, each "
+                f"ready only after its start ({misses} over the SLO meanwhile)")
     if out.num_preemptions:
-        return f"KV cache: {out.num_preemptions} preemptions ({misses})"
+        return f"KV cache: {out.num_preemptions} preemptions ({misses} over the SLO)"
+    if best_hit_rate - out.prefix_hit_rate > 0.1:
+        return (f"prefix recompute: hit rate {out.prefix_hit_rate:.0%} against "
+                f"{best_hit_rate:.0%} elsewhere, instances {out.utilization:.0%} busy "
+                f"({misses} over the SLO)")
     if out.utilization >= BUSY_LIMIT:
-        return f"compute: instances {out.utilization:.0%} busy, {misses} queues"
+        return f"compute: instances {out.utilization:.0%} busy ({misses} over the SLO)"
     busy = run.busy_by_instance
     if len(busy) > 1 and max(busy) > IMBALANCE_LIMIT * (sum(busy) / len(busy)):
         return f"imbalance: busiest instance {max(busy) / (sum(busy) / len(busy)):.2f}x mean"
-    if best_hit_rate - out.prefix_hit_rate > 0.1:
-        return (f"prefix recompute: hit rate {out.prefix_hit_rate:.0%} against "
-                f"{best_hit_rate:.0%} elsewhere ({misses})")
     what = "prefills queue in bursts" if misses == "TTFT" else "decode shares steps with prefills"
     return f"queueing: {misses} p{_p(slo, misses):g} over the SLO at {out.utilization:.0%} " \
            f"busy ({what})"

@@ -70,9 +70,12 @@ def plan(inputs: PlanInputs) -> Plan:
     started = time.perf_counter()
     runs: dict[Architecture, tuple[Outcome, FleetResult]] = {}
     shown: list[Architecture] = []
-    hint = work_hint(inputs)
+    hint = start = work_hint(inputs)
     for family in _families(inputs):
-        shown += _size(family, inputs, hint, runs)
+        sizes = _size(family, inputs, hint if _is_plain(family) else start, runs)
+        if _is_plain(family) and runs[sizes[-1]][0].meets_slo:
+            hint = sizes[-1].num_instances  # the next family of replicas starts there
+        shown += sizes
     best_hit = max((o.prefix_hit_rate for o, _ in runs.values()), default=0.0)
     rows = []
     for arch in dict.fromkeys(shown):
@@ -102,12 +105,13 @@ def _families(inputs: PlanInputs) -> list[Family]:
 def _size(family: Family, inputs: PlanInputs, hint: int,
           runs: dict[Architecture, tuple[Outcome, FleetResult]]) -> list[Architecture]:
     """The sizes of `family` to show: the cheapest that meets the SLO and the one below it
-    (or the largest tried, when none meets it). `hint`: instances the offered work needs at
-    least, where the doubling starts."""
+    (or the largest tried, when none meets it). `hint`: instances to try first (the offered
+    work's estimate, or what a like family needed); the search doubles from there, then tries
+    one unit fewer than the first size that meets the SLO (usually the answer), then bisects."""
     def meets(units: int) -> bool:
         arch = family.sized(units)
-        if arch not in runs:
-            runs[arch] = simulate(arch, inputs, stop_early=True)
+        if arch not in runs:  # an autoscaled fleet misses while it grows: let it finish
+            runs[arch] = simulate(arch, inputs, stop_early=not arch.autoscale)
         return runs[arch][0].meets_slo
 
     if family.base.autoscale or family.base.step == "one process":
@@ -115,17 +119,25 @@ def _size(family: Family, inputs: PlanInputs, hint: int,
         return [family.sized(1)]
     top = family.max_units(inputs.max_ranks)
     # a family of plain replicas starts at 2: its size 1 is the one process, its own family
-    base = 2 if family.base.tp == 1 and family.num_prefill_per_unit == 0 else 1
+    base = 2 if _is_plain(family) else 1
     per_unit = family.num_prefill_per_unit + family.num_decode_per_unit
     low, high = base - 1, min(top, max(base, hint // per_unit))  # low: known to miss (or 0)
     while not meets(high):
         if high >= top:
             return [family.sized(high)]
         low, high = high, min(2 * high, top)
+    if high - 1 > low:
+        low, high = (low, high - 1) if meets(high - 1) else (high - 1, high)
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (low, mid) if meets(mid) else (mid, high)
     return [family.sized(u) for u in (low, high) if u >= base]
+
+
+def _is_plain(family: Family) -> bool:
+    """Replicas of one instance each (no P/D, no TP)."""
+    return family.base.tp == 1 and family.num_prefill_per_unit == 0 \
+        and family.base.step != "one process"
 
 
 def work_hint(inputs: PlanInputs) -> int:
