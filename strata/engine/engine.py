@@ -1,12 +1,18 @@
 """The engine: schedule -> execute -> update -> outputs, one step at a time.
 
 Not thread-safe: one thread owns it (the server runs it off the event loop). Only
-`validate_request`, `block_hashes` and `num_cached_blocks` may be called from other threads.
+`validate_request`, `block_hashes`, `num_cached_blocks` and `export_blocks` (of held blocks) may
+be called from other threads.
 
 KV offload stays I/O-free here: a request may arrive with fetched KV payloads
 (`Request.external_kv`), imported by the executor when the request is admitted, and a request
 with `kv_export` leaves with the payloads of its full blocks on its final output; the server
 does the fetching and publishing.
+
+Prefill/decode hand-off stays I/O-free too: a request with `hold_blocks` leaves its full
+computed blocks held when it finishes (its final output says which, `RequestOutput.held`) until
+`release_held`; held blocks are never written, so `export_blocks` may read them from any thread.
+A request with a `handoff` gets the prefill instance's first token instead of its own sample.
 """
 
 from __future__ import annotations
@@ -18,11 +24,12 @@ from strata.engine.executor import (
     ModelExecutor,
     ModelInput,
     ModelOutput,
+    SampledToken,
     ScheduledSequence,
     TokenDecoder,
 )
 from strata.engine.kv_cache_manager import KVCacheManager
-from strata.engine.outputs import EngineStats, RequestOutput
+from strata.engine.outputs import EngineStats, HeldBlocks, RequestOutput
 from strata.engine.request import Logprob, Request, RequestStatus
 from strata.engine.scheduler import KVImport, Scheduler, SchedulerOutput
 from strata.errors import ContextLengthError, InvalidRequestError, OverloadedError
@@ -114,6 +121,17 @@ class Engine:
         thread (it may change before the request is admitted)."""
         return self.kv.num_cached_blocks(hashes)
 
+    def release_held(self, request_id: RequestId) -> int:
+        """Return the blocks a finished request left held to the free pool; how many."""
+        return self.kv.release_held(request_id)
+
+    def export_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """The KV payloads of `block_ids` (empty when the executor cannot export). Safe from
+        any thread for held blocks: nothing writes a block while it is held."""
+        if not isinstance(self.executor, KVTransfer):
+            return []
+        return self.executor.export_blocks(block_ids)
+
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         for kv_import in scheduled.kv_imports:
@@ -155,6 +173,10 @@ class Engine:
             request.num_computed_tokens += num_new
             self.kv.cache_full_blocks(request)
             sampled = model_output.get(request.request_id)
+            if sampled is not None and request.handoff is not None \
+                    and request.num_output_tokens == 0:
+                handoff = request.handoff  # the prefill instance's token: never re-sampled
+                sampled = SampledToken(handoff.token_id, handoff.logprob)
             if sampled is not None:
                 outputs.append(self._append_token(request, sampled.token_id, sampled.logprob))
         return outputs
@@ -169,9 +191,12 @@ class Engine:
         detok = self._detok[request.request_id]
         status = self._finish_status(request, token_id, detok)
         kv_blocks: list[tuple[BlockHash, bytes]] = []
+        held: HeldBlocks | None = None
         if status is not None:
             if request.kv_export:
                 kv_blocks = self._export_kv(request)
+            if request.hold_blocks:
+                held = self.kv.hold(request)
             self.scheduler.finish(request, status)
             del self._detok[request.request_id]
         return RequestOutput(
@@ -183,9 +208,10 @@ class Engine:
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
+            num_cached_tokens=request.num_reported_cached_tokens,
             num_output_tokens=request.num_output_tokens,
             kv_blocks=kv_blocks,
+            held=held,
         )
 
     def _export_kv(self, request: Request) -> list[tuple[BlockHash, bytes]]:
@@ -226,6 +252,7 @@ class Engine:
             num_generated_tokens=self.num_generated_tokens,
             num_external_hit_tokens=self.kv.num_external_hit_tokens,
             num_kv_import_failures=self.scheduler.num_kv_import_failures,
+            num_held_blocks=self.kv.num_held_blocks,
         )
 
     def reset_prefix_cache(self) -> int:

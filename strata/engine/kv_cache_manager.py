@@ -8,6 +8,10 @@ Region map of one request's blocks (block_size B, num_computed_tokens C, num_tok
 A prefix hit has two parts: blocks found in the local prefix cache, then blocks whose KV was
 fetched from an external store (`Request.external_kv`). The latter get new blocks at admission,
 count as computed, and are imported by the executor before the step's forward pass.
+
+A finished request may leave its full computed blocks *held* (`hold`): the hold owns one
+reference on each, so they stay out of the free pool (and in the prefix cache) until
+`release_held`, whoever else shares them meanwhile.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 
 from strata.engine.block_pool import BlockPool, KVBlock
 from strata.engine.config import CacheConfig
+from strata.engine.outputs import HeldBlocks
 from strata.engine.prefix_cache import hash_blocks
 from strata.engine.request import Request
 from strata.types import BlockHash, RequestId
@@ -42,6 +47,7 @@ class KVCacheManager:
         self._blocks: dict[RequestId, list[KVBlock]] = {}
         self._hashes: dict[RequestId, list[BlockHash]] = {}
         self._num_cached: dict[RequestId, int] = {}
+        self._held: dict[RequestId, list[KVBlock]] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0  # local prefix-cache hits
         self.num_external_hit_tokens = 0  # imported from fetched KV
@@ -151,6 +157,28 @@ class KVCacheManager:
         self._hashes.pop(rid, None)
         self._num_cached.pop(rid, None)
 
+    def hold(self, request: Request) -> HeldBlocks:
+        """Take a reference, owned by a hold, on the request's full computed blocks (call before
+        `free`); one hold per request id."""
+        if request.request_id in self._held:
+            raise RuntimeError(f"one_hold_per_request: {request.request_id} is already held")
+        hashes = self.computed_block_hashes(request)
+        blocks = self._blocks.get(request.request_id, [])[: len(hashes)]
+        self.pool.touch(blocks)
+        self._held[request.request_id] = blocks
+        return HeldBlocks(tuple(b.block_id for b in blocks), tuple(hashes[: len(blocks)]))
+
+    def release_held(self, request_id: RequestId) -> int:
+        """Drop the hold of `request_id` (the tail is queued first, evicted first); how many
+        blocks it held (0: none, e.g. already released)."""
+        blocks = self._held.pop(request_id, [])
+        self.pool.free_blocks(list(reversed(blocks)))
+        return len(blocks)
+
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self._held.values())
+
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_cache()
 
@@ -171,10 +199,10 @@ class KVCacheManager:
         return f"{self.config.namespace}|{cache_salt}"
 
     def check_integrity(self) -> None:
-        """free + cached + in use == total, and ref counts match the block tables."""
+        """free + cached + in use == total, and ref counts match the block tables and holds."""
         pool = self.pool
         refs: dict[int, int] = {}
-        for blocks in self._blocks.values():
+        for blocks in [*self._blocks.values(), *self._held.values()]:
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         in_use = cached = free = 0

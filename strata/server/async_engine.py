@@ -50,6 +50,8 @@ class EngineCore(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def release_held(self, request_id: RequestId) -> int: ...
+
 
 @dataclass(slots=True)
 class _Stream:
@@ -155,6 +157,11 @@ class AsyncEngine:
             if not finished:
                 self._post(("abort", request.request_id))
 
+    def release_held(self, request_id: RequestId) -> None:
+        """Return the blocks a finished request left held to the free pool (on the engine
+        thread, at its next command pass)."""
+        self._post(("release", request_id))
+
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -192,6 +199,8 @@ class AsyncEngine:
                 self._stopping = True
             elif kind == "abort":
                 self.engine.abort_request(RequestId(str(arg)))
+            elif kind == "release":
+                self.engine.release_held(RequestId(str(arg)))
             elif isinstance(arg, Request):
                 self._add(arg)
         if applied:
