@@ -111,10 +111,12 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def block_hashes(self, token_ids: list[int], cache_salt: str = "") -> list[BlockHash]:
-        """The identities of the full blocks of `token_ids` (model, version and salt included);
-        safe from any thread."""
-        return self.kv.hash_tokens(token_ids, cache_salt)
+    def block_hashes(self, token_ids: list[int], cache_salt: str = "", *,
+                     partial: bool = False) -> list[BlockHash]:
+        """The identities of the full blocks of `token_ids` (model, version and salt included),
+        with `partial` also of the partial last block (a hand-off moves it); safe from any
+        thread."""
+        return self.kv.hash_tokens(token_ids, cache_salt, partial=partial)
 
     def num_cached_blocks(self, hashes: list[BlockHash]) -> int:
         """How many leading blocks of `hashes` the prefix cache holds: a hint, safe from any
@@ -136,10 +138,18 @@ class Engine:
         scheduled = self.scheduler.schedule()
         for kv_import in scheduled.kv_imports:
             self.scheduler.on_kv_imported(scheduled, kv_import, self._import_kv(kv_import))
+        outputs = self._hand_over(scheduled.handed)
         if scheduled.is_empty:
-            return []
+            return outputs
         model_output = self.executor.execute(self._model_input(scheduled))
-        return self._update(scheduled, model_output)
+        return outputs + self._update(scheduled, model_output)
+
+    def _hand_over(self, handed: list[Request]) -> list[RequestOutput]:
+        """Append the first token a prefill instance sampled to each request whose whole prompt
+        was imported (a refused import left it tokens to compute: it samples, see `_update`)."""
+        return [self._append_token(request, request.handoff.token_id, request.handoff.logprob)
+                for request in handed
+                if request.handoff is not None and request.num_tokens_to_compute == 0]
 
     def _import_kv(self, kv_import: KVImport) -> int:
         """Write fetched KV into its blocks; how many leading payloads the executor took."""

@@ -7,7 +7,10 @@ Region map of one request's blocks (block_size B, num_computed_tokens C, num_tok
 
 A prefix hit has two parts: blocks found in the local prefix cache, then blocks whose KV was
 fetched from an external store (`Request.external_kv`). The latter get new blocks at admission,
-count as computed, and are imported by the executor before the step's forward pass.
+count as computed, and are imported by the executor before the step's forward pass. At least one
+prompt token is left to compute (its logits give the first token), except for a request whose
+first token a prefill instance handed over (`Request.handoff`): its whole prompt may be
+imported, the partial last block too (named by `hash_tokens(..., partial=True)`).
 
 A finished request may leave its full computed blocks *held* (`hold`): the hold owns one
 reference on each, so they stay out of the free pool (and in the prefix cache) until
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 from strata.engine.block_pool import BlockPool, KVBlock
 from strata.engine.config import CacheConfig
 from strata.engine.outputs import HeldBlocks
-from strata.engine.prefix_cache import hash_blocks
+from strata.engine.prefix_cache import hash_block, hash_blocks
 from strata.engine.request import Request
 from strata.types import BlockHash, RequestId
 
@@ -67,7 +70,8 @@ class KVCacheManager:
             return _NO_HIT
         hashes = self._block_hashes(request)
         tokens = request.all_token_ids
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        is_handed = request.handoff is not None and request.num_output_tokens == 0
+        max_blocks = len(hashes) if is_handed else (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for i, block_hash in enumerate(hashes[:max_blocks]):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
@@ -76,12 +80,16 @@ class KVCacheManager:
                 break
             hits.append(block)
         external = []
+        if is_handed and request.num_tokens % self.block_size:
+            hashes = self.hash_tokens(tokens, request.cache_salt, partial=True)
+            max_blocks = len(hashes)
         for block_hash in hashes[len(hits) : max_blocks]:
             payload = request.external_kv.get(block_hash)
             if payload is None:
                 break
             external.append(payload)
-        return ComputedBlocks(hits, (len(hits) + len(external)) * self.block_size, external)
+        num_tokens = min((len(hits) + len(external)) * self.block_size, request.num_tokens)
+        return ComputedBlocks(hits, num_tokens, external)
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int,
                       num_external_tokens: int = 0) -> None:
@@ -93,9 +101,16 @@ class KVCacheManager:
         """Fetched tokens the executor refused: recomputed, so no longer external hits."""
         self.num_external_hit_tokens -= num_tokens
 
-    def hash_tokens(self, token_ids: list[int], cache_salt: str) -> list[BlockHash]:
-        """Hashes of the full blocks of `token_ids`, named as this cache names them."""
-        return hash_blocks(token_ids, self.block_size, self._namespace(cache_salt))
+    def hash_tokens(self, token_ids: list[int], cache_salt: str, *,
+                    partial: bool = False) -> list[BlockHash]:
+        """Hashes of the full blocks of `token_ids`, named as this cache names them; with
+        `partial`, then of the partial last block (chained the same way over its tokens)."""
+        namespace = self._namespace(cache_salt)
+        hashes = hash_blocks(token_ids, self.block_size, namespace)
+        tail = token_ids[len(hashes) * self.block_size :]
+        if partial and tail:
+            hashes.append(hash_block(hashes[-1] if hashes else None, tail, namespace))
+        return hashes
 
     def num_cached_blocks(self, hashes: list[BlockHash]) -> int:
         """How many leading `hashes` the prefix cache holds now (not verified against tokens)."""
@@ -158,11 +173,12 @@ class KVCacheManager:
         self._num_cached.pop(rid, None)
 
     def hold(self, request: Request) -> HeldBlocks:
-        """Take a reference, owned by a hold, on the request's full computed blocks (call before
-        `free`); one hold per request id."""
+        """Take a reference, owned by a hold, on the blocks of the request's computed tokens,
+        the partial last one included (call before `free`); one hold per request id."""
         if request.request_id in self._held:
             raise RuntimeError(f"one_hold_per_request: {request.request_id} is already held")
-        hashes = self.computed_block_hashes(request)
+        computed = request.all_token_ids[: request.num_computed_tokens]
+        hashes = self.hash_tokens(computed, request.cache_salt, partial=True)
         blocks = self._blocks.get(request.request_id, [])[: len(hashes)]
         self.pool.touch(blocks)
         self._held[request.request_id] = blocks

@@ -7,7 +7,9 @@ latest-arriving running request is preempted (its blocks freed, recomputed later
 requests are admitted by (priority, arrival) while budget, sequence slots and blocks last.
 A request admitted with fetched KV blocks (see kv_cache_manager) lists them in `kv_imports`:
 the engine has the executor import them before the step's forward pass and reports how many it
-wrote (`on_kv_imported`); the scheduler turns a refused payload into a miss.
+wrote (`on_kv_imported`); the scheduler turns a refused payload into a miss. A request whose
+whole prompt is imported and whose first token a prefill instance handed over is admitted with
+nothing to compute (`handed`): the engine appends that token, and it decodes from the next step.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class KVImport:
     request: Request
     block_ids: list[int]
     payloads: list[bytes]
+    num_tokens: int  # the tokens these blocks hold (the last block may be partial)
 
 
 @dataclass(slots=True)
@@ -38,6 +41,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     kv_imports: list[KVImport] = field(default_factory=list)
+    handed: list[Request] = field(default_factory=list)  # admitted, nothing to compute
 
     @property
     def num_tokens(self) -> int:
@@ -101,7 +105,7 @@ class Scheduler:
             return
         self.num_kv_import_failures += 1
         request = kv_import.request
-        num_lost = num_refused * self.kv.block_size
+        num_lost = kv_import.num_tokens - num_imported * self.kv.block_size
         request.num_computed_tokens -= num_lost
         request.num_cached_tokens -= num_lost
         self.kv.record_refused_import(num_lost)
@@ -134,14 +138,19 @@ class Scheduler:
             computed = self.kv.get_computed_blocks(request)
             request.num_computed_tokens = computed.num_tokens
             num_new = self._num_to_schedule(request, budget)
-            if num_new == 0 or not self.kv.allocate_slots(request, num_new, computed):
+            is_handed = request.num_tokens_to_compute == 0  # see the module docstring
+            if (num_new == 0 and not is_handed) or not self.kv.allocate_slots(request, num_new,
+                                                                              computed):
                 request.num_computed_tokens = 0
                 break
             heapq.heappop(self._waiting)
             self._admit(request, computed)
             if computed.external:
                 out.kv_imports.append(self._kv_import(request, computed))
-            out.scheduled.append((request, num_new))
+            if is_handed:
+                out.handed.append(request)
+            else:
+                out.scheduled.append((request, num_new))
             budget -= num_new
 
     def _num_to_schedule(self, request: Request, budget: int) -> int:
@@ -153,9 +162,9 @@ class Scheduler:
     def _admit(self, request: Request, computed: ComputedBlocks) -> None:
         if request.status == RequestStatus.WAITING:
             request.num_cached_tokens = computed.num_tokens
-            num_external = len(computed.external) * self.kv.block_size
-            self.kv.record_lookup(request.num_prompt_tokens, computed.num_tokens - num_external,
-                                  num_external)
+            num_local = len(computed.blocks) * self.kv.block_size
+            self.kv.record_lookup(request.num_prompt_tokens, num_local,
+                                  computed.num_tokens - num_local)
         request.external_kv = {}  # used once: a preempted request recomputes (or hits locally)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -164,7 +173,8 @@ class Scheduler:
     def _kv_import(self, request: Request, computed: ComputedBlocks) -> KVImport:
         first = len(computed.blocks)
         block_ids = self.kv.block_ids(request.request_id)[first : first + len(computed.external)]
-        return KVImport(request, block_ids, computed.external)
+        num_tokens = computed.num_tokens - first * self.kv.block_size
+        return KVImport(request, block_ids, computed.external, num_tokens)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)

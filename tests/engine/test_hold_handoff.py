@@ -33,7 +33,8 @@ class KVExecutor(FakeExecutor):
     """Exports a block as its token ids; imports only payloads it exported."""
 
     def export_blocks(self, block_ids: list[int]) -> list[bytes]:
-        return [TAG + array("q", self.slots[b * BLOCK : (b + 1) * BLOCK]).tobytes()  # type: ignore[arg-type]
+        return [TAG + array("q", [-1 if t is None else t
+                                  for t in self.slots[b * BLOCK : (b + 1) * BLOCK]]).tobytes()
                 for b in block_ids]
 
     def import_blocks(self, block_ids: list[int], payloads: list[bytes]) -> int:
@@ -77,19 +78,19 @@ def holding(prompt: list[int], max_tokens: int = 1, **params: object) -> Request
 PROMPT = prompt_of(10)  # 2 full blocks + 2 tokens
 
 
-def test_a_finished_request_holds_its_full_prompt_blocks_until_released() -> None:
+def test_a_finished_request_holds_its_prompt_blocks_until_released() -> None:
     engine, _ = make_engine(num_blocks=16)
     _, last = run_one(engine, holding(PROMPT))
     assert last.held is not None
-    assert last.held.block_ids == (0, 1)  # block 2 held the partial tail: freed
-    assert list(last.held.block_hashes) == engine.block_hashes(PROMPT)
-    assert engine.stats().num_held_blocks == 2
-    assert engine.kv.pool.num_free_blocks == 14
-    assert engine.kv.pool.free_queue.block_ids()[-1] == 2
-    assert engine.release_held(last.request_id) == 2
+    assert last.held.block_ids == (0, 1, 2)  # block 2 holds the partial tail (2 tokens)
+    assert list(last.held.block_hashes) == engine.block_hashes(PROMPT, partial=True)
+    assert list(last.held.block_hashes[:2]) == engine.block_hashes(PROMPT)
+    assert engine.stats().num_held_blocks == 3
+    assert engine.kv.pool.num_free_blocks == 13
+    assert engine.release_held(last.request_id) == 3
     engine.check_integrity()
     assert engine.kv.pool.num_free_blocks == 16 and engine.stats().num_held_blocks == 0
-    assert engine.kv.pool.free_queue.block_ids()[-2:] == [1, 0]  # the tail is evicted first
+    assert engine.kv.pool.free_queue.block_ids()[-3:] == [2, 1, 0]  # the tail goes first
     assert engine.release_held(last.request_id) == 0  # released once
 
 
@@ -97,7 +98,7 @@ def test_held_blocks_are_never_handed_out_nor_evicted() -> None:
     engine, _ = make_engine(num_blocks=8)
     _, last = run_one(engine, holding(PROMPT))
     assert engine.reset_prefix_cache() == 0  # held blocks are not evictable
-    other = make_request(prompt_of(21, start=3), 3)  # needs 6 blocks: every free one
+    other = make_request(prompt_of(17, start=3), 3)  # needs 5 blocks: every free one
     engine.add_request(other)
     tokens = [t for o in engine.step() for t in o.new_token_ids]
     assert last.held is not None
@@ -134,7 +135,8 @@ def test_export_reads_held_blocks() -> None:
     _, last = run_one(engine, holding(PROMPT))
     assert last.held is not None
     payloads = engine.export_blocks(list(last.held.block_ids))
-    assert [array("q", p[len(TAG):]).tolist() for p in payloads] == [PROMPT[:4], PROMPT[4:8]]
+    assert [array("q", p[len(TAG):]).tolist() for p in payloads] == [
+        PROMPT[:4], PROMPT[4:8], PROMPT[8:] + [-1, -1]]  # the tail's last slots: never written
     plain, _ = make_engine()
     assert plain.export_blocks([0]) == []  # an executor without KV transfer exports nothing
 
@@ -154,29 +156,61 @@ def test_the_handed_first_token_is_appended_instead_of_a_sample() -> None:
     assert outputs[-1].num_cached_tokens == 4  # what the prefill side's prefix cache served
 
 
+def prefill_then_decode(prompt: list[int], max_tokens: int, damage_block: int | None = None,
+                        **params: object) -> tuple[list[int], Engine]:
+    """P holds and exports the prompt's blocks with its first token; D imports them with the
+    hand-off. Returns D's tokens and D."""
+    prefill, _ = kv_engine()
+    first_tokens, done = run_one(prefill, holding(prompt, 1, **params))
+    assert done.held is not None and len(done.held) == -(-len(prompt) // BLOCK)
+    payloads = prefill.export_blocks(list(done.held.block_ids))
+    if damage_block is not None:
+        payloads[damage_block] = b"damaged"
+    prefill.release_held(done.request_id)
+    assert prefill.kv.pool.num_free_blocks == 64 and prefill.stats().num_held_blocks == 0
+    decode, _ = kv_engine()
+    request = make_request(prompt, max_tokens, **params)
+    request.external_kv = dict(zip(done.held.block_hashes, payloads, strict=True))
+    request.handoff = Handoff(first_tokens[0], num_cached_tokens=done.num_cached_tokens)
+    tokens, _ = run_one(decode, request)
+    return tokens, decode
+
+
 @pytest.mark.parametrize("seed", [None, 7])
-def test_prefill_hold_export_then_import_with_handoff_equals_one_engine(seed: int | None
-                                                                        ) -> None:
-    prompt = prompt_of(17)  # 4 full blocks + 1 token
+@pytest.mark.parametrize("length", [17, 16], ids=["partial-tail", "whole-blocks"])
+def test_a_hand_off_equals_one_engine_and_computes_no_prompt_token(seed: int | None,
+                                                                   length: int) -> None:
+    prompt = prompt_of(length)
     params = {"temperature": 0.8, "seed": seed} if seed is not None else {}
     mixed, _ = kv_engine()
     expected, _ = run_one(mixed, make_request(prompt, 6, **params))
-
-    prefill, _ = kv_engine()
-    first_tokens, done = run_one(prefill, holding(prompt, 1, **params))
-    assert done.held is not None and len(done.held) == 4
-    payloads = prefill.export_blocks(list(done.held.block_ids))
-    prefill.release_held(done.request_id)
-
-    decode, executor = kv_engine()
-    request = make_request(prompt, 6, **params)
-    request.external_kv = dict(zip(done.held.block_hashes, payloads, strict=True))
-    request.handoff = Handoff(first_tokens[0], num_cached_tokens=done.num_cached_tokens)
-    tokens, last = run_one(decode, request)
+    tokens, decode = prefill_then_decode(prompt, 6, **params)
     assert tokens == expected
-    assert decode.stats().num_prompt_tokens == 1  # only the partial tail was computed here
-    assert last.num_cached_tokens == 0
-    assert prefill.kv.pool.num_free_blocks == 64 and prefill.stats().num_held_blocks == 0
+    stats = decode.stats()
+    assert stats.num_prompt_tokens == 0  # P's KV for every prompt position, the tail's too
+    assert (stats.num_external_hit_tokens, stats.num_generated_tokens) == (length, 6)
+
+
+def test_a_refused_tail_is_recomputed_and_the_handed_token_still_used() -> None:
+    prompt = prompt_of(17)
+    mixed, _ = kv_engine()
+    expected, _ = run_one(mixed, make_request(prompt, 4))
+    tokens, decode = prefill_then_decode(prompt, 4, damage_block=4)
+    assert tokens == expected
+    stats = decode.stats()
+    assert (stats.num_prompt_tokens, stats.num_kv_import_failures) == (1, 1)
+    assert stats.num_external_hit_tokens == 16
+
+
+def test_a_handed_request_with_a_local_prompt_hit_decodes_at_once() -> None:
+    prompt = prompt_of(16)
+    engine, _ = kv_engine()
+    run_one(engine, make_request(prompt + [1], 1))  # caches the prompt's 4 blocks
+    request = make_request(prompt, 3)
+    request.handoff = Handoff(reference_tokens(prompt, 1)[0])
+    tokens, last = run_one(engine, request)
+    assert tokens == reference_tokens(prompt, 3)
+    assert engine.stats().num_prompt_tokens == 17  # the first request's prompt only
 
 
 def test_one_hold_per_request() -> None:
