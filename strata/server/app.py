@@ -4,6 +4,7 @@
     GET  /v1/sessions, GET|DELETE /v1/sessions/{id}   session_routes.py (sessions.py)
     GET  /v1/models, /health, /ready, /metrics, /load   info_routes.py
     POST /tokenize, /detokenize, /admin/drain           info_routes.py
+    /internal/prefill/..., /internal/decode/..., /internal/kv/...   pd_routes.py (hand-off)
 
 Every route reaches the instance's parts through one typed object (`Instance`, instance.py);
 every error leaves through one table (errors.py). Middleware, outermost first: API keys
@@ -34,6 +35,8 @@ from strata.server.info_routes import info_routes
 from strata.server.instance import Instance
 from strata.server.kv_offload import open_kv_offload
 from strata.server.metrics import ServerMetrics
+from strata.server.pd_routes import pd_routes
+from strata.server.pd_state import PD
 from strata.server.registration import Registration
 from strata.server.serving import ServingContext
 from strata.server.session_routes import session_routes
@@ -61,12 +64,15 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
+            pd.start()
+            stack.push_async_callback(pd.close)
             _open_parts(instance, stack, session_store, kv_store)
             yield
 
     app = FastAPI(title="Strata", routes=build_routes(), lifespan=lifespan, docs_url=None,
                   redoc_url=None)
     app.state.instance = instance
+    app.state.pd = pd = PD(instance, config.pd)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
     app.add_middleware(ModelVersionHeader,
                        value=f"{config.served_model_name}@{config.model_version}")
@@ -78,7 +84,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
 
 
 def build_routes() -> list[BaseRoute]:
-    return [*generation_routes(), *session_routes(), *info_routes()]
+    return [*generation_routes(), *session_routes(), *info_routes(), *pd_routes()]
 
 
 def _open_parts(instance: Instance, stack: AsyncExitStack, session_store: SessionStore | None,

@@ -34,7 +34,8 @@ class EngineCore(Protocol):
 
     cache_config: CacheConfig
 
-    def block_hashes(self, token_ids: list[int], cache_salt: str = "") -> list[BlockHash]: ...
+    def block_hashes(self, token_ids: list[int], cache_salt: str = "", *,
+                     partial: bool = False) -> list[BlockHash]: ...
 
     def num_cached_blocks(self, hashes: list[BlockHash]) -> int: ...
 
