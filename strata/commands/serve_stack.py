@@ -178,7 +178,7 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
                                  session_store_url=args.session_store,
                                  session_ttl_s=args.session_ttl_s,
                                  session_redis_appendfsync=args.session_redis_appendfsync,
-                                 **_kv_options(args))
+                                 pd=_pd_config(args), **_kv_options(args))
     app = create_app(built.async_engine, built.tokenizer, server_config,
                      registration=registration)
     server = uvicorn.Server(uvicorn.Config(
@@ -193,6 +193,14 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
     await server.serve(sockets=[sock])  # the lifespan shutdown drains, deregisters, stops
     announce.cancel()
     return 0
+
+
+def _pd_config(args: argparse.Namespace) -> Any:
+    from strata.server.pd_config import PDConfig
+    from strata.server.pd_faults import FaultConfig
+
+    faults = FaultConfig.load(Path(args.fault_config)) if args.fault_config else FaultConfig()
+    return PDConfig(lease_s=args.pd_lease_s, faults=faults)
 
 
 def _kv_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -11,6 +11,9 @@ the chain of `path_steps`, which ends in the proxy; each step below wraps the ne
                     the cache (strata/gateway/response_cache.py)
     PlaceSession    with sticky or hybrid session routing: the session is placed (its pin read
                     or written) before routing (strata/gateway/sessions.py)
+    Disaggregate    with prefill/decode disaggregation: a long prompt is prefilled on a prefill
+                    instance, then sent to a decode instance with the handle
+                    (strata/gateway/disagg.py)
     Proxy.forward   filters -> policy -> send; retries on another instance until the first byte
                     reaches the client (strata/gateway/proxy.py, pipeline.py, policies/)
 
@@ -32,6 +35,7 @@ from starlette.responses import Response
 
 from strata.errors import OverloadedError
 from strata.gateway.admission import Admission
+from strata.gateway.disagg import PDRouter
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.pipeline import RoutingPipeline
 from strata.gateway.policies.base import RouteRequest
@@ -54,7 +58,8 @@ class Step(Protocol):
 
 def path_steps(*, admission: Admission, metrics: GatewayMetrics, proxy: Proxy,
                versions: VersionRouter | None = None, cache: ResponseCacheLayer | None = None,
-               sessions: SessionRouter | None = None) -> list[Step]:
+               sessions: SessionRouter | None = None, pd: PDRouter | None = None
+               ) -> list[Step]:
     """The steps before the proxy, outermost first: one per feature that is on. The gateway's
     path is `chain(path_steps(...), proxy.forward)`."""
     steps: list[Step] = [Admit(admission, metrics)]
@@ -64,6 +69,8 @@ def path_steps(*, admission: Admission, metrics: GatewayMetrics, proxy: Proxy,
             steps.append(CacheAnswers(cache, versions))
     if sessions is not None:
         steps.append(PlaceSession(sessions, proxy.pipeline))
+    if pd is not None:
+        steps.append(Disaggregate(pd))
     return steps
 
 
@@ -225,5 +232,17 @@ class PlaceSession:
         return response
 
 
-__all__ = ["Admit", "CacheAnswers", "ChooseVersion", "Handler", "PlaceSession", "Step", "chain",
-           "path_steps"]
+class Disaggregate:
+    """Prefills a long prompt on a prefill instance when the prefill pool keeps up, then sends
+    the request to a decode instance with the handle; otherwise (and whenever the prefill
+    instance fails) the decode instance prefills it. The answer is the decode instance's."""
+
+    def __init__(self, pd: PDRouter) -> None:
+        self.pd = pd
+
+    async def __call__(self, request: ProxyRequest, call_next: Handler) -> Response:
+        return await self.pd.forward(request, call_next)
+
+
+__all__ = ["Admit", "CacheAnswers", "ChooseVersion", "Disaggregate", "Handler", "PlaceSession",
+           "Step", "chain", "path_steps"]

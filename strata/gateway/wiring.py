@@ -19,6 +19,7 @@ import httpx
 
 from strata.gateway.admission import Admission
 from strata.gateway.config import GatewayConfig
+from strata.gateway.disagg import PDRouter
 from strata.gateway.forward import Handler, chain, path_steps
 from strata.gateway.health import HealthChecker, OutlierDetector
 from strata.gateway.instances import InstanceSet
@@ -97,8 +98,10 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
         proxy.observers.append(stats.observe)
         if instance_registry is not None:
             releases = _release_service(config, models, instance_registry, stats, control, exits)
+    pd = None if config.pd.mode == "off" else PDRouter(
+        config.pd, proxy.pipeline, proxy.upstreams, proxy.detector, metrics.registry)
     steps = path_steps(admission=admission, metrics=metrics, proxy=proxy, versions=versions,
-                       cache=cache, sessions=sessions)
+                       cache=cache, sessions=sessions, pd=pd)
     forward = chain(steps, proxy.forward)
     return Gateway(config, source, proxy, admission, health, control, metrics, forward, exits,
                    sessions, versions, models, releases, cache)

@@ -1,5 +1,6 @@
 """Fixtures of the prefill/decode hand-off tests: one tiny model for the session; the helpers
-(pd_fleet.py) sit next to the tests, the live server helpers in tests/server."""
+(pd_fleet.py) sit next to the tests, the live server and gateway helpers in tests/server and
+tests/gateway."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "server"))
+sys.path.insert(0, str(HERE.parent / "gateway"))
 
 from tiny_models import make_tiny_model_dir  # noqa: E402
 

@@ -10,10 +10,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from gateway_fakes import FixedSource
+from live_fleet import ServedApp, serve_app
 from live_server import serve_in_thread
 
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.engine import Engine
+from strata.gateway.app import create_gateway_app
+from strata.gateway.config import DisaggConfig, GatewayConfig
+from strata.gateway.instances import InstanceView
 from strata.model.executor import TorchExecutor
 from strata.model.loader import LoadedModel
 from strata.protocol.pd import DECODE_PREFIX, HANDOFF_HEADER, PREFILL_PREFIX
@@ -74,6 +79,18 @@ def start_instance(model: LoadedModel, *, dtype: str = "float32", version: str =
     sock.bind(("127.0.0.1", 0))
     server, thread = serve_in_thread(app, sock)
     return Instance(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, server, thread)
+
+
+def start_gateway(roles: dict[str, tuple[str, str]], **pd: Any) -> ServedApp:
+    """A real gateway over `roles` (instance id -> (URL, role)), round robin, disaggregating
+    every prompt (`pd` overrides DisaggConfig)."""
+    views = [InstanceView(iid, url, MODEL, role=role) for iid, (url, role) in roles.items()]
+    config = GatewayConfig(port=0, policy="round_robin", read_timeout_s=60.0,
+                           pd=DisaggConfig(**{"mode": "auto", "min_uncached_tokens": 0, **pd}))
+    control = httpx.AsyncClient(timeout=1.0)
+    app = create_gateway_app(config, FixedSource(*views), control_client=control,
+                             run_background=False)
+    return serve_app(app)
 
 
 def prefill(p: Instance, body: dict[str, Any], path: str = CHAT) -> str:
