@@ -58,6 +58,9 @@ class LocalClusterConfig:
     threads_per_instance: int | None = None
     registry: str | None = None  # default: SQLite in run_dir (one machine)
     reconcile_interval_s: float = 0.5
+    # a prefill/decode cluster (`strata up --prefill N --decode M`): instances 0 .. N-1 of a
+    # deployment prefill, the others decode; 0: every instance is mixed
+    num_prefill: int = 0
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -66,6 +69,15 @@ class LocalClusterConfig:
             raise ConfigError("restart backoff must be > 0 and <= the maximum backoff")
         if self.reconcile_interval_s <= 0:
             raise ConfigError(f"reconcile_interval_s must be > 0, got {self.reconcile_interval_s}")
+        if not 0 <= self.num_prefill < self.replicas:
+            raise ConfigError(f"a prefill/decode cluster needs at least one decode instance: "
+                              f"{self.num_prefill} prefill of {self.replicas} instances")
+
+    def role_of(self, index: int) -> str:
+        """The `--role` of instance `index` of a deployment."""
+        if not self.num_prefill:
+            return "mixed"
+        return "prefill" if index < self.num_prefill else "decode"
 
     @property
     def registry_url(self) -> str:
@@ -110,12 +122,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def instance_argv(config: LocalClusterConfig, version: ModelVersion, instance_id: str,
-                  port: int, python: str) -> list[str]:
-    """The `strata serve` command line of one instance of `version` in the cluster."""
+                  port: int, python: str, index: int = 0) -> list[str]:
+    """The `strata serve` command line of instance `index` of `version` in the cluster."""
     c = config
     argv = [python, "-m", "strata.cli", "serve", *serve_model_args(version, c.serve_args),
             "--host", c.host, "--port", str(port), "--registry", c.registry_url,
             "--instance-id", instance_id, "--advertise-url", f"http://{c.host}:{port}"]
+    if c.num_prefill:
+        argv += ["--role", c.role_of(index)]
     if c.threads_per_instance and not version.is_simulated:
         argv += ["--threads", str(c.threads_per_instance)]
     return argv
@@ -204,7 +218,7 @@ class Supervisor:
     def _start_instance(self, version: ModelVersion, index: int) -> None:
         instance_id = instance_id_of(version.name, version.version, index)
         argv = instance_argv(self.config, version, instance_id, free_port(self.config.host),
-                             self.python)
+                             self.python, index)
         child = Child(instance_id, argv, self.config.log_dir / f"{instance_id}.log",
                       deployment=version.key, index=index)
         self.instances[instance_id] = child

@@ -49,14 +49,19 @@ _SERVE_FLAGS: tuple[tuple[str, Any], ...] = (
     ("--served-model-name", str), ("--model-version", str), ("--dtype", str),
     ("--max-model-len", positive_int), ("--kv-cache-gb", positive_float),
     ("--block-size", positive_int), ("--max-num-seqs", positive_int), ("--simulate", str),
-    ("--session-store", str),
+    ("--session-store", str), ("--pd-lease-s", positive_float), ("--fault-config", str),
 )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start N instances behind the gateway on one machine")
     p.add_argument("model", nargs="?", default=None, help="as for `strata serve`")
-    p.add_argument("--replicas", type=positive_int, default=2)
+    p.add_argument("--replicas", type=positive_int, default=None,
+                   help="mixed instances (default 2)")
+    p.add_argument("--prefill", type=positive_int, default=None, metavar="N",
+                   help="a prefill/decode cluster: N prefill instances (with --decode M)")
+    p.add_argument("--decode", type=positive_int, default=None, metavar="M",
+                   help="... and M decode instances, instead of --replicas")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000, help="the gateway's port")
     p.add_argument("--policy", default=None, help="gateway routing policy")
@@ -84,7 +89,7 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
     _check_not_running(config.run_dir)
     config.run_dir.mkdir(parents=True, exist_ok=True)
     _prefetch(args, env)
-    seed = ClusterSeed(seed_version(args), replicas=args.replicas)
+    seed = ClusterSeed(seed_version(args), replicas=config.replicas)
     asyncio.run(_seed(config.registry_url, seed))
     supervisor = _launcher(args, config)
     stop = {"now": False}
@@ -99,7 +104,9 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
         _wait_ready(supervisor, config, args.ready_timeout_s, lambda: stop["now"])
         if not stop["now"]:
             _write_cluster_file(config)
-            print(f"Strata cluster: {config.replicas} instances behind "
+            roles = f" ({config.num_prefill} prefill, {config.replicas - config.num_prefill} " \
+                    "decode)" if config.num_prefill else ""
+            print(f"Strata cluster: {config.replicas} instances{roles} behind "
                   f"http://{config.host}:{config.port} serving {seed.version.key} "
                   f"(logs in {config.log_dir})", flush=True)
         supervisor.run_forever(lambda: stop["now"])
@@ -205,14 +212,26 @@ def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             serve_args += [flag, str(value)]
-    threads = args.threads_per_instance or max(1, (os.cpu_count() or 1) // args.replicas)
+    replicas, num_prefill = _replicas(args)
+    threads = args.threads_per_instance or max(1, (os.cpu_count() or 1) // replicas)
     gateway_args = [*(["--policy", args.policy] if args.policy else []), *args.gateway_arg]
     return LocalClusterConfig(
-        replicas=args.replicas, run_dir=env.run_dir, model=args.model, host=args.host,
+        replicas=replicas, num_prefill=num_prefill, run_dir=env.run_dir, model=args.model,
+        host=args.host,
         port=args.port, serve_args=tuple(serve_args), gateway_args=tuple(gateway_args),
         threads_per_instance=None if args.simulate else threads,
         registry=args.registry or env.registry_url,
     )
+
+
+def _replicas(args: argparse.Namespace) -> tuple[int, int]:
+    """(instances, of which prefill) from --replicas or --prefill/--decode."""
+    if args.prefill is None and args.decode is None:
+        return args.replicas or 2, 0
+    if args.replicas is not None or args.prefill is None or args.decode is None:
+        raise ConfigError("a prefill/decode cluster takes --prefill N and --decode M (both at "
+                          "least 1) instead of --replicas")
+    return args.prefill + args.decode, args.prefill
 
 
 def _prefetch(args: argparse.Namespace, env: CliEnv) -> None:

@@ -100,3 +100,47 @@ def test_decode_and_mixed_instances_take_whole_requests_prefill_ones_do_not() ->
     assert [v.instance_id for v in pipeline.candidates(RouteRequest(model="m"))] == ["a", "d"]
     assert [v.instance_id for v in pipeline.candidates(RouteRequest(model="m",
                                                                     role="decode"))] == ["d"]
+
+
+def test_status_sums_up_the_roles_of_each_pool() -> None:
+    from strata.commands.status import pools_summary
+    from strata.registry.records import InstanceRecord, InstanceState, Role
+
+    def record(iid: str, role: Role, state: InstanceState = InstanceState.READY,
+               pool: str = "default") -> InstanceRecord:
+        return InstanceRecord(iid, f"http://{iid}", "m", role=role, state=state, pool=pool)
+
+    records = [record("p", Role.PREFILL), record("d1", Role.DECODE),
+               record("d2", Role.DECODE, InstanceState.STARTING), record("g", Role.MIXED,
+                                                                       pool="gold")]
+    assert pools_summary(records).splitlines() == [
+        "pool default: 2 decode (1 ready), 1 prefill (1 ready)",
+        "pool gold: 1 mixed (1 ready)"]
+
+
+def test_up_splits_a_prefill_decode_cluster_by_instance_index(tmp_path: Any) -> None:
+    import argparse
+
+    from strata.cluster.local import instance_argv
+    from strata.commands import up
+    from strata.commands.env import CliEnv
+    from strata.registry.models import ModelVersion
+
+    parser = argparse.ArgumentParser(prog="strata")
+    up.add_parser(parser.add_subparsers(dest="command"))
+    env = CliEnv(cache_dir=tmp_path, run_dir=tmp_path / "run")
+    args = parser.parse_args(["up", "--simulate", "smollm2-cpu", "--prefill", "1", "--decode",
+                              "2", "--pd-lease-s", "5"])
+    config = up._config(args, env)
+    assert (config.replicas, config.num_prefill) == (3, 1)
+    assert [config.role_of(i) for i in range(3)] == ["prefill", "decode", "decode"]
+    assert "--pd-lease-s" in config.serve_args
+    version = ModelVersion("m", "v1", "sim:smollm2-cpu")
+    argv = instance_argv(config, version, "m-v1-1", 9001, "py", 1)
+    assert argv[argv.index("--role") + 1] == "decode"
+    plain = up._config(parser.parse_args(["up", "--simulate", "smollm2-cpu"]), env)
+    assert (plain.replicas, plain.num_prefill) == (2, 0)
+    assert "--role" not in instance_argv(plain, version, "m-v1-0", 9001, "py", 0)
+    for bad in (["--prefill", "1"], ["--prefill", "1", "--decode", "1", "--replicas", "2"]):
+        with pytest.raises(ConfigError, match="--prefill N and --decode M"):
+            up._config(parser.parse_args(["up", "--simulate", "smollm2-cpu", *bad]), env)
