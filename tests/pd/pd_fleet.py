@@ -81,11 +81,12 @@ def start_instance(model: LoadedModel, *, dtype: str = "float32", version: str =
     return Instance(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, server, thread)
 
 
-def start_gateway(roles: dict[str, tuple[str, str]], **pd: Any) -> ServedApp:
-    """A real gateway over `roles` (instance id -> (URL, role)), round robin, disaggregating
-    every prompt (`pd` overrides DisaggConfig)."""
+def start_gateway(roles: dict[str, tuple[str, str]], policy: str = "round_robin",
+                  **pd: Any) -> ServedApp:
+    """A real gateway over `roles` (instance id -> (URL, role)), disaggregating every prompt
+    (`pd` overrides DisaggConfig)."""
     views = [InstanceView(iid, url, MODEL, role=role) for iid, (url, role) in roles.items()]
-    config = GatewayConfig(port=0, policy="round_robin", read_timeout_s=60.0,
+    config = GatewayConfig(port=0, policy=policy, read_timeout_s=60.0,
                            pd=DisaggConfig(**{"mode": "auto", "min_uncached_tokens": 0, **pd}))
     control = httpx.AsyncClient(timeout=1.0)
     app = create_gateway_app(config, FixedSource(*views), control_client=control,
