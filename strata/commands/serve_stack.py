@@ -80,7 +80,7 @@ def build_simulated(args: argparse.Namespace) -> BuiltEngine:
         block_size=args.block_size, max_model_len=args.max_model_len or DEFAULT_MAX_MODEL_LEN,
         max_num_batched_tokens=args.max_num_batched_tokens or 512,
         enable_prefix_caching=not args.no_prefix_cache, max_waiting=args.max_waiting,
-        namespace=f"{name}@{args.model_version}",
+        namespace=f"{name}@{args.model_version}", kv_bandwidth_gbps=args.sim_kv_bandwidth_gbps,
     ))
     return BuiltEngine(async_engine, tokenizer, name, simulated=True)
 

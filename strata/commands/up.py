@@ -50,6 +50,7 @@ _SERVE_FLAGS: tuple[tuple[str, Any], ...] = (
     ("--max-model-len", positive_int), ("--kv-cache-gb", positive_float),
     ("--block-size", positive_int), ("--max-num-seqs", positive_int), ("--simulate", str),
     ("--session-store", str), ("--pd-lease-s", positive_float), ("--fault-config", str),
+    ("--sim-kv-bandwidth-gbps", positive_float),
 )
 
 
