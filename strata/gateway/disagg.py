@@ -47,12 +47,15 @@ class UncachedEstimate(Protocol):
 
 def prompt_bytes_estimate(body: dict[str, Any], decode_candidates: Sequence[InstanceView]
                           ) -> int:
-    """Prompt bytes / 4: every prompt token counts as uncached."""
-    messages = body.get("messages")
+    """Prompt bytes / 4 (a prompt of token ids: their number); every token counts as
+    uncached."""
+    messages, prompt = body.get("messages"), body.get("prompt")
     if isinstance(messages, list):
         size = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
+    elif isinstance(prompt, list):
+        return len(prompt)
     else:
-        size = len(str(body.get("prompt", "")))
+        size = len(str(prompt or ""))
     return size // BYTES_PER_TOKEN
 
 
@@ -80,7 +83,7 @@ class Decider:
         if not prefills or request.path not in GENERATION_PATHS:
             return Decision(None, "no_prefill")
         body = _json_object(request.body)
-        if body is None or body.get("n", 1) != 1 or isinstance(body.get("prompt"), list):
+        if body is None or body.get("n", 1) != 1 or _is_batch(body.get("prompt")):
             return Decision(None, "shape")  # one prompt, one choice: one handle
         decodes = self.pipeline.candidates(route)
         if self.estimate(body, decodes) < self.config.min_uncached_tokens:
@@ -91,6 +94,11 @@ class Decider:
         if chosen.request_load >= self.config.max_prefill_queue:
             return Decision(None, "backlog")  # waiting there would cost more than prefilling
         return Decision(chosen, "remote")
+
+
+def _is_batch(prompt: object) -> bool:
+    """Several prompts (strings or token lists), not one prompt of token ids."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:

@@ -49,6 +49,8 @@ def test_long_prompts_go_to_a_prefill_instance_short_ones_stay() -> None:
     assert d.decide(request(chat("x" * 196))).reason == "short"
     completion = {"model": "m", "prompt": LONG}
     assert d.decide(request(completion, "/v1/completions")).reason == "remote"
+    token_ids = {"model": "m", "prompt": list(range(60))}  # one prompt of 60 token ids
+    assert d.decide(request(token_ids, "/v1/completions")).reason == "remote"
 
 
 def test_what_cannot_be_handed_over_stays_local() -> None:
@@ -79,6 +81,7 @@ def test_the_estimate_counts_prompt_bytes() -> None:
     assert prompt_bytes_estimate(chat("abcd" * 10), []) == 10
     assert prompt_bytes_estimate({"prompt": "abcd" * 3}, []) == 3
     assert prompt_bytes_estimate({"messages": "odd"}, []) == 0
+    assert prompt_bytes_estimate({"prompt": [5, 6, 7]}, []) == 3
 
 
 def test_the_step_is_last_before_the_proxy_and_only_when_on() -> None:
