@@ -106,10 +106,11 @@ def _add_pd_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd", choices=PD_MODES, default="auto",
                    help="prefill/decode disaggregation: auto (whenever prefill instances are "
                         "registered) or off")
-    p.add_argument("--pd-min-uncached-tokens", type=non_negative_int, default=96,
+    p.add_argument("--pd-min-uncached-tokens", type=non_negative_int,
+                   default=DisaggConfig().min_uncached_tokens,
                    help="prefill remotely only prompts with at least this many uncached tokens "
                         "(estimated as bytes / 4); the default is fitted from the smollm2-cpu "
-                        "profile (see docs/benchmarks.md)")
+                        "profile and the measured hand-off overhead (docs/benchmarks.md)")
     p.add_argument("--pd-max-prefill-queue", type=positive_int, default=2,
                    help="prefill locally when the least loaded prefill instance has this many "
                         "requests queued or running")

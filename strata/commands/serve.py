@@ -109,7 +109,7 @@ def _add_pd_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-lease-s", type=positive_float, default=10.0,
                    help="prefill/decode hand-off: how long this instance holds a prompt's blocks "
                         "for a decode instance that has not acknowledged them")
-    p.add_argument("--sim-kv-bandwidth-gbps", type=positive_float, default=1.0,
+    p.add_argument("--sim-kv-bandwidth-gbps", type=positive_float, default=0.5,
                    help="with --simulate: the modeled KV transfer rate of a hand-off (GB/s; "
                         "the default is the measured loopback pull rate)")
     p.add_argument("--fault-config", default=None, metavar="FILE",

@@ -140,7 +140,7 @@ class DisaggConfig:
     else D prefills locally."""
 
     mode: str = "off"
-    min_uncached_tokens: int = 96
+    min_uncached_tokens: int = 368  # sim.transfer.fit_min_uncached_tokens: smollm2-cpu, 15 ms
     max_prefill_queue: int = 2
     prefill_timeout_s: float = 60.0
 

@@ -21,7 +21,7 @@ from strata.sim.profile import LatencyProfile
 
 MAGIC = b"SIMKV"
 _BODY = struct.Struct("<5sQ")
-DEFAULT_BANDWIDTH_GBPS = 1.0  # the measured loopback pull rate, see docs/benchmarks.md
+DEFAULT_BANDWIDTH_GBPS = 0.5  # the measured loopback pull rate, see docs/benchmarks.md
 
 
 def stand_in(num_bytes: int) -> bytes:
@@ -43,27 +43,26 @@ def transfer_s(num_bytes: int, bandwidth_gbps: float) -> float:
 
 
 def fit_min_uncached_tokens(profile: LatencyProfile, *, handoff_overhead_ms: float,
-                            bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS,
-                            decode_batch: int = 8, ttft_slack: float = 0.10,
-                            block_size: int = 16) -> int:
+                            stall_steps: float = 4.0, decode_batch: int = 8,
+                            ttft_slack: float = 0.10, block_size: int = 16) -> int:
     """The smallest uncached prompt worth a remote prefill, rounded up to whole blocks: both
 
-    - its prefill would at least double one decode step of a `decode_batch` batch on the decode
-      instance (below that, prefilling there barely disturbs the streams it decodes), and
-    - the hand-off (the extra hop, `handoff_overhead_ms`, plus the transfer) adds at most
-      `ttft_slack` to its time to first token.
+    - prefilled on the decode instance, it would hold a `decode_batch` batch for at least
+      `stall_steps` decode steps (shorter prompts barely disturb the streams decoding there),
+    - the hand-off's fixed cost (`handoff_overhead_ms`: the extra hops, measured by
+      bench/pd_transfer.py) is at most `ttft_slack` of its prefill time.
+
+    The per-token pull is left out: where it exceeds `ttft_slack` of the per-token prefill (it
+    does on CPU loopback), no length meets the slack and a remote prefill always costs some TTFT;
+    docs/benchmarks.md says how much.
     """
-    step_ms = profile.step_ms(0, decode_batch)
     per_token_ms = profile.prefill_ms_per_token
     if per_token_ms <= 0:
         return 0
-    interference = step_ms / per_token_ms
-    transfer_ms = profile.kv_bytes_per_token / (bandwidth_gbps * 1e6)
-    # slack * (base + p * L) >= overhead + transfer * L
-    gain = ttft_slack * per_token_ms - transfer_ms
-    overhead = handoff_overhead_ms - ttft_slack * profile.prefill_ms_base
-    ttft = math.inf if gain <= 0 else max(0.0, overhead / gain)
-    return int(math.ceil(max(interference, ttft) / block_size) * block_size)
+    stall_ms = stall_steps * profile.step_ms(0, decode_batch)
+    ttft_ms = handoff_overhead_ms / ttft_slack
+    tokens = (max(stall_ms, ttft_ms) - profile.prefill_ms_base) / per_token_ms
+    return int(math.ceil(max(tokens, 1.0) / block_size) * block_size)
 
 
 __all__ = ["DEFAULT_BANDWIDTH_GBPS", "MAGIC", "fit_min_uncached_tokens", "modeled_bytes",
