@@ -148,11 +148,11 @@ class PDRouter:
 
     async def _prefill(self, view: InstanceView, request: ProxyRequest) -> str | None:
         """P's handle with P's URL, or None when P failed (counted toward its ejection)."""
-        route = dataclasses.replace(request.route, role="prefill")
-        policy = self.pipeline.policy
+        # The policy's hooks are left to the decode pick: a round robin that counted both
+        # picks of each request would send every request to the same decode instance.
+        route = request.route
         view.num_in_flight += 1
         view.num_in_flight_tokens += route.num_tokens
-        policy.on_request_routed(route, view)
         try:
             handle = await asyncio.wait_for(self._ask(view, request),
                                             self.config.prefill_timeout_s)
@@ -163,7 +163,6 @@ class PDRouter:
         finally:
             view.num_in_flight -= 1
             view.num_in_flight_tokens -= route.num_tokens
-        policy.on_request_finished(route, view, is_success=handle is not None)
         self.metrics.prefills.labels("ok" if handle is not None else "failed").inc()
         return handle
 

@@ -147,3 +147,4 @@ def test_up_splits_a_prefill_decode_cluster_by_instance_index(tmp_path: Any) -> 
     for bad in (["--prefill", "1"], ["--prefill", "1", "--decode", "1", "--replicas", "2"]):
         with pytest.raises(ConfigError, match="--prefill N and --decode M"):
             up._config(parser.parse_args(["up", "--simulate", "smollm2-cpu", *bad]), env)
+

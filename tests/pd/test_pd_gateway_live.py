@@ -44,6 +44,11 @@ def post(gateway: ServedApp, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(f"{gateway.url}{CHAT}", json=body, timeout=60)
 
 
+def gateway_names(gateway: ServedApp) -> set[str]:
+    instances = httpx.get(f"{gateway.url}/admin/instances").json()["instances"]
+    return {i["instance_id"] for i in instances}
+
+
 def gateway_metric(gateway: ServedApp, name: str, labels: str) -> float:
     prefix = f"strata:{name}{{{labels}}} "
     for line in httpx.get(f"{gateway.url}/metrics").text.splitlines():
@@ -65,14 +70,20 @@ def test_a_disaggregated_answer_is_the_mixed_answer(fleet: dict[str, Instance],
                                                     gateway: ServedApp,
                                                     sampling: dict[str, Any]) -> None:
     remote_before = gateway_metric(gateway, "gateway_pd_prefills_total", 'outcome="ok"')
+    served_by = set()
+    base = 10_000 * len(gateway_names(gateway)) + 100 * len(sampling)  # prompts never seen
     for n in range(3):  # 2 + 2: each prefill and decode instance takes a turn
-        body = body_of(LONG, n=1000 + 10 * n + len(sampling) + len(gateway.url), **sampling)
+        body = body_of(LONG, n=base + n, **sampling)
         answer = post(gateway, body)
         assert answer.status_code == 200, answer.text
         assert comparable(answer.json()) == comparable(mixed(fleet["m"], body).json())
-        stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        stream_body = {**body_of(LONG, n=base + 50 + n, **sampling),
+                       "stream": True, "stream_options": {"include_usage": True}}  # cold too
         expected = [comparable(e) for e in stream_mixed(fleet["m"], stream_body)]
-        assert [comparable(e) for e in events(post(gateway, stream_body))] == expected
+        streamed = post(gateway, stream_body)
+        assert [comparable(e) for e in events(streamed)] == expected
+        served_by |= {answer.headers["x-strata-instance"], streamed.headers["x-strata-instance"]}
+    assert len(served_by) == (2 if "p2" in gateway_names(gateway) else 1)  # every decode one
     assert gateway_metric(gateway, "gateway_pd_prefills_total",
                           'outcome="ok"') == remote_before + 6
     assert wait_until(lambda: all(fleet[p].num_held_blocks == 0 for p in ("p1", "p2")))

@@ -4,6 +4,7 @@ token for token, with the same usage, cached_tokens and logprobs, streamed or no
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -42,8 +43,11 @@ def trio(tiny_model: LoadedModel) -> Iterator[dict[str, Instance]]:
 
 
 def body_of(content: str, n: int = 0, **sampling: Any) -> dict[str, Any]:
-    """A fresh prompt each time (`n` varies it) so no instance has it cached."""
-    return {"model": "tiny-llama", "messages": [{"role": "user", "content": f"{n} {content}"}],
+    """A fresh prompt for each `n`, from its first block on, so no instance has any of it
+    cached (cached_tokens and the KV of a prefix hit depend on what an instance saw before)."""
+    unique = hashlib.blake2b(str(n).encode(), digest_size=8).hexdigest()
+    return {"model": "tiny-llama",
+            "messages": [{"role": "user", "content": f"{unique} {content}"}],
             "max_tokens": 10, "ignore_eos": True, "logprobs": True, "top_logprobs": 2,
             **sampling}
 
