@@ -14,9 +14,7 @@ peer's blocks are back in the free pool within that grace (after `expire` sees t
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -24,8 +22,6 @@ from dataclasses import dataclass
 
 from strata.engine.outputs import HeldBlocks
 from strata.types import RequestId
-
-log = logging.getLogger("strata.server.pd")
 
 
 @dataclass(slots=True)
@@ -104,15 +100,6 @@ class LeaseTable:
         for lease in list(self._leases.values()):
             lease.is_ended, lease.num_pulls, lease.why = True, 0, "shutdown"
             self._release_if_idle(lease)
-
-    async def run_expiry(self, interval_s: float = 0.1) -> None:
-        """Expire leases every `interval_s` until cancelled."""
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                self.expire()
-            except Exception:  # one bad lease never stops the others from expiring
-                log.exception("lease expiry failed")
 
     def _release_if_idle(self, lease: Lease) -> int:
         if lease.num_pulls > 0 or lease.is_released or not lease.is_ended:

@@ -8,8 +8,10 @@
     pd_blocks_held                       blocks held under leases now (gauge)
     pd_lease_releases_total{reason}      acked, expired, broken (D died mid-pull), shutdown
     pd_blocks_recomputed_total{reason}   blocks D recomputed instead of importing: hash,
-                                         checksum, truncated (stream cut), refused (by the
-                                         executor), unavailable (handshake or pull failed)
+                                         checksum, truncated (stream cut), unavailable (P
+                                         answered no stream: acknowledged, expired, restarted);
+                                         a payload the executor refuses counts in
+                                         kv_decode_failures_total
     pd_handshake_refusals_total{field}   peers refused: the first field that differs
 """
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 from collections.abc import Coroutine
 from typing import Any
@@ -30,6 +31,8 @@ from strata.server.pd_faults import Faults
 from strata.server.pd_layout import PeerLayouts, local_layout
 from strata.server.pd_leases import Lease, LeaseTable
 from strata.server.pd_metrics import PDMetrics
+
+log = logging.getLogger("strata.server.pd")
 
 
 class PD:
@@ -64,8 +67,11 @@ class PD:
     async def _expire_forever(self, interval_s: float = 0.1) -> None:
         while True:
             await asyncio.sleep(interval_s)
-            self.leases.expire()
-            self.peers.prune()
+            try:
+                self.leases.expire()
+                self.peers.prune()
+            except Exception:  # one bad round never stops leases from ending
+                log.exception("lease expiry failed")
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
         """Run `work` in the background (acknowledgements, the expiry loop); kept referenced
