@@ -70,8 +70,9 @@ async def drive(url: str, args: argparse.Namespace, seed: int) -> dict[str, Any]
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         pool = await token_pool(client, model, seed)
-        kinds = ["long" if rng.random() < args.long_frac else "short"
-                 for _ in range(args.num_requests)]
+        num_long = round(args.long_frac * args.num_requests)  # exactly the mix asked for
+        kinds = ["long"] * num_long + ["short"] * (args.num_requests - num_long)
+        rng.shuffle(kinds)
         arrivals = poisson_arrivals(args.num_requests, args.rate, seed)
         results: list[tuple[str, RequestResult]] = []
 
@@ -105,7 +106,9 @@ def summarize(results: list[tuple[str, RequestResult]], wall_s: float,
     return {
         "requests": len(results), "failed": len(results) - len(ok), "wall_s": round(wall_s, 1),
         "output_tok_s": round(sum(r.output_tokens for _, r in ok) / wall_s, 1),
-        "itl_p50_ms": ms(itl, 50), "itl_p99_ms": ms(itl, 99),
+        "itl_p50_ms": ms(itl, 50), "itl_p99_ms": ms(itl, 99), "itl_p999_ms": ms(itl, 99.9),
+        "itl_max_ms": round(max(itl) * 1000, 1) if itl else float("nan"),
+        "itl_over_100ms_pct": round(100 * sum(g > 0.1 for g in itl) / max(len(itl), 1), 2),
         "short_itl_p50_ms": ms(short_itl, 50), "short_itl_p99_ms": ms(short_itl, 99),
         **{f"ttft_{kind}_p50_ms": ms(v, 50) for kind, v in ttft.items()},
         **{f"ttft_{kind}_p99_ms": ms(v, 99) for kind, v in ttft.items()},
