@@ -18,10 +18,8 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
 import statistics
-import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -31,7 +29,7 @@ from typing import Any
 import httpx
 from gateway_overhead import BENCH, PY, RESULTS, ROOT, load_average
 
-from strata.cluster.local import free_port
+from strata.bench.procs import Proc, start_up
 from strata.sim.profile import LatencyProfile
 
 MODEL = "sim-failover"
@@ -60,43 +58,22 @@ class Stream:
 
 
 def start_cluster(root: Path, args: list[str] | None = None, replicas: int = 3,
-                  env_extra: dict[str, str] | None = None
-                  ) -> tuple[subprocess.Popen[str], str, Path]:
+                  env_extra: dict[str, str] | None = None) -> tuple[Proc, str, Path]:
     """`strata up` in its own process group; (process, gateway URL, run dir). Without `args`,
     the synthetic failover profile."""
-    port, run_dir = free_port(), root / "run"
+    run_dir = root / "run"
     if args is None:
         PROFILE.save(root / "profile.json")
         args = ["--simulate", str(root / "profile.json"), "--served-model-name", MODEL]
     env = {**os.environ, "STRATA_RUN_DIR": str(run_dir), **(env_extra or {})}
-    cmd = [PY, "-m", "strata.cli", "up", "--replicas", str(replicas), "--port", str(port),
-           "--log-level", "warning", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=ROOT, start_new_session=True)
-    assert proc.stdout is not None
-    deadline, lines = time.monotonic() + 300, []
-    while time.monotonic() < deadline and (line := proc.stdout.readline()):
-        lines.append(line)
-        if m := re.search(r"instances? .*behind (http://127\.0\.0\.1:\d+)", line):
-            return proc, m.group(1), run_dir
-    stop_cluster(proc)
-    raise RuntimeError("strata up did not start:\n" + "".join(lines[-30:]))
+    up = start_up(["--replicas", str(replicas), "--log-level", "warning", *args], run_dir,
+                  env=env, python=PY, cwd=ROOT)
+    return up, up.url, run_dir
 
 
-def stop_cluster(proc: subprocess.Popen[str]) -> None:
-    """SIGINT `strata up` (it stops its children), then SIGKILL its whole group if needed."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # leftovers in its group (pgid == its pid)
-    except ProcessLookupError:
-        pass
-    if proc.poll() is None:
-        proc.wait(timeout=10)
+def stop_cluster(up: Proc) -> None:
+    """SIGINT `strata up` (it stops its children), then SIGKILL whatever is left in its group."""
+    up.stop(timeout_s=60, sig=signal.SIGINT)
 
 
 def pid_of(run_dir: Path, name: str) -> int:

@@ -35,7 +35,7 @@ from procs import Proc, spawn, stop_all, wait_http
 
 from strata.bench.loadgen import Job, run_closed_loop, stream_request
 from strata.bench.report import RequestResult, json_safe, summarize
-from strata.cluster.local import free_port
+from strata.cluster.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = str(ROOT / ".venv" / "bin" / "python")

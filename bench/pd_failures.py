@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from procs import Proc, spawn, stop_all, wait_http, wait_until
+from procs import Proc, spawn, stop_all, wait_http
 
-from strata.cluster.local import free_port
+from strata.cluster.ports import free_port
 from strata.server.pd_faults import KILL_POINTS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +69,7 @@ class Fleet:
                 str(self.ports["gateway"]), "--registry", self.registry, "--policy",
                 "round_robin", "--pd-min-uncached-tokens", "0", "--log-level", "warning"]
         self.procs["gateway"] = gateway = spawn("gateway", argv, self.work, self.url("gateway"))
-        wait_until(gateway, lambda: self.routable() >= {"p", "d0", "d1"}, 120)
+        gateway.wait_until(lambda: self.routable() >= {"p", "d0", "d1"}, 120, "all routable")
 
     def routable(self) -> set[str]:
         try:
@@ -90,7 +90,7 @@ class Fleet:
 def trial(fleet: Fleet, client: httpx.Client, n: int) -> dict[str, Any]:
     doomed = fleet.procs[fleet.doomed]
     failed, sent = 0, 0
-    while doomed.popen.poll() is None and sent < 6:
+    while doomed.is_running and sent < 6:
         body = {"model": "SmolLM2-135M-Instruct", "prompt": f"trial {n} request {sent} " * 40,
                 "max_tokens": 8, "temperature": 0}
         answer = client.post(f"{fleet.url('gateway')}/v1/completions", json=body)
@@ -100,7 +100,7 @@ def trial(fleet: Fleet, client: httpx.Client, n: int) -> dict[str, Any]:
                 answer.json()["choices"] != expected.json()["choices"]:
             failed += 1
     died_at = time.monotonic()
-    if doomed.popen.poll() is None:
+    if doomed.is_running:
         return {"sent": sent, "failed": failed, "killed": False, "free_s": None}
     free_s = None
     if fleet.doomed_role == "decode":

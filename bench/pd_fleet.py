@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from procs import Proc, spawn, wait_until
+from procs import Proc, spawn
 
 from strata.bench.loadgen import poisson_arrivals, stream_request, token_pool
 from strata.bench.report import RequestResult, percentile
-from strata.cluster.local import free_port
+from strata.cluster.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / ".bench" / "results"
@@ -53,7 +53,7 @@ def start_fleet(name: str, args: argparse.Namespace, layout: list[str]) -> Proc:
     proc = spawn(name, argv, run_dir, f"http://127.0.0.1:{port}",
                  env={**os.environ, "STRATA_RUN_DIR": str(run_dir)})
     expected = sum(int(v) for v in layout[1::2])
-    wait_until(proc, lambda: _num_routable(proc.url) >= expected, 600)
+    proc.wait_until(lambda: _num_routable(proc.url) >= expected, 600, "every instance routable")
     return proc
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 from procs import Proc, spawn, stop_all, wait_http
 
-from strata.cluster.local import free_port
+from strata.cluster.ports import free_port
 from strata.protocol.pd import DECODE_PREFIX, HANDOFF_HEADER, KV_PATH, PREFILL_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,5 @@
-"""Start `strata serve` and vLLM's OpenAI server, wait until ready, load them, stop them by PID.
+"""Start `strata serve` and vLLM's OpenAI server, wait until ready, load them, stop them by PID
+(the process helper is strata/bench/procs.py, shared with the tests).
 
 `fixed_load` drives a server with `strata bench` (the project's load generator): 32 streamed
 completions x 128 prompt tokens x 64 output tokens, ignore_eos, all at once.
@@ -8,15 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 from workload import INPUT_LEN, NUM_PROMPTS, OUTPUT_LEN
+
+from strata.bench.procs import Proc, http_ok, spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 STRATA = ROOT / ".venv" / "bin" / "strata"
@@ -26,7 +27,7 @@ LOGS = ROOT / ".bench" / "logs"
 @dataclass
 class Server:
     name: str
-    proc: subprocess.Popen
+    proc: Proc
     url: str
     ready_s: float  # from the spawn to the first 200 of /v1/models
 
@@ -35,45 +36,22 @@ class Server:
         return self.proc.pid
 
     def stop(self) -> None:
-        """SIGTERM the server's process group (it was started in its own), then SIGKILL."""
-        if self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        """SIGTERM, then SIGKILL to its process group (it was started in its own)."""
+        self.proc.stop(timeout_s=30)
 
 
 def _spawn(name: str, cmd: list[str], port: int, env: dict[str, str] | None,
            timeout_s: float) -> Server:
-    LOGS.mkdir(parents=True, exist_ok=True)
-    log = (LOGS / f"{name}-{port}.log").open("w")
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
-    server = Server(name, proc, url, 0.0)
+    t0 = time.perf_counter()
+    proc = spawn(f"{name}-{port}", cmd, LOGS, url=url, env=env, cwd=ROOT)
     try:
-        server.ready_s = _wait_ready(proc, url, t0, timeout_s)
+        proc.wait_until(lambda: http_ok(f"{url}/v1/models", timeout_s=1.0), timeout_s,
+                        f"{url}/v1/models to answer")
     except BaseException:
-        server.stop()
+        proc.stop()
         raise
-    return server
-
-
-def _wait_ready(proc: subprocess.Popen, url: str, t0: float, timeout_s: float) -> float:
-    while time.perf_counter() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server {url} exited with {proc.returncode}; see .bench/logs")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=1.0).status_code == 200:
-                return time.perf_counter() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"server {url} not ready after {timeout_s} s")
+    return Server(name, proc, url, time.perf_counter() - t0)
 
 
 def start_strata(model: Path | None, port: int, extra: tuple[str, ...] = (),

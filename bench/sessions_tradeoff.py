@@ -53,7 +53,8 @@ from typing import Any
 import httpx
 from procs import Proc, spawn, start_redis, stop_all, wait_http
 
-from strata.cluster.local import free_port
+from strata.bench.report import percentile
+from strata.cluster.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / ".bench" / "peers"
@@ -194,11 +195,9 @@ async def run_workload(url: str, mode: str, args: argparse.Namespace) -> tuple[l
         return [t for turns in done for t in turns], time.perf_counter() - started
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+def pct(values: list[float], q: float) -> float | None:
+    """The q-th percentile (strata.bench.report's), None for no values (null in the JSON)."""
+    return percentile(values, q) if values else None
 
 
 def summarize(turns: list[Turn], wall_s: float, num_turns: int) -> dict[str, Any]:
@@ -209,7 +208,7 @@ def summarize(turns: list[Turn], wall_s: float, num_turns: int) -> dict[str, Any
                for n in range(num_turns)]
     return {"num_ok": len(ok), "num_failed": len(turns) - len(ok),
             "errors": sorted({t.error for t in turns if t.error})[:5],
-            "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+            "ttft_p50_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99),
             "turns_per_s": len(ok) / wall_s, "output_tokens_per_s":
                 sum(t.output_tokens for t in ok) / wall_s,
             "prefix_hit_rate": sum(t.cached_tokens for t in ok) / prompt if prompt else None,

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from workload import add_workload_args, random_prompts  # noqa: E402
 
+from strata.bench.report import percentile  # noqa: E402
 from strata.engine.config import CacheConfig, SchedulerConfig  # noqa: E402
 from strata.engine.engine import Engine  # noqa: E402
 from strata.engine.request import Request, SamplingParams  # noqa: E402
@@ -177,7 +178,7 @@ def interference(engine: Engine, streams: int, long_len: int, vocab: int) -> dic
 
 
 def _pct(xs: list[float], p: float) -> float:
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+    return percentile(xs, p)
 
 
 def main() -> None:

@@ -1,65 +1,54 @@
-"""`strata serve` as a real subprocess on a free loopback port, for end-to-end tests."""
+"""`strata serve` as a real subprocess on a port it binds itself (`--port 0`), for end-to-end
+tests: the process helper is strata/bench/procs.py."""
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-_READY = re.compile(r"Strata serving (\S+) on (http://127\.0\.0\.1:\d+) \(ready in")
+from strata.bench.procs import Proc, spawn
+
+_READY = r"Strata serving (\S+) on (http://127\.0\.0\.1:\d+) \(ready in"
 
 
 @dataclass
 class ServeProcess:
-    proc: subprocess.Popen[str]
+    process: Proc
     url: str
     served_name: str
 
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        """The running process (to signal it and wait for its exit code)."""
+        assert self.process.popen is not None
+        return self.process.popen
+
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        """SIGKILL by PID (what a test needs from a server it is done with) and reap it."""
+        self.process.kill()
 
 
-def start_serve(args: list[str], *, cache_dir: Path, timeout_s: float = 600) -> ServeProcess:
+def start_serve(args: list[str], *, cache_dir: Path, timeout_s: float = 600,
+                env_extra: dict[str, str] | None = None, log_dir: Path | None = None,
+                name: str = "serve") -> ServeProcess:
     """Start `strata serve ARGS --port 0`; returns once it printed its ready line.
 
     `timeout_s` bounds the wait (the first start may download the default model)."""
-    cmd = [sys.executable, "-m", "strata.cli", "serve", *args, "--port", "0"]
-    env = {**os.environ, "STRATA_CACHE_DIR": str(cache_dir)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
-    assert proc.stdout is not None
-    lines: list[str] = []
-    timer = _Watchdog(proc, timeout_s)
+    argv = [sys.executable, "-m", "strata.cli", "serve", *args, "--port", "0"]
+    env = {**os.environ, "STRATA_CACHE_DIR": str(cache_dir), **(env_extra or {})}
+    logs = log_dir or Path(tempfile.mkdtemp(prefix="strata-serve-"))
+    process = spawn(name, argv, logs, env=env)
     try:
-        while line := proc.stdout.readline():
-            lines.append(line)
-            if m := _READY.search(line):
-                return ServeProcess(proc, m.group(2), m.group(1))
-    finally:
-        timer.cancel()
-    proc.wait()
-    raise AssertionError("strata serve did not start:\n" + "".join(lines[-40:]))
-
-
-class _Watchdog:
-    """Kills the process if it is not ready in time, so a stuck start never hangs the suite."""
-
-    def __init__(self, proc: subprocess.Popen[str], timeout_s: float) -> None:
-        import threading
-
-        self._timer = threading.Timer(timeout_s, proc.kill)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def cancel(self) -> None:
-        self._timer.cancel()
+        ready = process.wait_for_output(_READY, timeout_s)
+    except BaseException:
+        process.kill()
+        raise
+    process.url = ready.group(2)
+    return ServeProcess(process, ready.group(2), ready.group(1))
 
 
 def shared_model_cache() -> Path:

@@ -12,6 +12,11 @@ so it rejoins where it was) after an exponential backoff, never restarts one it 
 stop sends SIGTERM to all of them, waits for their graceful shutdown and only then SIGKILLs what
 is left.
 
+Ports are found free, then bound by the child a moment later: another process may take one in
+between, or while a crashed child is down. Before a restart the supervisor checks: an instance
+whose port was taken moves to a fresh one (and registers its new URL); the gateway's port is
+the user's, so losing it stops `strata up` with an error that says so.
+
 The registry across restarts of `strata up`: the model catalogue (versions) is kept; instance
 records, deployments and routing are re-seeded from the flags by `strata up`
 (strata/cluster/seed.py), and releases left unfinished are marked failed.
@@ -22,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import IO
 
 from strata.cluster.deployments import Slot, instance_id_of, serve_model_args
+from strata.cluster.ports import free_port, port_is_free
 from strata.cluster.registry_link import Reconciler, RegistryLink
 from strata.errors import ConfigError
 from strata.registry.models import ModelVersion
@@ -58,9 +63,7 @@ class LocalClusterConfig:
     threads_per_instance: int | None = None
     registry: str | None = None  # default: SQLite in run_dir (one machine)
     reconcile_interval_s: float = 0.5
-    # a prefill/decode cluster (`strata up --prefill N --decode M`): instances 0 .. N-1 of a
-    # deployment prefill, the others decode; 0: every instance is mixed
-    num_prefill: int = 0
+    num_prefill: int = 0  # `--prefill N`: instances 0..N-1 of a deployment prefill, others decode
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -104,6 +107,8 @@ class Child:
     deployment: str = ""  # name@version of an instance; "" for the gateway
     index: int = 0
     is_draining: bool = False  # sent SIGTERM by a reconcile: never restarted
+    port: int = 0  # where it listens (0: not known)
+    version: ModelVersion | None = None  # an instance's; None for the gateway
 
     @property
     def is_running(self) -> bool:
@@ -115,12 +120,6 @@ def local_registry_url(run_dir: Path) -> str:
     return f"sqlite:///{run_dir.resolve() / 'registry.db'}"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def instance_argv(config: LocalClusterConfig, version: ModelVersion, instance_id: str,
                   port: int, python: str, index: int = 0) -> list[str]:
     """The `strata serve` command line of instance `index` of `version` in the cluster."""
@@ -128,8 +127,7 @@ def instance_argv(config: LocalClusterConfig, version: ModelVersion, instance_id
     argv = [python, "-m", "strata.cli", "serve", *serve_model_args(version, c.serve_args),
             "--host", c.host, "--port", str(port), "--registry", c.registry_url,
             "--instance-id", instance_id, "--advertise-url", f"http://{c.host}:{port}"]
-    if c.num_prefill:
-        argv += ["--role", c.role_of(index)]
+    argv += ["--role", c.role_of(index)] if c.num_prefill else []
     if c.threads_per_instance and not version.is_simulated:
         argv += ["--threads", str(c.threads_per_instance)]
     return argv
@@ -149,7 +147,8 @@ class Supervisor:
         self.clock = clock
         self.supervise_instances = supervise_instances
         self.instances: dict[str, Child] = {}  # instance id -> child
-        self.gateway = Child("gateway", self._gateway_argv(), config.log_dir / "gateway.log")
+        self.gateway = Child("gateway", self._gateway_argv(), config.log_dir / "gateway.log",
+                             port=config.port)
         self._reconciler: Reconciler | None = None
         self._next_round_at = 0.0
 
@@ -203,6 +202,7 @@ class Supervisor:
                 self._schedule_restart(child, now)
             elif now >= child.restart_at:
                 child.num_restarts += 1
+                self._move_if_port_taken(child)
                 self._spawn(child)
                 self._write_pids()
 
@@ -217,12 +217,26 @@ class Supervisor:
 
     def _start_instance(self, version: ModelVersion, index: int) -> None:
         instance_id = instance_id_of(version.name, version.version, index)
-        argv = instance_argv(self.config, version, instance_id, free_port(self.config.host),
-                             self.python, index)
+        port = free_port(self.config.host)
+        argv = instance_argv(self.config, version, instance_id, port, self.python, index)
         child = Child(instance_id, argv, self.config.log_dir / f"{instance_id}.log",
-                      deployment=version.key, index=index)
+                      deployment=version.key, index=index, port=port, version=version)
         self.instances[instance_id] = child
         self._spawn(child)
+
+    def _move_if_port_taken(self, child: Child) -> None:
+        """Before a restart: an instance whose port was taken moves; the gateway cannot."""
+        host = self.config.host
+        if child.port == 0 or port_is_free(child.port, host):
+            return
+        if child.version is None:
+            raise ConfigError(f"port {child.port} on {host} is in use: the gateway cannot "
+                              f"listen there; stop what holds it or pick another --port")
+        port = free_port(host)
+        log.warning("%s: port %d is taken by another process; restarting on %d", child.name,
+                    child.port, port)
+        child.port = port
+        child.argv = instance_argv(self.config, child.version, child.name, port, self.python)
 
     def _drain(self, instance_id: str) -> None:
         child = self.instances[instance_id]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -24,8 +25,11 @@ from strata.cluster.deployments import VERSION_FLAGS
 from strata.cluster.local import LocalClusterConfig, Supervisor
 from strata.cluster.seed import ClusterSeed, seed_registry
 from strata.commands.argtypes import port_number, positive_float, positive_int
-from strata.commands.env import CliEnv
+from strata.commands.env import CliEnv, read_admin_keys, read_api_keys
+from strata.commands.up_roles import PD_SERVE_FLAGS, add_role_flags, describe_roles, role_split
 from strata.errors import ConfigError, StrataError
+from strata.logs import announce
+from strata.protocol.auth import check_exposure
 from strata.registry.models import ModelVersion
 from strata.store.manifest import local_manifest_sha256
 
@@ -49,20 +53,14 @@ _SERVE_FLAGS: tuple[tuple[str, Any], ...] = (
     ("--served-model-name", str), ("--model-version", str), ("--dtype", str),
     ("--max-model-len", positive_int), ("--kv-cache-gb", positive_float),
     ("--block-size", positive_int), ("--max-num-seqs", positive_int), ("--simulate", str),
-    ("--session-store", str), ("--pd-lease-s", positive_float), ("--fault-config", str),
-    ("--sim-kv-bandwidth-gbps", positive_float),
+    ("--session-store", str), *PD_SERVE_FLAGS,
 )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start N instances behind the gateway on one machine")
     p.add_argument("model", nargs="?", default=None, help="as for `strata serve`")
-    p.add_argument("--replicas", type=positive_int, default=None,
-                   help="mixed instances (default 2)")
-    p.add_argument("--prefill", type=positive_int, default=None, metavar="N",
-                   help="a prefill/decode cluster: N prefill instances (with --decode M)")
-    p.add_argument("--decode", type=positive_int, default=None, metavar="M",
-                   help="... and M decode instances, instead of --replicas")
+    add_role_flags(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000, help="the gateway's port")
     p.add_argument("--policy", default=None, help="gateway routing policy")
@@ -82,10 +80,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="Ray CPUs reserved per instance actor (fractions allowed)")
     for flag, kind in _SERVE_FLAGS:
         p.add_argument(flag, type=kind, default=None, help="passed to every instance")
+    p.add_argument("--api-key-file", type=Path, default=None,
+                   help="client API keys, one per line: passed to the gateway and every instance "
+                        "(STRATA_API_KEYS, inherited, adds more)")
+    p.add_argument("--admin-key-file", type=Path, default=None,
+                   help="admin key(s) for /admin/*: passed to the gateway and every instance "
+                        "(STRATA_ADMIN_KEYS, inherited, adds more)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow --host beyond the loopback without keys (passed through)")
 
 
 def run(args: argparse.Namespace, env: CliEnv) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    check_exposure("strata up", args.host, read_api_keys(args.api_key_file, env.api_keys),
+                   read_admin_keys(args.admin_key_file, env.admin_keys), insecure=args.insecure)
     config = _config(args, env)
     _check_not_running(config.run_dir)
     config.run_dir.mkdir(parents=True, exist_ok=True)
@@ -105,14 +112,14 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
         _wait_ready(supervisor, config, args.ready_timeout_s, lambda: stop["now"])
         if not stop["now"]:
             _write_cluster_file(config)
-            roles = f" ({config.num_prefill} prefill, {config.replicas - config.num_prefill} " \
-                    "decode)" if config.num_prefill else ""
-            print(f"Strata cluster: {config.replicas} instances{roles} behind "
-                  f"http://{config.host}:{config.port} serving {seed.version.key} "
-                  f"(logs in {config.log_dir})", flush=True)
+            roles = describe_roles(config.replicas, config.num_prefill)
+            announce(f"Strata cluster: {config.replicas} instances{roles} behind "
+                     f"http://{config.host}:{config.port} serving {seed.version.key} "
+                     f"(logs in {config.log_dir})")
+            announce(f"Dashboard: http://{config.host}:{config.port}/dashboard")
         supervisor.run_forever(lambda: stop["now"])
     finally:
-        print("stopping the cluster...", flush=True)
+        announce("stopping the cluster...")
         _cluster_file(config.run_dir).unlink(missing_ok=True)
         supervisor.stop()
     return 0
@@ -199,6 +206,9 @@ def _write_cluster_file(config: LocalClusterConfig) -> None:
 def _launcher(args: argparse.Namespace, config: LocalClusterConfig) -> Launcher:
     if not args.ray:
         return Supervisor(config)
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("--ray needs Ray, which is not installed: pip install 'strata[ray]' "
+                          "(`strata doctor` says which optional parts are usable)")
     from strata.cluster.ray_launcher import RayClusterConfig, RayLauncher
 
     return RayLauncher(RayClusterConfig(config, address=args.address,
@@ -206,16 +216,19 @@ def _launcher(args: argparse.Namespace, config: LocalClusterConfig) -> Launcher:
 
 
 def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
-    serve_args: list[str] = ["--log-level", "warning"]
+    log_flags = _log_flags(args, env)
+    serve_args: list[str] = ["--log-level", "warning", *log_flags]
     for flag, _ in _SERVE_FLAGS:
         if flag in VERSION_FLAGS:
             continue  # each instance gets these from its model version
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             serve_args += [flag, str(value)]
-    replicas, num_prefill = _replicas(args)
+    serve_args += _auth_args(args)
+    replicas, num_prefill = role_split(args)
     threads = args.threads_per_instance or max(1, (os.cpu_count() or 1) // replicas)
-    gateway_args = [*(["--policy", args.policy] if args.policy else []), *args.gateway_arg]
+    gateway_args = [*(["--policy", args.policy] if args.policy else []), *_auth_args(args),
+                    *log_flags, *args.gateway_arg]
     return LocalClusterConfig(
         replicas=replicas, num_prefill=num_prefill, run_dir=env.run_dir, model=args.model,
         host=args.host,
@@ -225,14 +238,20 @@ def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
     )
 
 
-def _replicas(args: argparse.Namespace) -> tuple[int, int]:
-    """(instances, of which prefill) from --replicas or --prefill/--decode."""
-    if args.prefill is None and args.decode is None:
-        return args.replicas or 2, 0
-    if args.replicas is not None or args.prefill is None or args.decode is None:
-        raise ConfigError("a prefill/decode cluster takes --prefill N and --decode M (both at "
-                          "least 1) instead of --replicas")
-    return args.prefill + args.decode, args.prefill
+def _auth_args(args: argparse.Namespace) -> list[str]:
+    """The key flags every child gets (files by absolute path: children may run elsewhere)."""
+    out: list[str] = []
+    for flag, path in (("--api-key-file", args.api_key_file),
+                       ("--admin-key-file", args.admin_key_file)):
+        if path is not None:
+            out += [flag, str(Path(path).resolve())]
+    return out + (["--insecure"] if args.insecure else [])
+
+
+def _log_flags(args: argparse.Namespace, env: CliEnv) -> list[str]:
+    """`--log-format` for the children, unless text is both chosen and their default."""
+    chosen = getattr(args, "log_format", None) or env.log_format
+    return [] if chosen == env.log_format == "text" else ["--log-format", chosen]
 
 
 def _prefetch(args: argparse.Namespace, env: CliEnv) -> None:
@@ -245,15 +264,16 @@ def _prefetch(args: argparse.Namespace, env: CliEnv) -> None:
 
 
 def _gateway_routes_all(config: LocalClusterConfig) -> bool:
-    """True once the gateway answers and would route to every instance."""
+    """True once the gateway answers and would route to every instance (asked on /ready,
+    which needs no API key when the cluster has some)."""
     import httpx
 
     try:
-        resp = httpx.get(f"http://{config.host}:{config.port}/admin/instances", timeout=2)
-        views = resp.json()["instances"] if resp.status_code == 200 else []
-    except (httpx.HTTPError, ValueError, KeyError):
+        resp = httpx.get(f"http://{config.host}:{config.port}/ready", timeout=2)
+        num_routable = int(resp.json()["num_routable"]) if resp.status_code == 200 else 0
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return False
-    return sum(bool(v.get("routable")) for v in views) >= config.replicas
+    return num_routable >= config.replicas
 
 
 def _wait_ready(supervisor: Launcher, config: LocalClusterConfig, timeout_s: float,

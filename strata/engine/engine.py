@@ -1,22 +1,26 @@
 """The engine: schedule -> execute -> update -> outputs, one step at a time.
 
+With an `AsyncModelExecutor` (pipeline parallel) a step keeps up to `max_concurrent_batches`
+batches in flight: it schedules and submits while the executor has room and some request can
+run, then waits for the oldest batch and returns its outputs, so each step returns one batch's
+news. A plain `ModelExecutor` is the same loop with one batch.
+
 Not thread-safe: one thread owns it (the server runs it off the event loop). Only
-`validate_request`, `block_hashes`, `num_cached_blocks` and `export_blocks` (of held blocks) may
-be called from other threads.
+`validate_request`, `block_hashes` and `num_cached_blocks` may be called from other threads.
 
 KV offload stays I/O-free here: a request may arrive with fetched KV payloads
 (`Request.external_kv`), imported by the executor when the request is admitted, and a request
 with `kv_export` leaves with the payloads of its full blocks on its final output; the server
 does the fetching and publishing.
 
-Prefill/decode hand-off stays I/O-free too: a request with `hold_blocks` leaves its full
-computed blocks held when it finishes (its final output says which, `RequestOutput.held`) until
-`release_held`; held blocks are never written, so `export_blocks` may read them from any thread.
-A request with a `handoff` gets the prefill instance's first token instead of its own sample.
+So does the prefill/decode hand-off: a request with `hold_blocks` leaves its blocks held when it
+finishes (`RequestOutput.held`) until `release_held`; one with a `handoff` gets the prefill
+instance's first token instead of a sample and, its whole prompt imported, computes none of it.
 """
 
 from __future__ import annotations
 
+from strata.engine.batch_queue import BatchQueue
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.detokenizer import IncrementalDetokenizer, check_stop
 from strata.engine.executor import (
@@ -51,12 +55,15 @@ class Engine:
         self.scheduler_config = scheduler_config
         self.decoder = decoder
         self.vocab_size = vocab_size
+        executor.allocate_kv_cache(cache_config.num_blocks, cache_config.block_size)
         self.kv = KVCacheManager(cache_config)
-        self.scheduler = Scheduler(scheduler_config, self.kv)
+        self._batches = BatchQueue(executor)
+        self.scheduler = Scheduler(scheduler_config, self.kv,
+                                   max_concurrent_batches=self._batches.max_batches)
         self._detok: dict[RequestId, IncrementalDetokenizer] = {}
+        self._handed: list[RequestOutput] = []  # first tokens handed over, for this step
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
-        executor.allocate_kv_cache(cache_config.num_blocks, cache_config.block_size)
 
     def validate_request(self, request: Request) -> None:
         """Refuse what can never run; safe from any thread."""
@@ -109,14 +116,14 @@ class Engine:
         self._detok.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """True while a request is unfinished or a batch is in flight (`step` collects it)."""
+        return self.scheduler.has_unfinished() or len(self._batches) > 0
 
-    def block_hashes(self, token_ids: list[int], cache_salt: str = "", *,
-                     partial: bool = False) -> list[BlockHash]:
-        """The identities of the full blocks of `token_ids` (model, version and salt included),
-        with `partial` also of the partial last block (a hand-off moves it); safe from any
-        thread."""
-        return self.kv.hash_tokens(token_ids, cache_salt, partial=partial)
+    def block_hashes(self, token_ids: list[int], cache_salt: str = "",
+                     num_public_tokens: int = 0, *, partial: bool = False) -> list[BlockHash]:
+        """The identities of the full blocks of `token_ids` (model, version and salt included;
+        see `Request.num_public_tokens`), with `partial` the partial last one's; any thread."""
+        return self.kv.hash_tokens(token_ids, cache_salt, num_public_tokens, partial=partial)
 
     def num_cached_blocks(self, hashes: list[BlockHash]) -> int:
         """How many leading blocks of `hashes` the prefix cache holds: a hint, safe from any
@@ -125,31 +132,40 @@ class Engine:
 
     def release_held(self, request_id: RequestId) -> int:
         """Return the blocks a finished request left held to the free pool; how many."""
-        return self.kv.release_held(request_id)
-
-    def export_blocks(self, block_ids: list[int]) -> list[bytes]:
-        """The KV payloads of `block_ids` (empty when the executor cannot export). Safe from
-        any thread for held blocks: nothing writes a block while it is held."""
-        if not isinstance(self.executor, KVTransfer):
-            return []
-        return self.executor.export_blocks(block_ids)
+        return self.kv.release_finished(request_id)
 
     def step(self) -> list[RequestOutput]:
+        """Submit batches while the executor has room and a request can run, then wait for the
+        oldest batch in flight and return its news, after the first tokens handed over."""
+        while self._batches.has_room and self._submit_next():
+            pass
+        handed, self._handed = self._handed, []
+        collected = self._batches.collect_oldest()
+        if collected is None:
+            return handed
+        applied = self.scheduler.on_collected(collected.scheduled)
+        failed = [self._fail(r) for r, _ in applied if r.request_id in collected.failed]
+        return handed + failed + self._update([(r, n) for r, n in applied
+                                              if r.status == RequestStatus.RUNNING],
+                                              collected.output)
+
+    def _submit_next(self) -> bool:
+        """Schedule a batch and submit it; False when no request can run now."""
         scheduled = self.scheduler.schedule()
         for kv_import in scheduled.kv_imports:
             self.scheduler.on_kv_imported(scheduled, kv_import, self._import_kv(kv_import))
-        outputs = self._hand_over(scheduled.handed)
+        self._handed += self._hand_over(scheduled.handed)
         if scheduled.is_empty:
-            return outputs
-        model_output = self.executor.execute(self._model_input(scheduled))
-        return outputs + self._update(scheduled, model_output)
+            return False
+        model_input = self._model_input(scheduled)
+        self.scheduler.on_submitted(scheduled)
+        self._batches.submit(scheduled, model_input)
+        return True
 
     def _hand_over(self, handed: list[Request]) -> list[RequestOutput]:
-        """Append the first token a prefill instance sampled to each request whose whole prompt
-        was imported (a refused import left it tokens to compute: it samples, see `_update`)."""
-        return [self._append_token(request, request.handoff.token_id, request.handoff.logprob)
-                for request in handed
-                if request.handoff is not None and request.num_tokens_to_compute == 0]
+        """P's first token for each request whose whole prompt was imported (see `_update`)."""
+        return [self._append_token(r, r.handoff.token_id, r.handoff.logprob) for r in handed
+                if r.handoff is not None and r.num_tokens_to_compute == 0]
 
     def _import_kv(self, kv_import: KVImport) -> int:
         """Write fetched KV into its blocks; how many leading payloads the executor took."""
@@ -160,7 +176,7 @@ class Engine:
     def _model_input(self, scheduled: SchedulerOutput) -> ModelInput:
         sequences = []
         for request, num_new in scheduled.scheduled:
-            start = request.num_computed_tokens
+            start = request.num_computed_tokens + request.num_in_flight_tokens
             sequences.append(
                 ScheduledSequence(
                     request_id=request.request_id,
@@ -175,17 +191,17 @@ class Engine:
             )
         return ModelInput(sequences, self.cache_config.block_size)
 
-    def _update(self, scheduled: SchedulerOutput, model_output: ModelOutput) -> list[RequestOutput]:
+    def _update(
+        self, scheduled: list[tuple[Request, int]], model_output: ModelOutput
+    ) -> list[RequestOutput]:
         outputs = []
-        for request, num_new in scheduled.scheduled:
+        for request, num_new in scheduled:
             if request.num_output_tokens == 0:
                 self.num_prompt_tokens += num_new
             request.num_computed_tokens += num_new
             self.kv.cache_full_blocks(request)
-            sampled = model_output.get(request.request_id)
-            if sampled is not None and request.handoff is not None \
-                    and request.num_output_tokens == 0:
-                handoff = request.handoff  # the prefill instance's token: never re-sampled
+            sampled, handoff = model_output.get(request.request_id), request.pending_handoff
+            if sampled is not None and handoff is not None:  # P's token: never re-sampled
                 sampled = SampledToken(handoff.token_id, handoff.logprob)
             if sampled is not None:
                 outputs.append(self._append_token(request, sampled.token_id, sampled.logprob))
@@ -205,8 +221,7 @@ class Engine:
         if status is not None:
             if request.kv_export:
                 kv_blocks = self._export_kv(request)
-            if request.hold_blocks:
-                held = self.kv.hold(request)
+            held = self.kv.hold_finished(request) if request.hold_blocks else None
             self.scheduler.finish(request, status)
             del self._detok[request.request_id]
         return RequestOutput(
@@ -223,6 +238,16 @@ class Engine:
             kv_blocks=kv_blocks,
             held=held,
         )
+
+    def _fail(self, request: Request) -> RequestOutput:
+        """The executor failed on this request alone (isolation.py): it ends with "error"."""
+        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        self._detok.pop(request.request_id, None)
+        return RequestOutput(request_id=request.request_id, new_token_ids=[], new_text="",
+                             finished=True, finish_reason=request.finish_reason,
+                             num_prompt_tokens=request.num_prompt_tokens,
+                             num_cached_tokens=request.num_cached_tokens,
+                             num_output_tokens=request.num_output_tokens)
 
     def _export_kv(self, request: Request) -> list[tuple[BlockHash, bytes]]:
         """(hash, payload) of the request's computed full blocks not known to be stored."""
@@ -262,6 +287,7 @@ class Engine:
             num_generated_tokens=self.num_generated_tokens,
             num_external_hit_tokens=self.kv.num_external_hit_tokens,
             num_kv_import_failures=self.scheduler.num_kv_import_failures,
+            num_batches_in_flight=len(self._batches),
             num_held_blocks=self.kv.num_held_blocks,
         )
 
@@ -269,7 +295,6 @@ class Engine:
         return self.kv.reset_prefix_cache()
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity()
-        for request in self.scheduler.running:
-            if request.status != RequestStatus.RUNNING:
-                raise RuntimeError(f"running_are_running: {request.request_id} is {request.status}")
+        in_flight = list(self._batches.in_flight())
+        self.kv.check_integrity(held=[b for out in in_flight for b in out.held_blocks])
+        self.scheduler.check_integrity(in_flight)

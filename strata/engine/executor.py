@@ -2,13 +2,14 @@
 
 The engine decides which tokens of which requests to compute this step and where their KV lives;
 a `ModelExecutor` computes them and samples the next token for requests that reached the end of
-their known tokens. `strata.model.executor.TorchExecutor` is the real implementation.
+their known tokens. `strata.model.executor.TorchExecutor` is the real implementation. An
+executor that can overlap batches (pipeline parallel) also implements `AsyncModelExecutor`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import NewType, Protocol, runtime_checkable
 
 from strata.engine.request import Logprob, SamplingParams
 from strata.types import RequestId
@@ -52,6 +53,8 @@ class SampledToken:
 
 ModelOutput = dict[RequestId, SampledToken]
 
+BatchHandle = NewType("BatchHandle", int)  # names a submitted batch; chosen by the executor
+
 
 class ModelExecutor(Protocol):
     """Runs the model over a step's batch and samples next tokens.
@@ -67,6 +70,39 @@ class ModelExecutor(Protocol):
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
 
     def execute(self, model_input: ModelInput) -> ModelOutput: ...
+
+
+@runtime_checkable
+class AsyncModelExecutor(Protocol):
+    """A `ModelExecutor` that keeps several batches in flight, so that pipeline stages overlap:
+    while the last stage runs batch k, the first runs batch k + 1. The engine uses it when the
+    executor has these members; a plain `ModelExecutor` runs one batch at a time.
+
+    Contract:
+    - `max_concurrent_batches` (>= 1, fixed once the KV cache is allocated) bounds the batches
+      submitted and not yet collected.
+    - `submit` returns without waiting for the batch. Batches run in submission order through
+      every stage: in each stage, a batch's KV writes and reads come after those of every batch
+      submitted before it. (The engine relies on this to send the next chunk of a prompt before
+      the previous chunk's batch is back: the chunk reads the KV the previous one wrote.)
+    - `collect(handle)` blocks until that batch is done and returns what `execute` would have;
+      the engine collects every handle exactly once, oldest first. An error raised by `submit`
+      or `collect` is fatal to the engine.
+    - The engine guarantees: no sequence is submitted whose tokens depend on a batch in flight
+      (a decode waits for the previous sampled token); a block that a batch in flight writes is
+      never given to another request before that batch is collected; the lists of a submitted
+      `ModelInput` stay unchanged until it is collected. A request aborted or preempted while in
+      flight may find the blocks it only reads given away: the engine drops its output.
+    - `KVTransfer` calls may come between submissions: `import_blocks` writes only blocks that
+      no batch in flight writes, and every batch submitted after it must see the import;
+      `export_blocks` reads blocks whose writers have all been collected.
+    """
+
+    max_concurrent_batches: int
+
+    def submit(self, model_input: ModelInput) -> BatchHandle: ...
+
+    def collect(self, handle: BatchHandle) -> ModelOutput: ...
 
 
 @runtime_checkable

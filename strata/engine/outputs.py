@@ -10,9 +10,9 @@ from strata.types import BlockHash, RequestId
 
 @dataclass(frozen=True, slots=True)
 class HeldBlocks:
-    """The full computed blocks a finished request left held (`Request.hold_blocks`), in
-    order, with their chain hashes; they stay out of the free pool until
-    `Engine.release_held(request_id)`."""
+    """The blocks a finished request left held (`Request.hold_blocks`): those of its computed
+    tokens, the partial last one included, in order, with their chain hashes; they stay out of
+    the free pool until `Engine.release_held(request_id)`."""
 
     block_ids: tuple[int, ...] = ()
     block_hashes: tuple[BlockHash, ...] = ()
@@ -61,6 +61,7 @@ class EngineStats:
     num_generated_tokens: int  # cumulative
     num_external_hit_tokens: int = 0  # prompt tokens imported from fetched KV, cumulative
     num_kv_import_failures: int = 0  # fetched payloads the executor refused (recomputed)
+    num_batches_in_flight: int = 0  # submitted to the executor, not yet collected
     num_held_blocks: int = 0  # held for finished requests (`Request.hold_blocks`)
 
     @property

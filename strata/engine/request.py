@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from strata.errors import InvalidRequestError
 from strata.types import BlockHash, RequestId
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # OpenAI's `seed` is an int64
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered: every status after RUNNING is finished."""
@@ -71,6 +73,8 @@ class SamplingParams:
                f"must be in [-2, 2], got {self.presence_penalty}")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
                f"must be in [-2, 2], got {self.frequency_penalty}")
+        _check(self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, "seed",
+               f"must be a 64-bit signed integer (-2**63 .. 2**63-1), got {self.seed}")
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs",
                f"must be >= 0, got {self.logprobs}")
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
@@ -116,6 +120,8 @@ class Request:
 
     Counters are stored; everything derivable is a property. `num_computed_tokens` counts tokens
     whose KV is in the cache (prefix hits included); it drops to 0 on preemption by recompute.
+    `num_in_flight_tokens` counts tokens in batches submitted to the executor and not yet
+    collected: the next batch starts after them (pipeline parallel keeps several in flight).
     """
 
     request_id: RequestId
@@ -125,10 +131,14 @@ class Request:
     arrival_time: float = 0.0
     priority: int = 0  # lower runs first; FCFS within a priority
     cache_salt: str = ""
+    # leading prompt tokens that are public (a shared system prompt): their full blocks are
+    # named without `cache_salt`, in the namespace every tenant shares (kv_cache_manager.py)
+    num_public_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Logprob] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_in_flight_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first schedule)
     num_preemptions: int = 0
     stop_reason: str | int | None = None
@@ -171,6 +181,11 @@ class Request:
         return _FINISH_REASONS.get(self.status)
 
     @property
+    def pending_handoff(self) -> Handoff | None:
+        """The hand-off whose first token is still to be appended."""
+        return self.handoff if self.num_output_tokens == 0 else None
+
+    @property
     def num_reported_cached_tokens(self) -> int:
         """`cached_tokens` as a client sees it: with a hand-off, what the prefill instance's
         prefix cache served (tokens pulled from it were computed for this request)."""
@@ -178,4 +193,6 @@ class Request:
 
     @property
     def num_tokens_to_compute(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Known tokens not yet computed nor in flight: 0 while a batch in flight samples the
+        next token, which the next computation needs."""
+        return self.num_tokens - self.num_computed_tokens - self.num_in_flight_tokens

@@ -9,15 +9,25 @@ A request admitted with fetched KV blocks (see kv_cache_manager) lists them in `
 the engine has the executor import them before the step's forward pass and reports how many it
 wrote (`on_kv_imported`); the scheduler turns a refused payload into a miss. A request whose
 whole prompt is imported and whose first token a prefill instance handed over is admitted with
-nothing to compute (`handed`): the engine appends that token, and it decodes from the next step.
+nothing to compute (`handed`): the engine appends that token, and it decodes from the next batch.
+
+Batches in flight (pipeline parallel): the engine reports each batch it submits and collects
+(`on_submitted`, `on_collected`). A request's next batch starts after its tokens in flight, so a
+prompt may be computed in chunks that are in flight together, while a request whose batch in
+flight samples its next token sits out until that batch is back. With several batches in flight
+each takes an even share of the requests, so that decodes split across batches and stages
+overlap. The results of a request aborted or preempted while in flight are dropped, the blocks
+its batches write stay held until they are back, and a preempted one is re-admitted only then.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from strata.engine.block_pool import KVBlock
 from strata.engine.config import SchedulerConfig
 from strata.engine.kv_cache_manager import ComputedBlocks, KVCacheManager
 from strata.engine.request import Request, RequestStatus
@@ -36,11 +46,13 @@ class KVImport:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """Requests to run this step, in batch order, with their number of new tokens."""
+    """Requests to run this step, in batch order, with their number of new tokens. Once
+    submitted, the batch holds `held_blocks` (the blocks it writes) until collected."""
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     kv_imports: list[KVImport] = field(default_factory=list)
+    held_blocks: list[KVBlock] = field(default_factory=list)
     handed: list[Request] = field(default_factory=list)  # admitted, nothing to compute
 
     @property
@@ -53,9 +65,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, *, max_concurrent_batches: int = 1
+    ) -> None:
         self.config = config
         self.kv = kv
+        self.max_concurrent_batches = max_concurrent_batches
         self.running: list[Request] = []
         self._waiting: list[tuple[int, float, int, Request]] = []
         self._counter = itertools.count()
@@ -91,10 +106,28 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        max_seqs = self._max_seqs_per_batch()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, max_seqs)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, max_seqs)
         return out
+
+    def on_submitted(self, out: SchedulerOutput) -> None:
+        """`out` went to the executor: its tokens are in flight, and it holds the blocks it
+        writes until `on_collected`, whatever happens to its requests meanwhile."""
+        for request, num_new in out.scheduled:
+            start = request.num_computed_tokens + request.num_in_flight_tokens
+            out.held_blocks += self.kv.hold(request, start, num_new)
+            request.num_in_flight_tokens += num_new
+
+    def on_collected(self, out: SchedulerOutput) -> list[tuple[Request, int]]:
+        """`out` is back from the executor. Returns the entries whose results apply: a request
+        aborted or preempted while in flight loses them (a preempted one recomputes)."""
+        for request, num_new in out.scheduled:
+            request.num_in_flight_tokens -= num_new
+        self.kv.release(out.held_blocks)
+        out.held_blocks = []
+        return [(r, n) for r, n in out.scheduled if r.status == RequestStatus.RUNNING]
 
     def on_kv_imported(self, out: SchedulerOutput, kv_import: KVImport, num_imported: int) -> None:
         """The executor wrote the first `num_imported` payloads of `kv_import`. A refused payload
@@ -111,10 +144,18 @@ class Scheduler:
         self.kv.record_refused_import(num_lost)
         out.scheduled = [(r, n) for r, n in out.scheduled if r is not request]
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _max_seqs_per_batch(self) -> int:
+        """An even share of the requests per batch in flight (all of them with one batch)."""
+        num_live = min(len(self._requests), self.config.max_num_seqs)
+        return max(1, -(-num_live // self.max_concurrent_batches))
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, max_seqs: int) -> int:
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < max_seqs:
             request = self.running[i]
+            if request.num_tokens_to_compute == 0:  # a batch in flight samples its next token
+                i += 1
+                continue
             num_new = self._num_to_schedule(request, budget)
             if num_new == 0:
                 break
@@ -129,12 +170,15 @@ class Scheduler:
                 i += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, max_seqs: int) -> None:
+        while (self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(out.scheduled) < max_seqs):
             request = self._waiting[0][3]
             if self._requests.get(request.request_id) is not request:
                 heapq.heappop(self._waiting)  # finished (aborted) while waiting
                 continue
+            if request.num_in_flight_tokens:  # preempted in flight: waits for its batch
+                break
             computed = self.kv.get_computed_blocks(request)
             request.num_computed_tokens = computed.num_tokens
             num_new = self._num_to_schedule(request, budget)
@@ -191,6 +235,25 @@ class Scheduler:
             self._waiting,
             (request.priority, request.arrival_time, next(self._counter), request),
         )
+
+    def check_integrity(self, in_flight: Iterable[SchedulerOutput]) -> None:
+        """The running set is running, and each request's tokens in flight are those of the
+        batches in flight, within its known tokens."""
+        for request in self.running:
+            if request.status != RequestStatus.RUNNING:
+                raise RuntimeError(f"running_are_running: {request.request_id} is {request.status}")
+        num_in_flight: dict[Request, int] = {}
+        for out in in_flight:
+            for request, num_new in out.scheduled:
+                num_in_flight[request] = num_in_flight.get(request, 0) + num_new
+        for request in {*self._requests.values(), *num_in_flight}:
+            if request.num_in_flight_tokens != num_in_flight.get(request, 0):
+                raise RuntimeError(
+                    f"in_flight_tokens_match_batches: {request.request_id} counts "
+                    f"{request.num_in_flight_tokens}, batches {num_in_flight.get(request, 0)}"
+                )
+            if request.num_computed_tokens + request.num_in_flight_tokens > request.num_tokens:
+                raise RuntimeError(f"in_flight_within_known_tokens: {request.request_id}")
 
 
 def _priority_key(request: Request) -> tuple[int, float]:

@@ -12,6 +12,7 @@ event and [DONE]. When every attempt failed, the client gets the last instance's
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,12 @@ from strata.gateway.upstream import (
     response_headers,
     split_frames,
 )
+
+log = logging.getLogger("strata.gateway")
+# What an attempt on an instance may raise besides httpx's errors (a transport closed under it,
+# a socket error httpx did not wrap): all of them are the instance's failure, answered by a
+# retry or a 502, never a 500.
+UPSTREAM_ERRORS = (httpx.HTTPError, OSError, RuntimeError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +144,7 @@ class Proxy:
         try:
             response = await self.upstreams.send(attempt.view, request.method, request.path,
                                                  request.body, headers)
-        except httpx.HTTPError as exc:
+        except UPSTREAM_ERRORS as exc:
             return self._failed(attempt, Failure(_describe(attempt.view, exc)))
         if response.status_code >= 500 or response.status_code == 429:
             return self._failed(attempt, await self._error_answer(attempt, response))
@@ -160,7 +167,7 @@ class Proxy:
     async def _whole_body(self, attempt: Attempt, response: httpx.Response) -> Response | Failure:
         try:
             body = b"".join([chunk async for chunk in response.aiter_raw()])
-        except httpx.HTTPError as exc:
+        except UPSTREAM_ERRORS as exc:
             return self._failed(attempt, Failure(_describe(attempt.view, exc)))
         finally:
             await close_quietly(response)
@@ -175,7 +182,7 @@ class Proxy:
         chunks = response.aiter_raw()
         try:
             first, rest, is_eof = await read_frames(chunks)
-        except httpx.HTTPError as exc:
+        except UPSTREAM_ERRORS as exc:
             await close_quietly(response)
             return self._failed(attempt, Failure(_describe(attempt.view, exc)))
         first_at = self.clock()
@@ -199,7 +206,7 @@ class Proxy:
             if rest:
                 yield rest
             is_success = True
-        except httpx.HTTPError as exc:
+        except UPSTREAM_ERRORS as exc:
             self.metrics.broken_streams.inc()
             self.detector.record_failure(attempt.view)
             self._notify(attempt.view, True, None)
@@ -248,7 +255,9 @@ def _is_sse(response: httpx.Response) -> bool:
     return response.headers.get("content-type", "").startswith("text/event-stream")
 
 
-def _describe(view: InstanceView, exc: httpx.HTTPError) -> str:
+def _describe(view: InstanceView, exc: Exception) -> str:
+    if not isinstance(exc, httpx.HTTPError):  # not the usual network error: keep its trace
+        log.warning("instance %s: unexpected upstream error", view.instance_id, exc_info=exc)
     return f"instance {view.instance_id} failed: {type(exc).__name__}: {exc}"
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import TypeVar
 
 import anyio
 from pydantic import BaseModel
@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Send
 
+from strata.engine.executor import KVTransfer
 from strata.engine.outputs import RequestOutput
 from strata.engine.request import Request as EngineRequest
 from strata.errors import InvalidRequestError, OverloadedError
@@ -35,13 +36,6 @@ M = TypeVar("M", bound=BaseModel)
 EXPORT_BATCH = 8  # blocks read per hop to a worker thread
 Starter = Callable[[serving.ServingContext, M, Callable[[list[EngineRequest]], Awaitable[None]]],
                    Awaitable[serving.Started]]
-
-
-@runtime_checkable
-class Exporter(Protocol):
-    """The engine's export of held blocks (`Engine.export_blocks`), safe off its thread."""
-
-    def export_blocks(self, block_ids: list[int]) -> list[bytes]: ...
 
 
 class PrefillOnly:
@@ -143,12 +137,12 @@ class Blocks:
         self.is_closed = False
 
     async def frames(self) -> AsyncIterator[bytes]:
-        core = self.pd.instance.engine.engine
+        executor = self.pd.executor  # held blocks are never written: read off the engine thread
         yield stream_head(len(self.block_ids))
         for start in range(0, len(self.block_ids), EXPORT_BATCH):
             batch = self.block_ids[start : start + EXPORT_BATCH]
-            payloads = await asyncio.to_thread(core.export_blocks, batch) \
-                if isinstance(core, Exporter) else []
+            payloads = await asyncio.to_thread(executor.export_blocks, batch) \
+                if isinstance(executor, KVTransfer) else []
             if len(payloads) != len(batch):
                 return  # cannot export: D sees a truncated stream and recomputes
             for offset, payload in enumerate(payloads):

@@ -14,7 +14,13 @@ from fastapi.routing import APIRoute
 from starlette.requests import Request
 from starlette.responses import Response
 
-from strata.protocol.openai import ChatCompletionRequest, CompletionRequest
+from strata.protocol.openai import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+)
+from strata.protocol.openapi import Operation
 from strata.protocol.pd import DECODE_PREFIX, KV_PATH, LAYOUT_PATH, PREFILL_PREFIX
 from strata.server import serving
 from strata.server.pd_decode import decode_chat, decode_completion
@@ -29,6 +35,27 @@ async def prefill_completion(request: Request) -> Response:
     return await prefill(request, CompletionRequest, serving.start_completion)
 
 
+PD_OPERATIONS: tuple[Operation, ...] = (  # held to the routes by the OpenAPI test
+    Operation("POST", f"{PREFILL_PREFIX}/v1/chat/completions",
+              "Hand-off: prefill a chat prompt, hold its blocks, answer a handle",
+              ChatCompletionRequest),
+    Operation("POST", f"{PREFILL_PREFIX}/v1/completions",
+              "Hand-off: prefill a prompt, hold its blocks, answer a handle", CompletionRequest),
+    Operation("POST", f"{DECODE_PREFIX}/v1/chat/completions",
+              "Hand-off: a chat completion whose prompt is pulled (X-Strata-Handoff)",
+              ChatCompletionRequest, ChatCompletionResponse, streams=True),
+    Operation("POST", f"{DECODE_PREFIX}/v1/completions",
+              "Hand-off: a completion whose prompt is pulled (X-Strata-Handoff)",
+              CompletionRequest, CompletionResponse, streams=True),
+    Operation("GET", LAYOUT_PATH, "Hand-off handshake: what this instance's KV bytes mean"),
+    Operation("GET", KV_PATH + "/{handle}", "Hand-off pull: the held blocks, a binary stream",
+              query=(("start", "integer"), ("count", "integer")),
+              media_type="application/octet-stream"),
+    Operation("DELETE", KV_PATH + "/{handle}", "Hand-off acknowledgement: free the blocks",
+              status=204),
+)
+
+
 def pd_routes() -> list[APIRoute]:
     return [
         APIRoute(f"{PREFILL_PREFIX}/v1/chat/completions", prefill_chat, methods=["POST"]),
@@ -41,4 +68,4 @@ def pd_routes() -> list[APIRoute]:
     ]
 
 
-__all__ = ["pd_routes"]
+__all__ = ["PD_OPERATIONS", "pd_routes"]

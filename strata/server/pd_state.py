@@ -48,9 +48,10 @@ class PD:
                                  on_release=self._released)
         core = instance.engine.engine
         cache = core.cache_config
+        self.executor: object = getattr(core, "executor", None)  # exports held blocks
         self.layout = local_layout(instance.config.served_model_name,
                                    instance.config.model_version, cache.namespace,
-                                   cache.block_size, getattr(core, "executor", None))
+                                   cache.block_size, self.executor)
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(
             config.pull_timeout_s, connect=config.connect_timeout_s))
         keys = instance.config.api_keys

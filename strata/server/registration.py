@@ -105,7 +105,7 @@ class Registration:
     # --- the loop -----------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopped:  # also ends the loop if a cancellation was swallowed
             if self.state is InstanceState.STARTING and await self._is_ready():
                 self.state = InstanceState.READY
             await self._beat()
@@ -127,8 +127,8 @@ class Registration:
         load = self.load_fn()
         if self.is_registered:
             try:
-                await asyncio.wait_for(self.registry.heartbeat(
-                    self.instance_id, state=self.state, load=load), self.call_timeout_s)
+                async with asyncio.timeout(self.call_timeout_s):
+                    await self.registry.heartbeat(self.instance_id, state=self.state, load=load)
                 return
             except RegistryError as exc:
                 log.warning("heartbeat of %s failed (%s); registering again", self.instance_id, exc)
@@ -141,7 +141,8 @@ class Registration:
 
     async def _quietly(self, what: str, call: Awaitable[None]) -> bool:
         try:
-            await asyncio.wait_for(call, self.call_timeout_s)
+            async with asyncio.timeout(self.call_timeout_s):  # wait_for may swallow a cancel
+                await call
             return True
         except Exception as exc:  # logged and retried, never fatal
             log.warning("registry %s of %s failed: %r", what, self.instance_id, exc)

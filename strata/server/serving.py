@@ -1,4 +1,10 @@
-"""Completions and chat completions: wire request -> engine requests -> wire responses / SSE."""
+"""Completions and chat completions: wire request -> engine requests -> wire responses / SSE.
+
+A choice that ended with finish_reason "error" (the executor failed on it alone, or the engine
+died) is never passed off as an answer: a JSON response becomes the error's status and body
+(`failure`: 500 `RequestFailedError`, or 503 `EngineDeadError`, which a gateway retries on
+another instance), and a stream sends its finish chunk, then an error event, then [DONE].
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,8 @@ from dataclasses import dataclass, field
 
 from strata import __version__
 from strata.engine.outputs import RequestOutput
-from strata.engine.request import Request
+from strata.engine.request import FinishReason, Request
+from strata.errors import EngineDeadError, RequestFailedError, StrataError
 from strata.protocol.openai import (
     ChatChoice,
     ChatCompletionRequest,
@@ -27,6 +34,7 @@ from strata.protocol.sse import DONE_FRAME, encode_event
 from strata.server import translate as tr
 from strata.server.async_engine import AsyncEngine
 from strata.server.config import ServerConfig
+from strata.server.errors import map_exception
 from strata.server.generation import ChoiceState, Generation, Prepare, start, usage
 from strata.server.kv_offload import KVOffload
 from strata.server.metrics import ServerMetrics
@@ -96,10 +104,11 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest,
         else req.max_tokens
     max_tokens = tr.resolve_max_tokens(requested, None, len(prompt), ctx.engine.max_model_len)
     rid, arrival = tr.new_id("chatcmpl"), ctx.clock()
+    num_public = tr.public_prefix_tokens(req, prompt, ctx.tokenizer)
     requests = [
         tr.engine_request(f"{rid}-{j}", prompt, tr.sampling_params(
             req, max_tokens=max_tokens, num_logprobs=num_logprobs, choice=j),
-            req, ctx.tokenizer, arrival)
+            req, ctx.tokenizer, arrival, num_public)
         for j in range(req.n)
     ]
     generation = await start(ctx.engine, requests, [0] * req.n, ctx.metrics, ctx.clock,
@@ -108,15 +117,33 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest,
                    [""] * req.n, int(time.time()))
 
 
-async def _collect(started: Started) -> list[ChoiceState]:
+async def _collect(ctx: ServingContext, started: Started) -> list[ChoiceState]:
     async for i, output in started.generation.outputs():
         started.generation.choices[i].update(output)
+    error = failure(ctx, started.generation.choices)
+    if error is not None:
+        raise error
     return started.generation.choices
+
+
+def failure(ctx: ServingContext, choices: list[ChoiceState]) -> StrataError | None:
+    """The error a generation ended with, if a choice finished with "error"."""
+    if not any(c.finish_reason == FinishReason.ERROR for c in choices):
+        return None
+    if ctx.engine.dead_reason is not None:
+        return EngineDeadError(ctx.engine.dead_reason)
+    return RequestFailedError("the model failed while generating this request; it failed "
+                              "alone and the instance goes on")
+
+
+def _error_frame(ctx: ServingContext, choices: list[ChoiceState]) -> bytes:
+    error = failure(ctx, choices)
+    return b"" if error is None else encode_event(map_exception(error).payload())
 
 
 async def completion_response(ctx: ServingContext, started: Started,
                               with_logprobs: bool) -> CompletionResponse:
-    choices = await _collect(started)
+    choices = await _collect(ctx, started)
     out = []
     for c in choices:
         echo = started.echo_texts[c.index]
@@ -131,7 +158,7 @@ async def completion_response(ctx: ServingContext, started: Started,
 
 async def chat_response(ctx: ServingContext, started: Started,
                         with_logprobs: bool) -> ChatCompletionResponse:
-    choices = await _collect(started)
+    choices = await _collect(ctx, started)
     out = []
     for c in choices:
         lps = ChatLogprobs(content=tr.chat_logprobs(c.logprobs, ctx.tokenizer)) \
@@ -166,6 +193,8 @@ async def completion_stream(ctx: ServingContext, started: Started, with_logprobs
             yield chunk([CompletionChoice(index=i, text=echo + output.new_text, logprobs=lps,
                                           finish_reason=_reason(output),
                                           stop_reason=output.stop_reason)])
+    if error_frame := _error_frame(ctx, choices):
+        yield error_frame
     if include_usage:
         yield encode_event(CompletionStreamResponse(
             id=started.id, created=started.created, model=started.model, choices=[],
@@ -194,6 +223,8 @@ async def chat_stream(ctx: ServingContext, started: Started, with_logprobs: bool
             delta = DeltaMessage(content=output.new_text or None)
             yield chunk([ChatStreamChoice(index=i, delta=delta, logprobs=lps,
                                           finish_reason=_reason(output))])
+    if error_frame := _error_frame(ctx, choices):
+        yield error_frame
     if include_usage:
         yield encode_event(ChatCompletionStreamResponse(
             id=started.id, created=started.created, model=started.model, choices=[],

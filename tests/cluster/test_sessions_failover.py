@@ -7,16 +7,20 @@ SIGKILLed right after it and restarted on the same port (two of three are always
 must see the whole history (prompt_tokens of the full history) and answer exactly what one
 instance answers, with no failure, when sent the full history explicitly.
 
-Story 2: Redis (`appendfsync always`) is SIGKILLed and restarted while turns flow through a gateway:
-every acknowledged turn is in the stored history afterwards, and no turn is half stored.
+Story 2: Redis (`appendfsync always`) is SIGKILLed while turns flow through a gateway, and
+restarted once a turn has failed for it: every acknowledged turn is in the stored history
+afterwards, no turn is half stored, and turns succeed again once Redis is back.
+
+Story 3: `strata serve --session-redis-appendfsync always` on a Redis started without an
+append-only file turns one on, so acknowledged turns survive a SIGKILL of Redis.
+
+What these prove is a crash of the Redis *process*: the kernel keeps what Redis wrote, so
+`appendfsync everysec` or `no` would survive it too; a crash of the machine is not simulated.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -28,76 +32,64 @@ from typing import Any
 
 import httpx
 import pytest
-from cluster_process import wait_until
-from redis_server import RedisServer, free_port
+import redis as redis_client
+from redis_server import RedisServer
 from tiny_models import make_tiny_model_dir
+
+from strata.bench.procs import Proc, wait_until
 
 MODEL = "tiny"
 MAX_TOKENS = 8
 NUM_TURNS = 10
 START_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 30.0
-OUTAGE_S = 2.0
-READY = re.compile(r"(Strata serving \S+|Strata gateway) on (http://127\.0\.0\.1:\d+)")
+READY = re.compile(r"(Strata serving \S+|Strata gateway) on (http://127\.0\.0\.1:(\d+))")
 
 pytestmark = pytest.mark.timeout(240)
 
 
-@dataclass
-class Proc:
-    """One CLI subprocess on a fixed port; `start` waits for its ready line (bounded)."""
-
-    args: list[str]
-    log: Path
-    url: str = ""
-    proc: subprocess.Popen[bytes] | None = None
-    _log_offset: int = 0
-
-    def spawn(self) -> None:
-        self._log_offset = self.log.stat().st_size if self.log.exists() else 0
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "strata.cli", *self.args],
-                                         stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT, env=os.environ.copy())
-
-    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout_s
-        while not (m := READY.search(self.new_output())):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise AssertionError(f"{self.args[0]} did not start:\n{self.new_output()[-3000:]}")
-            time.sleep(0.05)
-        self.url = m.group(2)
-
-    def new_output(self) -> str:
-        return self.log.read_bytes()[self._log_offset:].decode(errors="replace")
-
-    def start(self) -> None:
-        self.spawn()
-        self.wait_ready()
-
-    def kill(self) -> None:
-        """SIGKILL by PID (a crash) and reap it."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        if self.proc is not None:
-            self.proc.wait(timeout=10)
+def cli(root: Path, name: str, args: list[str]) -> Proc:
+    """A `strata` subprocess on `--port 0` (it binds the port itself); not started yet."""
+    return Proc(name, [sys.executable, "-m", "strata.cli", *args, "--port", "0"],
+                root / f"{name}.log")
 
 
-def serve(root: Path, model_dir: Path, name: str, *, store: str, registry: str) -> Proc:
-    port = free_port()
-    return Proc(["serve", str(model_dir), "--served-model-name", MODEL, "--dtype", "float32",
-                 "--device", "cpu", "--threads", "1", "--port", str(port), "--instance-id", name,
-                 "--registry", registry, "--session-store", store, "--log-level", "warning"],
-                root / f"{name}.log", url=f"http://127.0.0.1:{port}")
+def wait_ready(proc: Proc, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Wait for its ready line, then keep its port for restarts. A restart whose port another
+    process took meanwhile (it exits: address already in use) is started again, same port."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ready = proc.wait_for_output(READY, max(deadline - time.monotonic(), 0.1))
+            break
+        except RuntimeError:
+            if not proc.lost_its_port or time.monotonic() > deadline:
+                raise
+            proc.start()
+    proc.url = ready.group(2)
+    proc.argv[proc.argv.index("--port") + 1] = ready.group(3)
+
+
+def serve(root: Path, model_dir: Path, name: str, *, store: str, registry: str,
+          extra: tuple[str, ...] = ()) -> Proc:
+    return cli(root, name, ["serve", str(model_dir), "--served-model-name", MODEL, "--dtype",
+                            "float32", "--device", "cpu", "--threads", "1", "--instance-id", name,
+                            "--registry", registry, "--session-store", store, "--log-level",
+                            "warning", *extra])
 
 
 def gateway(root: Path, name: str, *, store: str, registry: str) -> Proc:
-    return Proc(["gateway", "--port", str(free_port()), "--registry", registry,
-                 "--policy", "round_robin", "--session-routing", "hybrid", "--session-store", store,
-                 "--health-check-interval-s", "0.2", "--max-retries", "3",
-                 "--log-level", "warning"], root / f"{name}.log")
+    return cli(root, name, ["gateway", "--registry", registry, "--policy", "round_robin",
+                            "--session-routing", "hybrid", "--session-store", store,
+                            "--health-check-interval-s", "0.2", "--max-retries", "3",
+                            "--log-level", "warning"])
+
+
+def start_all(procs: list[Proc]) -> None:
+    for proc in procs:
+        proc.start()  # all at once: the starts overlap
+    for proc in procs:
+        wait_ready(proc)
 
 
 def num_routable(gateway_url: str) -> int:
@@ -163,10 +155,7 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
                                                    store=running.redis.url, registry=registry)
         running.gateways = [gateway(tmp_path, f"gw-{k}", store=running.redis.url,
                                     registry=registry) for k in range(2)]
-        for proc in [*running.instances.values(), *running.gateways]:
-            proc.spawn()  # all at once: the starts overlap
-        for proc in [*running.instances.values(), *running.gateways]:
-            proc.wait_ready()
+        start_all([*running.instances.values(), *running.gateways])
         for gw in running.gateways:
             wait_until(partial(is_routable, gw.url, 3), 30, "3 instances in a gateway")
         yield running
@@ -190,9 +179,9 @@ def test_every_turn_sees_the_whole_history_while_each_answering_instance_is_kill
         victim = fleet.instances[response.headers["x-strata-instance"]]
         answered_by.append(response.headers["x-strata-instance"])
         if restarting is not None and restarting is not victim:
-            restarting.wait_ready()  # never two down at once
+            wait_ready(restarting)  # never two down at once
         victim.kill()
-        victim.spawn()  # same port and instance id
+        victim.start()  # same port and instance id
         restarting = victim
     assert len(set(answered_by)) >= 2  # the conversation really moved
     stored = httpx.get(f"{fleet.gateways[0].url}/v1/sessions/story", timeout=10).json()
@@ -211,50 +200,65 @@ def test_acknowledged_turns_survive_a_redis_crash(tmp_path: Path) -> None:
         running.instances["inst-0"] = serve(tmp_path, model_dir, "inst-0", store=redis.url,
                                             registry=registry)
         running.gateways = [gateway(tmp_path, "gw-0", store=redis.url, registry=registry)]
-        for proc in [*running.instances.values(), *running.gateways]:
-            proc.spawn()
-        for proc in [*running.instances.values(), *running.gateways]:
-            proc.wait_ready()
+        start_all([*running.instances.values(), *running.gateways])
         wait_until(lambda: num_routable(running.gateways[0].url) == 1, 30, "the instance")
-        acked, failed = run_turns_across_a_crash(running.gateways[0].url, redis)
-        assert failed, "no turn overlapped the crash: the story did not happen"
+        turns = run_turns_across_a_crash(running.gateways[0].url, redis)
+        assert turns.failed, "no turn overlapped the crash: the story did not happen"
+        assert len(turns.acked_after_restart) >= 3, turns  # turns succeed once Redis is back
+        assert turns.outcomes[-3:] == [True, True, True], turns
         stored = httpx.get(f"{running.instances['inst-0'].url}/v1/sessions/crash",
                            timeout=10).json()["messages"]
-        assert_history_holds(stored, acked)
+        assert_history_holds(stored, turns.acked)
     finally:
         running.stop()
 
 
-def run_turns_across_a_crash(url: str, redis: RedisServer) -> tuple[dict[str, str], list[int]]:
-    """Turns back to back; Redis is killed after 3 acknowledged turns and restarted OUTAGE_S later.
-    Returns {user message: answer} of the acknowledged turns and the numbers of failed turns."""
-    acked: dict[str, str] = {}
-    failed: list[int] = []
-    crashed = threading.Event()
+@dataclass
+class CrashTurns:
+    acked: dict[str, str] = field(default_factory=dict)  # user message -> answer, in order
+    failed: list[int] = field(default_factory=list)
+    acked_after_restart: list[int] = field(default_factory=list)
+    outcomes: list[bool] = field(default_factory=list)  # per turn sent: acknowledged?
+
+
+def run_turns_across_a_crash(url: str, redis: RedisServer) -> CrashTurns:
+    """Turns back to back. After 3 acknowledged turns Redis is SIGKILLed; it is restarted once a
+    turn has failed for it; the turns go on until 3 in a row are acknowledged after the restart
+    (bounded)."""
+    turns = CrashTurns()
+    a_turn_failed, restarted = threading.Event(), threading.Event()
 
     def crash() -> None:
         redis.stop(kill=True)
-        time.sleep(OUTAGE_S)  # longer than the store client's retries
+        a_turn_failed.wait(timeout=60)  # the outage is seen by a client before it ends
         redis.start()
+        restarted.set()
 
     crasher = threading.Thread(target=crash, daemon=True)
     deadline = time.monotonic() + 90
     n = 0
-    while time.monotonic() < deadline and (not crashed.is_set() or crasher.is_alive()
-                                           or len(acked) < 6):
+    while time.monotonic() < deadline and not (restarted.is_set()
+                                               and turns.outcomes[-3:] == [True] * 3):
+        was_back = restarted.is_set()
         message = {"role": "user", "content": f"message {n}"}
         response = post_turn(url, message)
-        if response is not None and response.status_code == 200:
-            acked[message["content"]] = response.json()["choices"][0]["message"]["content"]
+        is_acked = response is not None and response.status_code == 200
+        turns.outcomes.append(is_acked)
+        if response is not None and is_acked:
+            turns.acked[message["content"]] = response.json()["choices"][0]["message"]["content"]
+            if was_back:
+                turns.acked_after_restart.append(n)
         else:
-            failed.append(n)
-            time.sleep(0.1)
-        if len(acked) == 3 and not crashed.is_set():
-            crashed.set()
+            turns.failed.append(n)
+            if crasher.is_alive():
+                a_turn_failed.set()
+            time.sleep(0.1)  # pacing while Redis is down, not ordering
+        if len(turns.acked) == 3 and not crasher.is_alive() and not restarted.is_set():
             crasher.start()
         n += 1
+    a_turn_failed.set()
     crasher.join(timeout=30)
-    return acked, failed
+    return turns
 
 
 def post_turn(url: str, message: dict[str, str]) -> httpx.Response | None:
@@ -275,3 +279,46 @@ def assert_history_holds(stored: list[dict[str, Any]], acked: dict[str, str]) ->
     assert {u: turns.get(u) for u in acked} == acked  # zero acknowledged turns lost
     order = [u["content"] for u in users]
     assert [u for u in order if u in acked] == list(acked)
+
+
+def aof_is_written(url: str) -> bool:
+    """The append-only file is on and holds the dataset (Redis turns AOF on at run time by
+    rewriting the dataset into a new file first; until then writes are in memory only)."""
+    with redis_client.Redis.from_url(url, decode_responses=True) as client:
+        info = client.info("persistence")
+    return (info["aof_enabled"] == 1 and info["aof_rewrite_in_progress"] == 0
+            and info["aof_rewrite_scheduled"] == 0)
+
+
+def test_the_appendfsync_flag_keeps_turns_across_a_crash_of_a_redis_started_without_aof(
+        tmp_path: Path) -> None:
+    model_dir = make_tiny_model_dir(tmp_path / "tiny", initializer_range=0.2,
+                                    max_position_embeddings=1024, torch_dtype="float32")
+    redis = RedisServer(tmp_path / "redis")  # --appendonly no: nothing would survive a crash
+    instance = serve(tmp_path, model_dir, "inst-0", store=redis.url,
+                     registry=f"sqlite:///{tmp_path}/registry.db",
+                     extra=("--session-redis-appendfsync", "always"))
+    try:
+        redis.start()
+        start_all([instance])
+        first = chat(instance.url, [user_message(0)], session="durable")
+        assert first.status_code == 200, first.text
+        with redis_client.Redis.from_url(redis.url, decode_responses=True) as client:
+            assert client.config_get("appendonly") == {"appendonly": "yes"}
+            assert client.config_get("appendfsync") == {"appendfsync": "always"}
+        wait_until(partial(aof_is_written, redis.url), 30, "the append-only file")
+        for n in range(1, 4):
+            assert chat(instance.url, [user_message(n)], session="durable").status_code == 200
+        # CONFIG SET lasts as long as the process: a restarted redis-server reads its own
+        # configuration, which keeps appendonly yes (the README tells operators so)
+        redis.extra_args += ["--appendonly", "yes"]
+        redis.restart(kill=True)
+        after = chat(instance.url, [user_message(4)], session="durable")
+        assert after.status_code == 200, after.text
+        assert after.headers["x-session-revision"] == "5"
+        stored = httpx.get(f"{instance.url}/v1/sessions/durable", timeout=10).json()["messages"]
+        assert [m["content"] for m in stored[0::2]] == [user_message(n)["content"]
+                                                       for n in range(5)]
+    finally:
+        instance.kill()
+        redis.stop()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import stat
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
@@ -15,7 +16,9 @@ from typing import Any, TypeVar
 
 import pytest
 
+from strata.clock import ManualClock
 from strata.cluster.local import LocalClusterConfig, Supervisor, instance_argv
+from strata.cluster.ports import free_port
 from strata.cluster.registry_link import RegistryLink
 from strata.errors import ConfigError
 from strata.registry import create_registry
@@ -24,14 +27,6 @@ from strata.registry.models import Deployment, DeploymentState, ModelRegistry, M
 
 T = TypeVar("T")
 V1 = ModelVersion("m", "v1", "/models/m1")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def fake_python(tmp_path: Path, crash_id: str = "none") -> str:
@@ -47,7 +42,7 @@ class Harness:
     """A supervisor over a memory model registry that the test writes deployments into."""
 
     def __init__(self, tmp_path: Path, crash_id: str = "none") -> None:
-        self.clock = Clock()
+        self.clock = ManualClock()
         self.models: ModelRegistry = create_model_registry("memory://")
         link = RegistryLink("memory://", models=self.models,
                             instances=create_registry("memory://"))
@@ -137,6 +132,53 @@ def test_a_crashed_instance_restarts_with_doubling_backoff_then_stop_ends_all(
     assert not (tmp_path / "pids").exists()
 
 
+def test_a_crashed_instance_whose_port_was_taken_restarts_on_another(tmp_path: Path) -> None:
+    h = Harness(tmp_path, crash_id="m-v1-0")
+    h.deploy(replicas=1)
+    h.sup.start()
+    try:
+        crasher = h.sup.instances["m-v1-0"]
+        old_port = crasher.port
+        assert crasher.proc is not None and crasher.proc.wait(timeout=30) == 3
+        with socket.socket() as squatter:  # another process took the port meanwhile
+            squatter.bind(("127.0.0.1", old_port))
+            squatter.listen()
+            h.sup.poll()  # notices the exit, schedules a restart
+            assert crasher.restart_at is not None
+            h.clock.now = crasher.restart_at
+            h.sup.poll()  # restarts it on a fresh port
+        argv = crasher.argv
+        assert crasher.num_restarts == 1 and crasher.port != old_port
+        assert argv[argv.index("--port") + 1] == str(crasher.port)
+        assert argv[argv.index("--advertise-url") + 1] == f"http://127.0.0.1:{crasher.port}"
+    finally:
+        h.sup.stop()
+
+
+def test_a_gateway_whose_port_was_taken_stops_the_cluster_with_an_error(tmp_path: Path) -> None:
+    config = LocalClusterConfig(replicas=1, run_dir=tmp_path, port=free_port(),
+                                stop_timeout_s=5.0)
+    clock = ManualClock()
+    sup = Supervisor(config, python=fake_python(tmp_path), clock=clock,
+                     link=RegistryLink("memory://", models=create_model_registry("memory://"),
+                                       instances=create_registry("memory://")))
+    sup.start()
+    try:
+        assert sup.gateway.proc is not None
+        sup.gateway.proc.kill()
+        sup.gateway.proc.wait(timeout=30)
+        with socket.socket() as squatter:
+            squatter.bind(("127.0.0.1", config.port))
+            squatter.listen()
+            sup.poll()
+            assert sup.gateway.restart_at is not None
+            clock.now = sup.gateway.restart_at
+            with pytest.raises(ConfigError, match=f"port {config.port} on 127.0.0.1 is in use"):
+                sup.poll()
+    finally:
+        sup.stop()
+
+
 def test_backoff_resets_after_a_stable_run(harness: Harness) -> None:
     harness.deploy(replicas=1)
     harness.sup.start()
@@ -207,7 +249,7 @@ def test_a_registry_it_cannot_open_is_logged_once_and_retried_until_it_can(
     blocker = tmp_path / "state"
     blocker.write_text("a file where the registry's directory should be")
     url = f"sqlite:///{blocker}/registry.db"
-    clock = Clock()
+    clock = ManualClock()
     config = LocalClusterConfig(replicas=1, run_dir=tmp_path, registry=url,
                                 reconcile_interval_s=0.5, stop_timeout_s=5.0)
     sup = Supervisor(config, python=fake_python(tmp_path), clock=clock)

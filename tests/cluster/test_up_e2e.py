@@ -23,6 +23,7 @@ from cluster_process import Cluster, start_cluster, wait_until
 from openai import OpenAI
 from serve_process import shared_model_cache
 
+from strata.bench.procs import http_ok
 from strata.registry.model_registry import create_model_registry
 from strata.sim.profile import LatencyProfile
 
@@ -45,11 +46,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 @dataclass
 class StreamResult:
-    instance: str
+    instance: str = ""
     first_event_at: float | None = None
     events: list[dict] = field(default_factory=list)
     error_at: float | None = None
     done: bool = False
+    flowing: asyncio.Event = field(default_factory=asyncio.Event)  # its first event arrived
 
     @property
     def finish_reason(self) -> str | None:
@@ -57,12 +59,14 @@ class StreamResult:
         return next((r for r in reasons if r), None)
 
 
-async def stream_one(client: httpx.AsyncClient, max_tokens: int) -> StreamResult:
+async def stream_one(client: httpx.AsyncClient, max_tokens: int,
+                     result: StreamResult | None = None) -> StreamResult:
     body = {"model": MODEL, "prompt": "tell me a story", "max_tokens": max_tokens,
             "stream": True, "ignore_eos": True}
+    result = result or StreamResult()
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         assert resp.status_code == 200, await resp.aread()
-        result = StreamResult(resp.headers["x-strata-instance"])
+        result.instance = resp.headers["x-strata-instance"]
         async for line in resp.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -75,7 +79,22 @@ async def stream_one(client: httpx.AsyncClient, max_tokens: int) -> StreamResult
             else:
                 result.first_event_at = result.first_event_at or time.monotonic()
                 result.events.append(event)
+                result.flowing.set()
     return result
+
+
+async def all_flowing(streams: list[StreamResult], timeout_s: float = 30) -> None:
+    """Until every stream has received its first event (bounded)."""
+    await asyncio.wait_for(asyncio.gather(*(s.flowing.wait() for s in streams)), timeout_s)
+
+
+def gateway_counter(cluster: Cluster, name: str, instance: str | None = None) -> float:
+    """A counter of the gateway's /metrics, summed over its labels or of one instance's
+    (0 if never incremented)."""
+    text = httpx.get(f"{cluster.url}/metrics", timeout=5).text
+    prefix = f"strata:{name}_total" + (f'{{instance="{instance}"}}' if instance else "")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(prefix))
 
 
 def test_openai_client_through_the_gateway_spreads_over_instances(cluster: Cluster) -> None:
@@ -98,11 +117,14 @@ def test_sigkill_under_load_fails_over_and_the_instance_rejoins(cluster: Cluster
     victim = "sim-model-default-1"
 
     killed_pid = cluster.pids()[victim]
+    broken_before = gateway_counter(cluster, "gateway_broken_streams")
 
     async def story() -> tuple[list[StreamResult], float]:
         async with httpx.AsyncClient(base_url=cluster.url, timeout=30) as client:
-            tasks = [asyncio.create_task(stream_one(client, 50)) for _ in range(12)]
-            await asyncio.sleep(0.4)  # streams are flowing on every instance
+            flowing = [StreamResult() for _ in range(12)]
+            tasks = [asyncio.create_task(stream_one(client, 50, s)) for s in flowing]
+            await all_flowing(flowing)
+            assert victim in {s.instance for s in flowing}
             killed_at = time.monotonic()
             os.kill(killed_pid, signal.SIGKILL)
             late = [asyncio.create_task(stream_one(client, 10)) for _ in range(9)]
@@ -116,10 +138,10 @@ def test_sigkill_under_load_fails_over_and_the_instance_rejoins(cluster: Cluster
             assert r.finish_reason == "length"
         else:  # only streams already flowing from the killed instance may break
             assert r.instance == victim and r.first_event_at is not None
-            assert r.first_event_at < killed_at
-            assert r.error_at - killed_at < 5.0, "a broken stream ends promptly, never hangs"
+            assert r.first_event_at < killed_at <= r.error_at  # (how soon: bench/failover.py)
     assert all(r.error_at is None for r in results[12:]), "new requests all succeed"
     assert broken, "the killed instance had streams in flight"
+    assert gateway_counter(cluster, "gateway_broken_streams") - broken_before == len(broken)
 
     def ejected() -> bool:
         view = cluster.instances().get(victim)
@@ -131,6 +153,33 @@ def test_sigkill_under_load_fails_over_and_the_instance_rejoins(cluster: Cluster
     assert cluster.pids()[victim] != killed_pid, "the supervisor restarted it as a new process"
 
 
+def test_a_request_sent_to_an_instance_that_just_died_is_retried_on_another(
+        tmp_path: Path) -> None:
+    """Round robin over two instances and no active health check in the story's time: of two
+    requests after a SIGKILL, at least one is sent to the dead instance, fails to connect and
+    is retried on the other; both succeed, and every retry is a failed attempt on the dead one."""
+    PROFILE.save(tmp_path / "profile.json")
+    two = start_cluster(["--simulate", str(tmp_path / "profile.json"), "--served-model-name",
+                         MODEL, "--policy", "round_robin",
+                         "--gateway-arg=--health-check-interval-s=60"], tmp_path, replicas=2)
+    try:
+        victim = "sim-model-default-0"
+        victim_url = two.instances()[victim]["url"]
+        retries_before = gateway_counter(two, "gateway_retries")
+        os.kill(two.pids()[victim], signal.SIGKILL)
+        wait_until(lambda: not http_ok(f"{victim_url}/health"), 10, f"{victim} to be dead")
+        answers = [httpx.post(f"{two.url}/v1/completions", timeout=30,
+                              json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+                   for _ in range(2)]
+        assert [a.status_code for a in answers] == [200, 200]
+        assert {a.headers["x-strata-instance"] for a in answers} == {"sim-model-default-1"}
+        num_retries = gateway_counter(two, "gateway_retries") - retries_before
+        assert num_retries >= 1  # one or both (round robin may point at it twice)
+        assert gateway_counter(two, "gateway_upstream_failures", victim) == num_retries
+    finally:
+        assert two.stop() == 0
+
+
 def test_drain_loses_no_request(cluster: Cluster) -> None:
     wait_until(lambda: sum(i["routable"] for i in cluster.instances().values()) == 3, 90,
                "3 routable instances")
@@ -138,8 +187,10 @@ def test_drain_loses_no_request(cluster: Cluster) -> None:
 
     async def story() -> list[StreamResult]:
         async with httpx.AsyncClient(base_url=cluster.url, timeout=30) as client:
-            tasks = [asyncio.create_task(stream_one(client, 30)) for _ in range(9)]
-            await asyncio.sleep(0.3)
+            flowing = [StreamResult() for _ in range(9)]
+            tasks = [asyncio.create_task(stream_one(client, 30, s)) for s in flowing]
+            await all_flowing(flowing)  # in flight everywhere, the target included
+            assert target in {s.instance for s in flowing}
             resp = await client.post(f"/admin/instances/{target}/drain")
             assert resp.status_code in (200, 202), resp.text
             later = [asyncio.create_task(stream_one(client, 5)) for _ in range(6)]
@@ -158,7 +209,7 @@ def test_a_restarted_cluster_keeps_the_catalogue_and_serves_what_its_flags_say(
     try:
         cluster_file = first.run_dir / "cluster.json"
         assert json.loads(cluster_file.read_text()) == {
-            "gateway_url": first.url, "pid": first.proc.pid,
+            "gateway_url": first.url, "pid": first.pid,
             "registry_url": f"sqlite:///{first.run_dir.resolve()}/registry.db"}
         again = subprocess.run(
             [sys.executable, "-m", "strata.cli", "up", "--simulate", "smollm2-cpu"],

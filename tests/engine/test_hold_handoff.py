@@ -131,14 +131,12 @@ def test_no_hold_on_abort_or_without_the_flag() -> None:
 
 
 def test_export_reads_held_blocks() -> None:
-    engine, _ = kv_engine()
+    engine, executor = kv_engine()
     _, last = run_one(engine, holding(PROMPT))
     assert last.held is not None
-    payloads = engine.export_blocks(list(last.held.block_ids))
+    payloads = executor.export_blocks(list(last.held.block_ids))  # held: never written
     assert [array("q", p[len(TAG):]).tolist() for p in payloads] == [
         PROMPT[:4], PROMPT[4:8], PROMPT[8:] + [-1, -1]]  # the tail's last slots: never written
-    plain, _ = make_engine()
-    assert plain.export_blocks([0]) == []  # an executor without KV transfer exports nothing
 
 
 def test_the_handed_first_token_is_appended_instead_of_a_sample() -> None:
@@ -160,10 +158,10 @@ def prefill_then_decode(prompt: list[int], max_tokens: int, damage_block: int | 
                         **params: object) -> tuple[list[int], Engine]:
     """P holds and exports the prompt's blocks with its first token; D imports them with the
     hand-off. Returns D's tokens and D."""
-    prefill, _ = kv_engine()
+    prefill, prefill_executor = kv_engine()
     first_tokens, done = run_one(prefill, holding(prompt, 1, **params))
     assert done.held is not None and len(done.held) == -(-len(prompt) // BLOCK)
-    payloads = prefill.export_blocks(list(done.held.block_ids))
+    payloads = prefill_executor.export_blocks(list(done.held.block_ids))
     if damage_block is not None:
         payloads[damage_block] = b"damaged"
     prefill.release_held(done.request_id)
@@ -218,5 +216,5 @@ def test_one_hold_per_request() -> None:
     request = holding(PROMPT)
     run_one(engine, request)
     with pytest.raises(RuntimeError, match="one_hold_per_request"):
-        engine.kv.hold(request)
+        engine.kv.hold_finished(request)
     assert engine.release_held(RequestId("unknown")) == 0

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import MODEL_NAME, GatedExecutor, LiveServer, load_tiny, start_server
+from live_server import MODEL_NAME, GatedExecutor, LiveServer, load_tiny, start_server, wait_until
 from tiny_models import make_tiny_model_dir
 
 from strata.commands import gateway as gateway_command
@@ -96,6 +96,9 @@ def test_sigterm_lets_the_stream_in_flight_finish_then_exits_0(
             chunks = response.iter_raw()
             first = next(chunks)
             proc.send_signal(signal.SIGTERM)
+            # the gateway has begun its shutdown (it stopped listening); only then may the
+            # stream in flight go on
+            assert wait_until(lambda: not _listens(url), timeout_s=10)
             gate.open()
             events = list(parse_events([first, *chunks]))
         assert events[-1] == "[DONE]"
@@ -109,6 +112,14 @@ def test_sigterm_lets_the_stream_in_flight_finish_then_exits_0(
             proc.wait()
         assert proc.stdout is not None
         proc.stdout.close()
+
+
+def _listens(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/health", timeout=1)
+    except httpx.ConnectError:
+        return False
+    return True
 
 
 def _wait_for_url(proc: subprocess.Popen[str]) -> str:

@@ -174,3 +174,18 @@ def test_a_gateway_with_api_keys_checks_them_before_routing() -> None:
                     (await client.get("/health")).status_code]
 
     assert asyncio.run(run()) == [401, 200, 200]
+
+
+def test_an_unexpected_transport_error_is_the_instance_failing_not_a_500() -> None:
+    """A transport that raises what httpx does not wrap (a pool closed under a request raises
+    RuntimeError) fails that attempt: retried elsewhere, never an internal error."""
+    def closed(request: httpx.Request) -> httpx.Response:
+        raise RuntimeError("Cannot send a request, as the client has been closed.")
+
+    upstreams = Upstreams(a=closed, b=completion)
+    responses, gateway = call(upstreams, [view("a"), view("b")],
+                              [("POST", "/v1/completions", {"model": "m"})])
+    assert responses[0].status_code == 200 and responses[0].headers["x-strata-instance"] == "b"
+    assert _metric(gateway, "strata:gateway_retries_total") == 1.0
+    only_a, _ = call(Upstreams(a=closed), [view("a")], [("POST", "/v1/completions", {"m": 1})])
+    assert only_a[0].status_code == 502 and "RuntimeError" in only_a[0].json()["error"]["message"]

@@ -273,8 +273,10 @@ def test_session_endpoints_pass_through_and_delete_unpins() -> None:
 def test_session_routing_config_names_the_valid_modes() -> None:
     with pytest.raises(ValueError, match="none, external, sticky, hybrid"):
         SessionRoutingConfig(mode="magic")
-    assert isinstance(SessionRouter(SessionRoutingConfig(mode="sticky"), MemoryPinStore()),
-                      SessionRouter)
+    modes = ("none", "external", "sticky", "hybrid")  # each valid one is accepted
+    assert [m for m in modes if SessionRoutingConfig(mode=m).is_pinning] == ["sticky", "hybrid"]
+    router = SessionRouter(SessionRoutingConfig(mode="sticky"), MemoryPinStore())
+    assert asyncio.run(router.place("s", [view("a")])).instance_id == "a"
 
 
 def test_the_cli_flags_build_the_session_routing_config() -> None:

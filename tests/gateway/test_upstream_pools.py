@@ -121,7 +121,7 @@ def test_a_departed_instance_keeps_its_pool_until_its_stream_ends(served) -> Non
             gate.set()
             assert [rest async for rest in frames] == [b"data: [DONE]\n\n"]  # not cut
             assert (await answer(gateway))["instance"] == "b"  # prunes: a closed now
-            await asyncio.sleep(0.05)  # the close runs in the background
+            await asyncio.gather(*pools._closing)  # the close runs in the background
             assert pools.retired == [] and connections(pools, "b") == 1
             assert len(gone.transport._pool.connections) == 0  # type: ignore[attr-defined]
         finally:

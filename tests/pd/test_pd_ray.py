@@ -12,7 +12,8 @@ import httpx
 import pytest
 import ray
 
-from strata.cluster.local import LocalClusterConfig, free_port
+from strata.cluster.local import LocalClusterConfig
+from strata.cluster.ports import free_port
 from strata.cluster.ray_launcher import RayClusterConfig, RayLauncher
 from strata.cluster.seed import ClusterSeed, seed_registry
 from strata.registry import InstanceState, create_registry

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster_process import kill_after
 from openai import OpenAI
 from pd_fleet import Instance, start_instance
 
-from strata.cluster.local import free_port
+from strata.bench.procs import start_up
 from strata.model.loader import LoadedModel
 
 PROMPT = "the weather in the north was cold and wet all week, so the school closed early"
@@ -29,25 +28,13 @@ def cluster(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[tuple[str, dict[str, str]]]:
     root = tmp_path_factory.mktemp("pd-up")
     env = {**os.environ, "STRATA_RUN_DIR": str(root / "run")}
-    cmd = [sys.executable, "-m", "strata.cli", "up", str(tiny_dir), "--prefill", "1",
-           "--decode", "1", "--port", str(free_port()), "--dtype", "float32", "--block-size",
-           "8", "--max-model-len", "256", "--threads-per-instance", "1", "--log-level",
-           "warning", "--gateway-arg=--pd-min-uncached-tokens=8"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
-    assert proc.stdout is not None
-    timer = kill_after(proc, 300)
-    lines: list[str] = []
-    url = None
-    while url is None and (line := proc.stdout.readline()):
-        lines.append(line)
-        if m := re.search(r"\(1 prefill, 1 decode\) behind (http://127\.0\.0\.1:\d+)", line):
-            url = m.group(1)
-    timer.cancel()
-    assert url is not None, "strata up did not start:\n" + "".join(lines[-30:])
-    yield url, env
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 0
+    up = start_up([str(tiny_dir), "--prefill", "1", "--decode", "1", "--dtype", "float32",
+                   "--block-size", "8", "--max-model-len", "256", "--threads-per-instance", "1",
+                   "--log-level", "warning", "--gateway-arg=--pd-min-uncached-tokens=8"],
+                  root / "run", env=env)
+    assert "(1 prefill, 1 decode) behind" in up.output()
+    yield up.url, env
+    assert up.stop(timeout_s=60, sig=signal.SIGINT) == 0
     status = subprocess.run([sys.executable, "-m", "strata.cli", "status"], env=env,
                             capture_output=True, text=True, timeout=60)
     assert "no instances registered" in status.stdout

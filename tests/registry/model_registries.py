@@ -1,8 +1,8 @@
-"""Shared by the registry tests: a fake clock, `story` (an async test body on one registry of
+"""Shared by the registry tests: `story` (an async test body on one registry of
 any kind), the ModelRegistry `make` fixture (one shared backend per test: memory, a SQLite temp
 file or a real Redis) and records to store.
 
-    from model_registries import FakeClock, Make, make_fixture, story  # make_fixture: noqa F401
+    from model_registries import Make, make_fixture, story  # make_fixture: noqa F401
     from redis_server import redis_server, redis_url  # noqa: F401   (make needs them)
 """
 
@@ -16,6 +16,7 @@ from typing import Any, Protocol, TypeVar
 import pytest
 import redis
 
+from strata.clock import ManualClock
 from strata.registry.model_registry import create_model_registry
 from strata.registry.models import (
     Deployment,
@@ -31,20 +32,12 @@ from strata.registry.models import (
 BACKENDS = ["memory", "sqlite", "redis"]
 
 
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class Closable(Protocol):
     async def close(self) -> None: ...
 
 
 R = TypeVar("R", bound=Closable)
-Make = Callable[[FakeClock], ModelRegistry]
+Make = Callable[[ManualClock], ModelRegistry]
 
 
 @pytest.fixture(name="make", params=BACKENDS)
@@ -68,15 +61,16 @@ def backend_url(backend: str, request: pytest.FixtureRequest, tmp_path: Path) ->
     return url
 
 
-def with_clock(registry: R, clock: FakeClock) -> R:
+def with_clock(registry: R, clock: ManualClock) -> R:
     """A shared in-memory registry, read through this caller's clock from now on."""
     registry.clock = clock  # type: ignore[attr-defined]
     return registry
 
 
-def story(make: Callable[[FakeClock], R], body: Callable[[R, FakeClock], Awaitable[None]]) -> None:
+def story(make: Callable[[ManualClock], R],
+          body: Callable[[R, ManualClock], Awaitable[None]]) -> None:
     async def main() -> None:
-        clock = FakeClock()
+        clock = ManualClock(1000.0)
         registry = make(clock)
         try:
             await body(registry, clock)

@@ -13,8 +13,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from model_registries import FakeClock
-
+from strata.clock import ManualClock
 from strata.registry import InstanceRecord, InstanceState, Registry, create_registry
 from strata.registry.model_registry import create_model_registry
 from strata.registry.models import (
@@ -98,7 +97,7 @@ class World:
     """Model `m` with versions v1, v2, v3; v1 live on 2 READY instances (after `create`)."""
 
     def __init__(self, clock: Callable[[], float] | None = None) -> None:
-        self.clock = clock or FakeClock()  # time.time: real time, for `run_launcher`
+        self.clock = clock or ManualClock(1000.0)  # time.time: real time, for `run_launcher`
         self.models = create_model_registry("memory://", clock=self.clock)
         self.instances = create_registry("memory://", ttl_s=5.0, clock=self.clock)
         self.launcher = FakeLauncher(self.models, self.instances, self.clock)
@@ -132,7 +131,7 @@ class World:
                                  sleep=self.sleep, **kwargs)
 
     async def sleep(self, seconds: float) -> None:
-        if isinstance(self.clock, FakeClock):
+        if isinstance(self.clock, ManualClock):
             self.clock.now += seconds
         else:
             await asyncio.sleep(seconds)
@@ -182,4 +181,4 @@ def states(release: Release) -> list[str]:
     return [state for state, _ in release.history]
 
 
-__all__ = ["CONFIG", "FakeClock", "FakeLauncher", "World", "states"]
+__all__ = ["CONFIG", "FakeLauncher", "World", "states"]

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import redis
-from model_registries import FakeClock, story, with_clock
+from model_registries import story, with_clock
 from redis_server import redis_server, redis_url  # noqa: F401
 
+from strata.clock import ManualClock
 from strata.errors import ConfigError, RegistryError
 from strata.registry import (
     InstanceLoad,
@@ -22,7 +23,7 @@ from strata.registry import (
     create_registry,
 )
 
-Make = Callable[[FakeClock], Registry]
+Make = Callable[[ManualClock], Registry]
 TTL_S = 5.0
 
 
@@ -48,7 +49,7 @@ def rec(instance_id: str = "i-1", **kw: object) -> InstanceRecord:
 
 
 def test_register_get_and_list(make: Make) -> None:
-    async def body(reg: Registry, clock: FakeClock) -> None:
+    async def body(reg: Registry, clock: ManualClock) -> None:
         assert await reg.list_instances() == []
         assert await reg.get("i-1") is None
         await reg.register(rec("i-2", role=Role.DECODE, pool="gpu", version="v2"))
@@ -64,7 +65,7 @@ def test_register_get_and_list(make: Make) -> None:
 
 
 def test_register_again_replaces_the_record(make: Make) -> None:
-    async def body(reg: Registry, clock: FakeClock) -> None:
+    async def body(reg: Registry, clock: ManualClock) -> None:
         await reg.register(rec(state=InstanceState.READY, load=InstanceLoad(num_running=3)))
         await reg.register(rec(url="http://127.0.0.1:10", simulated=True))
         got = await reg.get("i-1")
@@ -76,7 +77,7 @@ def test_register_again_replaces_the_record(make: Make) -> None:
 
 
 def test_heartbeat_updates_state_load_and_time(make: Make) -> None:
-    async def body(reg: Registry, clock: FakeClock) -> None:
+    async def body(reg: Registry, clock: ManualClock) -> None:
         await reg.register(rec())
         clock.now = 1001.0
         load = InstanceLoad(num_running=2, num_waiting=1, kv_usage=0.25, num_in_flight=3)
@@ -95,7 +96,7 @@ def test_heartbeat_updates_state_load_and_time(make: Make) -> None:
 
 
 def test_heartbeat_of_an_unknown_instance_raises(make: Make) -> None:
-    async def body(reg: Registry, clock: FakeClock) -> None:
+    async def body(reg: Registry, clock: ManualClock) -> None:
         with pytest.raises(RegistryError, match="'ghost' is not registered"):
             await reg.heartbeat("ghost", state=InstanceState.READY)
         assert await reg.list_instances() == []  # and nothing was created
@@ -104,7 +105,7 @@ def test_heartbeat_of_an_unknown_instance_raises(make: Make) -> None:
 
 
 def test_deregister_is_idempotent_and_ends_heartbeats(make: Make) -> None:
-    async def body(reg: Registry, clock: FakeClock) -> None:
+    async def body(reg: Registry, clock: ManualClock) -> None:
         await reg.register(rec("i-1"))
         await reg.register(rec("i-2"))
         await reg.deregister("i-1")
@@ -118,7 +119,7 @@ def test_deregister_is_idempotent_and_ends_heartbeats(make: Make) -> None:
 
 
 def test_expired_record_is_dead_until_its_next_heartbeat(make: Make) -> None:
-    async def body(reg: Registry, clock: FakeClock) -> None:
+    async def body(reg: Registry, clock: ManualClock) -> None:
         await reg.register(rec("old", state=InstanceState.READY))
         clock.now = 1000.0 + TTL_S  # exactly ttl old: still alive
         await reg.register(rec("new", state=InstanceState.READY))
@@ -148,7 +149,7 @@ def test_records_round_trip_through_json() -> None:
 
 @pytest.mark.parametrize("make", ["sqlite", "redis"], indirect=True)
 def test_two_registry_objects_share_writes(make: Make) -> None:
-    async def body(reg: Registry, clock: FakeClock) -> None:
+    async def body(reg: Registry, clock: ManualClock) -> None:
         other = make(clock)  # another handle, as another process would open
         try:
             await reg.register(rec("i-1"))
@@ -164,7 +165,7 @@ def test_two_registry_objects_share_writes(make: Make) -> None:
 
 
 def test_fifty_concurrent_heartbeats_lose_nothing(make: Make) -> None:
-    async def body(reg: Registry, clock: FakeClock) -> None:
+    async def body(reg: Registry, clock: ManualClock) -> None:
         ids = [f"i-{n:02d}" for n in range(50)]
         await asyncio.gather(*(reg.register(rec(i)) for i in ids))
         clock.now = 1001.0

@@ -11,9 +11,10 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
-from model_registries import FakeClock, backend_url, full_records
+from model_registries import backend_url, full_records
 from redis_server import free_port, redis_server, redis_url  # noqa: F401
 
+from strata.clock import ManualClock
 from strata.errors import ConfigError, RegistryError
 from strata.registry import InstanceRecord, create_registry
 from strata.registry.model_registry import create_model_registry
@@ -85,7 +86,7 @@ def test_sqlite_shares_the_instance_registry_file_and_stores_json(tmp_path: Path
 
     async def main() -> None:
         instances = create_registry(f"sqlite:///{path}")
-        models = create_model_registry(f"sqlite:///{path}", clock=FakeClock())
+        models = create_model_registry(f"sqlite:///{path}", clock=ManualClock(1000.0))
         try:
             await instances.register(InstanceRecord("i-1", "http://127.0.0.1:9", "chat"))
             stored = await models.put_release(full_records()[3], expected_revision=0)

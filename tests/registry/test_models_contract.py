@@ -10,7 +10,6 @@ from dataclasses import replace
 
 import pytest
 from model_registries import (
-    FakeClock,
     Make,
     full_records,
     make_fixture,  # noqa: F401  (the `make` fixture)
@@ -19,6 +18,7 @@ from model_registries import (
 )
 from redis_server import redis_server, redis_url  # noqa: F401
 
+from strata.clock import ManualClock
 from strata.errors import ConfigError, ConflictError
 from strata.registry.models import (
     Deployment,
@@ -34,7 +34,7 @@ from strata.registry.models import (
 
 
 def test_versions_add_get_and_list_sorted(make: Make) -> None:
-    async def body(reg: ModelRegistry, clock: FakeClock) -> None:
+    async def body(reg: ModelRegistry, clock: ManualClock) -> None:
         assert await reg.list_versions() == []
         v2 = await reg.add_version(ModelVersion("chat", "v2", "/models/chat-2", "ab" * 32))
         assert v2 == ModelVersion("chat", "v2", "/models/chat-2", "ab" * 32, created_at=1000.0)
@@ -53,7 +53,7 @@ def test_versions_add_get_and_list_sorted(make: Make) -> None:
 
 
 def test_re_adding_a_version_is_a_no_op_unless_it_differs(make: Make) -> None:
-    async def body(reg: ModelRegistry, clock: FakeClock) -> None:
+    async def body(reg: ModelRegistry, clock: ManualClock) -> None:
         first = await reg.add_version(ModelVersion("chat", "v1", "/m/1", "cd" * 32))
         clock.now = 2000.0
         assert await reg.add_version(ModelVersion("chat", "v1", "/m/1", "cd" * 32)) == first
@@ -70,7 +70,7 @@ def test_re_adding_a_version_is_a_no_op_unless_it_differs(make: Make) -> None:
 
 
 def test_routing_is_compare_and_set(make: Make) -> None:
-    async def body(reg: ModelRegistry, clock: FakeClock) -> None:
+    async def body(reg: ModelRegistry, clock: ManualClock) -> None:
         assert await reg.get_routing("chat") is None
         created = await reg.set_routing(ModelRouting("chat", live="v1"), expected_revision=0)
         assert created == ModelRouting("chat", live="v1", revision=1, updated_at=1000.0)
@@ -97,7 +97,7 @@ def test_routing_is_compare_and_set(make: Make) -> None:
 
 
 def test_racing_routing_writers_exactly_one_wins(make: Make) -> None:
-    async def body(reg: ModelRegistry, clock: FakeClock) -> None:
+    async def body(reg: ModelRegistry, clock: ManualClock) -> None:
         read = await reg.set_routing(ModelRouting("chat", live="v1"), expected_revision=0)
         writers = [reg] + [make(clock) for _ in range(9)]  # separate connections where shared
         try:
@@ -119,7 +119,7 @@ def test_racing_routing_writers_exactly_one_wins(make: Make) -> None:
 
 
 def test_deployments_cas_delete_and_sorted_list(make: Make) -> None:
-    async def body(reg: ModelRegistry, clock: FakeClock) -> None:
+    async def body(reg: ModelRegistry, clock: ManualClock) -> None:
         d = await reg.put_deployment(Deployment("chat", "v2", replicas=2), expected_revision=0)
         assert d == Deployment("chat", "v2", 2, revision=1, updated_at=1000.0)
         with pytest.raises(ConflictError, match="'chat@v2' already exists"):
@@ -150,7 +150,7 @@ def test_deployments_cas_delete_and_sorted_list(make: Make) -> None:
 
 
 def test_releases_cas_and_sorted_list(make: Make) -> None:
-    async def body(reg: ModelRegistry, clock: FakeClock) -> None:
+    async def body(reg: ModelRegistry, clock: ManualClock) -> None:
         r1 = await reg.put_release(release("r-b"), expected_revision=0)
         assert r1 == release("r-b", revision=1, created_at=1000.0, updated_at=1000.0)
         clock.now = 1001.0
@@ -173,7 +173,7 @@ def test_releases_cas_and_sorted_list(make: Make) -> None:
 
 
 def test_one_release_in_progress_per_model(make: Make) -> None:
-    async def body(reg: ModelRegistry, clock: FakeClock) -> None:
+    async def body(reg: ModelRegistry, clock: ManualClock) -> None:
         first = await reg.put_release(release("r-1"), expected_revision=0)
         with pytest.raises(ConflictError, match="'chat' already has a release in progress"):
             await reg.put_release(release("r-2"), expected_revision=0)
@@ -191,7 +191,7 @@ def test_one_release_in_progress_per_model(make: Make) -> None:
 
 
 def test_racing_release_creators_exactly_one_wins(make: Make) -> None:
-    async def body(reg: ModelRegistry, clock: FakeClock) -> None:
+    async def body(reg: ModelRegistry, clock: ManualClock) -> None:
         writers = [reg] + [make(clock) for _ in range(5)]
         try:
             results = await asyncio.gather(
@@ -217,7 +217,7 @@ def test_every_record_round_trips_through_json() -> None:
 
 
 def test_records_read_back_whole_from_another_handle(make: Make) -> None:
-    async def body(reg: ModelRegistry, clock: FakeClock) -> None:
+    async def body(reg: ModelRegistry, clock: ManualClock) -> None:
         version, routing, deployment, rel = full_records()
         stored = (await reg.add_version(version),
                   await reg.set_routing(routing, expected_revision=0),
@@ -236,8 +236,14 @@ def test_records_read_back_whole_from_another_handle(make: Make) -> None:
 
 
 def test_close_twice_is_harmless(make: Make) -> None:
-    async def body(reg: ModelRegistry, clock: FakeClock) -> None:
+    async def body(reg: ModelRegistry, clock: ManualClock) -> None:
         await reg.add_version(ModelVersion("chat", "v1", "/m/1"))
         await reg.close()
+        await reg.close()  # raises nothing
+        other = make(clock)  # memory: the same object; sqlite/redis: a new connection
+        try:
+            assert [v.key for v in await other.list_versions()] == ["chat@v1"]  # nothing lost
+        finally:
+            await other.close()
 
-    story(make, body)  # story closes it a second time
+    story(make, body)  # story closes it a third time

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from redis_server import redis_server, redis_url  # noqa: F401
 
+from strata.clock import ManualClock
 from strata.errors import ConfigError, KVStoreUnavailableError
 from strata.state.kv_store import KVStore, KVStoreLimits, create_kv_store
 from strata.types import BlockHash
@@ -23,13 +24,15 @@ def payload(i: int, size: int = 100) -> bytes:
 
 @pytest.fixture(params=["memory", "redis"])
 def open_store(request: pytest.FixtureRequest) -> Callable[..., KVStore]:
-    """A factory of fresh stores of the backend (Redis: a key prefix of their own)."""
+    """A factory of fresh stores of the backend (Redis: a key prefix of their own). `clock`
+    drives the memory store's expiry; Redis expires keys on its own clock."""
     if request.param == "memory":
-        return lambda **limits: create_kv_store("memory://", limits=KVStoreLimits(**limits))
+        return lambda clock=time.monotonic, **limits: create_kv_store(
+            "memory://", limits=KVStoreLimits(**limits), clock=clock)
     url = request.getfixturevalue("redis_url")
     prefix = f"test:{uuid.uuid4().hex[:8]}"
-    return lambda **limits: create_kv_store(url, limits=KVStoreLimits(**limits),
-                                            key_prefix=prefix)
+    return lambda clock=None, **limits: create_kv_store(url, limits=KVStoreLimits(**limits),
+                                                        key_prefix=prefix)
 
 
 def run(store: KVStore, story: Callable[[KVStore], Awaitable[None]]) -> None:
@@ -88,13 +91,32 @@ def test_caps_keep_the_leading_blocks(open_store: Callable[..., KVStore]) -> Non
 
 
 def test_entries_expire_after_the_ttl(open_store: Callable[..., KVStore]) -> None:
+    clock = ManualClock(1000.0)
+
     async def story(store: KVStore) -> None:
         await store.put_many([(H[0], payload(0))])
         assert await store.count_prefix(H) == 1
-        await asyncio.sleep(0.5)
+        clock.advance(1.0)  # the memory store's TTL has passed; Redis counts on its own clock
+        for _ in range(500):  # Redis: bounded, until the key is gone
+            if await store.count_prefix(H) == 0:
+                break
+            await asyncio.sleep(0.02)
         assert await store.get_prefix(H) == [] and await store.count_prefix(H) == 0
 
-    run(open_store(ttl_s=0.2), story)
+    run(open_store(clock=clock, ttl_s=1.0), story)
+
+
+def test_the_memory_store_keeps_an_entry_until_its_ttl_on_its_clock() -> None:
+    clock = ManualClock(1000.0)
+
+    async def story(store: KVStore) -> None:
+        await store.put_many([(H[0], payload(0))])
+        clock.advance(0.99)
+        assert await store.count_prefix(H) == 1
+        clock.advance(0.01)
+        assert await store.count_prefix(H) == 0
+
+    run(create_kv_store("memory://", limits=KVStoreLimits(ttl_s=1.0), clock=clock), story)
 
 
 def test_memory_store_evicts_least_recently_used_bytes() -> None:

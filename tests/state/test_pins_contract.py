@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from redis_server import redis_server, redis_url  # noqa: F401
 
+from strata.clock import ManualClock
 from strata.errors import ConfigError
 from strata.state.pins import MemoryPinStore, PinStore, SqlitePinStore, create_pin_store
 from strata.state.pins.redis import RedisPinStore
@@ -19,20 +20,12 @@ TTL_S = 10.0
 _prefixes = itertools.count()
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 Factory = Callable[[], PinStore]  # each call: another client of the same table
 
 
 @pytest.fixture(params=["memory", "sqlite", "redis"])
-def stores(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Factory, Clock]:
-    clock = Clock()
+def stores(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Factory, ManualClock]:
+    clock = ManualClock(1000.0)
     if request.param == "memory":
         shared = MemoryPinStore(ttl_s=TTL_S, clock=clock)
         return (lambda: shared), clock
@@ -51,7 +44,7 @@ async def closing(clients: list[PinStore], work: Awaitable[object]) -> object:
             await client.close()
 
 
-def test_compare_and_set_story(stores: tuple[Factory, Clock]) -> None:
+def test_compare_and_set_story(stores: tuple[Factory, ManualClock]) -> None:
     factory, _ = stores
 
     pins = factory()
@@ -75,7 +68,8 @@ def test_compare_and_set_story(stores: tuple[Factory, Clock]) -> None:
     asyncio.run(closing([pins], story()))
 
 
-def test_pins_expire_when_idle_and_reads_slide_the_expiry(stores: tuple[Factory, Clock]) -> None:
+def test_pins_expire_when_idle_and_reads_slide_the_expiry(
+        stores: tuple[Factory, ManualClock]) -> None:
     factory, clock = stores
 
     pins = factory()
@@ -98,7 +92,7 @@ def test_pins_expire_when_idle_and_reads_slide_the_expiry(stores: tuple[Factory,
 
 
 def test_racing_creates_and_swaps_have_exactly_one_winner(
-        stores: tuple[Factory, Clock]) -> None:
+        stores: tuple[Factory, ManualClock]) -> None:
     factory, _ = stores
 
     clients = [factory() for _ in range(8)]
@@ -119,7 +113,7 @@ def test_racing_creates_and_swaps_have_exactly_one_winner(
 
 
 def test_many_sessions_raced_by_many_clients_all_count_once(
-        stores: tuple[Factory, Clock]) -> None:
+        stores: tuple[Factory, ManualClock]) -> None:
     factory, _ = stores
 
     clients = [factory() for _ in range(4)]

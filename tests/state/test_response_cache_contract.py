@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from redis_server import free_port, redis_server, redis_url  # noqa: F401
 
+from strata.clock import ManualClock
 from strata.errors import ConfigError, ResponseCacheError
 from strata.state.response_cache import (
     MemoryResponseCache,
@@ -26,21 +27,13 @@ TTL_S = 10.0
 ALL_BYTES = bytes(range(256)) + b"\xff\xfe\x00 not utf-8 \xc3\x28"
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 Factory = Callable[..., ResponseCache]  # each call: another client of the same cache
 
 
 @pytest.fixture(params=["memory", "sqlite", "redis"])
-def caches(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Factory, Clock, str]:
+def caches(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Factory, ManualClock, str]:
     """(factory, clock, unique key prefix); the factory takes max_entry_bytes."""
-    clock = Clock()
+    clock = ManualClock(1000.0)
     prefix = f"infer:test-{uuid.uuid4().hex[:8]}:v1:"
     if request.param == "memory":
         shared: dict[int, MemoryResponseCache] = {}
@@ -73,7 +66,7 @@ def run(clients: list[ResponseCache], work: Awaitable[None]) -> None:
 
 
 def test_values_come_back_byte_for_byte_and_a_put_replaces(
-        caches: tuple[Factory, Clock, str]) -> None:
+        caches: tuple[Factory, ManualClock, str]) -> None:
     factory, _, prefix = caches
     cache = factory()
 
@@ -91,7 +84,7 @@ def test_values_come_back_byte_for_byte_and_a_put_replaces(
 
 
 def test_another_client_of_the_same_cache_reads_the_entry(
-        caches: tuple[Factory, Clock, str]) -> None:
+        caches: tuple[Factory, ManualClock, str]) -> None:
     factory, _, prefix = caches
     writer, reader = factory(), factory()
 
@@ -103,7 +96,7 @@ def test_another_client_of_the_same_cache_reads_the_entry(
 
 
 def test_values_over_max_entry_bytes_are_refused_and_counted(
-        caches: tuple[Factory, Clock, str]) -> None:
+        caches: tuple[Factory, ManualClock, str]) -> None:
     factory, _, prefix = caches
     cache = factory(max_entry_bytes=100)
 
@@ -120,7 +113,7 @@ def test_values_over_max_entry_bytes_are_refused_and_counted(
 
 @pytest.mark.parametrize("kind", ["memory", "sqlite"])
 def test_entries_expire_on_the_injected_clock(kind: str, tmp_path: Path) -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     url = "memory://" if kind == "memory" else f"sqlite://{tmp_path}/responses.db"
     cache = create_response_cache(url, ttl_s=TTL_S, clock=clock)
 
@@ -194,7 +187,7 @@ def test_memory_evicts_the_least_recently_used_past_max_entries() -> None:
 
 
 def test_sqlite_prunes_expired_then_oldest_stored_past_max_bytes(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     path = tmp_path / "responses.db"
     cache = SqliteResponseCache(path, ttl_s=TTL_S, max_bytes=300, max_entry_bytes=100,
                                 clock=clock)

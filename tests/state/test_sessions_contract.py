@@ -12,24 +12,17 @@ from pathlib import Path
 import pytest
 from redis_server import redis_server, redis_url  # noqa: F401
 
+from strata.clock import ManualClock
 from strata.errors import ConfigError, SessionConflictError, SessionNotFoundError
 from strata.state import SessionStore, create_session_store
 
 ALICE, BOB = "tenant-alice", "tenant-bob"
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @dataclass
 class Backend:
     url: str
-    clock: FakeClock | None  # None: real time (Redis expires keys on its own clock)
+    clock: ManualClock | None  # None: real time (Redis expires keys on its own clock)
 
     def run(self, story: Callable[[SessionStore], Awaitable[None]]) -> None:
         """Run `story` on a fresh store of this backend, in its own event loop."""
@@ -46,9 +39,9 @@ class Backend:
 @pytest.fixture(params=["memory", "sqlite", "redis"])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     if request.param == "memory":
-        return Backend("memory://", FakeClock())
+        return Backend("memory://", ManualClock(1000.0))
     if request.param == "sqlite":
-        return Backend(f"sqlite:///{tmp_path}/s.db", FakeClock())
+        return Backend(f"sqlite:///{tmp_path}/s.db", ManualClock(1000.0))
     return Backend(request.getfixturevalue("redis_url"), None)
 
 

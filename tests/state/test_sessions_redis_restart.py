@@ -1,5 +1,9 @@
-"""Redis killed (SIGKILL) and restarted mid-run with appendfsync always: no acknowledged turn is
-lost, and the store's client reconnects by itself."""
+"""Redis killed (SIGKILL) and restarted mid-run with `--appendonly yes --appendfsync always`: no
+acknowledged turn is lost, and the store's client reconnects by itself.
+
+The guarantee shown is for a crash of the Redis process: the kernel keeps what Redis wrote
+before it replied, so `appendfsync everysec` or `no` would pass as well, and `--appendonly no`
+fails. A crash of the machine (what the fsync of `always` is for) is not simulated."""
 
 from __future__ import annotations
 

@@ -1,0 +1,234 @@
+"""The dashboard over an in-process gateway: what it serves and to whom, and the snapshot it
+draws, on an injected clock with fake instances (the browser tests run the real thing)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from gateway_fakes import FakeClock, FixedSource, Upstreams, json_answer, view
+from starlette.applications import Starlette
+
+import strata.gateway
+from strata.gateway.app import create_gateway_app
+from strata.gateway.config import GatewayConfig
+from strata.gateway.dashboard import ASSETS, CONTENT_SECURITY_POLICY, dashboard_routes
+from strata.gateway.dashboard_data import AutoscalerStatus, ScalingTarget
+from strata.gateway.routes import build_routes
+from strata.gateway.sources import RegistrySource
+from strata.gateway.wiring import build_gateway
+from strata.registry.memory import MemoryRegistry
+from strata.registry.models import (
+    Deployment,
+    DeploymentState,
+    ModelRouting,
+    ModelVersion,
+    Release,
+    ReleaseState,
+    Strategy,
+)
+from strata.registry.models_memory import MemoryModelRegistry
+from strata.registry.records import InstanceRecord, InstanceState
+
+STATIC = Path(strata.gateway.__file__).parent / "dashboard_static"
+
+
+def calls(app: Any, *requests: tuple[str, str, dict[str, str]]) -> list[httpx.Response]:
+    async def run() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            return [await client.request(method, path, headers=headers)
+                    for method, path, headers in requests]
+
+    return asyncio.run(run())
+
+
+def keyed_app(keys: tuple[str, ...]) -> Any:
+    return create_gateway_app(GatewayConfig(api_keys=keys), FixedSource(view("a")),
+                              transport=Upstreams().transport(), clock=FakeClock(),
+                              run_background=False)
+
+
+def test_the_page_and_its_files_come_from_the_gateway_under_a_strict_policy() -> None:
+    app = keyed_app(())
+    page, *assets = calls(app, ("GET", "/dashboard", {}),
+                          *(("GET", f"/dashboard/static/{name}", {}) for name in ASSETS))
+    [missing] = calls(app, ("GET", "/dashboard/static/secrets.txt", {}))
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert page.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
+    assert "default-src 'none'" in CONTENT_SECURITY_POLICY
+    assert "https:" not in CONTENT_SECURITY_POLICY and "*" not in CONTENT_SECURITY_POLICY
+    linked = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert sorted(linked) == sorted(f"/dashboard/static/{name}" for name in ASSETS)
+    for name, answer in zip(ASSETS, assets, strict=True):
+        assert answer.status_code == 200, name
+        assert answer.headers["content-type"] == ASSETS[name]
+        assert answer.content == (STATIC / name).read_bytes()
+    assert missing.status_code == 404
+
+
+def test_nothing_shipped_names_another_host_and_uplot_is_the_pinned_release() -> None:
+    for name in ("index.html", "dashboard.js", "dashboard.css"):
+        assert not re.search(r"https?:|//[a-z0-9.-]+\.[a-z]{2,}", (STATIC / name).read_text()), name
+    chart_js = (STATIC / "uPlot.iife.min.js").read_text()
+    assert chart_js.startswith("/*! https://github.com/leeoniya/uPlot (v1.6.32) */")
+    assert re.findall(r"https?://", chart_js) == ["https://"]  # that first comment only
+    assert "MIT License" in (STATIC / "uPlot.LICENSE").read_text()
+
+
+def test_with_api_keys_the_dashboard_is_read_only_without_the_key() -> None:
+    key = {"authorization": "Bearer k1"}
+    page, anonymous, wrong, admin, asset, unknown, drain, listing = calls(
+        keyed_app(("k0", "k1")), ("GET", "/dashboard", {}), ("GET", "/dashboard/data", {}),
+        ("GET", "/dashboard/data", {"authorization": "Bearer nope"}),
+        ("GET", "/dashboard/data", key), ("GET", "/dashboard/static/dashboard.js", {}),
+        ("GET", "/dashboard/static/other.js", {}), ("POST", "/admin/instances/a/drain", {}),
+        ("GET", "/admin/instances", {}))
+    assert page.status_code == 200 and asset.status_code == 200
+    assert anonymous.json()["access"] == {"admin": False, "keyed": True}
+    assert wrong.json()["access"] == {"admin": False, "keyed": True}
+    assert admin.json()["access"] == {"admin": True, "keyed": True}
+    assert [r.status_code for r in (unknown, drain, listing)] == [401, 401, 401]
+    assert anonymous.json()["instances"][0]["instance_id"] == "a"  # read-only, not blind
+
+
+def test_a_gateway_without_keys_has_an_open_admin_api_and_says_so() -> None:
+    [data] = calls(keyed_app(()), ("GET", "/dashboard/data", {}))
+    assert data.json()["access"] == {"admin": True, "keyed": False}
+    assert data.headers["cache-control"] == "no-store"
+
+
+def dashboard(clock: FakeClock, models: MemoryModelRegistry | None = None,
+              instances: MemoryRegistry | None = None,
+              autoscaler: Callable[[], Any] | None = None) -> Any:
+    """The gateway's routes and the dashboard's over instances a, b (from `instances` when
+    given); a and b answer completions and their /metrics."""
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text='strata:prefix_cache_hit_rate{model_name="m"} 0.5\n')
+        return json_answer({"choices": [{"text": "ok"}]})
+
+    upstreams = Upstreams(a=answer, b=answer)
+    source: Any = (RegistrySource(instances) if instances is not None
+                   else FixedSource(view("a", version="v1"), view("b", version="v2")))
+    gateway = build_gateway(GatewayConfig(), source, transport=upstreams.transport(),
+                            clock=clock, models=models, instance_registry=instances)
+    app = Starlette(routes=[*build_routes(), *dashboard_routes(gateway, clock=clock,
+                                                                autoscaler=autoscaler)])
+    app.state.gateway = gateway
+    return app, gateway
+
+
+def test_answers_proxied_through_the_gateway_reach_the_charts() -> None:
+    clock = FakeClock(5000.0)
+    app, gateway = dashboard(clock)
+
+    async def story() -> dict[str, Any]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            for _ in range(3):
+                answer = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+                assert answer.status_code == 200
+            clock.advance(1.0)
+            return (await client.get("/dashboard/data")).json()
+
+    data = asyncio.run(story())
+    assert data["series"]["t"][-1] == 5000
+    assert data["series"]["answers_per_s"][-1] == 3
+    assert data["series"]["failures_per_s"][-1] == 0
+    assert data["series"]["ttft_ms_mean"][-1] is not None
+    assert [i["prefix_hit_rate"] for i in data["instances"]] == [0.5, 0.5]
+    assert data["caches"]["prefix_hit_rate_mean"] == 0.5
+
+
+def test_the_snapshot_tells_each_instance_s_condition_and_heartbeat_age() -> None:
+    clock = FakeClock(7000.0)
+    instances = MemoryRegistry(ttl_s=5.0, clock=clock)
+
+    async def story() -> dict[str, Any]:
+        for iid, state in (("a", InstanceState.READY), ("b", InstanceState.STARTING)):
+            await instances.register(InstanceRecord(iid, f"http://{iid}", "m", "v1",
+                                                    state=state, simulated=True))
+        clock.advance(2.5)
+        app, gateway = dashboard(clock, instances=instances)
+        await gateway.source.refresh()
+        gateway.source.instances.get("a").is_healthy = False
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://gw") as client:
+            return (await client.get("/dashboard/data")).json()
+
+    rows = {r["instance_id"]: r for r in asyncio.run(story())["instances"]}
+    assert {iid: (r["status"], r["heartbeat_age_s"], r["simulated"], r["routable"])
+            for iid, r in rows.items()} == {"a": ("unhealthy", 2.5, True, True),
+                                            "b": ("starting", 2.5, True, False)}
+    assert rows["a"]["load"] == {"num_in_flight": 0, "num_running": 0, "num_waiting": 0,
+                                 "kv_usage": 0.0}
+
+
+def test_models_show_their_parts_replicas_and_newest_release() -> None:
+    clock = FakeClock(100.0)
+    models = MemoryModelRegistry(clock=clock)
+    release = Release("r1", "m", "v2", "v1", strategy=Strategy.BLUE_GREEN, replicas=2,
+                      state=ReleaseState.WARMING, created_at=100.0,
+                      history=(("pending", 100.0), ("starting", 100.5), ("warming", 103.0)))
+
+    async def story() -> dict[str, Any]:
+        for version in ("v1", "v2"):
+            await models.add_version(ModelVersion("m", version, f"sim:{version}"))
+        await models.set_routing(ModelRouting("m", live="v1", previous="v0"),
+                                 expected_revision=0)
+        await models.put_deployment(Deployment("m", "v1", 1), expected_revision=0)
+        await models.put_deployment(Deployment("m", "v2", 2), expected_revision=0)
+        await models.put_deployment(Deployment("m", "v0", 1, DeploymentState.RETIRING),
+                                    expected_revision=0)
+        await models.put_release(release, expected_revision=0)
+        app, _ = dashboard(clock, models=models)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://gw") as client:
+            return (await client.get("/dashboard/data")).json()
+
+    data = asyncio.run(story())
+    [model] = data["models"]
+    assert model["routing"]["live"] == "v1" and model["routing"]["previous"] == "v0"
+    assert [(v["version"], v["part"], v["desired_replicas"], v["num_routable"], v["uri"])
+            for v in model["versions"]] == [("v1", "live", 1, 1, "sim:v1"),
+                                             ("v2", None, 2, 1, "sim:v2")]
+    [shown] = data["releases"]
+    assert (shown["release_id"], shown["state"], shown["is_terminal"]) == ("r1", "warming", False)
+    assert [(s["state"], s["status"], s["entered_at"]) for s in shown["steps"]] == [
+        ("pending", "passed", 100.0), ("starting", "passed", 100.5),
+        ("warming", "current", 103.0), ("flipping", "ahead", None),
+        ("retiring", "ahead", None), ("done", "ahead", None)]
+    assert data["control"] == {"drain": True, "releases": False}  # no instance registry
+    assert data["autoscaler"] is None and data["errors"] == []
+
+
+def test_an_autoscaler_fills_its_own_field() -> None:
+    status = AutoscalerStatus(decided_at=42.0, owner="autoscaler-1", targets=(
+        ScalingTarget("m", "v1", "decode", "default", desired=4, actual=3,
+                      reason="queue above target"),))
+
+    async def report() -> AutoscalerStatus:
+        return status
+
+    app, _ = dashboard(FakeClock(), autoscaler=report)
+    [data] = calls(app, ("GET", "/dashboard/data", {}))
+    assert data.json()["autoscaler"] == {
+        "decided_at": 42.0, "owner": "autoscaler-1",
+        "targets": [{"model": "m", "version": "v1", "role": "decode", "pool": "default",
+                     "desired": 4, "actual": 3, "reason": "queue above target"}]}
+
+
+def test_an_autoscaler_that_fails_leaves_its_field_empty_and_says_why() -> None:
+    async def broken() -> AutoscalerStatus:
+        raise RuntimeError("lease store down")
+
+    app, _ = dashboard(FakeClock(), autoscaler=broken)
+    [data] = calls(app, ("GET", "/dashboard/data", {}))
+    assert data.json()["autoscaler"] is None
+    assert data.json()["errors"] == ["autoscaler: RuntimeError: lease store down"]
+    assert [i["instance_id"] for i in data.json()["instances"]] == ["a", "b"]
