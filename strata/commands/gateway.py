@@ -34,8 +34,10 @@ from strata.commands.env import (
 )
 from strata.errors import ConfigError
 from strata.gateway.config import (
+    PD_MODES,
     SESSION_ROUTING_MODES,
     AdmissionConfig,
+    DisaggConfig,
     GatewayConfig,
     RetryConfig,
     SessionRoutingConfig,
@@ -106,9 +108,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="opt-in cache of deterministic answers (temperature 0 or a seed), keyed "
                         f"by model version: {schemes_help('response_cache')}")
     p.add_argument("--response-cache-ttl-s", type=positive_float, default=600.0)
+    _add_pd_flags(p)
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     add_class_flags(p)
     add_autoscale_flags(p)
+
+
+def _add_pd_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pd", choices=PD_MODES, default="auto",
+                   help="prefill/decode disaggregation: auto (whenever prefill instances are "
+                        "registered) or off")
+    p.add_argument("--pd-min-uncached-tokens", type=non_negative_int,
+                   default=DisaggConfig().min_uncached_tokens,
+                   help="prefill remotely only prompts with at least this many uncached tokens "
+                        "(estimated as bytes / 4); the default is fitted from the smollm2-cpu "
+                        "profile and the measured hand-off overhead (docs/benchmarks.md)")
+    p.add_argument("--pd-max-prefill-queue", type=positive_int, default=2,
+                   help="prefill locally when the least loaded prefill instance has this many "
+                        "requests queued or running")
+    p.add_argument("--pd-prefill-timeout-s", type=positive_float, default=60.0,
+                   help="a prefill instance slower than this: the decode instance prefills")
 
 
 def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
@@ -136,7 +155,10 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
         versions=VersionConfig(routing_poll_s=args.routing_poll_s,
                                pin_store_url=args.version_pin_store,
                                release=_release_config(args)),
-        response_cache_url=args.response_cache, response_cache_ttl_s=args.response_cache_ttl_s)
+        response_cache_url=args.response_cache, response_cache_ttl_s=args.response_cache_ttl_s,
+        pd=DisaggConfig(mode=args.pd, min_uncached_tokens=args.pd_min_uncached_tokens,
+                        max_prefill_queue=args.pd_max_prefill_queue,
+                        prefill_timeout_s=args.pd_prefill_timeout_s))
 
 
 def _session_config(args: argparse.Namespace) -> SessionRoutingConfig:

@@ -20,6 +20,7 @@ import httpx
 from strata.gateway.admission import Admission
 from strata.gateway.classes import ClassFlow
 from strata.gateway.config import GatewayConfig
+from strata.gateway.disagg import PDRouter
 from strata.gateway.forward import Handler, chain, path_steps
 from strata.gateway.health import HealthChecker, OutlierDetector
 from strata.gateway.instances import InstanceSet
@@ -106,8 +107,10 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
     if config.classes.is_on:
         classes = ClassFlow(config.classes, config.admission, instances)
         _close_with(exits, classes.close)
+    pd = None if config.pd.mode == "off" else PDRouter(
+        config.pd, proxy.pipeline, proxy.upstreams, proxy.detector, metrics.registry)
     steps = path_steps(admission=admission, metrics=metrics, proxy=proxy, versions=versions,
-                       cache=cache, sessions=sessions, prefix=prefix, classes=classes)
+                       cache=cache, sessions=sessions, prefix=prefix, classes=classes, pd=pd)
     forward = chain(steps, proxy.forward)
     return Gateway(config, source, proxy, admission, health, control, metrics, forward, exits,
                    sessions, versions, models, releases, cache, prefix, classes)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from strata.protocol.openapi import OPENAI_OPERATIONS, Operation, openapi_document
+from strata.server.pd_routes import PD_OPERATIONS
 
 INSTANCE_OPERATIONS: tuple[Operation, ...] = (
     *OPENAI_OPERATIONS,
@@ -14,6 +15,7 @@ INSTANCE_OPERATIONS: tuple[Operation, ...] = (
               access="admin"),
     Operation("GET", "/v1/strata/kv-events", "Prefix-cache events for cache-aware gateways"),
     Operation("GET", "/v1/strata/tokenizer", "The tokenizer, for cache-aware gateways"),
+    *PD_OPERATIONS,
 )
 
 

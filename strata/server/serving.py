@@ -35,7 +35,7 @@ from strata.server import translate as tr
 from strata.server.async_engine import AsyncEngine
 from strata.server.config import ServerConfig
 from strata.server.errors import map_exception
-from strata.server.generation import ChoiceState, Generation, start, usage
+from strata.server.generation import ChoiceState, Generation, Prepare, start, usage
 from strata.server.kv_offload import KVOffload
 from strata.server.metrics import ServerMetrics
 
@@ -70,7 +70,8 @@ class Started:
     created: int
 
 
-async def start_completion(ctx: ServingContext, req: CompletionRequest) -> Started:
+async def start_completion(ctx: ServingContext, req: CompletionRequest,
+                           prepare: Prepare | None = None) -> Started:
     tr.check_common_limits(req, ctx.config)
     num_logprobs = tr.completion_num_logprobs(req, ctx.config)
     prompts = tr.completion_prompts(req, ctx.tokenizer)
@@ -89,12 +90,13 @@ async def start_completion(ctx: ServingContext, req: CompletionRequest) -> Start
             indices.append(p)
     echo = [ctx.tokenizer.decode(prompts[p]) if req.echo else "" for p in indices]
     generation = await start(ctx.engine, requests, indices, ctx.metrics, ctx.clock,
-                             ctx.kv_offload)
+                             ctx.kv_offload, prepare)
     return Started(rid, req.model or ctx.config.served_model_name, generation, echo,
                    int(time.time()))
 
 
-async def start_chat(ctx: ServingContext, req: ChatCompletionRequest) -> Started:
+async def start_chat(ctx: ServingContext, req: ChatCompletionRequest,
+                     prepare: Prepare | None = None) -> Started:
     tr.check_common_limits(req, ctx.config)
     num_logprobs = tr.chat_num_logprobs(req, ctx.config)
     prompt = tr.chat_prompt(req.messages, ctx.tokenizer)
@@ -110,7 +112,7 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest) -> Started
         for j in range(req.n)
     ]
     generation = await start(ctx.engine, requests, [0] * req.n, ctx.metrics, ctx.clock,
-                             ctx.kv_offload)
+                             ctx.kv_offload, prepare)
     return Started(rid, req.model or ctx.config.served_model_name, generation,
                    [""] * req.n, int(time.time()))
 
