@@ -85,7 +85,9 @@ class Engine:
                 "or shorten the prompt.",
                 param="max_tokens",
             )
-        num_blocks_needed = -(-(num_prompt + 1) // self.cache_config.block_size)
+        if request.output_token_ids:
+            self._validate_resumed(request)
+        num_blocks_needed = -(-(request.num_tokens + 1) // self.cache_config.block_size)
         if num_blocks_needed > self.cache_config.num_blocks:
             raise ContextLengthError(
                 f"the prompt needs {num_blocks_needed} KV blocks but the cache holds only "
@@ -97,11 +99,27 @@ class Engine:
                 f"the waiting queue is full ({self.scheduler_config.max_waiting} requests)"
             )
 
+    def _validate_resumed(self, request: Request) -> None:
+        """A resumed request (tokens generated elsewhere) must be one that had not finished."""
+        params, outputs = request.sampling_params, request.output_token_ids
+        if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in outputs):
+            raise InvalidRequestError(
+                f"output token ids must be in [0, {self.vocab_size})", param="output_token_ids")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos
+                                              else set(request.eos_token_ids))
+        if len(outputs) >= params.max_tokens or any(t in stops for t in outputs):
+            raise InvalidRequestError("the generated tokens of a resumed request already end "
+                                      "it (max_tokens or a stop token)", param="output_token_ids")
+
     def add_request(self, request: Request) -> None:
         self.validate_request(request)
+        detok = IncrementalDetokenizer(self.decoder, request)
+        if detok.matched_stop is not None:
+            raise InvalidRequestError("the generated tokens of a resumed request already hold "
+                                      "a stop string", param="output_token_ids")
         request.status = RequestStatus.WAITING
         self.scheduler.add(request)
-        self._detok[request.request_id] = IncrementalDetokenizer(self.decoder, request)
+        self._detok[request.request_id] = detok
 
     def abort_request(self, request_id: RequestId) -> None:
         request = self.scheduler.get(request_id)
