@@ -4,6 +4,8 @@
     GET  /v1/sessions, GET|DELETE /v1/sessions/{id}   session_routes.py (sessions.py)
     GET  /v1/models, /health, /ready, /metrics, /load   info_routes.py
     POST /tokenize, /detokenize, /admin/drain           info_routes.py
+    POST /strata/resume                           resume.py: go on with a stream another
+                                                  instance began (strata/protocol/resume.py)
 
 Every route reaches the instance's parts through one typed object (`Instance`, instance.py);
 every error leaves through one table (errors.py). Middleware, outermost first: API keys
@@ -35,6 +37,7 @@ from strata.server.instance import Instance
 from strata.server.kv_offload import open_kv_offload
 from strata.server.metrics import ServerMetrics
 from strata.server.registration import Registration
+from strata.server.resume import resume_routes
 from strata.server.serving import ServingContext
 from strata.server.session_routes import session_routes
 from strata.server.sessions import Sessions
@@ -78,7 +81,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
 
 
 def build_routes() -> list[BaseRoute]:
-    return [*generation_routes(), *session_routes(), *info_routes()]
+    return [*generation_routes(), *session_routes(), *info_routes(), *resume_routes()]
 
 
 def _open_parts(instance: Instance, stack: AsyncExitStack, session_store: SessionStore | None,

@@ -17,6 +17,7 @@ from strata.server import serving
 from strata.server import sessions as sess
 from strata.server.instance import instance_of
 from strata.server.request_io import SSEResponse, parse_body, unless_disconnected
+from strata.server.resume import marks_for
 
 
 async def completions(request: Request) -> Response:
@@ -27,7 +28,8 @@ async def completions(request: Request) -> Response:
     started = await unless_disconnected(request, serving.start_completion(ctx, req))
     with_lps = req.logprobs is not None
     if req.stream:
-        frames = serving.completion_stream(ctx, started, with_lps, req.include_usage)
+        frames = serving.completion_stream(ctx, started, with_lps, req.include_usage,
+                                           marks_for(request, ctx, started))
         return SSEResponse(frames, started.generation.close)
     body = await unless_disconnected(request, serving.completion_response(ctx, started, with_lps))
     return JSONResponse(body.model_dump())
@@ -56,7 +58,8 @@ async def _chat(request: Request, ctx: serving.ServingContext, req: ChatCompleti
     """Generate; with a session `turn`, store the turn after the last token (see sessions.py)."""
     started = await unless_disconnected(request, serving.start_chat(ctx, req))
     if req.stream:
-        frames = serving.chat_stream(ctx, started, req.logprobs, req.include_usage)
+        frames = serving.chat_stream(ctx, started, req.logprobs, req.include_usage,
+                                     marks_for(request, ctx, started))
         if turn is None:
             return SSEResponse(frames, started.generation.close)
 
