@@ -75,15 +75,18 @@ class ChaosLoad:
 
     def __init__(self, url: str, model: str, *, num_conversations: int = 4,
                  num_streams: int = 4, max_tokens: int = 24, timeout_s: float = 60.0,
-                 headers: Mapping[str, str] | None = None, prefix: str = "chaos") -> None:
+                 headers: Mapping[str, str] | None = None, prefix: str = "chaos",
+                 turns_per_session: int | None = None) -> None:
         self.url = url
         self.model = model
+        self.prefix = prefix
+        self.turns_per_session = turns_per_session  # then a new session starts (soaks)
         self.num_streams = num_streams
         self.max_tokens = max_tokens
         self.timeout_s = timeout_s
         self.headers = dict(headers or {})
-        self.conversations = [Conversation(f"{prefix}-{i}-{time.time_ns()}")
-                              for i in range(num_conversations)]
+        self.num_conversations = num_conversations
+        self.conversations: list[Conversation] = []
         self.outcomes: list[Outcome] = []
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -99,18 +102,28 @@ class ChaosLoad:
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        return LoadResult(list(self.outcomes), self.conversations)
+        return LoadResult(list(self.outcomes), list(self.conversations))
 
     async def _run(self) -> None:
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s,
                                      limits=limits) as client:
-            await asyncio.gather(*(self._converse(client, c) for c in self.conversations),
+            await asyncio.gather(*(self._converse(client, i)
+                                   for i in range(self.num_conversations)),
                                  *(self._streams(client, i) for i in range(self.num_streams)))
 
-    async def _converse(self, client: httpx.AsyncClient, conversation: Conversation) -> None:
+    def _new_conversation(self, worker: int) -> Conversation:
+        conversation = Conversation(f"{self.prefix}-{worker}-{time.time_ns()}")
+        self.conversations.append(conversation)
+        return conversation
+
+    async def _converse(self, client: httpx.AsyncClient, worker: int) -> None:
+        conversation = self._new_conversation(worker)
         while not self._stopping.is_set():
             turn = len(conversation.acked)
+            if self.turns_per_session is not None and turn >= self.turns_per_session:
+                conversation = self._new_conversation(worker)
+                turn = 0
             message = f"turn {turn} of {conversation.session_id}: go on with the story"
             headers = {**self.headers, "X-Session-Id": conversation.session_id}
             outcome, answer = await self._chat(client, message, "turn", turn % 2 == 1, headers)

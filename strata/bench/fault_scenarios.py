@@ -65,20 +65,19 @@ def registry_outage(root: Path, timing: Timing, size: LoadSize,
     args = up_args(root, 2, ["--registry", redis.url,
                              "--session-store", f"sqlite:///{root}/sessions.db"])
     up = start_cluster(root, args)
-    restarted_at: list[float] = []
+    resumed_after_s: list[float] = []
 
     def restart() -> None:
         redis.start()
-        restarted_at.append(time.time())
+        resumed_after_s.append(heartbeats_resumed_s(redis.url, time.time(), 2))
 
     try:
         before = gateway_counter(up.url, *RESUMED)
         load, result, fault_at = run_with_load(up.url, size, timing,
                                                lambda: redis.stop(kill=True), restart)
-        beats = heartbeats_resumed_s(redis.url, restarted_at[0], 2)
         return report("registry (Redis) down", command_line(args), up.url, load, result,
                       fault_at, resumed_since(up.url, before),
-                      {"outage_s": timing.fault_s, "heartbeats_resumed_s": beats})
+                      {"outage_s": timing.fault_s, "heartbeats_resumed_s": resumed_after_s[0]})
     finally:
         stop_cluster(up)
         redis.stop()
@@ -96,7 +95,7 @@ def heartbeats_resumed_s(url: str, since: float, num: int, timeout_s: float = 30
             await registry.close()
         return sum(1 for r in records if r.last_heartbeat > since)
 
-    wait_until(lambda: asyncio.run(fresh()) >= num, timeout_s, "heartbeats")
+    wait_until(lambda: asyncio.run(fresh()) >= num, timeout_s, "heartbeats", interval_s=0.1)
     return round(time.time() - since, 2)
 
 
