@@ -218,19 +218,34 @@ class Proxy:
                 break
             record.tried.append(decision.instance.instance_id)
             attempt = Attempt(decision.instance, request)
-            response = await self._send(attempt)
-            if isinstance(response, Failure):
-                continue
-            if not is_sse(response):  # refused (another version, a conflict): no other try
-                await close_quietly(response)
-                self._finish(attempt, is_success=True)
-                break
-            segment = await self._first_frames(attempt, response)
+            try:
+                segment = await self._open_resumed(attempt)
+            except BaseException:  # the client left meanwhile: the attempt ends with it
+                self._finish(attempt, is_success=False)
+                raise
             if isinstance(segment, Segment):
                 self.metrics.resumes.labels("resumed").inc()
                 return segment
+            if segment is None:  # refused (another version, a conflict): no other try
+                break
         if request is not None:
             self.metrics.resumes.labels("failed").inc()
+        return None
+
+    async def _open_resumed(self, attempt: Attempt) -> Segment | Failure | None:
+        """The resumed stream's first frames; a failure (try another instance) or None when
+        the instance refused the resume."""
+        response = await self._send(attempt)
+        if isinstance(response, Failure):
+            return response
+        try:
+            if is_sse(response):
+                return await self._first_frames(attempt, response)
+        except BaseException:
+            await close_quietly(response)
+            raise
+        await close_quietly(response)
+        self._finish(attempt, is_success=True)
         return None
 
     def _chunks(self, attempt: Attempt, response: httpx.Response) -> AsyncIterator[bytes]:
