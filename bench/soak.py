@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -77,6 +78,7 @@ def analyse(samples: dict[str, list[tuple[float, float, int]]], duration_s: floa
     out: dict[str, Any] = {}
     for name, points in samples.items():
         steady = [p for p in points if p[0] >= warmup_s] or points
+        last_half = [p for p in points if p[0] >= duration_s / 2] or points
         out[name] = {
             "rss_mb_first": round(points[0][1], 1), "rss_mb_last": round(points[-1][1], 1),
             "rss_mb_max": round(max(p[1] for p in points), 1),
@@ -84,7 +86,9 @@ def analyse(samples: dict[str, list[tuple[float, float, int]]], duration_s: floa
             "fds_first": points[0][2], "fds_last": points[-1][2],
             "fds_max": max(p[2] for p in points),
             "fds_per_hour": round(slope_per_hour([(t, float(f)) for t, _, f in steady]), 2),
-            "num_samples": len(points)}
+            "rss_mb_per_hour_last_half": round(slope_per_hour(
+                [(t, r) for t, r, _ in last_half]), 2),
+            "samples": [(round(t), round(r, 1), f) for t, r, f in points]}
     return out
 
 
@@ -131,6 +135,7 @@ def main() -> None:
         if real is not None:
             real.stop(sig=signal.SIGTERM)
         stop_cluster(up)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def sample(up: Proc, real: Proc | None, root: Path, duration_s: float,
@@ -165,12 +170,12 @@ def report(args: argparse.Namespace, up: Proc, results: list[LoadResult],
            "load_average_start": load_start, "load_average_end": os.getloadavg()}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "soak.json").write_text(json.dumps(out, indent=2))
-    print("| process | RSS MB first -> last (max) | RSS MB/hour | fds first -> last | "
-          "fds/hour |\n|---|---|---|---|---|")
+    print("| process | RSS MB first -> last (max) | RSS MB/hour after warm-up (last half) | "
+          "fds first -> last | fds/hour |\n|---|---|---|---|---|")
     for name, p in out["processes"].items():
         print(f"| {name} | {p['rss_mb_first']} -> {p['rss_mb_last']} ({p['rss_mb_max']}) | "
-              f"{p['rss_mb_per_hour']} | {p['fds_first']} -> {p['fds_last']} | "
-              f"{p['fds_per_hour']} |")
+              f"{p['rss_mb_per_hour']} ({p['rss_mb_per_hour_last_half']}) | "
+              f"{p['fds_first']} -> {p['fds_last']} | {p['fds_per_hour']} |")
     print("\n| minutes | sent | failed |\n|---|---|---|")
     for w in out["windows"]:
         print(f"| {w['minute']}-{w['minute'] + int(WINDOW_S // 60)} | {w['sent']} | "
