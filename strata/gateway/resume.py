@@ -5,7 +5,7 @@ instances is strata/protocol/resume.py).
     Resumer.headers       ask the instance to mark a stream the gateway may resume
     Resumer.record        a `StreamRecord` of a marked stream: it keeps the marks and hands the
                           client the frames without them (the bytes of an unmarked stream)
-    Resumer.next_request  the POST /strata/resume that continues a broken record, or None
+    Resumer.next_request  the POST /v1/strata/resume that continues a broken record, or None
 
 What is resumed: a streamed /v1/completions or /v1/chat/completions with one choice (instances
 mark only those) whose instance failed after its first frame (a reset or closed connection, a
@@ -75,7 +75,7 @@ class StreamRecord:
         return b"".join(out)
 
     def resume_body(self) -> dict[str, Any] | None:
-        """The body of POST /strata/resume, or None when the stream cannot be resumed (no start
+        """The body of POST /v1/strata/resume, or None when the stream cannot be resumed (no start
         mark; it ended some other way than stop or length)."""
         start: dict[str, Any] | None = None
         sent: list[int] = []

@@ -12,7 +12,7 @@ An output that released no text (held back for a possible stop string) still get
 mark alone. So the gateway knows every token id the client has been sent, and the prompt as the
 instance rendered it (a chat template, a session's history).
 
-Resume. `POST /strata/resume` with a `ResumeRequest`: the original body, the envelope (`id`,
+Resume. `POST /v1/strata/resume` with a `ResumeRequest`: the original body, the envelope (`id`,
 `created`), the prompt and the tokens sent. The instance continues the generation with those
 tokens already generated (same seed and position, the remaining max_tokens, stop strings across
 the hand-over) and streams only what comes next, under the same id; a session turn is stored
@@ -29,7 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 RESUMABLE_HEADER = "x-strata-resumable"
-RESUME_PATH = "/strata/resume"
+RESUME_PATH = "/v1/strata/resume"
 MARK = b": strata "
 RESUMABLE_PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -42,7 +42,7 @@ class ResumeFinish(BaseModel):
 
 
 class ResumeRequest(BaseModel):
-    """The body of POST /strata/resume."""
+    """The body of POST /v1/strata/resume."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 

@@ -4,7 +4,7 @@
     GET  /v1/sessions, GET|DELETE /v1/sessions/{id}   session_routes.py (sessions.py)
     GET  /v1/models, /health, /ready, /metrics, /load   info_routes.py
     POST /tokenize, /detokenize, /admin/drain           info_routes.py
-    POST /strata/resume                           resume.py: go on with a stream another
+    POST /v1/strata/resume                        resume.py: go on with a stream another
                                                   instance began (strata/protocol/resume.py)
 
 Every route reaches the instance's parts through one typed object (`Instance`, instance.py);

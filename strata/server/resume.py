@@ -2,7 +2,7 @@
 
     marks_for   a stream started here is marked (token ids, the rendered prompt) when the
                 gateway may need to resume it: `X-Strata-Resumable: 1` and one choice
-    resume      POST /strata/resume: go on with a stream another instance began
+    resume      POST /v1/strata/resume: go on with a stream another instance began
 
 A resumed generation is the first one's continuation: the same prompt ids (a chat template and a
 session's history are not rendered again), the tokens sent counted as generated (the remaining
@@ -49,7 +49,7 @@ def marks_for(request: Request, ctx: ServingContext, started: Started) -> Marks 
 
 
 async def resume(request: Request) -> Response:
-    """POST /strata/resume: the rest of a stream, under the first one's id."""
+    """POST /v1/strata/resume: the rest of a stream, under the first one's id."""
     instance = instance_of(request)
     body = await parse_body(request, ResumeRequest)
     check_model(instance.config, body.version)

@@ -1,5 +1,5 @@
 """The instance's side of mid-stream resume, over HTTP on simulated instances: marked streams,
-POST /strata/resume continuing a stream cut after any token (text, token ids, usage, envelope
+POST /v1/strata/resume continuing a stream cut after any token (text, token ids, usage, envelope
 identical to the unbroken stream), a session turn stored once, refusals."""
 
 from __future__ import annotations
