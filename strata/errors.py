@@ -23,6 +23,9 @@
     │   └── RegistryError               the instance registry (or an unknown instance)
     ├── OverloadedError                 429/503: the waiting queue is full (carries retry_after_s)
     ├── EngineDeadError                 the engine loop died; the instance is unhealthy
+    ├── RankFailedError                 a parallel rank died or a collective timed out: fatal,
+    │                                   the instance restarts whole (its ranks no longer agree)
+    ├── RequestFailedError              500: the executor failed on this request alone
     └── ChatError                       `strata chat`: the server refused or is unreachable
 
 Each HTTP-facing class says how it is answered (`status_code`, OpenAI `error_type`, and
@@ -184,6 +187,25 @@ class EngineDeadError(StrataError):
     error_type = "service_unavailable_error"
 
 
+class RankFailedError(StrataError):
+    """A rank of a tensor- or pipeline-parallel instance died, or a collective timed out.
+
+    `rank` is the rank blamed (-1 when unknown). Fatal: the ranks no longer agree on where they
+    are, so the instance stops and its launcher restarts it whole."""
+
+    def __init__(self, message: str, *, rank: int = -1) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class RequestFailedError(StrataError):
+    """The executor failed on this request's sequence alone (strata/engine/isolation.py); the
+    request ended with finish_reason "error" and the instance goes on."""
+
+    status_code = 500
+    error_type = "internal_server_error"
+
+
 class ChatError(StrataError):
     """`strata chat`: the server refused a message or could not be reached; says why."""
 
@@ -204,9 +226,11 @@ __all__ = [
     "OverloadedError",
     "PayloadTooLargeError",
     "PinStoreError",
+    "RankFailedError",
     "RegistryError",
     "ReleaseSupersededError",
     "RequestError",
+    "RequestFailedError",
     "ResponseCacheError",
     "SessionConflictError",
     "SessionNotFoundError",

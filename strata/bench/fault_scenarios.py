@@ -1,5 +1,5 @@
-"""The fault scenarios of strata/bench/faults.py, one function each: `(root, timing, size) ->
-FaultReport`. Redis comes from `redis_binary` (strata/bench/redis_server.py finds one)."""
+"""The fault scenarios of strata/bench/faults.py, one function each: `(place, timing, size) ->
+FaultReport`. Redis comes from `place.redis_binary` (strata/bench/redis_server.py finds one)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from strata.bench.faults import (
     RESUMED,
     FaultReport,
     LoadSize,
+    Place,
     Timing,
     command_line,
     pids,
@@ -37,14 +38,21 @@ from strata.cluster.ports import free_port
 DURABLE = ["--appendonly", "yes", "--appendfsync", "always"]
 
 
-def redis_kill(root: Path, timing: Timing, size: LoadSize, redis_binary: Path) -> FaultReport:
+def _binary(place: Place) -> Path:
+    if place.redis_binary is None:
+        raise ValueError("this scenario needs a redis-server binary (Place.redis_binary)")
+    return place.redis_binary
+
+
+def redis_kill(place: Place, timing: Timing, size: LoadSize) -> FaultReport:
     """Sessions and session pins in Redis; Redis SIGKILLed under multi-turn load, restarted
     after `fault_s` on the same port with its append-only file."""
-    redis = RedisServer(root / "redis", redis_binary, extra_args=DURABLE)
+    root = place.root
+    redis = RedisServer(root / "redis", _binary(place), extra_args=DURABLE)
     redis.start()
     args = up_args(root, 2, ["--session-store", redis.url, "--gateway-arg=--session-routing=hybrid",
                              f"--gateway-arg=--session-store={redis.url}"])
-    up = start_cluster(root, args)
+    up = start_cluster(place, args)
     try:
         before = gateway_counter(up.url, *RESUMED)
         load, result, fault_at = run_with_load(up.url, size, timing,
@@ -56,15 +64,15 @@ def redis_kill(root: Path, timing: Timing, size: LoadSize, redis_binary: Path) -
         redis.stop()
 
 
-def registry_outage(root: Path, timing: Timing, size: LoadSize,
-                    redis_binary: Path) -> FaultReport:
+def registry_outage(place: Place, timing: Timing, size: LoadSize) -> FaultReport:
     """The registry (Redis) unreachable for `fault_s`: gateways route on their last view,
     instances serve, heartbeats resume once it is back (`extra.heartbeats_resumed_s`)."""
-    redis = RedisServer(root / "registry", redis_binary, extra_args=DURABLE)
+    root = place.root
+    redis = RedisServer(root / "registry", _binary(place), extra_args=DURABLE)
     redis.start()
     args = up_args(root, 2, ["--registry", redis.url,
                              "--session-store", f"sqlite:///{root}/sessions.db"])
-    up = start_cluster(root, args)
+    up = start_cluster(place, args)
     resumed_after_s: list[float] = []
 
     def restart() -> None:
@@ -99,10 +107,11 @@ def heartbeats_resumed_s(url: str, since: float, num: int, timeout_s: float = 30
     return round(time.time() - since, 2)
 
 
-def instance_freeze(root: Path, timing: Timing, size: LoadSize) -> FaultReport:
+def instance_freeze(place: Place, timing: Timing, size: LoadSize) -> FaultReport:
     """An instance SIGSTOPped for `fault_s` (its sockets stay open), then SIGCONTed."""
+    root = place.root
     args = up_args(root, 3, ["--session-store", f"sqlite:///{root}/sessions.db"])
-    up = start_cluster(root, args)
+    up = start_cluster(place, args)
     try:
         victim = pids(root)[f"{MODEL}-default-1"]
         before = gateway_counter(up.url, *RESUMED)
@@ -115,11 +124,12 @@ def instance_freeze(root: Path, timing: Timing, size: LoadSize) -> FaultReport:
         stop_cluster(up)
 
 
-def network_faults(root: Path, timing: Timing, size: LoadSize, *, latency_s: float = 0.05,
+def network_faults(place: Place, timing: Timing, size: LoadSize, *, latency_s: float = 0.05,
                    reset_every_s: float = 1.0, reset_probability: float = 0.05) -> FaultReport:
     """Three instances behind TCP proxies: for the first half of `fault_s` every chunk waits
     `latency_s` each way; for the second half every open connection of one proxy (in turn) is
     reset every `reset_every_s`, and each new connection is reset with `reset_probability`."""
+    root = place.root
     PROFILE.save(root / "profile.json")
     registry = f"sqlite:///{root}/registry.db"
     python, logs = sys.executable, root / "logs"
@@ -133,9 +143,10 @@ def network_faults(root: Path, timing: Timing, size: LoadSize, *, latency_s: flo
                 "--served-model-name", MODEL, "--port", str(port), "--registry", registry,
                 "--instance-id", f"sim-{i}", "--advertise-url", proxies[-1].url,
                 "--session-store", f"sqlite:///{root}/sessions.db", "--log-level", "warning"],
-                logs))
+                logs, env=dict(place.env)))
         gateway = spawn("gateway", [python, "-m", "strata.cli", "gateway", "--registry",
-                                    registry, "--port", "0", "--log-level", "warning"], logs)
+                                    registry, "--port", "0", "--log-level", "warning"], logs,
+                        env=dict(place.env))
         procs.append(gateway)
         url = gateway.wait_for_output(r"Strata gateway on (\S+)", 60).group(1)
         wait_for_instances(url, 3)
@@ -174,10 +185,11 @@ def _heal(proxies: list[ChaosProxy]) -> None:
         proxy.latency_s, proxy.reset_probability = 0.0, 0.0
 
 
-def gateway_restart(root: Path, timing: Timing, size: LoadSize) -> FaultReport:
+def gateway_restart(place: Place, timing: Timing, size: LoadSize) -> FaultReport:
     """The gateway SIGKILLed under load; `strata up` restarts it on the same port."""
+    root = place.root
     args = up_args(root, 2, ["--session-store", f"sqlite:///{root}/sessions.db"])
-    up = start_cluster(root, args)
+    up = start_cluster(place, args)
     try:
         load, result, fault_at = run_with_load(
             up.url, size, timing, lambda: os.kill(pids(root)["gateway"], signal.SIGKILL),

@@ -1,6 +1,6 @@
 """Fault scenarios over real processes, for tests/chaos (short) and bench/chaos.py (long).
 
-Each scenario starts its cluster in `root`, runs `ChaosLoad` (strata/bench/chaos_load.py)
+Each scenario starts its cluster in `place.root`, runs `ChaosLoad` (strata/bench/chaos_load.py)
 through the gateway for `timing.before_s`, injects its fault for `timing.fault_s`, lets the
 cluster recover for `timing.after_s`, stops the load, checks every acknowledged session turn
 against the session store and returns a `FaultReport`:
@@ -17,11 +17,10 @@ Instances are simulated (`strata serve --simulate`) with a 20 ms decode step.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,9 +113,19 @@ def up_args(root: Path, replicas: int, extra: Sequence[str] = ()) -> list[str]:
             "--served-model-name", MODEL, "--log-level", "warning", *extra]
 
 
-def start_cluster(root: Path, args: list[str], python: str = sys.executable) -> Proc:
-    run_dir = root / "run"
-    env = {**os.environ, "STRATA_RUN_DIR": str(run_dir)}
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Where a scenario runs: its directory, the environment its processes start from (the
+    caller's: only strata/cli.py reads the environment in strata/), a redis-server binary."""
+
+    root: Path
+    env: Mapping[str, str]
+    redis_binary: Path | None = None
+
+
+def start_cluster(place: Place, args: list[str], python: str = sys.executable) -> Proc:
+    run_dir = place.root / "run"
+    env = {**place.env, "STRATA_RUN_DIR": str(run_dir)}
     return start_up(args, run_dir, env=env, python=python, timeout_s=120)
 
 
@@ -150,6 +159,6 @@ def wait_for_instances(url: str, num: int, timeout_s: float = 60.0) -> None:
     wait_until(routable, timeout_s, f"{num} routable instances")
 
 
-__all__ = ["MODEL", "PROFILE", "FaultReport", "LoadSize", "Timing", "command_line", "pids",
+__all__ = ["MODEL", "PROFILE", "FaultReport", "LoadSize", "Place", "Timing", "command_line", "pids",
            "report", "resumed_since", "run_with_load", "start_cluster", "stop_cluster",
            "up_args", "wait_for_instances"]

@@ -23,7 +23,7 @@ from strata.commands.argtypes import (
     positive_float,
     positive_int,
 )
-from strata.commands.env import CliEnv, add_auth_flags, read_api_keys
+from strata.commands.env import CliEnv, add_auth_flags, read_admin_keys, read_api_keys
 from strata.errors import ConfigError
 from strata.gateway.config import (
     SESSION_ROUTING_MODES,
@@ -36,6 +36,8 @@ from strata.gateway.config import (
 )
 from strata.gateway.policies import policy_names
 from strata.gateway.sources import InstanceSource, RegistrySource, StaticSource
+from strata.logs import announce
+from strata.protocol.auth import check_exposure
 from strata.registry.models import ModelRegistry
 from strata.registry.release_policy import ReleaseConfig
 from strata.state.urls import schemes_help
@@ -113,6 +115,9 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
     if not registry and not args.instances:
         raise ConfigError("give --registry URL or --instances URL [URL ...] "
                           "(or set STRATA_REGISTRY)")
+    api_keys = read_api_keys(args.api_key_file, env.api_keys)
+    admin_keys = read_admin_keys(args.admin_key_file, env.admin_keys)
+    check_exposure("strata gateway", args.host, api_keys, admin_keys, insecure=args.insecure)
     return GatewayConfig(
         host=args.host, port=args.port, policy=args.policy,
         instance_urls=tuple(args.instances or ()), registry_url=registry,
@@ -122,7 +127,7 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
                             stall_probe_timeout_s=args.stall_probe_timeout_s),
         admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue,
                                   queue_timeout_s=args.queue_timeout_s),
-        api_keys=read_api_keys(args.api_key_file, env.api_keys),
+        api_keys=api_keys, admin_keys=admin_keys,
         rate_limit_per_s=args.rate_limit_per_s, shutdown_timeout_s=args.shutdown_timeout_s,
         sessions=_session_config(args),
         versions=VersionConfig(routing_poll_s=args.routing_poll_s,
@@ -180,13 +185,18 @@ async def _serve(config: GatewayConfig, log_level: str, started: float) -> int:
 
     from strata.gateway.app import create_gateway_app
 
-    control = httpx.AsyncClient(timeout=httpx.Timeout(config.health_timeout_s))
+    # the control plane's calls to instances (model and load of static ones, drains) carry the
+    # key their admin API takes: the admin key, else the first client key
+    keys = config.admin_keys or config.api_keys
+    control = httpx.AsyncClient(timeout=httpx.Timeout(config.health_timeout_s),
+                                headers={"Authorization": f"Bearer {keys[0]}"} if keys else {})
     source, registry = build_source(config, control)
     models = build_model_registry(config)
     app = create_gateway_app(config, source, control_client=control, models=models,
                              instance_registry=registry)
     server = uvicorn.Server(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=log_level, access_log=False,
+        app, host=config.host, port=config.port, log_level=log_level,
+        access_log=log_level == "debug", log_config=None,  # through strata/logs.py's handler
         timeout_graceful_shutdown=math.ceil(config.shutdown_timeout_s)))
     # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown; absorb it: exit 0
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -208,7 +218,7 @@ async def _announce(server: Any, config: GatewayConfig, started: float) -> None:
         await asyncio.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1] if server.servers else config.port
     ready_s = time.perf_counter() - started
-    print(f"Strata gateway on http://{config.host}:{port} (ready in {ready_s:.1f}s)", flush=True)
+    announce(f"Strata gateway on http://{config.host}:{port} (ready in {ready_s:.1f}s)")
 
 
 __all__ = ["add_parser", "build_config", "read_api_keys", "run"]

@@ -8,7 +8,6 @@ This module holds the flags and `run`; serve_stack.py composes the instance.
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 
 from strata.commands import aio
@@ -20,6 +19,7 @@ from strata.commands.argtypes import (
     positive_int,
 )
 from strata.commands.env import CliEnv, add_auth_flags
+from strata.commands.serve_parallel import add_parallel_flags
 from strata.commands.serve_stack import (
     DEFAULT_MAX_MODEL_LEN,
     build_engine,
@@ -59,6 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shutdown-timeout-s", type=non_negative_float, default=30.0,
                    help="on SIGTERM/SIGINT, how long in-flight requests may finish")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    add_parallel_flags(p)
     _add_cluster_flags(p)
 
 
@@ -107,6 +108,5 @@ def _add_kv_flags(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, env: CliEnv) -> int:
     """Load the model, build the engine stack and serve until SIGTERM/SIGINT."""
     started = time.perf_counter()
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     built = build_simulated(args) if args.simulate else build_engine(args, env)
     return aio.run(serve_http(args, env, built, started))

@@ -13,22 +13,32 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from strata.commands.env import CliEnv, read_api_keys
+from strata.commands.env import CliEnv, read_admin_keys, read_api_keys
+from strata.commands.serve_parallel import (
+    load_for_serving,
+    make_executor,
+    rank_threads,
+    watch_ranks,
+)
 from strata.errors import ConfigError
+from strata.logs import announce
+from strata.protocol.auth import check_exposure
 
 if TYPE_CHECKING:
+    from strata.commands.serve_parallel import ParallelModel
     from strata.engine.config import SchedulerConfig
     from strata.model.loader import LoadedModel
     from strata.server.async_engine import AsyncEngine
     from strata.server.registration import Registration
 
 DEFAULT_MAX_MODEL_LEN = 2048
+ENGINE_DIED_EXIT_STATUS = 3  # the engine could not go on: the launcher restarts the instance
 log = logging.getLogger("strata")
 
 
@@ -45,15 +55,14 @@ class BuiltEngine:
 def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
     """Load the model (an alias is pulled) and build the engine stack over it."""
     from strata.model.fetch import DEFAULT_MODEL, KNOWN_MODELS
-    from strata.model.loader import load_model
 
     path = _model_path(args, env)
     log.info("loading %s", path)
-    with openmp_free_main_thread(args.threads):
-        loaded = load_model(path, dtype=args.dtype, cache_dir=env.cache_dir)
+    with openmp_free_main_thread(rank_threads(args)):
+        loaded, parallel = load_for_serving(args, path, env.cache_dir)
         alias = KNOWN_MODELS.get(args.model or DEFAULT_MODEL)
         name = args.served_model_name or (alias.served_name if alias else loaded.name)
-        async_engine = build_async_engine(args, loaded, name)
+        async_engine = build_async_engine(args, loaded, name, parallel)
         loaded.weights.clear()  # the executor holds its own (packed) copies
     return BuiltEngine(async_engine, loaded.tokenizer, name)
 
@@ -118,18 +127,17 @@ def _model_path(args: argparse.Namespace, env: CliEnv) -> Path:
     return resolve_model(args.model, cache_dir=env.cache_dir, progress=True)
 
 
-def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str) -> AsyncEngine:
-    """model -> TorchExecutor -> Engine -> AsyncEngine, configured from the flags."""
+def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str,
+                       parallel: ParallelModel | None = None) -> AsyncEngine:
+    """model -> TorchExecutor (or ParallelExecutor) -> Engine -> AsyncEngine, from the flags."""
     import torch
 
     from strata.engine.config import CacheConfig
     from strata.engine.engine import Engine
-    from strata.model.executor import TorchExecutor
     from strata.server.async_engine import AsyncEngine
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    executor = TorchExecutor(loaded.config, loaded.weights, dtype=args.dtype, device=device,
-                             model_name=name, model_version=args.model_version)
+    executor = make_executor(args, loaded, parallel, device, name)
     max_model_len = args.max_model_len or min(loaded.config.max_position_embeddings,
                                               DEFAULT_MAX_MODEL_LEN)
     scheduler_config = scheduler_config_from(args, max_model_len)
@@ -160,19 +168,23 @@ def scheduler_config_from(args: argparse.Namespace, max_model_len: int) -> Sched
 
 async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
                      started: float) -> int:
-    """Bind, register (if asked), serve; SIGTERM/SIGINT drain in-flight requests, exit 0."""
+    """Bind, register (if asked), serve; SIGTERM/SIGINT drain in-flight requests, exit 0
+    (1 when a parallel instance lost a rank)."""
     import uvicorn
 
     from strata.server.app import create_app
     from strata.server.config import ServerConfig
 
     name, simulated = built.name, built.simulated
+    api_keys = read_api_keys(args.api_key_file, env.api_keys)
+    admin_keys = read_admin_keys(args.admin_key_file, env.admin_keys)
+    check_exposure("strata serve", args.host, api_keys, admin_keys, insecure=args.insecure)
     sock = _bind(args.host, args.port)
     port = sock.getsockname()[1]
     registration = _registration(args, env, built.async_engine, name, port, simulated)
     server_config = ServerConfig(served_model_name=name, host=args.host, port=port,
                                  shutdown_timeout_s=args.shutdown_timeout_s,
-                                 api_keys=read_api_keys(args.api_key_file, env.api_keys),
+                                 api_keys=api_keys, admin_keys=admin_keys,
                                  rate_limit_per_s=args.rate_limit_per_s, simulated=simulated,
                                  model_version=args.model_version,
                                  session_store_url=args.session_store,
@@ -183,16 +195,38 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
                      registration=registration)
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=args.log_level, access_log=args.log_level == "debug",
+        log_config=None,  # its loggers go through strata/logs.py's handler
         timeout_graceful_shutdown=args.shutdown_timeout_s,
     ))
     # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown; these handlers
     # absorb it so that a requested stop exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    exit_status = exit_when_engine_dies(server, built.async_engine)
     announce = asyncio.create_task(_announce_when_started(server, args.host, port, name, started))
+    watch_ranks(app, built.async_engine)
     await server.serve(sockets=[sock])  # the lifespan shutdown drains, deregisters, stops
     announce.cancel()
-    return 0
+    return exit_status()
+
+
+def exit_when_engine_dies(server: Any, async_engine: AsyncEngine) -> Callable[[], int]:
+    """Once the engine dies (it failed every stream with "error"), stop serving as a SIGTERM
+    would; the returned function gives the exit status: 0, or ENGINE_DIED_EXIT_STATUS."""
+    loop = asyncio.get_running_loop()
+    died: list[str] = []
+
+    def stop(reason: str) -> None:
+        log.error("the engine died (%s); stopping, exit status %d, so that the launcher "
+                  "restarts this instance", reason, ENGINE_DIED_EXIT_STATUS)
+        server.should_exit = True
+
+    def on_death(reason: str) -> None:  # on the engine thread
+        died.append(reason)
+        loop.call_soon_threadsafe(stop, reason)
+
+    async_engine.on_death(on_death)
+    return lambda: ENGINE_DIED_EXIT_STATUS if died else 0
 
 
 def _kv_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -234,4 +268,4 @@ async def _announce_when_started(server: Any, host: str, port: int, name: str,
     while not server.started:
         await asyncio.sleep(0.05)
     ready_s = time.perf_counter() - started
-    print(f"Strata serving {name} on http://{host}:{port} (ready in {ready_s:.1f}s)", flush=True)
+    announce(f"Strata serving {name} on http://{host}:{port} (ready in {ready_s:.1f}s)")

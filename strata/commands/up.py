@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -24,8 +25,10 @@ from strata.cluster.deployments import VERSION_FLAGS
 from strata.cluster.local import LocalClusterConfig, Supervisor
 from strata.cluster.seed import ClusterSeed, seed_registry
 from strata.commands.argtypes import port_number, positive_float, positive_int
-from strata.commands.env import CliEnv
+from strata.commands.env import CliEnv, read_admin_keys, read_api_keys
 from strata.errors import ConfigError, StrataError
+from strata.logs import announce
+from strata.protocol.auth import check_exposure
 from strata.registry.models import ModelVersion
 from strata.store.manifest import local_manifest_sha256
 
@@ -76,10 +79,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="Ray CPUs reserved per instance actor (fractions allowed)")
     for flag, kind in _SERVE_FLAGS:
         p.add_argument(flag, type=kind, default=None, help="passed to every instance")
+    p.add_argument("--api-key-file", type=Path, default=None,
+                   help="client API keys, one per line: passed to the gateway and every instance "
+                        "(STRATA_API_KEYS, inherited, adds more)")
+    p.add_argument("--admin-key-file", type=Path, default=None,
+                   help="admin key(s) for /admin/*: passed to the gateway and every instance "
+                        "(STRATA_ADMIN_KEYS, inherited, adds more)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow --host beyond the loopback without keys (passed through)")
 
 
 def run(args: argparse.Namespace, env: CliEnv) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    check_exposure("strata up", args.host, read_api_keys(args.api_key_file, env.api_keys),
+                   read_admin_keys(args.admin_key_file, env.admin_keys), insecure=args.insecure)
     config = _config(args, env)
     _check_not_running(config.run_dir)
     config.run_dir.mkdir(parents=True, exist_ok=True)
@@ -99,13 +111,13 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
         _wait_ready(supervisor, config, args.ready_timeout_s, lambda: stop["now"])
         if not stop["now"]:
             _write_cluster_file(config)
-            print(f"Strata cluster: {config.replicas} instances behind "
-                  f"http://{config.host}:{config.port} serving {seed.version.key} "
-                  f"(logs in {config.log_dir})", flush=True)
-            print(f"Dashboard: http://{config.host}:{config.port}/dashboard", flush=True)
+            announce(f"Strata cluster: {config.replicas} instances behind "
+                     f"http://{config.host}:{config.port} serving {seed.version.key} "
+                     f"(logs in {config.log_dir})")
+            announce(f"Dashboard: http://{config.host}:{config.port}/dashboard")
         supervisor.run_forever(lambda: stop["now"])
     finally:
-        print("stopping the cluster...", flush=True)
+        announce("stopping the cluster...")
         _cluster_file(config.run_dir).unlink(missing_ok=True)
         supervisor.stop()
     return 0
@@ -192,6 +204,9 @@ def _write_cluster_file(config: LocalClusterConfig) -> None:
 def _launcher(args: argparse.Namespace, config: LocalClusterConfig) -> Launcher:
     if not args.ray:
         return Supervisor(config)
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("--ray needs Ray, which is not installed: pip install 'strata[ray]' "
+                          "(`strata doctor` says which optional parts are usable)")
     from strata.cluster.ray_launcher import RayClusterConfig, RayLauncher
 
     return RayLauncher(RayClusterConfig(config, address=args.address,
@@ -199,21 +214,40 @@ def _launcher(args: argparse.Namespace, config: LocalClusterConfig) -> Launcher:
 
 
 def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
-    serve_args: list[str] = ["--log-level", "warning"]
+    log_flags = _log_flags(args, env)
+    serve_args: list[str] = ["--log-level", "warning", *log_flags]
     for flag, _ in _SERVE_FLAGS:
         if flag in VERSION_FLAGS:
             continue  # each instance gets these from its model version
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             serve_args += [flag, str(value)]
+    serve_args += _auth_args(args)
     threads = args.threads_per_instance or max(1, (os.cpu_count() or 1) // args.replicas)
-    gateway_args = [*(["--policy", args.policy] if args.policy else []), *args.gateway_arg]
+    gateway_args = [*(["--policy", args.policy] if args.policy else []), *_auth_args(args),
+                    *log_flags, *args.gateway_arg]
     return LocalClusterConfig(
         replicas=args.replicas, run_dir=env.run_dir, model=args.model, host=args.host,
         port=args.port, serve_args=tuple(serve_args), gateway_args=tuple(gateway_args),
         threads_per_instance=None if args.simulate else threads,
         registry=args.registry or env.registry_url,
     )
+
+
+def _auth_args(args: argparse.Namespace) -> list[str]:
+    """The key flags every child gets (files by absolute path: children may run elsewhere)."""
+    out: list[str] = []
+    for flag, path in (("--api-key-file", args.api_key_file),
+                       ("--admin-key-file", args.admin_key_file)):
+        if path is not None:
+            out += [flag, str(Path(path).resolve())]
+    return out + (["--insecure"] if args.insecure else [])
+
+
+def _log_flags(args: argparse.Namespace, env: CliEnv) -> list[str]:
+    """`--log-format` for the children, unless text is both chosen and their default."""
+    chosen = getattr(args, "log_format", None) or env.log_format
+    return [] if chosen == env.log_format == "text" else ["--log-format", chosen]
 
 
 def _prefetch(args: argparse.Namespace, env: CliEnv) -> None:

@@ -12,8 +12,18 @@ head, so the least recently freed cached block is evicted first.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from strata.types import BlockHash
+
+
+class BlockListener(Protocol):
+    """Told, on the engine thread, of every hash the prefix cache gains or loses
+    (strata/engine/block_events.py keeps them for the gateway's prefix index)."""
+
+    def block_cached(self, block_hash: BlockHash) -> None: ...
+
+    def block_evicted(self, block_hash: BlockHash) -> None: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -87,6 +97,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        self.listener: BlockListener | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -134,6 +145,8 @@ class BlockPool:
             return
         block.block_hash, block.token_ids = block_hash, token_ids
         self.cached[block_hash] = block
+        if self.listener is not None:
+            self.listener.block_cached(block_hash)
 
     def lookup(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> KVBlock | None:
         block = self.cached.get(block_hash)
@@ -153,5 +166,7 @@ class BlockPool:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+            if self.listener is not None:
+                self.listener.block_evicted(block.block_hash)
         block.block_hash, block.token_ids = None, ()
         self.num_evictions += 1

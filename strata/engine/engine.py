@@ -131,10 +131,11 @@ class Engine:
         """True while a request is unfinished or a batch is in flight (`step` collects it)."""
         return self.scheduler.has_unfinished() or len(self._batches) > 0
 
-    def block_hashes(self, token_ids: list[int], cache_salt: str = "") -> list[BlockHash]:
-        """The identities of the full blocks of `token_ids` (model, version and salt included);
-        safe from any thread."""
-        return self.kv.hash_tokens(token_ids, cache_salt)
+    def block_hashes(self, token_ids: list[int], cache_salt: str = "",
+                     num_public_tokens: int = 0) -> list[BlockHash]:
+        """The identities of the full blocks of `token_ids` (model, version and salt included;
+        see `Request.num_public_tokens`); safe from any thread."""
+        return self.kv.hash_tokens(token_ids, cache_salt, num_public_tokens)
 
     def num_cached_blocks(self, hashes: list[BlockHash]) -> int:
         """How many leading blocks of `hashes` the prefix cache holds: a hint, safe from any
@@ -149,8 +150,11 @@ class Engine:
         collected = self._batches.collect_oldest()
         if collected is None:
             return []
-        scheduled, model_output = collected
-        return self._update(self.scheduler.on_collected(scheduled), model_output)
+        applied = self.scheduler.on_collected(collected.scheduled)
+        failed = [self._fail(r) for r, _ in applied if r.request_id in collected.failed]
+        return failed + self._update([(r, n) for r, n in applied
+                                     if r.status == RequestStatus.RUNNING],
+                                     collected.output)
 
     def _submit_next(self) -> bool:
         """Schedule a batch and submit it; False when no request can run now."""
@@ -230,6 +234,16 @@ class Engine:
             num_output_tokens=request.num_output_tokens,
             kv_blocks=kv_blocks,
         )
+
+    def _fail(self, request: Request) -> RequestOutput:
+        """The executor failed on this request alone (isolation.py): it ends with "error"."""
+        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        self._detok.pop(request.request_id, None)
+        return RequestOutput(request_id=request.request_id, new_token_ids=[], new_text="",
+                             finished=True, finish_reason=request.finish_reason,
+                             num_prompt_tokens=request.num_prompt_tokens,
+                             num_cached_tokens=request.num_cached_tokens,
+                             num_output_tokens=request.num_output_tokens)
 
     def _export_kv(self, request: Request) -> list[tuple[BlockHash, bytes]]:
         """(hash, payload) of the request's computed full blocks not known to be stored."""

@@ -92,9 +92,10 @@ class KVCacheManager:
         """Fetched tokens the executor refused: recomputed, so no longer external hits."""
         self.num_external_hit_tokens -= num_tokens
 
-    def hash_tokens(self, token_ids: list[int], cache_salt: str) -> list[BlockHash]:
+    def hash_tokens(self, token_ids: list[int], cache_salt: str,
+                    num_public_tokens: int = 0) -> list[BlockHash]:
         """Hashes of the full blocks of `token_ids`, named as this cache names them."""
-        return hash_blocks(token_ids, self.block_size, self._namespace(cache_salt))
+        return self._hash_from(token_ids, cache_salt, num_public_tokens, None, 0)
 
     def num_cached_blocks(self, hashes: list[BlockHash]) -> int:
         """How many leading `hashes` the prefix cache holds now (not verified against tokens)."""
@@ -179,12 +180,24 @@ class KVCacheManager:
         num_full = request.num_tokens // self.block_size
         if len(hashes) < num_full:
             parent = hashes[-1] if hashes else None
-            hashes.extend(
-                hash_blocks(request.all_token_ids, self.block_size,
-                            self._namespace(request.cache_salt),
-                            parent=parent, start_block=len(hashes))
-            )
+            hashes.extend(self._hash_from(request.all_token_ids, request.cache_salt,
+                                          request.num_public_tokens, parent, len(hashes)))
         return hashes
+
+    def _hash_from(self, token_ids: list[int], cache_salt: str, num_public_tokens: int,
+                   parent: BlockHash | None, start_block: int) -> list[BlockHash]:
+        """Block hashes from `start_block` on. Blocks wholly inside the first
+        `num_public_tokens` are named in the namespace every tenant shares (no salt); the rest,
+        chained from them, in the salted one: a tenant's own blocks stay its own."""
+        size = self.block_size
+        num_public = min(num_public_tokens, len(token_ids)) // size
+        hashes: list[BlockHash] = []
+        if start_block < num_public:
+            hashes = hash_blocks(token_ids[: num_public * size], size, self._namespace(""),
+                                 parent=parent, start_block=start_block)
+            parent, start_block = hashes[-1], num_public
+        return hashes + hash_blocks(token_ids, size, self._namespace(cache_salt), parent=parent,
+                                    start_block=start_block)
 
     def _namespace(self, cache_salt: str) -> str:
         return f"{self.config.namespace}|{cache_salt}"

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from strata.errors import InvalidRequestError
 from strata.types import BlockHash, RequestId
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # OpenAI's `seed` is an int64
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered: every status after RUNNING is finished."""
@@ -71,6 +73,8 @@ class SamplingParams:
                f"must be in [-2, 2], got {self.presence_penalty}")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
                f"must be in [-2, 2], got {self.frequency_penalty}")
+        _check(self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, "seed",
+               f"must be a 64-bit signed integer (-2**63 .. 2**63-1), got {self.seed}")
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs",
                f"must be >= 0, got {self.logprobs}")
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
@@ -115,6 +119,9 @@ class Request:
     arrival_time: float = 0.0
     priority: int = 0  # lower runs first; FCFS within a priority
     cache_salt: str = ""
+    # leading prompt tokens that are public (a shared system prompt): their full blocks are
+    # named without `cache_salt`, in the namespace every tenant shares (kv_cache_manager.py)
+    num_public_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Logprob] = field(default_factory=list)

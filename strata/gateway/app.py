@@ -17,7 +17,9 @@ Only what routing needs is read from a body (model, stream, max_tokens); the byt
 untouched. `X-Model-Version` (or `model: "name@version"`) names a version, `X-Strata-Pool` a
 pool; with a model registry the gateway otherwise picks the version (strata/gateway/versions.py).
 Every proxied answer carries `X-Strata-Instance: <instance id>`. `--session-routing` decides
-where requests with a session id go (strata/gateway/sessions.py).
+where requests with a session id go (strata/gateway/sessions.py). Every answer carries
+`X-Request-Id`: the client's when sane, else a new one, forwarded to the instance too
+(strata/protocol/request_id.py).
 """
 
 from __future__ import annotations
@@ -35,10 +37,13 @@ from starlette.applications import Starlette
 from strata.gateway.admin import admin_routes
 from strata.gateway.config import GatewayConfig
 from strata.gateway.dashboard import DASHBOARD_PATHS, dashboard_routes
+from strata.gateway.error_handlers import EXCEPTION_HANDLERS
+from strata.gateway.openapi_routes import openapi_route
 from strata.gateway.routes import build_routes
 from strata.gateway.sources import InstanceSource
 from strata.gateway.wiring import Gateway, build_gateway
 from strata.protocol.auth import EXEMPT_PATHS, ApiKeyAuth
+from strata.protocol.request_id import RequestIdMiddleware
 from strata.registry.base import Registry
 from strata.registry.models import ModelRegistry
 from strata.state.pins import PinStore
@@ -77,13 +82,17 @@ def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
             await asyncio.gather(*tasks, return_exceptions=True)
             await gateway.close()
 
-    app = Starlette(routes=[*build_routes(), *admin_routes(), *dashboard_routes(gateway)],
-                    lifespan=lifespan)
+    app = Starlette(routes=[*build_routes(), *admin_routes(), *dashboard_routes(gateway),
+                            openapi_route()],
+                    lifespan=lifespan, exception_handlers=dict(EXCEPTION_HANDLERS))
     app.state.gateway = gateway
-    if config.api_keys:
+    if config.api_keys or config.admin_keys:
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
+                           admin_keys=list(config.admin_keys),
                            rate_limit_per_s=config.rate_limit_per_s,
                            exempt_paths=EXEMPT_PATHS | DASHBOARD_PATHS)
+    # outermost: the id (the client's, else a new one) is in the headers the proxy forwards
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 
@@ -102,6 +111,8 @@ async def _start_background(gateway: Gateway) -> list[asyncio.Task[None]]:
     if gateway.releases is not None:
         tasks.append(asyncio.create_task(every(gateway.releases.resume_interval_s,
                                                gateway.releases.resume_once)))
+    if gateway.prefix is not None:
+        tasks.append(asyncio.create_task(gateway.prefix.run()))
     return tasks
 
 

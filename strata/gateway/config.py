@@ -168,7 +168,8 @@ class GatewayConfig:
     retry: RetryConfig = field(default_factory=RetryConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = ()  # client keys
+    admin_keys: tuple[str, ...] = ()  # for /admin/* (and sent to instances' /admin/drain)
     rate_limit_per_s: float | None = None
     shutdown_timeout_s: float = 30.0
     sessions: SessionRoutingConfig = field(default_factory=SessionRoutingConfig)
@@ -189,7 +190,7 @@ class GatewayConfig:
         if self.rate_limit_per_s is not None and self.rate_limit_per_s <= 0:
             raise ConfigError(f"rate_limit_per_s must be positive, got {self.rate_limit_per_s}")
         _positive(self, "response_cache_ttl_s")
-        if any(not key for key in self.api_keys):
+        if any(not key for key in (*self.api_keys, *self.admin_keys)):
             raise ConfigError("api keys must not be empty strings")
 
 

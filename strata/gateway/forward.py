@@ -11,6 +11,8 @@ the chain of `path_steps`, which ends in the proxy; each step below wraps the ne
                     the cache (strata/gateway/response_cache.py)
     PlaceSession    with sticky or hybrid session routing: the session is placed (its pin read
                     or written) before routing (strata/gateway/sessions.py)
+    KeyPrefix       with --policy cache_aware: the prompt's block keys for each candidate ride
+                    on the route (strata/gateway/prefix_index_feed.py)
     Proxy.forward   filters -> policy -> send; retries on another instance until the first byte
                     reaches the client (strata/gateway/proxy.py, pipeline.py, policies/)
 
@@ -35,6 +37,7 @@ from strata.gateway.admission import Admission
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.pipeline import RoutingPipeline
 from strata.gateway.policies.base import RouteRequest
+from strata.gateway.prefix_index_feed import PrefixRouting
 from strata.gateway.proxy import Proxy, ProxyRequest
 from strata.gateway.response_cache import CACHE_HEADER, ResponseCacheLayer, cache_key
 from strata.gateway.sessions import MOVED_HEADER as SESSION_MOVED_HEADER
@@ -42,6 +45,7 @@ from strata.gateway.sessions import ROUTING_HEADER, SessionRouter
 from strata.gateway.upstream import INSTANCE_HEADER, RelayResponse, error_response
 from strata.gateway.versions import CANARY, LIVE, SESSION, VersionChoice, VersionRouter
 from strata.gateway.versions import MOVED_HEADER as VERSION_MOVED_HEADER
+from strata.protocol.auth import bearer_key, tenant_of_key
 
 Handler = Callable[[ProxyRequest], Awaitable[Response]]
 
@@ -54,7 +58,8 @@ class Step(Protocol):
 
 def path_steps(*, admission: Admission, metrics: GatewayMetrics, proxy: Proxy,
                versions: VersionRouter | None = None, cache: ResponseCacheLayer | None = None,
-               sessions: SessionRouter | None = None) -> list[Step]:
+               sessions: SessionRouter | None = None,
+               prefix: PrefixRouting | None = None) -> list[Step]:
     """The steps before the proxy, outermost first: one per feature that is on. The gateway's
     path is `chain(path_steps(...), proxy.forward)`."""
     steps: list[Step] = [Admit(admission, metrics)]
@@ -64,6 +69,8 @@ def path_steps(*, admission: Admission, metrics: GatewayMetrics, proxy: Proxy,
             steps.append(CacheAnswers(cache, versions))
     if sessions is not None:
         steps.append(PlaceSession(sessions, proxy.pipeline))
+    if prefix is not None:
+        steps.append(KeyPrefix(prefix, proxy.pipeline))
     return steps
 
 
@@ -189,7 +196,10 @@ class CacheAnswers:
             return None
         if not isinstance(body, dict):
             return None
-        return cache_key(request.path, body, model=model, version=route.version)
+        tenant = ""
+        if self.cache.is_per_tenant:
+            tenant = tenant_of_key(bearer_key(dict(request.headers).get("authorization", "")))
+        return cache_key(request.path, body, model=model, version=route.version, tenant=tenant)
 
 
 class PlaceSession:
@@ -225,5 +235,26 @@ class PlaceSession:
         return response
 
 
-__all__ = ["Admit", "CacheAnswers", "ChooseVersion", "Handler", "PlaceSession", "Step", "chain",
-           "path_steps"]
+class KeyPrefix:
+    """Computes the prompt's keys for each candidate once (block hashes with the instance's
+    tokenizer, or text keys), so the cache-aware policy scores them and learns where they went;
+    a retry reuses them."""
+
+    def __init__(self, prefix: PrefixRouting, pipeline: RoutingPipeline) -> None:
+        self.prefix = prefix
+        self.pipeline = pipeline
+
+    async def __call__(self, request: ProxyRequest, call_next: Handler) -> Response:
+        route = request.route
+        tenant = ""
+        if self.prefix.is_per_tenant:
+            tenant = tenant_of_key(bearer_key(dict(request.headers).get("authorization", "")))
+        keys = self.prefix.keys(request.body, route.session_id, self.pipeline.candidates(route),
+                                tenant)
+        if keys is not None:
+            request = dataclasses.replace(request, route=dataclasses.replace(route, prefix=keys))
+        return await call_next(request)
+
+
+__all__ = ["Admit", "CacheAnswers", "ChooseVersion", "Handler", "KeyPrefix", "PlaceSession",
+           "Step", "chain", "path_steps"]

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from strata.errors import InvalidRequestError
 from strata.gateway.policies.base import RouteRequest
+from strata.protocol.json_body import parse_json_object
 
 VERSION_HEADER = "x-model-version"
 POOL_HEADER = "x-strata-pool"
@@ -55,12 +55,7 @@ def route_request(body: bytes, headers: Mapping[str, str]) -> RouteRequest:
     """RouteRequest from a JSON body (model, stream, max_tokens, session_id) and the routing
     headers (the `X-Session-Id` header wins over the body's `session_id`; `model: "name@version"`
     and `X-Model-Version` select a version)."""
-    try:
-        data = json.loads(body) if body else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise InvalidRequestError("request body must be a JSON object")
+    data = parse_json_object(body) if body else {}
     max_tokens = _field(data, "max_tokens", int) or DEFAULT_MAX_TOKENS
     model, version = _model_and_version(_field(data, "model", str), headers.get(VERSION_HEADER))
     return RouteRequest(

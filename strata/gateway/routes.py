@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
@@ -55,7 +56,10 @@ async def session_call(request: Request) -> Response:
     """GET /v1/sessions[/{id}] and DELETE /v1/sessions/{id}: passed to any routable instance
     (every instance reads the same session store); a successful DELETE also unpins the session."""
     gateway = _gateway(request)
-    path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    # forwarded as received: re-quoted, so that an id with control or odd characters is
+    # the same id on the instance (a decoded one made an invalid URL: a 500)
+    path = quote(request.url.path, safe="/") + (f"?{request.url.query}" if request.url.query
+                                                else "")
     preq = ProxyRequest(request.method, path, await request.body(),
                         list(request.headers.items()), RouteRequest(), gateway.proxy.clock())
     response = await gateway.proxy.forward(preq)
@@ -116,11 +120,18 @@ async def drain_instance(request: Request) -> Response:
     view.is_draining = True
     result: dict[str, Any] = {"instance_id": instance_id, "draining": True}
     try:
-        answer = await gateway.control.post(f"{view.url}/admin/drain")
+        answer = await gateway.control.post(f"{view.url}/admin/drain",
+                                            headers=_admin_auth(gateway))
         result["instance_status"] = answer.status_code
     except Exception as exc:  # the instance may be gone; we stop routing there regardless
         result["instance_error"] = f"{type(exc).__name__}: {exc}"
     return JSONResponse(result, status_code=202)
+
+
+def _admin_auth(gateway: Gateway) -> dict[str, str]:
+    """What the instances' admin API takes: the gateway's admin key, else its client key."""
+    keys = gateway.config.admin_keys or gateway.config.api_keys
+    return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
 
 
 def build_routes() -> list[Route]:

@@ -24,7 +24,8 @@ from strata.gateway.health import HealthChecker, OutlierDetector
 from strata.gateway.instances import InstanceSet
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.pipeline import RoutingPipeline
-from strata.gateway.policies import RoutingPolicy, create_policy
+from strata.gateway.policies import CacheAwarePolicy, RoutingPolicy, create_policy
+from strata.gateway.prefix_index_feed import PrefixRouting
 from strata.gateway.proxy import Proxy
 from strata.gateway.releases import ReleaseService, build_release_service, controller_owner
 from strata.gateway.response_cache import ResponseCacheLayer
@@ -59,6 +60,7 @@ class Gateway:
     models: ModelRegistry | None = None
     releases: ReleaseService | None = None  # with a model registry and an instance registry
     cache: ResponseCacheLayer | None = None  # opt-in; deterministic answers keyed by version
+    prefix: PrefixRouting | None = None  # --policy cache_aware: feeds its index (in background)
 
     async def close(self) -> None:
         await self.exits.aclose()
@@ -83,6 +85,7 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
     metrics = GatewayMetrics()
     instances = source.instances
     sessions = _session_router(config, pin_store, clock, exits)
+    prefix = _prefix_routing(config, policy, instances, exits)
     if sessions is not None:
         policy = PinnedSessionPolicy(sessions, policy)
     control = control_client or httpx.AsyncClient(
@@ -100,10 +103,10 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
         if instance_registry is not None:
             releases = _release_service(config, models, instance_registry, stats, control, exits)
     steps = path_steps(admission=admission, metrics=metrics, proxy=proxy, versions=versions,
-                       cache=cache, sessions=sessions)
+                       cache=cache, sessions=sessions, prefix=prefix)
     forward = chain(steps, proxy.forward)
     return Gateway(config, source, proxy, admission, health, control, metrics, forward, exits,
-                   sessions, versions, models, releases, cache)
+                   sessions, versions, models, releases, cache, prefix)
 
 
 def _proxy(config: GatewayConfig, instances: InstanceSet, policy: RoutingPolicy,
@@ -127,7 +130,8 @@ def _response_cache(config: GatewayConfig,
     if config.response_cache_url is None:
         return None
     cache = ResponseCacheLayer(create_response_cache(config.response_cache_url,
-                                                     ttl_s=config.response_cache_ttl_s))
+                                                     ttl_s=config.response_cache_ttl_s),
+                               is_per_tenant=bool(config.api_keys))
     _close_with(exits, cache.close)
     return cache
 
@@ -172,6 +176,20 @@ def _session_router(config: GatewayConfig, pin_store: PinStore | None,
         pins = create_pin_store(settings.store_url or "memory://", ttl_s=settings.pin_ttl_s)
         _close_with(exits, pins.close)
     return SessionRouter(settings, pins, clock=clock)
+
+
+def _prefix_routing(config: GatewayConfig, policy: RoutingPolicy, instances: InstanceSet,
+                    exits: contextlib.AsyncExitStack) -> PrefixRouting | None:
+    """The cache-aware policy's feed: polls the instances' KV events over its own client."""
+    if not isinstance(policy, CacheAwarePolicy):
+        return None
+    client = httpx.AsyncClient(timeout=httpx.Timeout(config.health_timeout_s))
+    prefix = PrefixRouting(policy.index, instances, client,
+                           api_key=config.api_keys[0] if config.api_keys else None,
+                           is_per_tenant=bool(config.api_keys))
+    _close_with(exits, client.aclose)
+    _close_with(exits, prefix.close)
+    return prefix
 
 
 def _close_with(exits: contextlib.AsyncExitStack, close: Callable[[], Awaitable[object]]) -> None:

@@ -7,6 +7,10 @@ as decode queries, but each key once per tile of queries. Without it (GPU, no co
 that starts at position 0 attends only to itself (causal SDPA) and a later chunk (chunked
 prefill, prefix-cache hit) gathers its context and runs two batched matmuls when short, SDPA
 when long.
+
+Query heads read KV heads by `HeadGroups`: even groups in a whole model, possibly uneven on a
+tensor-parallel rank (see strata.model.shard); the torch paths then expand K and V to one KV
+head per query head.
 """
 
 from __future__ import annotations
@@ -57,6 +61,32 @@ class StepBatch:
     block_size: int
 
 
+@dataclass(frozen=True, slots=True)
+class HeadGroups:
+    """KV head g serves query heads start[g] .. start[g + 1] - 1.
+
+    `start` (kv_heads + 1,) int64 stays on the CPU for the C kernels; `kv_of_head` (heads,) is
+    set only for uneven groups, for the torch paths' expansion of K and V.
+    """
+
+    start: Tensor
+    kv_of_head: Tensor | None
+
+    @staticmethod
+    def of(head_start: tuple[int, ...], device: torch.device | str) -> HeadGroups:
+        start = torch.tensor(head_start, dtype=torch.int64)
+        sizes = {b - a for a, b in zip(head_start, head_start[1:], strict=False)}
+        if len(sizes) == 1:
+            return HeadGroups(start, None)
+        kv_of_head = torch.repeat_interleave(torch.arange(len(head_start) - 1),
+                                             start.diff()).to(device)
+        return HeadGroups(start, kv_of_head)
+
+    def expand(self, kv: Tensor, dim: int) -> Tensor:
+        """K or V with one head per query head along `dim` (as is for even groups)."""
+        return kv if self.kv_of_head is None else kv.index_select(dim, self.kv_of_head)
+
+
 class PagedKVCache:
     """K and V of every layer, addressed by slot = block_id * block_size + offset.
 
@@ -65,12 +95,14 @@ class PagedKVCache:
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: str) -> None:
+                 dtype: torch.dtype, device: str, *, num_layers: int | None = None,
+                 kv_heads: int | None = None) -> None:
+        """`num_layers` and `kv_heads` default to the whole model's (a rank holds fewer)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.null_slot = num_blocks * block_size
-        shape = (config.num_hidden_layers, 2, self.null_slot + 1,
-                 config.num_key_value_heads, config.head_dim)
+        shape = (num_layers or config.num_hidden_layers, 2, self.null_slot + 1,
+                 kv_heads or config.num_key_value_heads, config.head_dim)
         self.data = torch.empty(shape, dtype=dtype, device=device)
         self.data[:, :, self.null_slot].zero_()
 
@@ -105,28 +137,30 @@ class DecodePlan:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, batch: StepBatch, plan: DecodePlan,
-               kv: tuple[Tensor, Tensor]) -> Tensor:
+               kv: tuple[Tensor, Tensor], groups: HeadGroups) -> Tensor:
     """Attention output (T, heads, head_dim) for every row of the step."""
     d = batch.num_decodes
     if d == q.shape[0]:  # a pure decode step: no copy into `out`
-        return _decode_attention(q, batch, plan, kv)
+        return _decode_attention(q, batch, plan, kv, groups)
     out = q.new_empty(q.shape)
     if d:
-        out[:d] = _decode_attention(q[:d], batch, plan, kv)
+        out[:d] = _decode_attention(q[:d], batch, plan, kv, groups)
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.end)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], chunk, kv, batch.block_size)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], chunk, kv, batch.block_size,
+                                       groups)
     return out
 
 
 def _decode_attention(q: Tensor, batch: StepBatch, plan: DecodePlan,
-                      kv: tuple[Tensor, Tensor]) -> Tensor:
+                      kv: tuple[Tensor, Tensor], groups: HeadGroups) -> Tensor:
     if plan.use_kernel:
         return cpu_kernels.decode_attention(q, kv[0], kv[1], batch.decode_block_table,
-                                                batch.decode_context_lens, batch.block_size)
+                                            batch.decode_context_lens, batch.block_size,
+                                            groups.start)
     assert plan.slots is not None and plan.mask is not None
-    keys = kv[0][plan.slots].transpose(1, 2)  # (D, kv_heads, L, head_dim)
-    values = kv[1][plan.slots].transpose(1, 2)
+    keys = groups.expand(kv[0][plan.slots], 2).transpose(1, 2)  # (D, kv_heads, L, head_dim)
+    values = groups.expand(kv[1][plan.slots], 2).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         q[:, :, None, :], keys, values, attn_mask=plan.mask, enable_gqa=True
     )
@@ -134,14 +168,15 @@ def _decode_attention(q: Tensor, batch: StepBatch, plan: DecodePlan,
 
 
 def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, chunk: PrefillChunk,
-                       kv: tuple[Tensor, Tensor], block_size: int) -> Tensor:
+                       kv: tuple[Tensor, Tensor], block_size: int, groups: HeadGroups) -> Tensor:
     if chunk.block_row is not None:
         return cpu_kernels.chunk_attention(q, kv[0], kv[1], chunk.block_row, chunk.start_pos,
-                                           block_size)
+                                           block_size, groups.start)
     if chunk.context_slots is None:
-        keys, values, mask = k, v, None
+        keys, values, mask = groups.expand(k, 1), groups.expand(v, 1), None
     else:
-        keys, values = kv[0][chunk.context_slots], kv[1][chunk.context_slots]
+        keys = groups.expand(kv[0][chunk.context_slots], 1)
+        values = groups.expand(kv[1][chunk.context_slots], 1)
         mask = chunk.mask
         if q.shape[0] <= _MATMUL_ATTENTION_MAX_ROWS:
             return _matmul_attention(q, keys, values, chunk.mask)

@@ -29,13 +29,27 @@ def supports(dtype: torch.dtype, device: torch.device | str) -> bool:
             and kernel_library() is not None)
 
 
+def uniform_head_start(heads: int, kv_heads: int) -> Tensor:
+    """KV head g serves query heads g * G .. (g + 1) * G - 1 (G = heads / kv_heads): the
+    `head_start` of a whole model, (kv_heads + 1,) int64."""
+    key = (heads, kv_heads)
+    if key not in _UNIFORM:
+        _UNIFORM[key] = torch.arange(0, heads + 1, heads // kv_heads, dtype=torch.int64)
+    return _UNIFORM[key]
+
+
+_UNIFORM: dict[tuple[int, int], Tensor] = {}
+
+
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                     context_lens: Tensor, block_size: int) -> Tensor:
+                     context_lens: Tensor, block_size: int,
+                     head_start: Tensor | None = None) -> Tensor:
     """Attention of one query row per sequence over its cached positions 0 .. len - 1.
 
     q: (D, heads, head_dim), rows may be strided; k_cache, v_cache: (slots, kv_heads, head_dim),
     contiguous; block_table: (D, W) int64; context_lens: (D,) int64. Returns (D, heads, head_dim).
-    Call only when `supports(q.dtype, q.device)` is true.
+    KV head g serves query heads head_start[g] .. head_start[g + 1] - 1 ((kv_heads + 1,) int64;
+    default: even groups). Call only when `supports(q.dtype, q.device)` is true.
     """
     lib = kernel_library()
     assert lib is not None, "invariant kernel_built: check supports() first"
@@ -43,10 +57,11 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: T
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    starts = head_start if head_start is not None else uniform_head_start(heads, k_cache.shape[1])
     fn = getattr(lib, f"decode_{_SUFFIX[q.dtype]}")
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
-       context_lens.data_ptr(), out.data_ptr(), q.stride(0), d, heads, k_cache.shape[1], head_dim,
-       block_size, block_table.shape[1], head_dim ** -0.5)
+       context_lens.data_ptr(), out.data_ptr(), starts.data_ptr(), q.stride(0), d, heads,
+       k_cache.shape[1], head_dim, block_size, block_table.shape[1], head_dim ** -0.5)
     return out
 
 
@@ -56,12 +71,13 @@ def supports_chunk(dtype: torch.dtype, device: torch.device | str, head_dim: int
 
 
 def chunk_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_row: Tensor,
-                    start_pos: int, block_size: int) -> Tensor:
+                    start_pos: int, block_size: int, head_start: Tensor | None = None) -> Tensor:
     """Causal attention of n new tokens of one sequence at positions start_pos .. + n - 1.
 
     Query i attends to the cached positions 0 .. start_pos + i (its own K/V already written),
     read in place through `block_row` (W,) int64. q: (n, heads, head_dim), rows may be strided;
-    returns (n, heads, head_dim). Call only when `supports_chunk(...)` is true.
+    returns (n, heads, head_dim). `head_start` as for `decode_attention`. Call only when
+    `supports_chunk(...)` is true.
     """
     lib = kernel_library()
     assert lib is not None, "invariant kernel_built: check supports_chunk() first"
@@ -69,10 +85,11 @@ def chunk_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_row: Tens
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    starts = head_start if head_start is not None else uniform_head_start(heads, k_cache.shape[1])
     fn = getattr(lib, f"decode_{_SUFFIX[q.dtype]}_chunk")
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_row.data_ptr(),
-       out.data_ptr(), q.stride(0), n, start_pos, heads, k_cache.shape[1], head_dim, block_size,
-       head_dim ** -0.5)
+       out.data_ptr(), starts.data_ptr(), q.stride(0), n, start_pos, heads, k_cache.shape[1],
+       head_dim, block_size, head_dim ** -0.5)
     return out
 
 

@@ -1,19 +1,16 @@
 """Read a GGUF file (llama.cpp format) with the `gguf` package into HF-named float weights.
 
 Tensors are dequantized with numpy (`gguf.quants.dequantize`) and renamed to Hugging Face names;
-llama's attn_q / attn_k are un-permuted back to the HF rotary layout. The result (weights in the
-requested dtype, plus config and tokenizer in the header metadata) is cached as one safetensors
-file keyed by the GGUF file's size, mtime and first bytes, so a second load skips dequantization.
+llama's attn_q / attn_k are un-permuted back to the HF rotary layout. `open_gguf` reads only the
+header (config, tokenizer, tensor list); `gguf_tensors` dequantizes one tensor at a time, so a
+converter never holds more than one in float32 (gguf_cache.py writes them to the safetensors
+cache as they come).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-import os
 import re
-import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,16 +19,13 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
 from strata.errors import ModelLoadError
 from strata.model.config import ModelConfig
 from strata.model.tokenizer import Tokenizer, byte_level_bpe
+from strata.progress import progress
 
-CACHE_FORMAT = "strata-gguf-1"
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -61,20 +55,24 @@ class GGUFModel:
     source: Path
 
 
-def load_gguf(path: Path, *, dtype: torch.dtype, cache_dir: Path | None) -> GGUFModel:
-    """Load `path`, from the dequantized cache in `cache_dir` when it is there."""
-    cache_file = _cache_file(path, dtype, cache_dir) if cache_dir is not None else None
-    if cache_file is not None and cache_file.exists():
-        cached = _read_cache(cache_file, path)
-        if cached is not None:
-            return cached
-    model = _read_gguf(path, dtype)
-    if cache_file is not None:
-        _write_cache(cache_file, model)
-    return model
+@dataclass
+class GGUFHeader:
+    """What a GGUF file says before its tensor data: enough to plan a conversion."""
+
+    reader: GGUFReader
+    config: ModelConfig
+    tokenizer: Tokenizer
+    name: str
+    source: Path
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name -> shape of every tensor the model uses, in file order."""
+        return {_hf_name(t.name, self.source): tuple(int(d) for d in reversed(t.shape.tolist()))
+                for t in self.reader.tensors if t.name not in _SKIPPED}
 
 
-def _read_gguf(path: Path, dtype: torch.dtype) -> GGUFModel:
+def open_gguf(path: Path) -> GGUFHeader:
+    """The header of `path` (the tensor data stays in the file, memory-mapped)."""
     try:
         reader = GGUFReader(path)
     except (ValueError, IndexError, KeyError, OSError) as e:
@@ -89,12 +87,19 @@ def _read_gguf(path: Path, dtype: torch.dtype) -> GGUFModel:
         )
     tokenizer = _tokenizer(meta)
     config = _config(meta, arch, reader, tokenizer)
-    weights = {}
-    for t in reader.tensors:
-        if t.name not in _SKIPPED:
-            weights[_hf_name(t.name, path)] = _tensor(t, config, path).to(dtype)
-    name = str(meta.get("general.name", path.stem))
-    return GGUFModel(config, weights, tokenizer, name, path)
+    return GGUFHeader(reader, config, tokenizer, str(meta.get("general.name", path.stem)), path)
+
+
+def gguf_tensors(header: GGUFHeader, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor in `dtype`), one at a time, in file order; shows its progress
+    (strata/progress.py): the first load of a GGUF dequantizes every tensor."""
+    tensors = header.reader.tensors
+    with progress(len(tensors), f"dequantizing {header.source.name}", unit="tensors") as bar:
+        for t in tensors:
+            if t.name not in _SKIPPED:
+                tensor = _tensor(t, header.config, header.source)
+                yield _hf_name(t.name, header.source), tensor.to(dtype)
+            bar.update(1)
 
 
 class _Meta:
@@ -202,57 +207,3 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of llama.cpp convert_hf_to_gguf `permute` (rotary halves -> interleaved pairs)."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _cache_file(path: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
-    st = path.stat()
-    digest = hashlib.sha256(f"{CACHE_FORMAT}|{st.st_size}|{st.st_mtime_ns}|{dtype}".encode())
-    with path.open("rb") as f:
-        digest.update(f.read(1 << 16))
-    return cache_dir / "gguf" / f"{path.stem}-{digest.hexdigest()[:16]}.safetensors"
-
-
-def _write_cache(cache_file: Path, model: GGUFModel) -> None:
-    meta = {
-        "format": CACHE_FORMAT,
-        "name": model.name,
-        "config": {f.name: getattr(model.config, f.name) for f in dataclasses.fields(model.config)},
-        "tokenizer": model.tokenizer.to_json(),
-        "chat_template": model.tokenizer.chat_template,
-        "bos_token": model.tokenizer.bos_token,
-        "eos_token": model.tokenizer.eos_token,
-        "eos_token_ids": list(model.tokenizer.eos_token_ids),
-    }
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache_file.parent, suffix=".tmp")
-    os.close(fd)
-    try:
-        tensors = {k: v.contiguous() for k, v in model.weights.items()}
-        save_file(tensors, tmp, metadata={"strata": json.dumps(meta)})
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared
-        os.replace(tmp, cache_file)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _read_cache(cache_file: Path, source: Path) -> GGUFModel | None:
-    """The cached model, or None when the cache file is unreadable (it is then rewritten)."""
-    try:
-        with safe_open(str(cache_file), "pt") as f:
-            meta = json.loads(f.metadata()["strata"])
-        weights = load_file(str(cache_file))
-    except (SafetensorError, OSError, KeyError, json.JSONDecodeError):
-        return None
-    if meta.get("format") != CACHE_FORMAT:
-        return None
-    cfg = dict(meta["config"], eos_token_ids=tuple(meta["config"]["eos_token_ids"]))
-    tokenizer = Tokenizer(
-        HFTokenizer.from_str(meta["tokenizer"]),
-        chat_template=meta["chat_template"],
-        bos_token=meta["bos_token"],
-        eos_token=meta["eos_token"],
-        eos_token_ids=meta["eos_token_ids"],
-        source=str(source),
-    )
-    return GGUFModel(ModelConfig(**cfg), weights, tokenizer, meta["name"], source)

@@ -1,9 +1,10 @@
-"""Builds Strata's C kernels (`csrc/cpu_kernels.c`, shipped as package data) and loads them.
+"""Builds Strata's C libraries (shipped as package data in `csrc/`) and loads them: the CPU
+kernels (`cpu_kernels.c`) and the shared-memory collectives of tensor parallel (`shm_comm.c`).
 
 The library is compiled at first use with the system C compiler (a plain C file, under a
 second) into a private temporary directory and loaded with ctypes; it links `libgomp.so.1` by
 soname, so it shares torch's already-loaded OpenMP runtime and thread count. The outcome is
-built once per process and kept (`kernels()`).
+built once per process and kept (`kernels()`, `shm_collectives()`).
 
 Fallback rules: with no C compiler, or when compiling fails, there is no library and the model
 uses its torch paths (a warning says which). `KernelBuild` keeps the two cases apart, so that
@@ -19,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +29,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 TYPE_SUFFIXES = ("bf16", "f32")  # decode_<suffix>, decode_<suffix>_chunk, ..._add_rms_norm
+SHM_SOURCE = SOURCE.with_name("shm_comm.c")
+SHM_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")  # no fast-math: sums keep their order
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,22 +53,29 @@ def find_compiler() -> str | None:
 def compile_kernels(source: Path = SOURCE, compiler: str | None = None) -> KernelBuild:
     """Compile `source` (and the headers beside it) and load the library; never raises for a
     failed build."""
+    return compile_library(source, _declare_all, FLAGS, compiler,
+                           fallback="attention and norms use the slower torch paths")
+
+
+def compile_library(source: Path, declare: Callable[[ctypes.CDLL], None],
+                    flags: tuple[str, ...], compiler: str | None = None, *,
+                    fallback: str) -> KernelBuild:
+    """Compile one C file into a loaded library; `fallback` says what runs without it."""
     cc = compiler or find_compiler()
     if cc is None:
-        log.warning("no C compiler found: attention and norms use the slower torch paths")
+        log.warning("no C compiler found: %s", fallback)
         return KernelBuild(None, None)
     # The directory goes once the library is loaded: the mapping outlives the file.
     with tempfile.TemporaryDirectory(prefix="strata-kernels-") as tmp:
-        lib = Path(tmp) / "cpu_kernels.so"
-        cmd = [cc, *FLAGS, str(source), "-o", str(lib), "-lm"]
+        lib = Path(tmp) / f"{source.stem}.so"
+        cmd = [cc, *flags, str(source), "-o", str(lib), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             error = done.stderr.strip() or f"{cc} exited with {done.returncode}"
-            log.warning("compiling the CPU kernels failed (%s); using the torch paths",
-                        error[-500:])
+            log.warning("compiling %s failed (%s); %s", source.name, error[-500:], fallback)
             return KernelBuild(None, cc, error)
         handle = ctypes.CDLL(str(lib))
-    _declare_all(handle)
+    declare(handle)
     return KernelBuild(handle, cc)
 
 
@@ -72,9 +83,9 @@ def _declare_all(handle: ctypes.CDLL) -> None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     for suffix in TYPE_SUFFIXES:
         name = f"decode_{suffix}"
-        _declare(handle, name, [ptr] * 6 + [i64] * 7 + [ctypes.c_float])
+        _declare(handle, name, [ptr] * 7 + [i64] * 7 + [ctypes.c_float])
         _declare(handle, f"{name}_add_rms_norm", [ptr] * 4 + [i64] * 2 + [ctypes.c_float])
-        _declare(handle, f"{name}_chunk", [ptr] * 5 + [i64] * 7 + [ctypes.c_float])
+        _declare(handle, f"{name}_chunk", [ptr] * 6 + [i64] * 7 + [ctypes.c_float])
 
 
 def _declare(handle: ctypes.CDLL, name: str, argtypes: list) -> None:
@@ -83,8 +94,33 @@ def _declare(handle: ctypes.CDLL, name: str, argtypes: list) -> None:
     fn.restype = None
 
 
+def _declare_shm(handle: ctypes.CDLL) -> None:
+    ptr, i64, i32, text = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_char_p
+    signatures: dict[str, tuple[list, object]] = {
+        "shm_create": ([text, i32, i64, i32], i32),
+        "shm_attach": ([text, i32], ptr),
+        "shm_detach": ([ptr], None),
+        "shm_failed_rank": ([ptr], i32),
+        "shm_abort": ([ptr, i32], None),
+        "shm_wait_attached": ([ptr, i64], i32),
+        "shm_barrier": ([ptr, i64], i32),
+        "shm_all_reduce": ([ptr, ptr, i64, i32, i64], i32),
+        "shm_gather_rows": ([ptr, ptr, i64, ptr, ptr, i32, i64], i32),
+        "shm_broadcast_send": ([ptr, ptr, i64, i64], i32),
+        "shm_broadcast_len": ([ptr, i32, i64], i64),
+        "shm_broadcast_recv": ([ptr, i32, ptr, i64, i64], i32),
+        "shm_send": ([ptr, i32, ptr, i64, i64], i32),
+        "shm_recv_len": ([ptr, i32, i64], i64),
+        "shm_recv": ([ptr, i32, ptr, i64, i64], i32),
+    }
+    for name, (argtypes, restype) in signatures.items():
+        fn = getattr(handle, name)
+        fn.argtypes, fn.restype = argtypes, restype
+
+
 _lock = threading.Lock()
 _build: KernelBuild | None = None
+_shm_build: KernelBuild | None = None
 
 
 def kernels() -> KernelBuild:
@@ -99,3 +135,13 @@ def kernels() -> KernelBuild:
 def kernel_library() -> ctypes.CDLL | None:
     """The compiled kernels, building them on first call; None when they cannot be built."""
     return kernels().library
+
+
+def shm_collectives() -> KernelBuild:
+    """The shared-memory collectives of this process, built on first call (once)."""
+    global _shm_build
+    with _lock:
+        if _shm_build is None:
+            _shm_build = compile_library(SHM_SOURCE, _declare_shm, SHM_FLAGS,
+                                         fallback="ranks on one host use torch.distributed")
+    return _shm_build

@@ -4,6 +4,12 @@ One `LlamaModel.forward` runs one engine step: the linear layers see every new t
 sequence concatenated (bf16 weights prepacked for oneDNN); attention (strata.model.attention)
 runs once for all decode rows and once per prefill chunk. Everything that depends on the batch's
 shape lives in a `StepBatch`, built once per step, never per layer.
+
+Tensor and pipeline parallel use the same code: a rank's model is the slices its `RankShard`
+names (column-parallel q/k/v and gate/up, row-parallel o and down, a vocab-parallel embedding
+and LM head, its stage's layers) plus the `ShardComm` hooks that sum the row-parallel outputs,
+gather the logits and pass hidden states between stages. The whole model is the full shard
+with hooks that do nothing.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from torch import Tensor
 
 from strata.errors import ModelLoadError
 from strata.model import cpu_kernels
-from strata.model.attention import DecodePlan, PagedKVCache, StepBatch, attention
+from strata.model.attention import DecodePlan, HeadGroups, PagedKVCache, StepBatch, attention
 from strata.model.config import ModelConfig, RopeScaling
+from strata.model.shard import LocalComm, RankShard, ShardComm
 
 Weights = dict[str, Tensor]
 _PACK_BATCH_HINT = 32  # oneDNN's packing hint; measured the same speed for 1 .. 512 rows
@@ -115,34 +122,47 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 class LlamaModel:
-    """Weights of a Llama-family model and its forward pass over a `StepBatch`."""
+    """Weights of a Llama-family model (or of one rank's shard) and its forward pass."""
 
     def __init__(self, config: ModelConfig, weights: Weights, *,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 shard: RankShard | None = None, comm: ShardComm | None = None) -> None:
+        """`weights` hold the shard's slices under HF names (all of them for the whole model)."""
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.shard = shard = shard or RankShard.full(config)
+        self.comm: ShardComm = comm or LocalComm()
+        self.is_vocab_split = len(shard.vocab) < config.vocab_size
         reader = _WeightReader(weights, dtype, device)
-        hidden, vocab = config.hidden_size, config.vocab_size
-        self.embed = reader.take("model.embed_tokens.weight", (vocab, hidden))
-        self.layers = [self._load_layer(reader, i) for i in range(config.num_hidden_layers)]
-        self.norm = reader.take("model.norm.weight", (hidden,))
-        lm_head = (self.embed if config.tie_word_embeddings
-                   else reader.take("lm_head.weight", (vocab, hidden)))
-        self.lm_head = pack_linear_weight(lm_head)
+        hidden, vocab = config.hidden_size, len(shard.vocab)
+        self.embed = (reader.take("model.embed_tokens.weight", (vocab, hidden))
+                      if shard.is_first_stage else None)
+        self.layers = [self._load_layer(reader, i) for i in shard.layers]
+        self.norm: Tensor | None = None
+        self.lm_head: Tensor | None = None
+        if shard.is_last_stage:
+            self.norm = reader.take("model.norm.weight", (hidden,))
+            tied = config.tie_word_embeddings
+            lm_head = (self.embed if tied and self.embed is not None
+                       else reader.take("model.embed_tokens.weight" if tied else "lm_head.weight",
+                                        (vocab, hidden)))
+            self.lm_head = pack_linear_weight(lm_head)
         self.inv_freq = rope_inv_freq(config).to(device)
+        self.heads = HeadGroups.of(shard.head_start, device)
         self.fused = cpu_kernels.supports(dtype, device)  # the fused C add + RMSNorm
 
     def _load_layer(self, reader: _WeightReader, i: int) -> _Layer:
-        c = self.config
+        c, s = self.config, self.shard
         p = f"model.layers.{i}."
-        q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        q_dim, kv_dim = len(s.q_heads) * c.head_dim, len(s.kv_heads) * c.head_dim
         shapes = {"q": q_dim, "k": kv_dim, "v": kv_dim}
         qkv = [reader.take(f"{p}self_attn.{n}_proj.weight", (d, c.hidden_size))
                for n, d in shapes.items()]
         bias = ([reader.take(f"{p}self_attn.{n}_proj.bias", (d,)) for n, d in shapes.items()]
                 if c.attention_bias else None)
-        mlp = [reader.take(f"{p}mlp.{n}_proj.weight", (c.intermediate_size, c.hidden_size))
+        rows = len(s.intermediate)
+        mlp = [reader.take(f"{p}mlp.{n}_proj.weight", (rows, c.hidden_size))
                for n in ("gate", "up")]
         return _Layer(
             input_norm=reader.take(f"{p}input_layernorm.weight", (c.hidden_size,)),
@@ -153,12 +173,15 @@ class LlamaModel:
             post_norm=reader.take(f"{p}post_attention_layernorm.weight", (c.hidden_size,)),
             gate_up=pack_linear_weight(torch.cat(mlp)),
             down=pack_linear_weight(
-                reader.take(f"{p}mlp.down_proj.weight", (c.hidden_size, c.intermediate_size))),
+                reader.take(f"{p}mlp.down_proj.weight", (c.hidden_size, rows))),
         )
 
-    def forward(self, batch: StepBatch, kv_cache: PagedKVCache) -> Tensor:
-        """Run one step; returns float32 logits (S, vocab) for `batch.sample_rows`."""
-        x = F.embedding(batch.input_ids, self.embed)
+    def forward(self, batch: StepBatch, kv_cache: PagedKVCache) -> Tensor | None:
+        """Run one step; returns float32 logits (S, vocab) for `batch.sample_rows` on the
+        sampling rank, None on the others (the whole model always returns them)."""
+        x = self._embed(batch.input_ids) if self.embed is not None else self.comm.recv_hidden(
+            torch.empty((batch.input_ids.shape[0], self.config.hidden_size), dtype=self.dtype,
+                        device=self.device))
         cos, sin = self._rope_tables(batch.positions)
         plan = DecodePlan.build(batch, kv_cache, x.dtype, x.device)
         delta: Tensor | None = None  # the last MLP's output, added to x by the next norm
@@ -166,8 +189,23 @@ class LlamaModel:
             delta = self._layer_forward(layer, x, delta, cos, sin, batch, plan, kv_cache.layer(i))
         if delta is not None:
             x.add_(delta)
+        if self.norm is None or self.lm_head is None:  # not the last stage: hand x on
+            self.comm.send_hidden(x)
+            return None
         last = _rms_norm(x[batch.sample_rows], self.norm, self.config.rms_norm_eps)
-        return linear(last, self.lm_head).float()
+        logits = self.comm.gather_vocab(linear(last, self.lm_head))
+        return logits.float() if logits is not None else None
+
+    def _embed(self, input_ids: Tensor) -> Tensor:
+        """Embedding rows; with the vocabulary split, each rank looks up its own rows (zeros
+        elsewhere) and the sum over the group assembles them exactly."""
+        assert self.embed is not None
+        if not self.is_vocab_split:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.shard.vocab.start
+        outside = (local < 0) | (local >= len(self.shard.vocab))
+        x = F.embedding(local.masked_fill(outside, 0), self.embed)
+        return self.comm.all_reduce(x.masked_fill_(outside[:, None], 0))
 
     def _rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sign-folded sin (T, 1, head_dim): rope(x) = x * cos + roll(x, half) * sin."""
@@ -182,10 +220,10 @@ class LlamaModel:
                        sin: Tensor, batch: StepBatch, plan: DecodePlan,
                        kv: tuple[Tensor, Tensor]) -> Tensor:
         """Adds `delta` into the residual stream `x` in place; returns this layer's MLP output."""
-        c = self.config
         h = self._add_norm(x, delta, layer.input_norm)
         qkv = linear(h, layer.qkv, layer.qkv_bias)
-        heads, kv_heads, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        heads, kv_heads = len(self.shard.q_heads), len(self.shard.kv_heads)
+        hd = self.config.head_dim
         q_dim, kv_dim = heads * hd, kv_heads * hd
         # q and k rotate together: one rope over (T, heads + kv_heads, head_dim).
         qk = qkv[:, : q_dim + kv_dim].view(-1, heads + kv_heads, hd)
@@ -194,9 +232,10 @@ class LlamaModel:
         v = qkv[:, q_dim + kv_dim :].view(-1, kv_heads, hd)
         kv[0].index_copy_(0, batch.slot_mapping, k)
         kv[1].index_copy_(0, batch.slot_mapping, v)
-        attn = attention(q, k, v, batch, plan, kv)
-        h = self._add_norm(x, linear(attn.view(x.shape[0], q_dim), layer.o), layer.post_norm)
-        return linear(self._silu_mul(linear(h, layer.gate_up)), layer.down)
+        attn = attention(q, k, v, batch, plan, kv, self.heads)
+        out = self.comm.all_reduce(linear(attn.view(x.shape[0], q_dim), layer.o))
+        h = self._add_norm(x, out, layer.post_norm)
+        return self.comm.all_reduce(linear(self._silu_mul(linear(h, layer.gate_up)), layer.down))
 
     def _add_norm(self, x: Tensor, delta: Tensor | None, weight: Tensor) -> Tensor:
         """`x += delta` in place, then RMSNorm(x) * weight (one fused C call on CPU)."""

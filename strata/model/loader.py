@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from strata.errors import ConfigError, ModelLoadError
 from strata.model.config import ModelConfig
-from strata.model.gguf_loader import load_gguf
+from strata.model.gguf_cache import load_gguf
 from strata.model.hf_config import model_config_from_hf
 from strata.model.tokenizer import Tokenizer
 
@@ -111,35 +111,56 @@ def check_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, *, source:
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
-    raw_cfg = read_json(path / "config.json")
-    config = model_config_from_hf(raw_cfg, source=str(path / "config.json"))
+    config = _hf_config(path)
     weights = _load_safetensors(path, dtype)
+    config, tokenizer = _with_tokenizer(path, config)
+    return LoadedModel(config, weights, tokenizer, name=path.resolve().name, source=path)
+
+
+def hf_config_and_tokenizer(path: Path) -> tuple[ModelConfig, Tokenizer]:
+    """An HF directory's config (eos and bos merged from every file that names them) and
+    tokenizer, without reading any weights."""
+    return _with_tokenizer(path, _hf_config(path))
+
+
+def _hf_config(path: Path) -> ModelConfig:
+    return model_config_from_hf(read_json(path / "config.json"), source=str(path / "config.json"))
+
+
+def _with_tokenizer(path: Path, config: ModelConfig) -> tuple[ModelConfig, Tokenizer]:
     tokenizer = _load_hf_tokenizer(path, config)
     eos = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_token_ids)))
     bos = config.bos_token_id if config.bos_token_id is not None else tokenizer.bos_token_id
     config = dataclasses.replace(config, eos_token_ids=eos, bos_token_id=bos)
     tokenizer.eos_token_ids = eos
-    return LoadedModel(config, weights, tokenizer, name=path.resolve().name, source=path)
+    return config, tokenizer
 
 
-def _load_safetensors(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def safetensors_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> file of an HF directory (its index, or the one model.safetensors); the
+    single file's names are {"*": file}."""
     index = path / INDEX_FILE
     if not index.exists():
         single = path / "model.safetensors"
         if not single.exists():
             raise ModelLoadError(f"{path}: no model.safetensors and no {INDEX_FILE}")
-        return {k: v.to(dtype) for k, v in _read_safetensors(single).items()}
+        return {"*": single}
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict):
         raise ModelLoadError(f"{index}: missing field 'weight_map'")
+    return {name: path / shard for name, shard in weight_map.items()}
+
+
+def _load_safetensors(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    files = safetensors_files(path)
+    if "*" in files:
+        return {k: v.to(dtype) for k, v in _read_safetensors(files["*"]).items()}
     weights: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
-        tensors = _read_safetensors(path / shard)
-        for name in (n for n, s in weight_map.items() if s == shard):
+    for shard in sorted(set(files.values())):
+        tensors = _read_safetensors(shard)
+        for name in (n for n, s in files.items() if s == shard):
             if name not in tensors:
-                raise ModelLoadError(
-                    f"{path / shard}: missing tensor {name!r} (listed in {INDEX_FILE})"
-                )
+                raise ModelLoadError(f"{shard}: missing tensor {name!r} (listed in {INDEX_FILE})")
             weights[name] = tensors[name].to(dtype)
     return weights
 

@@ -8,18 +8,16 @@ Chat templates render in a sandbox; any failure caused by the messages is the ca
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from strata.errors import InvalidRequestError, ModelLoadError
+from strata.protocol.chat_template import compile_chat_template, render_chat
 
 # llama.cpp token types (gguf.TokenType): 3 = control (special), 4 = user defined.
 TOKEN_TYPE_CONTROL = 3
@@ -114,19 +112,9 @@ class Tokenizer:
                 "this model has no chat template; use /v1/completions with a raw prompt",
                 param="messages",
             )
-        try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
-        except InvalidRequestError:
-            raise
-        except (jinja2.TemplateError, TypeError, KeyError, AttributeError, ValueError) as e:
-            raise InvalidRequestError(
-                f"the chat template cannot render these messages: {e}", param="messages"
-            ) from None
+        return render_chat(self._template, messages,
+                           add_generation_prompt=add_generation_prompt,
+                           bos_token=self.bos_token, eos_token=self.eos_token)
 
 
 def byte_level_bpe(
@@ -169,29 +157,6 @@ def _token_id(tk: HFTokenizer, token: str | None) -> int | None:
     return None if found is None else int(found)
 
 
-def _raise_exception(message: str) -> NoReturn:
-    raise InvalidRequestError(f"chat template: {message}", param="messages")
-
-
-def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: int | None = None, sort_keys: bool = False
-) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
 def _compile_template(source_text: str, source: str) -> jinja2.Template:
-    # Same settings as transformers' chat template rendering.
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    try:
-        return env.from_string(source_text)
-    except jinja2.TemplateSyntaxError as e:
-        raise ModelLoadError(f"{source}: chat template has a syntax error: {e}") from None
+    # strata/protocol/chat_template.py: the gateway renders with the very same settings
+    return compile_chat_template(source_text, source)

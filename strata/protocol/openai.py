@@ -118,6 +118,7 @@ class CompletionRequest(_SamplingFields):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    share_system_prompt: bool = False  # cache the leading system message for every tenant
     logprobs: bool = False
     top_logprobs: int | None = None
 

@@ -3,13 +3,15 @@
     POST /v1/completions, /v1/chat/completions   generation_routes.py (SSE when stream=true)
     GET  /v1/sessions, GET|DELETE /v1/sessions/{id}   session_routes.py (sessions.py)
     GET  /v1/models, /health, /ready, /metrics, /load   info_routes.py
+    GET  /v1/strata/kv-events, /v1/strata/tokenizer     prefix_routes.py (cache-aware gateways)
     POST /tokenize, /detokenize, /admin/drain           info_routes.py
     POST /v1/strata/resume                        resume.py: go on with a stream another
                                                   instance began (strata/protocol/resume.py)
 
 Every route reaches the instance's parts through one typed object (`Instance`, instance.py);
-every error leaves through one table (errors.py). Middleware, outermost first: API keys
-(`strata.protocol.auth`), `X-Model-Version`, the body limit (body_limit.py).
+every error leaves through one table (errors.py). Middleware, outermost first: `X-Request-Id`
+(`strata.protocol.request_id`), API keys (`strata.protocol.auth`), `X-Model-Version`, the body
+limit (body_limit.py).
 
 Draining (`Instance.is_draining`, set by POST /admin/drain or the lifespan shutdown): new
 requests get 503 with Retry-After while in-flight ones finish. uvicorn's graceful shutdown waits
@@ -27,6 +29,7 @@ from fastapi import FastAPI
 from starlette.routing import BaseRoute
 
 from strata.protocol.auth import ApiKeyAuth
+from strata.protocol.request_id import RequestIdMiddleware
 from strata.server.async_engine import AsyncEngine
 from strata.server.body_limit import BodyLimitMiddleware, ModelVersionHeader
 from strata.server.config import ServerConfig
@@ -34,8 +37,11 @@ from strata.server.errors import install_error_handlers
 from strata.server.generation_routes import generation_routes
 from strata.server.info_routes import info_routes
 from strata.server.instance import Instance
+from strata.server.kv_events import open_prefix_serving
 from strata.server.kv_offload import open_kv_offload
 from strata.server.metrics import ServerMetrics
+from strata.server.openapi_routes import instance_openapi
+from strata.server.prefix_routes import prefix_routes
 from strata.server.registration import Registration
 from strata.server.resume import resume_routes
 from strata.server.serving import ServingContext
@@ -60,6 +66,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
     async_engine.start()
     metrics = ServerMetrics(config.served_model_name, simulated=config.simulated)
     instance = Instance(ServingContext(async_engine, tokenizer, config, metrics), registration)
+    instance.prefix = open_prefix_serving(async_engine.engine, tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -70,18 +77,23 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
     app = FastAPI(title="Strata", routes=build_routes(), lifespan=lifespan, docs_url=None,
                   redoc_url=None)
     app.state.instance = instance
+    document = instance_openapi()  # GET /openapi.json serves it (openapi_routes.py)
+    app.openapi = lambda: document  # type: ignore[method-assign]
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
     app.add_middleware(ModelVersionHeader,
                        value=f"{config.served_model_name}@{config.model_version}")
-    if config.api_keys:
+    if config.api_keys or config.admin_keys:
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
+                           admin_keys=list(config.admin_keys),
                            rate_limit_per_s=config.rate_limit_per_s)
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer and log line has the id
     install_error_handlers(app)
     return app
 
 
 def build_routes() -> list[BaseRoute]:
-    return [*generation_routes(), *session_routes(), *info_routes(), *resume_routes()]
+    return [*generation_routes(), *session_routes(), *info_routes(), *prefix_routes(),
+            *resume_routes()]
 
 
 def _open_parts(instance: Instance, stack: AsyncExitStack, session_store: SessionStore | None,

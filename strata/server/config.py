@@ -27,7 +27,8 @@ class ServerConfig:
     retry_after_s: float = 1.0
     drain_poll_s: float = 0.05  # how often a drain checks whether in-flight requests are done
     simulated: bool = False  # a latency model stands in for the maths: always labelled
-    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    api_keys: tuple[str, ...] = ()  # client keys; empty (and no admin key): no authentication
+    admin_keys: tuple[str, ...] = ()  # for /admin/*; empty: the client keys open it too
     rate_limit_per_s: float | None = None  # per API key
     model_version: str = "default"  # stored with each session
     session_store_url: str | None = None  # memory://, sqlite:///PATH, redis://...; None: off

@@ -6,6 +6,8 @@
                      read through to it)
       sessions       chat sessions over a session store (sessions.py), or None: sessions off
       registration   the instance's record in a registry (registration.py), or None
+      prefix         its prefix cache's events and its tokenizer, for cache-aware gateways
+                     (prefix_routes.py), or None
       is_draining    new requests get 503 + Retry-After; in-flight ones go on
       drain_task     after POST /admin/drain: reports DRAINING, deregisters once idle
 
@@ -23,6 +25,7 @@ from starlette.requests import Request
 from strata.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, OverloadedError
 from strata.server.async_engine import AsyncEngine
 from strata.server.config import ServerConfig
+from strata.server.kv_events import PrefixServing
 from strata.server.metrics import ServerMetrics
 from strata.server.registration import Registration
 from strata.server.serving import ServingContext
@@ -37,6 +40,7 @@ class Instance:
     serving: ServingContext
     registration: Registration | None = None
     sessions: Sessions | None = None  # set by the lifespan when a session store is configured
+    prefix: PrefixServing | None = None  # set by create_app before the engine sees a request
     is_draining: bool = False
     drain_task: asyncio.Task[None] | None = None
 

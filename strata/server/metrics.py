@@ -6,7 +6,7 @@ preemption counter are refreshed from `AsyncEngine.stats()` at scrape time.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -53,6 +53,11 @@ class ServerMetrics:
                                [*labels, "finish_reason"], registry=reg)
         self._seen_preemptions = 0
         self.kv = KVOffloadMetrics(reg, model_name)
+        self.ranks: RankMemoryMetrics | None = None
+
+    def watch_ranks(self, source: Callable[[], Iterable[tuple[int, int, int]]]) -> None:
+        """Report a parallel instance's (rank, weight bytes, KV bytes) at every scrape."""
+        self.ranks = RankMemoryMetrics(self.registry, self._model, source)
 
     def observe_finished(self, timing: RequestTiming, output: RequestOutput) -> None:
         """Record one finished request."""
@@ -80,6 +85,8 @@ class ServerMetrics:
             self.preemptions.labels(model).inc(stats.num_preemptions - self._seen_preemptions)
             self._seen_preemptions = stats.num_preemptions
         self.kv.refresh(stats)
+        if self.ranks is not None:
+            self.ranks.refresh()
 
     def render(self, stats: EngineStats) -> bytes:
         """The Prometheus text exposition, gauges refreshed from `stats`."""
@@ -121,6 +128,26 @@ class KVOffloadMetrics:
         self._seen = (stats.num_kv_import_failures, stats.num_external_hit_tokens)
 
 
+class RankMemoryMetrics:
+    """`strata:rank_weight_bytes{rank}`, `strata:rank_kv_bytes{rank}` of a parallel instance."""
+
+    def __init__(self, reg: CollectorRegistry, model_name: str,
+                 source: Callable[[], Iterable[tuple[int, int, int]]]) -> None:
+        labels = ["model_name", "rank"]
+        self.weight_bytes = Gauge("strata:rank_weight_bytes", "Bytes of weights a rank holds.",
+                                  labels, registry=reg)
+        self.kv_bytes = Gauge("strata:rank_kv_bytes", "Bytes of KV cache a rank holds.", labels,
+                              registry=reg)
+        self._model = model_name
+        self._source = source
+        self.refresh()
+
+    def refresh(self) -> None:
+        for rank, weight_bytes, kv_bytes in self._source():
+            self.weight_bytes.labels(self._model, str(rank)).set(weight_bytes)
+            self.kv_bytes.labels(self._model, str(rank)).set(kv_bytes)
+
+
 @dataclass(slots=True)
 class RequestTiming:
     arrival_s: float
@@ -148,4 +175,4 @@ async def track(outputs: AsyncGenerator[RequestOutput, None], metrics: ServerMet
         await outputs.aclose()
 
 
-__all__ = ["KVOffloadMetrics", "RequestTiming", "ServerMetrics", "track"]
+__all__ = ["KVOffloadMetrics", "RankMemoryMetrics", "RequestTiming", "ServerMetrics", "track"]

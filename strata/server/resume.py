@@ -36,7 +36,8 @@ from strata.server import translate as tr
 from strata.server.generation import ChoiceState, Generation, start
 from strata.server.instance import Instance, check_model, instance_of
 from strata.server.request_io import SSEResponse, parse_body, unless_disconnected
-from strata.server.serving import Marks, ServingContext, Started
+from strata.server.serving import ServingContext, Started
+from strata.server.stream_marks import Marks
 
 ClientRequest = ChatCompletionRequest | CompletionRequest
 
@@ -45,7 +46,9 @@ def marks_for(request: Request, ctx: ServingContext, started: Started) -> Marks 
     """The marks of a stream started here, when the gateway asked and it has one choice."""
     if request.headers.get(RESUMABLE_HEADER) != "1" or len(started.generation.choices) != 1:
         return None
-    return Marks.first(started, f"{ctx.config.served_model_name}@{ctx.config.model_version}")
+    return Marks.first(id=started.id, created=started.created,
+                       version=f"{ctx.config.served_model_name}@{ctx.config.model_version}",
+                       prompt_token_ids=started.prompt_token_ids)
 
 
 async def resume(request: Request) -> Response:
@@ -53,7 +56,7 @@ async def resume(request: Request) -> Response:
     instance = instance_of(request)
     body = await parse_body(request, ResumeRequest)
     check_model(instance.config, body.version)
-    req = _client_request(body)
+    req = _client_request(body, sess.cache_tenant(request, instance.config))
     instance.admit(req.model)
     session_id = sess.session_id_of(request, json.dumps(body.request).encode())
     turn = None
@@ -78,9 +81,13 @@ async def resume(request: Request) -> Response:
     return SSEResponse(turn.stream(frames, started.generation.choices), close, turn.headers())
 
 
-def _client_request(body: ResumeRequest) -> ClientRequest:
-    model = ChatCompletionRequest if body.path.endswith("chat/completions") else CompletionRequest
-    req = model.model_validate(body.request)
+def _client_request(body: ResumeRequest, tenant: str | None) -> ClientRequest:
+    """The client's request, in its tenant's cache namespace as a first request is."""
+    req: ClientRequest
+    if body.path.endswith("chat/completions"):
+        req = tr.tenant_scoped(ChatCompletionRequest.model_validate(body.request), tenant)
+    else:
+        req = tr.tenant_scoped(CompletionRequest.model_validate(body.request), tenant)
     if not req.stream or req.n != 1:
         raise InvalidRequestError("only a stream of one choice is resumed", param="n")
     return req
@@ -101,9 +108,14 @@ async def _start(ctx: ServingContext, body: ResumeRequest, req: ClientRequest) -
         params = serving.chat_params(ctx, req, len(prompt), 0)
     else:
         params = serving.completion_params(ctx, req, len(prompt), 0)
+    num_public = tr.public_prefix_tokens(req, prompt, ctx.tokenizer) \
+        if isinstance(req, ChatCompletionRequest) else 0
     request = tr.engine_request(tr.new_id("resume"), prompt, params, req, ctx.tokenizer,
-                                ctx.clock())
+                                ctx.clock(), num_public)
     request.output_token_ids = list(sent)
+    vocab = ctx.tokenizer.vocab_size
+    if not all(0 <= t < vocab for t in request.all_token_ids):
+        raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="output_token_ids")
     if body.finish is None:
         released = released_text(ctx.tokenizer, request)  # before the engine adds tokens
         generation = await start(ctx.engine, [request], [0], ctx.metrics, ctx.clock,
@@ -119,9 +131,6 @@ async def _start(ctx: ServingContext, body: ResumeRequest, req: ClientRequest) -
 
 def _finished(ctx: ServingContext, request: EngineRequest, finish: ResumeFinish) -> Generation:
     """A stream that broke after its last token: nothing to generate, the answer replayed."""
-    vocab = ctx.tokenizer.vocab_size
-    if not all(0 <= t < vocab for t in request.all_token_ids):
-        raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="output_token_ids")
     by_token = finish.reason == "stop" and not isinstance(finish.stop_reason, str)
     text = final_text(ctx.tokenizer, request, stopped_by_token=by_token)
     choice = ChoiceState(0, 0, text_parts=[text], finish_reason=finish.reason,

@@ -1,4 +1,10 @@
-"""Completions and chat completions: wire request -> engine requests -> wire responses / SSE."""
+"""Completions and chat completions: wire request -> engine requests -> wire responses / SSE.
+
+A choice that ended with finish_reason "error" (the executor failed on it alone, or the engine
+died) is never passed off as an answer: a JSON response becomes the error's status and body
+(`failure`: 500 `RequestFailedError`, or 503 `EngineDeadError`, which a gateway retries on
+another instance), and a stream sends its finish chunk, then an error event, then [DONE].
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,8 @@ from dataclasses import dataclass, field
 
 from strata import __version__
 from strata.engine.outputs import RequestOutput
-from strata.engine.request import Request, SamplingParams
+from strata.engine.request import FinishReason, Request, SamplingParams
+from strata.errors import EngineDeadError, RequestFailedError, StrataError
 from strata.protocol.openai import (
     ChatChoice,
     ChatCompletionRequest,
@@ -23,14 +30,15 @@ from strata.protocol.openai import (
     CompletionStreamResponse,
     DeltaMessage,
 )
-from strata.protocol.resume import mark_frame, start_mark, tokens_mark
 from strata.protocol.sse import DONE_FRAME, encode_event
 from strata.server import translate as tr
 from strata.server.async_engine import AsyncEngine
 from strata.server.config import ServerConfig
+from strata.server.errors import map_exception
 from strata.server.generation import ChoiceState, Generation, start, usage
 from strata.server.kv_offload import KVOffload
 from strata.server.metrics import ServerMetrics
+from strata.server.stream_marks import Marks
 
 
 def fingerprint(config: ServerConfig) -> str:
@@ -66,29 +74,6 @@ class Started:
     prompt_token_ids: list[int] = field(default_factory=list)  # the first prompt's
     is_resumed: bool = False
     offsets: list[int] | None = None
-
-
-@dataclass(slots=True)
-class Marks:
-    """The resume marks of one stream (strata/protocol/resume.py): a start mark on the first
-    frame (none when resumed: the gateway has it), a tokens mark on every output's frame."""
-
-    start: bytes = b""
-
-    @classmethod
-    def first(cls, started: Started, version: str) -> Marks:
-        """The marks of a stream that starts here (`version`: name@version served here)."""
-        return cls(start_mark(id=started.id, created=started.created, version=version,
-                              prompt_token_ids=started.prompt_token_ids))
-
-    def take_start(self) -> bytes:
-        start, self.start = self.start, b""
-        return start
-
-    def on(self, output: RequestOutput, frame: bytes) -> bytes:
-        marks = self.take_start() + tokens_mark(output.new_token_ids, _reason(output),
-                                                output.stop_reason)
-        return mark_frame(marks, frame)
 
 
 def completion_params(ctx: ServingContext, req: CompletionRequest, num_prompt_tokens: int,
@@ -137,8 +122,9 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest) -> Started
     tr.check_common_limits(req, ctx.config)
     prompt = tr.chat_prompt(req.messages, ctx.tokenizer)
     rid, arrival = tr.new_id("chatcmpl"), ctx.clock()
+    num_public = tr.public_prefix_tokens(req, prompt, ctx.tokenizer)
     requests = [tr.engine_request(f"{rid}-{j}", prompt, chat_params(ctx, req, len(prompt), j),
-                                  req, ctx.tokenizer, arrival)
+                                  req, ctx.tokenizer, arrival, num_public)
                 for j in range(req.n)]
     generation = await start(ctx.engine, requests, [0] * req.n, ctx.metrics, ctx.clock,
                              ctx.kv_offload)
@@ -146,15 +132,33 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest) -> Started
                    [""] * req.n, int(time.time()), prompt)
 
 
-async def _collect(started: Started) -> list[ChoiceState]:
+async def _collect(ctx: ServingContext, started: Started) -> list[ChoiceState]:
     async for i, output in started.generation.outputs():
         started.generation.choices[i].update(output)
+    error = failure(ctx, started.generation.choices)
+    if error is not None:
+        raise error
     return started.generation.choices
+
+
+def failure(ctx: ServingContext, choices: list[ChoiceState]) -> StrataError | None:
+    """The error a generation ended with, if a choice finished with "error"."""
+    if not any(c.finish_reason == FinishReason.ERROR for c in choices):
+        return None
+    if ctx.engine.dead_reason is not None:
+        return EngineDeadError(ctx.engine.dead_reason)
+    return RequestFailedError("the model failed while generating this request; it failed "
+                              "alone and the instance goes on")
+
+
+def _error_frame(ctx: ServingContext, choices: list[ChoiceState]) -> bytes:
+    error = failure(ctx, choices)
+    return b"" if error is None else encode_event(map_exception(error).payload())
 
 
 async def completion_response(ctx: ServingContext, started: Started,
                               with_logprobs: bool) -> CompletionResponse:
-    choices = await _collect(started)
+    choices = await _collect(ctx, started)
     out = []
     for c in choices:
         echo = started.echo_texts[c.index]
@@ -169,7 +173,7 @@ async def completion_response(ctx: ServingContext, started: Started,
 
 async def chat_response(ctx: ServingContext, started: Started,
                         with_logprobs: bool) -> ChatCompletionResponse:
-    choices = await _collect(started)
+    choices = await _collect(ctx, started)
     out = []
     for c in choices:
         lps = ChatLogprobs(content=tr.chat_logprobs(c.logprobs, ctx.tokenizer)) \
@@ -206,10 +210,10 @@ async def completion_stream(ctx: ServingContext, started: Started, with_logprobs
             frame = chunk([CompletionChoice(index=i, text=echo + output.new_text, logprobs=lps,
                                             finish_reason=_reason(output),
                                             stop_reason=output.stop_reason)])
-        if marks is not None:
-            frame = marks.on(output, frame)
-        if frame:
+        if frame := marks.on(output, frame) if marks is not None else frame:
             yield frame
+    if error_frame := _error_frame(ctx, choices):
+        yield error_frame
     if include_usage:
         yield encode_event(CompletionStreamResponse(
             id=started.id, created=started.created, model=started.model, choices=[],
@@ -231,7 +235,7 @@ async def chat_stream(ctx: ServingContext, started: Started, with_logprobs: bool
     for c in choices if not started.is_resumed else []:
         role = chunk([ChatStreamChoice(index=c.index,
                                        delta=DeltaMessage(role="assistant", content=""))])
-        yield mark_frame(marks.take_start(), role) if marks is not None else role
+        yield marks.first_frame(role) if marks is not None else role
     async for i, output in started.generation.outputs():
         choices[i].update(output)
         lps = ChatLogprobs(content=tr.chat_logprobs(output.new_logprobs, ctx.tokenizer)) \
@@ -241,10 +245,10 @@ async def chat_stream(ctx: ServingContext, started: Started, with_logprobs: bool
             delta = DeltaMessage(content=output.new_text or None)
             frame = chunk([ChatStreamChoice(index=i, delta=delta, logprobs=lps,
                                             finish_reason=_reason(output))])
-        if marks is not None:
-            frame = marks.on(output, frame)
-        if frame:
+        if frame := marks.on(output, frame) if marks is not None else frame:
             yield frame
+    if error_frame := _error_frame(ctx, choices):
+        yield error_frame
     if include_usage:
         yield encode_event(ChatCompletionStreamResponse(
             id=started.id, created=started.created, model=started.model, choices=[],
@@ -258,6 +262,6 @@ def _reason(output: RequestOutput) -> str | None:
     return output.finish_reason.value
 
 
-__all__ = ["Marks", "ServingContext", "Started", "chat_params", "chat_response", "chat_stream",
+__all__ = ["ServingContext", "Started", "chat_params", "chat_response", "chat_stream",
            "completion_params", "completion_response", "completion_stream", "start_chat",
            "start_completion"]

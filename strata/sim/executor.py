@@ -18,6 +18,8 @@ from strata.engine.executor import ModelInput, ModelOutput, SampledToken, Schedu
 from strata.engine.request import Logprob
 from strata.sim.profile import LatencyProfile
 
+_MASK64 = (1 << 64) - 1
+
 
 @dataclass(frozen=True, slots=True)
 class StepShape:
@@ -70,6 +72,7 @@ class SimulatedExecutor:
         duration_s = self.profile.step_time_s(shape.num_prefill_tokens, shape.num_decode_seqs,
                                               shape.num_context_tokens)
         self.num_steps += 1
+        self.profile.faults.check(self.num_steps, model_input)
         self.busy_s += duration_s
         if duration_s > 0:
             self.sleep(duration_s)
@@ -88,8 +91,8 @@ class SimulatedExecutor:
         params = seq.sampling_params
         h = hashlib.blake2b(struct.pack("<qq", self.seed, len(seq.output_token_ids)),
                             digest_size=16)
-        if params.seed is not None:
-            h.update(b"s" + struct.pack("<q", params.seed))
+        if params.seed is not None:  # as "<q" for an int64; any int hashes (mod 2**64)
+            h.update(b"s" + struct.pack("<Q", params.seed & _MASK64))
         elif params.is_greedy:
             h.update(b"g" + struct.pack(f"<{len(seq.prompt_token_ids)}q", *seq.prompt_token_ids))
         else:

@@ -11,17 +11,22 @@ itself down), requests fail only while the fault lasts.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from redis_server import redis_server_binary
 
 from strata.bench import fault_scenarios as scenarios
-from strata.bench.faults import FaultReport, LoadSize, Timing
+from strata.bench.faults import FaultReport, LoadSize, Place, Timing
 
 SIZE = LoadSize(num_conversations=4, num_streams=4, max_tokens=24)
 
 pytestmark = pytest.mark.timeout(120)
+
+
+def place(root: Path, with_redis: bool = False) -> Place:
+    return Place(root, dict(os.environ), redis_server_binary() if with_redis else None)
 
 
 def show(report: FaultReport) -> FaultReport:
@@ -33,21 +38,21 @@ def show(report: FaultReport) -> FaultReport:
 
 def test_redis_sigkilled_under_multi_turn_load_loses_no_turn(tmp_path: Path) -> None:
     timing = Timing(before_s=2.0, fault_s=3.0, after_s=3.0)
-    report = show(scenarios.redis_kill(tmp_path, timing, SIZE, redis_server_binary()))
+    report = show(scenarios.redis_kill(place(tmp_path, True), timing, SIZE))
     # turns fail while Redis is down, and only then
     assert report.recovery_s < timing.fault_s + 2.0, report.recovery_s
 
 
 def test_a_registry_down_for_10s_fails_no_request(tmp_path: Path) -> None:
     timing = Timing(before_s=2.0, fault_s=10.0, after_s=2.0)
-    report = show(scenarios.registry_outage(tmp_path, timing, SIZE, redis_server_binary()))
+    report = show(scenarios.registry_outage(place(tmp_path, True), timing, SIZE))
     assert report.failed == 0, report.errors
     assert report.extra["heartbeats_resumed_s"] < 10.0
 
 
 def test_a_frozen_instance_fails_no_request_and_stalls_no_stream_2s(tmp_path: Path) -> None:
     timing = Timing(before_s=2.0, fault_s=3.0, after_s=3.0)
-    report = show(scenarios.instance_freeze(tmp_path, timing, SIZE))
+    report = show(scenarios.instance_freeze(place(tmp_path), timing, SIZE))
     assert report.failed == 0, report.errors
     assert report.max_stream_gap_s < 2.0
 
@@ -55,12 +60,12 @@ def test_a_frozen_instance_fails_no_request_and_stalls_no_stream_2s(tmp_path: Pa
 def test_latency_and_resets_between_gateway_and_instances_fail_no_request(
         tmp_path: Path) -> None:
     timing = Timing(before_s=2.0, fault_s=6.0, after_s=2.0)
-    report = show(scenarios.network_faults(tmp_path, timing, SIZE))
+    report = show(scenarios.network_faults(place(tmp_path), timing, SIZE))
     assert report.extra["connections_reset"] > 0
     assert report.failed == 0, report.errors
 
 
 def test_a_gateway_sigkilled_under_load_is_back_within_seconds(tmp_path: Path) -> None:
     timing = Timing(before_s=2.0, fault_s=0.5, after_s=5.0)
-    report = show(scenarios.gateway_restart(tmp_path, timing, SIZE))
+    report = show(scenarios.gateway_restart(place(tmp_path), timing, SIZE))
     assert report.recovery_s < 5.0, report.recovery_s

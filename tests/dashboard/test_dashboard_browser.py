@@ -79,8 +79,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         ["--simulate", str(root / "fast.json"), "--served-model-name", MODEL,
          "--model-version", "v1", "--gateway-arg=--release-lease-s=2"], root,
         env_extra={"STRATA_API_KEYS": KEY}, replicas=2)
-    assert started.proc.stdout is not None
-    started.output.append(started.proc.stdout.readline())  # the line after the address
     with Load(started.url):
         yield started
     assert started.stop() == 0
@@ -145,7 +143,8 @@ def is_live(page: Page, version: str, timeout_s: float) -> None:
 
 def test_the_page_shows_the_fleet_and_loads_nothing_from_elsewhere(
         cluster: Cluster, browser: BrowserContext, shots: Callable[[Page, str], Path]) -> None:
-    assert cluster.output[-1].strip() == f"Dashboard: {cluster.url}/dashboard"
+    line = f"Dashboard: {cluster.url}/dashboard"  # printed right below the cluster's address
+    wait_until(lambda: line in cluster.output().splitlines(), 10, "the dashboard's URL line")
     watched = open_dashboard(browser, cluster)
     page = watched.page
     expect(page.locator("#instances tbody tr")).to_have_count(2)

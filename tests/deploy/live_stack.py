@@ -6,12 +6,20 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 
 import httpx
-from cluster_process import kill_after
 
 _READY = re.compile(r"Strata gateway on (http://127\.0\.0\.1:\d+) \(ready in")
+
+
+def kill_after(proc: subprocess.Popen[str], timeout_s: float) -> threading.Timer:
+    """SIGKILL `proc` after `timeout_s` unless the returned timer is cancelled first."""
+    timer = threading.Timer(timeout_s, proc.kill)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 @dataclass

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster_process import wait_until
 from deploy_files import (
     ALL_OPTIONS,
     dashboard_exprs,
@@ -30,6 +29,8 @@ from deploy_files import (
 )
 from live_stack import drive_traffic, start_gateway
 from serve_process import start_serve
+
+from strata.bench.procs import wait_until
 
 
 @dataclass(frozen=True)

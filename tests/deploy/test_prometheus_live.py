@@ -18,7 +18,6 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from cluster_process import kill_after, wait_until
 from deploy_files import (
     ALL_OPTIONS,
     RULES,
@@ -27,9 +26,10 @@ from deploy_files import (
     render_chart,
     rule_exprs,
 )
-from live_stack import drive_traffic, start_gateway
+from live_stack import drive_traffic, kill_after, start_gateway
 from serve_process import start_serve
 
+from strata.bench.procs import wait_until
 from strata.cluster.local import free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,

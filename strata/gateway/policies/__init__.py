@@ -6,6 +6,8 @@
     least_load       the least loaded (gateway accounting + instance-reported load)
     consistent_hash  a session's requests to one instance, bounded loads (ceil((1+eps)*mean));
                      eps and the virtual nodes per instance come from the session settings
+    cache_aware      where the prompt's prefix is cached (the instances' KV events), against
+                     the work in flight, within the same bounded loads (cache_aware.py)
 
 Adding a policy is one file in this package (a class with `choose` and the two hooks of
 `RoutingPolicy`, see base.py) plus one row in `POLICIES`. Code outside the package (a test, a
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from strata.errors import ConfigError
 from strata.gateway.config import GatewayConfig
 from strata.gateway.policies.base import RouteRequest, RoutingPolicy, StatelessPolicy
+from strata.gateway.policies.cache_aware import CacheAwarePolicy
 from strata.gateway.policies.consistent_hash import ConsistentHashPolicy
 from strata.gateway.policies.least_load import LeastLoadPolicy
 from strata.gateway.policies.power_of_two import PowerOfTwoPolicy
@@ -34,6 +37,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "least_load": lambda config, rng: LeastLoadPolicy(),
     "consistent_hash": lambda config, rng: ConsistentHashPolicy(
         epsilon=config.sessions.epsilon, num_vnodes=config.sessions.num_vnodes),
+    "cache_aware": lambda config, rng: CacheAwarePolicy(epsilon=config.sessions.epsilon),
 }
 
 
@@ -60,6 +64,6 @@ def create_policy(name: str, *, config: GatewayConfig | None = None,
     return factory(config if config is not None else GatewayConfig(), rng)
 
 
-__all__ = ["POLICIES", "ConsistentHashPolicy", "LeastLoadPolicy", "PolicyFactory",
-           "PowerOfTwoPolicy", "RoundRobinPolicy", "RouteRequest", "RoutingPolicy",
+__all__ = ["POLICIES", "CacheAwarePolicy", "ConsistentHashPolicy", "LeastLoadPolicy",
+           "PolicyFactory", "PowerOfTwoPolicy", "RoundRobinPolicy", "RouteRequest", "RoutingPolicy",
            "StatelessPolicy", "create_policy", "policy_names", "register_policy"]

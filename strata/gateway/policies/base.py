@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from strata.gateway.instances import InstanceView
+from strata.gateway.prefix_index_prompt import PrefixKeys
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,7 @@ class RouteRequest:
     session_id: str | None = None
     is_stream: bool = False
     num_tokens: int = 0  # estimate: prompt bytes / 4 + max_tokens
+    prefix: PrefixKeys | None = None  # the prompt's keys per candidate (cache_aware only)
 
 
 class RoutingPolicy(Protocol):

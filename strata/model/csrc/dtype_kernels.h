@@ -19,11 +19,16 @@
 #define PV CAT(pv_, SFX)
 
 /* Decode attention: one query row per sequence d attends to its cached positions
-   0 .. lens[d] - 1, read in place through row d of the block table (W columns). */
+   0 .. lens[d] - 1, read in place through row d of the block table (W columns).
+   KV head g serves query heads hs[g] .. hs[g + 1] - 1 (KVH + 1 entries; groups may differ in
+   size on a tensor-parallel rank). */
 void NAME(const T *q, const T *k, const T *v, const int64_t *table, const int64_t *lens,
-          T *out, int64_t q_stride, int64_t D, int64_t H, int64_t KVH, int64_t HD, int64_t bs,
-          int64_t W, float scale) {
-  const int64_t G = H / KVH, stride = KVH * HD;
+          T *out, const int64_t *hs, int64_t q_stride, int64_t D, int64_t H, int64_t KVH,
+          int64_t HD, int64_t bs, int64_t W, float scale) {
+  const int64_t stride = KVH * HD;
+  int64_t *kv_of = malloc(sizeof(int64_t) * H);
+  for (int64_t g = 0; g < KVH; g++)
+    for (int64_t h = hs[g]; h < hs[g + 1]; h++) kv_of[h] = g;
   int64_t maxL = 1;
   for (int64_t d = 0; d < D; d++) if (lens[d] > maxL) maxL = lens[d];
   #pragma omp parallel
@@ -47,7 +52,7 @@ void NAME(const T *q, const T *k, const T *v, const int64_t *table, const int64_
           if (next) for (int64_t c = 0; c < stride * (int64_t)sizeof(T); c += 64)
             __builtin_prefetch(next + j * stride * sizeof(T) + c);
           for (int64_t hg = 0; hg < H; hg++)
-            s[hg * maxL + l] = DOT(qd + hg * HD, qf + hg * HD, kp + (hg / G) * HD, HD) * scale;
+            s[hg * maxL + l] = DOT(qd + hg * HD, qf + hg * HD, kp + kv_of[hg] * HD, HD) * scale;
         }
       }
       for (int64_t hg = 0; hg < H; hg++) {
@@ -66,7 +71,7 @@ void NAME(const T *q, const T *k, const T *v, const int64_t *table, const int64_
             __builtin_prefetch(next + j * stride * sizeof(T) + c);
           for (int64_t hg = 0; hg < H; hg++) {
             const float p = s[hg * maxL + l];
-            const T *vh = vp + (hg / G) * HD;
+            const T *vh = vp + kv_of[hg] * HD;
             float *ag = acc + hg * HD;
             #pragma omp simd
             for (int64_t i = 0; i < HD; i++) ag[i] += p * LD(vh, i);
@@ -78,32 +83,41 @@ void NAME(const T *q, const T *k, const T *v, const int64_t *table, const int64_
     }
     free(s); free(qf); free(acc);
   }
+  free(kv_of);
 }
 
 /* A chunk of n new tokens of one sequence at positions start .. start + n - 1, attending to
    positions 0 .. own position through one block-table row. Work item = one kv head x a tile of
    LANES (query, group head) pairs; the tile's keys are read once and scored for all its lanes
-   (vectorised across lanes), softmax in float32, then V is accumulated 16 dims at a time. */
+   (vectorised across lanes), softmax in float32, then V is accumulated 16 dims at a time.
+   KV head g serves query heads hs[g] .. hs[g + 1] - 1, as in the decode kernel. */
 void CAT(NAME, _chunk)(const T *q, const T *k, const T *v, const int64_t *table, T *out,
-                int64_t q_stride, int64_t n, int64_t start, int64_t H, int64_t KVH, int64_t HD,
-                int64_t bs, float scale) {
-  const int64_t G = H / KVH, stride = KVH * HD, lanes = n * G, maxL = start + n;
-  const int64_t tiles = (lanes + LANES - 1) / LANES;
+                const int64_t *hs, int64_t q_stride, int64_t n, int64_t start, int64_t H,
+                int64_t KVH, int64_t HD, int64_t bs, float scale) {
+  const int64_t stride = KVH * HD, maxL = start + n;
+  int64_t *first_task = malloc(sizeof(int64_t) * (KVH + 1));  /* kv head g: its first task */
+  first_task[0] = 0;
+  for (int64_t g = 0; g < KVH; g++)
+    first_task[g + 1] = first_task[g] + (n * (hs[g + 1] - hs[g]) + LANES - 1) / LANES;
+  const int64_t tasks = first_task[KVH];
   int64_t *slot = malloc(sizeof(int64_t) * maxL);
   for (int64_t l = 0; l < maxL; l++) slot[l] = (table[l / bs] * bs + l % bs) * stride;
-  #pragma omp parallel if (KVH * tiles > 1)
+  #pragma omp parallel if (tasks > 1)
   {
     float *s = malloc(sizeof(float) * LANES * (maxL + KEYS));
     float *qt = malloc(sizeof(float) * LANES * HD);
     T *kb = calloc(KEYS * KROW, sizeof(T));
     #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < KVH * tiles; task++) {
-      const int64_t g = task / tiles, m0 = (task % tiles) * LANES;
+    for (int64_t task = 0; task < tasks; task++) {
+      int64_t g = 0;
+      while (first_task[g + 1] <= task) g++;
+      const int64_t G = hs[g + 1] - hs[g], lanes = n * G;
+      const int64_t m0 = (task - first_task[g]) * LANES;
       const int64_t cnt = lanes - m0 < LANES ? lanes - m0 : LANES;
       int64_t qpos[LANES];
       float mx[LANES], sum[LANES];
       for (int64_t m = 0; m < LANES; m++) {  /* padding lanes repeat the tile's first lane */
-        const int64_t lane = m0 + (m < cnt ? m : 0), i = lane / G, h = g * G + lane % G;
+        const int64_t lane = m0 + (m < cnt ? m : 0), i = lane / G, h = hs[g] + lane % G;
         const T *qh = q + i * q_stride + h * HD;
         qpos[m] = start + i;
         QPACK(qt, m, qh, HD);
@@ -131,7 +145,7 @@ void CAT(NAME, _chunk)(const T *q, const T *k, const T *v, const int64_t *table,
         float acc[LANES][16];
         PV(s, v, slot, g * HD + d0, L, &acc[0][0]);
         for (int64_t m = 0; m < cnt; m++) {
-          const int64_t lane = m0 + m, i = lane / G, h = g * G + lane % G;
+          const int64_t lane = m0 + m, i = lane / G, h = hs[g] + lane % G;
           const float inv = 1.f / sum[m];
           T *o = out + (i * H + h) * HD + d0;
           for (int64_t j = 0; j < 16; j++) ST(o, j, acc[m][j] * inv);
@@ -141,6 +155,7 @@ void CAT(NAME, _chunk)(const T *q, const T *k, const T *v, const int64_t *table,
     free(s); free(qt); free(kb);
   }
   free(slot);
+  free(first_task);
 }
 
 /* x += delta (rounded to T, skipped when delta is NULL);

@@ -1,0 +1,121 @@
+"""`strata serve --tensor-parallel-size T --pipeline-parallel-size P`: one model over T x P ranks.
+
+The serving process is rank 0; `--distributed-executor mp` (the default) spawns the others on
+this host (Ray placement is not built yet). The weights never pass through this process: it
+prepares the model (config, tokenizer; a GGUF is converted into the cache) and every rank reads
+its own slices. `--threads` is per rank (default: this host's cores / ranks, at least 1).
+
+A rank that dies is fatal: the engine stops (streams in flight end with an error, other
+requests get 503), the instance deregisters and `strata serve` exits 1, so that its launcher
+(the local supervisor, Ray) restarts the whole instance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from strata.commands.argtypes import positive_int
+from strata.errors import ConfigError
+
+if TYPE_CHECKING:
+    from strata.model.loader import LoadedModel
+    from strata.model.parallel.layout import ParallelLayout
+    from strata.model.parallel.shard_loader import PreparedModel
+    from strata.server.async_engine import AsyncEngine
+
+EXECUTORS = ("mp", "ray")
+
+
+def add_parallel_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                   help="split every layer over this many ranks (default 1)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1,
+                   help="split the layers into this many stages of ranks (default 1)")
+    p.add_argument("--pipeline-layers", default=None, metavar="N,N,...",
+                   help="layers per pipeline stage (default: as even as they go)")
+    p.add_argument("--distributed-executor", choices=EXECUTORS, default="mp",
+                   help="how the ranks other than 0 start: mp (local processes, default) or ray")
+
+
+def parallel_layout(args: argparse.Namespace) -> ParallelLayout | None:
+    """The layout the flags ask for; None for one process (T = P = 1)."""
+    from strata.model.parallel.layout import ParallelLayout, parse_pipeline_layers
+
+    layers = parse_pipeline_layers(args.pipeline_layers) if args.pipeline_layers else None
+    layout = ParallelLayout(args.tensor_parallel_size, args.pipeline_parallel_size, layers)
+    if layout.world_size == 1:
+        return None
+    if args.distributed_executor == "ray":
+        raise ConfigError("--distributed-executor ray is not built yet; use mp (local ranks)")
+    if args.simulate:
+        raise ConfigError("--simulate has no ranks: drop --tensor/--pipeline-parallel-size")
+    return layout
+
+
+def rank_threads(args: argparse.Namespace) -> int | None:
+    """Torch threads of each rank: --threads, else the cores shared out (parallel only)."""
+    layout = parallel_layout(args)
+    if args.threads or layout is None:
+        return int(args.threads) if args.threads else None
+    return max(1, (os.cpu_count() or 1) // layout.world_size)
+
+
+@dataclass
+class ParallelModel:
+    """What `load_for_serving` gives a parallel instance instead of the weights."""
+
+    prepared: PreparedModel
+    layout: ParallelLayout
+
+
+def load_for_serving(args: argparse.Namespace, path: Path,
+                     cache_dir: Path) -> tuple[LoadedModel, ParallelModel | None]:
+    """The model as one process serves it (with weights), or without weights when the flags
+    ask for ranks (they read their own slices)."""
+    from strata.model.loader import LoadedModel, load_model
+
+    layout = parallel_layout(args)
+    if layout is None:
+        return load_model(path, dtype=args.dtype, cache_dir=cache_dir), None
+    from strata.model.parallel.shard_loader import prepare_model
+
+    prepared = prepare_model(path, dtype=args.dtype, cache_dir=cache_dir)
+    layout.validate(prepared.config)
+    loaded = LoadedModel(prepared.config, {}, prepared.tokenizer, prepared.name, prepared.source)
+    return loaded, ParallelModel(prepared, layout)
+
+
+def make_executor(args: argparse.Namespace, loaded: LoadedModel, parallel: ParallelModel | None,
+                  device: str, name: str) -> Any:
+    """A TorchExecutor, or a ParallelExecutor over the ranks (stopped at exit)."""
+    if parallel is None:
+        from strata.model.executor import TorchExecutor
+
+        return TorchExecutor(loaded.config, loaded.weights, dtype=args.dtype, device=device,
+                             model_name=name, model_version=args.model_version)
+    from strata.model.parallel.executor import ParallelExecutor
+
+    executor = ParallelExecutor(parallel.prepared, parallel.layout, dtype=args.dtype,
+                                device=device, threads=rank_threads(args) or 1,
+                                model_name=name, model_version=args.model_version)
+    atexit.register(executor.shutdown)
+    return executor
+
+
+def watch_ranks(app: Any, async_engine: AsyncEngine) -> None:
+    """With a parallel executor: per-rank memory on /metrics; a rank's exit (even while idle)
+    kills the engine, whose death stops the HTTP server like any engine death
+    (serve_stack.exit_when_engine_dies: after the streams in flight got their error)."""
+    from strata.model.parallel.executor import ParallelExecutor
+
+    executor = getattr(async_engine.engine, "executor", None)
+    if not isinstance(executor, ParallelExecutor):
+        return
+    app.state.instance.metrics.watch_ranks(
+        lambda: [(m.rank, m.weight_bytes, m.kv_bytes) for m in executor.rank_memory()])
+    executor.on_failure = async_engine.kill

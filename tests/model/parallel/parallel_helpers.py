@@ -1,0 +1,83 @@
+"""Shared pieces of the parallel-model tests: the tiny 9-head model, engines over an executor,
+greedy runs that keep tokens and logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tiny_models import make_tiny_model_dir
+
+from strata.engine.config import CacheConfig, SchedulerConfig
+from strata.engine.engine import Engine
+from strata.engine.executor import ModelExecutor
+from strata.engine.request import Request, SamplingParams
+from strata.model.parallel.layout import ParallelLayout
+from strata.model.parallel.shard_loader import PreparedModel
+from strata.types import RequestId
+
+if TYPE_CHECKING:
+    from strata.model.parallel.executor import ParallelExecutor
+
+# 9 query heads over 3 KV heads, as SmolLM2: T=2 splits them 5 + 4 around a shared KV head.
+NINE_HEADS = {"hidden_size": 144, "num_attention_heads": 9, "num_key_value_heads": 3,
+              "intermediate_size": 128, "num_hidden_layers": 2, "initializer_range": 0.2}
+LENGTHS = [3, 17, 40, 5, 64, 1, 33, 9, 12, 28, 50, 2, 7, 19, 44, 30]
+MAX_TOKENS = 10
+
+
+def make_nine_head_model(path: Path, **overrides: Any) -> Path:
+    return make_tiny_model_dir(path, **(NINE_HEADS | overrides))
+
+
+def prompt(n: int, shared: int = 0) -> list[int]:
+    head = [(11 * i + 5) % 250 for i in range(shared)]
+    return head + [(7 * i + 3 * n) % 250 for i in range(n - len(head))]
+
+
+def prompts() -> list[list[int]]:
+    return [prompt(n, shared=min(n - 1, 16)) for n in LENGTHS]
+
+
+def make_engine(executor: ModelExecutor, vocab_size: int, *, num_blocks: int = 256,
+                budget: int = 256) -> Engine:
+    return Engine(executor,
+                  CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=True),
+                  SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget,
+                                  max_model_len=128, enable_chunked_prefill=True),
+                  _Decoder(), vocab_size=vocab_size)
+
+
+class _Decoder:
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+@dataclass
+class Greedy:
+    tokens: list[int]
+    logprobs: list[float]
+
+
+def run_greedy(engine: Engine, batch: list[list[int]], first_id: int = 0) -> list[Greedy]:
+    """Greedy (ignore_eos) runs of `batch`, all added at once; results in order."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
+    ids = [RequestId(f"q{first_id + i}") for i in range(len(batch))]
+    for i, (rid, p) in enumerate(zip(ids, batch, strict=True)):
+        engine.add_request(Request(rid, list(p), params, arrival_time=float(i)))
+    results = {rid: Greedy([], []) for rid in ids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            results[out.request_id].tokens += out.new_token_ids
+            results[out.request_id].logprobs += [lp.logprob for lp in out.new_logprobs]
+        engine.check_integrity()
+    return [results[rid] for rid in ids]
+
+
+def parallel_executor(model: PreparedModel, tensor: int, pipeline: int = 1,
+                      **options: Any) -> ParallelExecutor:
+    from strata.model.parallel.executor import ParallelExecutor
+
+    layout = ParallelLayout(tensor_size=tensor, pipeline_size=pipeline)
+    return ParallelExecutor(model, layout, dtype="float32", timeout_s=60, **options)
