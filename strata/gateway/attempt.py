@@ -25,6 +25,10 @@ log = logging.getLogger("strata.gateway")
 UPSTREAM_ERRORS = (httpx.HTTPError, OSError, RuntimeError)
 
 
+class StreamFailedError(RuntimeError):
+    """The instance ended a resumable stream with finish reason "error" (its engine failed)."""
+
+
 @dataclass(slots=True)
 class Failure:
     """A failed attempt: the instance's own answer when it gave one (5xx, 429)."""
@@ -64,7 +68,7 @@ def describe(attempt: Attempt, exc: Exception) -> str:
     view = attempt.view
     if attempt.watched is not None and attempt.watched.was_ended:
         return f"instance {view.instance_id} went silent and failed a health probe"
-    if not isinstance(exc, httpx.HTTPError):  # not the usual network error: keep its trace
+    if not isinstance(exc, httpx.HTTPError | StreamFailedError):  # unexpected: keep its trace
         log.warning("instance %s: unexpected upstream error", view.instance_id, exc_info=exc)
     return f"instance {view.instance_id} failed: {type(exc).__name__}: {exc}"
 
@@ -82,5 +86,5 @@ async def frames_of(segment: Segment) -> AsyncIterator[bytes]:
         yield rest
 
 
-__all__ = ["UPSTREAM_ERRORS", "Attempt", "Failure", "Segment", "describe", "frames_of",
-           "is_sse"]
+__all__ = ["UPSTREAM_ERRORS", "Attempt", "Failure", "Segment", "StreamFailedError", "describe",
+           "frames_of", "is_sse"]

@@ -25,6 +25,7 @@ from strata.gateway.attempt import (
     Attempt,
     Failure,
     Segment,
+    StreamFailedError,
     describe,
     frames_of,
     is_sse,
@@ -195,6 +196,9 @@ class Proxy:
                     out = record.take(frames) if record is not None else frames
                     if out:
                         yield out
+                    if record is not None and record.has_failed:
+                        record.has_failed = False
+                        raise StreamFailedError("its engine failed on this stream")
                 self._finish(segment.attempt, is_success=True)
                 return
             except UPSTREAM_ERRORS as exc:

@@ -9,13 +9,14 @@ instances is strata/protocol/resume.py).
 
 What is resumed: a streamed /v1/completions or /v1/chat/completions with one choice (instances
 mark only those) whose instance failed after its first frame (a reset or closed connection, a
-read timeout, a stall that a failed probe ended: strata/gateway/stalls.py), at most
+read timeout, a stall that a failed probe ended: strata/gateway/stalls.py; or its engine failed
+and it ended the stream with finish reason "error": that frame and what follows it are not
+relayed), at most
 `max_resumes` times per stream, each time on an instance of the same model version that this
 stream has not tried. The proxy routes the resume like a request (filters, policy, retries on
 another instance while nothing came back), and relays the continuation under the frames
-already sent. What is not: several choices, a stream its instance ended itself (an error event
-is the instance's answer), a stream whose client left. Those end as before: an error event and
-[DONE].
+already sent. What is not: several choices, a stream whose client left, a resume refused.
+Those end as before: an error event and [DONE].
 
 Identical tokens: the continuation starts from the prompt ids the first instance rendered and
 the token ids the client was sent, so greedy and seeded streams are token for token those of an
@@ -45,6 +46,7 @@ from strata.protocol.resume import (
 )
 
 FRAME_END = b"\n\n"
+ERROR_FINISH = b'"f":"error"'
 SESSION_REVISION_HEADER = "x-session-revision"
 RESUMABLE_FINISHES = ("stop", "length")
 
@@ -58,18 +60,24 @@ class StreamRecord:
     marks: list[bytes] = field(default_factory=list)
     tried: list[str] = field(default_factory=list)  # instances this stream went to
     num_resumes: int = 0
+    has_failed: bool = False  # the instance ended the stream with finish reason "error"
 
     def take(self, frames: bytes) -> bytes:
         """`frames` (whole SSE frames, maybe a partial one at the end of the stream) as the
-        client gets them: without the mark lines, which are kept."""
+        client gets them: without the mark lines, which are kept. From a frame marked with
+        finish reason "error" on, nothing is kept: `has_failed` is set."""
         if MARK not in frames:
             return frames
         pieces = frames.split(FRAME_END)
         out: list[bytes] = []
         for i, piece in enumerate(pieces):
             lines = piece.split(b"\n")
+            marks = [line for line in lines if line.startswith(MARK)]
+            if any(ERROR_FINISH in mark for mark in marks):
+                self.has_failed = True
+                break
             kept = [line for line in lines if not line.startswith(MARK)]
-            self.marks += [line for line in lines if line.startswith(MARK)]
+            self.marks += marks
             if any(kept):
                 out.append(b"\n".join(kept) + (FRAME_END if i < len(pieces) - 1 else b""))
         return b"".join(out)

@@ -113,6 +113,20 @@ def test_a_stream_broken_after_its_last_token_is_finished_by_the_next_instance()
     assert [r.headers.get("x-session-id") for r in script.requests] == ["s1", "s1"]
 
 
+def test_a_stream_its_engine_failed_is_resumed_and_the_failure_never_reaches_the_client(
+        ) -> None:
+    script = Scripted()
+    failed = [*FIRST, tokens_mark([], "error") + delta("", "error"),
+              encode_event({"error": {"message": "the engine died", "type": "x"}}), DONE_FRAME]
+    upstreams = Upstreams(a=script.answers(*failed), b=script.answers(*REST))
+    response, gateway = stream(upstreams, [view("a"), view("b")])
+    assert response.content == ROLE + delta(" sea") + delta(" and sky") + \
+        delta("", "length") + DONE_FRAME
+    assert script.resume_bodies()[0]["output_token_ids"] == [10, 11]
+    assert script.resume_bodies()[0]["finish"] is None
+    assert metric(gateway, "strata:gateway_stream_resumes_total", outcome="resumed") == 1
+
+
 def test_the_session_revision_the_first_answer_announced_goes_with_the_resume() -> None:
     script = Scripted()
 
