@@ -128,7 +128,7 @@ class StallWatch:
         try:
             response = await self.client.get(f"{view.url}/health",
                                               timeout=self.config.stall_probe_timeout_s)
-        except httpx.HTTPError:
+        except Exception:  # httpx's errors, and what a connection reset as it opens may raise
             return False
         return response.status_code == 200
 
