@@ -29,11 +29,12 @@ RETRY_PAUSE_S = 0.2
 
 @dataclass(slots=True)
 class Outcome:
-    kind: str  # "turn" or "stream" or "plain"
+    kind: str  # "turn" (of a session) or "request" (no session)
     started_at: float
     ended_at: float
     is_ok: bool
     error: str = ""
+    is_stream: bool = False
     max_gap_s: float = 0.0  # the longest wait between two chunks of a stream
 
 
@@ -137,8 +138,7 @@ class ChaosLoad:
         while not self._stopping.is_set():
             is_stream = n % 3 != 2
             outcome, _ = await self._chat(client, f"stream {worker}.{n}: tell me about the sea",
-                                          "stream" if is_stream else "plain", is_stream,
-                                          self.headers)
+                                          "request", is_stream, self.headers)
             n += 1
             if not outcome.is_ok:
                 await asyncio.sleep(RETRY_PAUSE_S)
@@ -147,7 +147,8 @@ class ChaosLoad:
                     headers: dict[str, str]) -> tuple[Outcome, str]:
         body = {"model": self.model, "messages": [{"role": "user", "content": message}],
                 "max_tokens": self.max_tokens, "temperature": 0, "stream": is_stream}
-        outcome = Outcome(kind, time.monotonic(), 0.0, False)
+        outcome = Outcome(kind if kind == "turn" else "request", time.monotonic(), 0.0, False,
+                          is_stream=is_stream)
         answer = ""
         try:
             if is_stream:

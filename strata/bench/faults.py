@@ -82,13 +82,18 @@ def report(fault: str, command: str, url: str, load: ChaosLoad, result: LoadResu
     sessions = check_sessions(url, result)
     distinct = sorted({o.error[:160] for o in result.failures})
     in_flight = [o for o in result.failures if o.started_at < fault_at <= o.ended_at]
+    by_kind: dict[str, int] = {}
+    for outcome in result.failures:
+        kind = f"{outcome.kind} (streamed)" if outcome.is_stream else outcome.kind
+        by_kind[kind] = by_kind.get(kind, 0) + 1
     started = min((o.started_at for o in result.outcomes), default=fault_at)
     return FaultReport(fault, command, round(time.monotonic() - started, 1), result.num_sent,
                        len(result.failures), int(resumed), result.num_turns_acked,
                        sessions.num_lost, sessions.num_duplicated,
                        round(result.recovery_s(fault_at), 3),
                        round(result.max_gap_s(fault_at), 3), distinct[:5],
-                       {"failed_in_flight_at_fault": len(in_flight), **(extra or {})})
+                       {"failed_in_flight_at_fault": len(in_flight), "failed_by_kind": by_kind,
+                        **(extra or {})})
 
 
 def run_with_load(url: str, size: LoadSize, timing: Timing, inject: Callable[[], None],
