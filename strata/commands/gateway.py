@@ -39,6 +39,7 @@ from strata.gateway.config import (
     AdmissionConfig,
     DisaggConfig,
     GatewayConfig,
+    ResumeConfig,
     RetryConfig,
     SessionRoutingConfig,
     VersionConfig,
@@ -69,6 +70,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=non_negative_int, default=512)
     p.add_argument("--queue-timeout-s", type=positive_float, default=10.0)
     p.add_argument("--max-retries", type=non_negative_int, default=2)
+    p.add_argument("--max-resumes", type=non_negative_int, default=2,
+                   help="a stream cut after its first byte goes on on another instance at most "
+                        "this many times (0: never; the client gets an error event)")
+    p.add_argument("--stall-s", type=positive_float, default=0.5,
+                   help="an instance silent this long while a request waits on it is probed; "
+                        "if the probe fails, its requests are resumed or retried elsewhere")
+    p.add_argument("--stall-probe-timeout-s", type=positive_float, default=0.5)
     p.add_argument("--health-check-interval-s", type=positive_float, default=1.0)
     add_auth_flags(p)
     p.add_argument("--shutdown-timeout-s", type=positive_float, default=30.0)
@@ -144,6 +152,8 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
         instance_urls=tuple(args.instances or ()), registry_url=registry,
         health_check_interval_s=args.health_check_interval_s,
         retry=RetryConfig(max_retries=args.max_retries),
+        resume=ResumeConfig(max_resumes=args.max_resumes, stall_s=args.stall_s,
+                            stall_probe_timeout_s=args.stall_probe_timeout_s),
         admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue,
                                   queue_timeout_s=args.queue_timeout_s,
                                   batch_max_queue=args.batch_max_queue),

@@ -39,6 +39,7 @@ from strata.engine.outputs import EngineStats, HeldBlocks, RequestOutput
 from strata.engine.request import Logprob, Request, RequestStatus
 from strata.engine.scheduler import KVImport, Scheduler, SchedulerOutput
 from strata.engine.validation import check_request
+from strata.errors import InvalidRequestError
 from strata.types import BlockHash, RequestId
 
 
@@ -77,9 +78,13 @@ class Engine:
 
     def add_request(self, request: Request) -> None:
         self.validate_request(request)
+        detok = IncrementalDetokenizer(self.decoder, request)
+        if detok.matched_stop is not None:
+            raise InvalidRequestError("the generated tokens of a resumed request already hold "
+                                      "a stop string", param="output_token_ids")
         request.status = RequestStatus.WAITING
         self.scheduler.add(request)
-        self._detok[request.request_id] = IncrementalDetokenizer(self.decoder, request)
+        self._detok[request.request_id] = detok
 
     def abort_request(self, request_id: RequestId) -> None:
         request = self.scheduler.get(request_id)

@@ -250,11 +250,10 @@ class Scheduler:
         return num_new
 
     def _admit(self, request: Request, computed: ComputedBlocks) -> None:
-        if request.status == RequestStatus.WAITING:
-            request.num_cached_tokens = computed.num_tokens
+        if request.status == RequestStatus.WAITING:  # a resumed request looks up its outputs too
+            request.num_cached_tokens = min(computed.num_tokens, request.num_prompt_tokens)
             num_local = len(computed.blocks) * self.kv.block_size
-            self.kv.record_lookup(request.num_prompt_tokens, num_local,
-                                  computed.num_tokens - num_local)
+            self.kv.record_lookup(request.num_tokens, num_local, computed.num_tokens - num_local)
         request.external_kv = {}  # used once: a preempted request recomputes (or hits locally)
         request.status = RequestStatus.RUNNING
         self.running.append(request)

@@ -1,6 +1,7 @@
 """What the engine refuses before a request is queued: requests that can never run (an empty
 prompt, token ids outside the vocabulary, more tokens than the context or the whole KV cache)
-and, while its waiting queue is full, any request."""
+a resumed request whose tokens already end it, and, while the waiting queue is full, any
+request."""
 
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ def check_request(request: Request, scheduler_config: SchedulerConfig, cache_con
             "or shorten the prompt.",
             param="max_tokens",
         )
-    num_blocks_needed = -(-(num_prompt + 1) // cache_config.block_size)
+    if request.output_token_ids:
+        _check_resumed(request, vocab_size)
+    num_blocks_needed = -(-(request.num_tokens + 1) // cache_config.block_size)
     if num_blocks_needed > cache_config.num_blocks:
         raise ContextLengthError(
             f"the prompt needs {num_blocks_needed} KV blocks but the cache holds only "
@@ -47,6 +50,20 @@ def check_request(request: Request, scheduler_config: SchedulerConfig, cache_con
         raise OverloadedError(
             f"the waiting queue is full ({scheduler_config.max_waiting} requests)"
         )
+
+
+
+def _check_resumed(request: Request, vocab_size: int | None) -> None:
+    """A resumed request (tokens generated elsewhere) must be one that had not finished."""
+    params, outputs = request.sampling_params, request.output_token_ids
+    if vocab_size is not None and not all(0 <= t < vocab_size for t in outputs):
+        raise InvalidRequestError(
+            f"output token ids must be in [0, {vocab_size})", param="output_token_ids")
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos
+                                          else set(request.eos_token_ids))
+    if len(outputs) >= params.max_tokens or any(t in stops for t in outputs):
+        raise InvalidRequestError("the generated tokens of a resumed request already end "
+                                  "it (max_tokens or a stop token)", param="output_token_ids")
 
 
 __all__ = ["check_request"]

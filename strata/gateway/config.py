@@ -60,6 +60,26 @@ class RetryConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ResumeConfig:
+    """Streams that outlive their instance (strata/gateway/resume.py, stalls.py). A stream cut
+    after its first byte goes on on another instance at most `max_resumes` times (0: never; the
+    client gets an error event). An attempt whose instance has sent nothing for `stall_s` while
+    the gateway waits is checked: a `/health` probe that fails within `stall_probe_timeout_s`
+    ends it (resumed, or retried when nothing was sent yet); stalls are looked for every
+    `stall_sweep_s`."""
+
+    max_resumes: int = 2
+    stall_s: float = 0.5
+    stall_probe_timeout_s: float = 0.5
+    stall_sweep_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.max_resumes < 0:
+            raise ConfigError(f"max_resumes must be >= 0, got {self.max_resumes}")
+        _positive(self, "stall_s", "stall_probe_timeout_s", "stall_sweep_s")
+
+
+@dataclass(frozen=True, slots=True)
 class AdmissionConfig:
     """At most `max_in_flight` proxied requests; up to `max_queue` more wait (by class, FIFO in
     a class) for at most `queue_timeout_s`, of them at most `batch_max_queue` batch requests
@@ -203,6 +223,7 @@ class GatewayConfig:
     max_connections: int = 1000
     ejection: EjectionConfig = field(default_factory=EjectionConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
+    resume: ResumeConfig = field(default_factory=ResumeConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     classes: ClassConfig = field(default_factory=ClassConfig)
     api_keys: tuple[str, ...] = ()  # client keys
@@ -234,5 +255,5 @@ class GatewayConfig:
 
 
 __all__ = ["PD_MODES", "SESSION_ROUTING_MODES", "AdmissionConfig", "ClassConfig", "DisaggConfig",
-           "EjectionConfig", "GatewayConfig", "RetryConfig", "SessionRoutingConfig",
-           "VersionConfig"]
+           "EjectionConfig", "GatewayConfig", "ResumeConfig", "RetryConfig",
+           "SessionRoutingConfig", "VersionConfig"]

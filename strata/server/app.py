@@ -6,6 +6,8 @@
     GET  /v1/strata/kv-events, /v1/strata/tokenizer     prefix_routes.py (cache-aware gateways)
     POST /tokenize, /detokenize, /admin/drain           info_routes.py
     /internal/prefill/..., /internal/decode/..., /internal/kv/...   pd_routes.py (hand-off)
+    POST /v1/strata/resume                        resume.py: go on with a stream another
+                                                  instance began (strata/protocol/resume.py)
 
 Every route reaches the instance's parts through one typed object (`Instance`, instance.py);
 every error leaves through one table (errors.py). Middleware, outermost first: `X-Request-Id`
@@ -44,6 +46,7 @@ from strata.server.pd_routes import pd_routes
 from strata.server.pd_state import PD
 from strata.server.prefix_routes import prefix_routes
 from strata.server.registration import Registration
+from strata.server.resume import resume_routes
 from strata.server.serving import ServingContext
 from strata.server.session_routes import session_routes
 from strata.server.sessions import Sessions
@@ -97,7 +100,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
 
 def build_routes() -> list[BaseRoute]:
     return [*generation_routes(), *session_routes(), *info_routes(), *prefix_routes(),
-            *pd_routes()]
+            *pd_routes(), *resume_routes()]
 
 
 def _open_parts(instance: Instance, stack: AsyncExitStack, session_store: SessionStore | None,
