@@ -12,7 +12,10 @@ Events, in time order from one heap:
               tokens and finishes are recorded, a finished turn sends the job's next turn after
               the think time, a prefill under P/D hands its KV to a decode instance
     handoff   a decode instance takes a prefilled request (its blocks imported, the first token
-              released to the client now)
+              released to the client now); under P/D only prompts of at least the gateway's
+              `--pd-min-uncached-tokens` go through a prefill instance (every prompt token
+              counts as uncached, as the gateway estimates today), shorter ones run on a
+              decode instance as on a mixed one
     tick      the autoscaler (autoscaled.py) decides
 
 A request's TTFT is from its arrival at the gateway to its first token; TPOT is (finish - first
@@ -91,6 +94,7 @@ class Fleet:
         self._count = 0
         self.instances: list[SimInstance] = []
         self.prefill: list[SimInstance] = []
+        self.pd_min_tokens = self.costs.pd_min_tokens(self.profile)
         self.gateway = SimGateway(arch.policy, self.shape.block_size, self.costs, self.rng)
         self.flights: dict[RequestId, _Flight] = {}
         self.result = FleetResult()
@@ -168,8 +172,9 @@ class Fleet:
         turn = Turn(self.now, len(prompt))
         self.result.turns.append(turn)
         request = self._request(prompt, job.turns[index].output_len)
-        role = "prefill" if self.prefill else "mixed"
-        if self.prefill:
+        is_remote = bool(self.prefill) and len(prompt) >= self.pd_min_tokens
+        role = "prefill" if is_remote else "mixed"
+        if is_remote:
             request.sampling_params = SamplingParams(max_tokens=1, ignore_eos=True)
             request.kv_export = True
         instance, route = self.gateway.route(self.routable(role), request, job.session_id)

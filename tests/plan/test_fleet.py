@@ -51,17 +51,35 @@ def test_poisson_arrivals_one_at_a_time_wait_as_in_m_d_1(round_profile: LatencyP
     assert run.busy_seconds / run.duration_s == pytest.approx(0.6, rel=0.05)
 
 
+PD_COSTS = Costs(request_overhead_ms=0.0, transfer_ms_base=2.0, transfer_ms_per_token=0.04,
+                 pd_min_uncached_tokens=64)
+PD = Architecture("P/D", policy="least_load", replicas=1, num_prefill=1)
+
+
 def test_prefill_decode_split_hands_the_blocks_over_instead_of_recomputing(
         round_profile: LatencyProfile) -> None:
     """Prefill of 100 tokens (60 ms), then 6 full blocks (96 tokens) move at 2 + 0.04 ms per
     token; the first token is released when they arrive. The decode side computes only the
     5 tokens past the blocks (10 + 2.5 ms, the second token), then decodes (21 ms)."""
-    arch = Architecture("P/D", policy="least_load", replicas=1, num_prefill=1)
-    run = Fleet(arch, round_profile, fixed(1, 100, 5, concurrency=1), costs=NO_OVERHEAD).run()
+    run = Fleet(PD, round_profile, fixed(1, 100, 5, concurrency=1), costs=PD_COSTS).run()
     turn = run.turns[0]
     assert turn.first_token_s - turn.arrival_s == pytest.approx(0.060 + 0.002 + 0.04 * 96 / 1000)
     assert turn.finish_s - turn.first_token_s == pytest.approx(0.0125 + 3 * 0.021)
     assert turn.num_output_tokens == 5
+
+
+def test_under_p_d_a_prompt_shorter_than_the_threshold_stays_on_the_decode_side(
+        round_profile: LatencyProfile) -> None:
+    run = Fleet(PD, round_profile, fixed(1, 48, 5, concurrency=1), costs=PD_COSTS).run()
+    turn = run.turns[0]
+    assert turn.first_token_s - turn.arrival_s == pytest.approx(0.010 + 0.5 * 48 / 1000)
+    assert run.busy_by_instance[0] == 0.0  # the prefill instance never ran
+
+
+def test_the_default_p_d_threshold_is_the_gateways() -> None:
+    from strata.sim.profile import load_profile
+
+    assert Costs().pd_min_tokens(load_profile("smollm2-cpu")) == 368
 
 
 def test_tensor_parallel_splits_the_token_terms_and_pays_the_all_reduces(
