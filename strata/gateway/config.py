@@ -119,11 +119,13 @@ class VersionConfig:
     pin_store_url: str | None = None
     pin_ttl_s: float = 86_400.0
     stats_window_s: float = 60.0
+    health_publish_s: float = 1.0  # while a canary runs: this gateway's window to the registry
     warm_timeout_s: float = 120.0
     release: ReleaseConfig = field(default_factory=ReleaseConfig)  # timeouts, lease, canary
 
     def __post_init__(self) -> None:
-        _positive(self, "routing_poll_s", "pin_ttl_s", "stats_window_s", "warm_timeout_s")
+        _positive(self, "routing_poll_s", "pin_ttl_s", "stats_window_s", "health_publish_s",
+                  "warm_timeout_s")
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,7 +99,8 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
         stats = VersionStats(config.versions.stats_window_s)
         proxy.observers.append(stats.observe)
         if instance_registry is not None:
-            releases = _release_service(config, models, instance_registry, stats, control, exits)
+            releases = _release_service(config, models, instance_registry, stats, versions,
+                                        control, exits)
     steps = path_steps(admission=admission, metrics=metrics, proxy=proxy, versions=versions,
                        cache=cache, sessions=sessions, prefix=prefix)
     forward = chain(steps, proxy.forward)
@@ -138,13 +139,13 @@ def _version_router(config: GatewayConfig, models: ModelRegistry, instances: Ins
 
 
 def _release_service(config: GatewayConfig, models: ModelRegistry, instances: Registry,
-                     stats: VersionStats, control: httpx.AsyncClient,
+                     stats: VersionStats, versions: VersionRouter, control: httpx.AsyncClient,
                      exits: contextlib.AsyncExitStack) -> ReleaseService:
     releases = build_release_service(
-        models, instances, stats, control, owner=controller_owner(config.port),
+        models, instances, stats, versions, control, owner=controller_owner(config.port),
         warm_timeout_s=config.versions.warm_timeout_s,
         api_key=config.api_keys[0] if config.api_keys else None,
-        config=config.versions.release)
+        publish_interval_s=config.versions.health_publish_s, config=config.versions.release)
     _close_with(exits, releases.close)
     return releases
 
