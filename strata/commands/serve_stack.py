@@ -193,11 +193,11 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
                                  **_kv_options(args))
     app = create_app(built.async_engine, built.tokenizer, server_config,
                      registration=registration)
-    server = uvicorn.Server(uvicorn.Config(
+    server = _server_draining_first(uvicorn.Config(
         app, log_level=args.log_level, access_log=args.log_level == "debug",
         log_config=None,  # its loggers go through strata/logs.py's handler
         timeout_graceful_shutdown=args.shutdown_timeout_s,
-    ))
+    ), app.state.instance.begin_drain)
     # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown; these handlers
     # absorb it so that a requested stop exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -208,6 +208,21 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
     await server.serve(sockets=[sock])  # the lifespan shutdown drains, deregisters, stops
     announce.cancel()
     return exit_status()
+
+
+def _server_draining_first(config: Any, begin_drain: Callable[[], None]) -> Any:
+    """A uvicorn server that calls `begin_drain` (the instance reports DRAINING to the registry)
+    when asked to stop, before uvicorn closes the listener and waits for open connections (a
+    stream may take minutes): routers and release controllers never take the instance for a
+    READY one meanwhile."""
+    import uvicorn
+
+    class DrainFirst(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            begin_drain()
+            await super().shutdown(sockets)
+
+    return DrainFirst(config)
 
 
 def exit_when_engine_dies(server: Any, async_engine: AsyncEngine) -> Callable[[], int]:
