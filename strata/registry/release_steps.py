@@ -90,7 +90,7 @@ class ReleaseSteps:
             r, canary=to, canary_weight=weight))
         window_end = self._entered(release, S.CANARY) + self.config.canary_window_s
         while True:
-            verdict = await self._judge(release)
+            verdict = await self._canary_lost(release) or await self._judge(release)
             if verdict:
                 return await self._move(release, S.ROLLING_BACK, verdict)
             if self.clock() >= window_end:
@@ -238,6 +238,18 @@ class ReleaseSteps:
                 error = f"{type(exc).__name__}: {exc}"
         return (f"warming {record.model_version} on instance {record.instance_id} failed "
                 f"{WARM_ATTEMPTS} times; last: {error}")
+
+    async def _canary_lost(self, release: Release) -> str:
+        """Why the canary must roll back because one of its instances stopped serving (it
+        died, or its launcher restarted it): the gateways count no request of a version that
+        has no instance to take it, so a crashing canary could look merely quiet."""
+        ready = await self.effects.instances(release.name, release.to_version,
+                                             InstanceState.READY)
+        if len(ready) >= release.replicas:
+            return ""
+        return (f"canary {release.name}@{release.to_version}: {len(ready)} of "
+                f"{release.replicas} instances ready during the canary window (an instance "
+                "died or was restarted)")
 
     async def _judge(self, release: Release) -> str:
         if self.health is None or release.from_version is None:

@@ -163,6 +163,24 @@ def test_failing_canary_rolls_back_with_the_numbers(health: dict[str, VersionHea
     story(body)
 
 
+def test_a_canary_whose_instance_dies_rolls_back_though_its_numbers_look_healthy() -> None:
+    async def body(world: World) -> None:
+        world.health.update(HEALTHY)  # the gateways count no request of a canary they cannot reach
+        controller = world.controller("a")
+        release = await controller.start("m", "v2", strategy=Strategy.CANARY, canary_weight=0.25)
+        task = asyncio.create_task(controller.drive(release.release_id))
+        await world.wait_for(release.release_id, S.CANARY)
+        await world.instances.deregister("m-v2-3")  # its process exited; a launcher restarts it
+        final = await task
+        assert states(final) == ["pending", "starting", "warming", "canary", "rolling_back",
+                                 "rolled_back"]
+        assert final.reason == ("canary m@v2: 1 of 2 instances ready during the canary window "
+                                "(an instance died or was restarted)")
+        await assert_rolled_back(world, final)
+
+    story(body)
+
+
 @pytest.mark.parametrize(("canary", "live", "verdict"), [
     (VersionHealth(19, 19, 900.0), VersionHealth(100, 0, 100.0), ""),  # too few to judge
     (VersionHealth(20, 1, 200.0), VersionHealth(100, 0, 100.0), ""),  # 5% and 2.0x: at the line
