@@ -96,7 +96,7 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
     versions, releases = None, None
     if models is not None:
         versions = _version_router(config, models, instances, rng, exits)
-        stats = VersionStats(config.versions.stats_window_s)
+        stats = VersionStats(config.versions.health_window_s)
         proxy.observers.append(stats.observe)
         if instance_registry is not None:
             releases = _release_service(config, models, instance_registry, stats, versions,

@@ -13,9 +13,10 @@ import random
 from collections.abc import Awaitable, Callable
 
 import pytest
-from registry.release_world import World, states
+from registry.release_world import CONFIG, World, states
 
 from strata.clock import ManualClock
+from strata.gateway.config import VersionConfig
 from strata.gateway.instances import InstanceSet
 from strata.gateway.releases import HealthPublisher, PooledHealth
 from strata.gateway.versions import VersionRouter, VersionStats
@@ -165,6 +166,44 @@ def test_a_canary_failing_only_on_another_gateway_is_rolled_back(is_pooled: bool
                                      "rolling_back", "rolled_back"]
             assert final.reason.startswith("canary m@v2: error rate 100.0% (20 of 20 requests)")
             assert await world.routing() == ("v1", None, None)
+        else:
+            assert states(final)[-3:] == ["flipping", "retiring", "done"]  # promoted, wrongly
+
+    asyncio.run(story())
+
+
+@pytest.mark.parametrize("window_s", [None, 60.0], ids=["canary-window", "60s"])
+def test_a_slow_canary_is_compared_with_live_over_the_same_period(window_s: float | None) -> None:
+    """Live was slow before the canary began (its instances started on the same machine); over
+    the canary's window live is fast again and the canary is not: compared over that window
+    the canary rolls back; against a 60 s live p99 it would have passed."""
+    async def story() -> None:
+        world = await World.create()
+        config = VersionConfig(release=CONFIG)
+        assert config.health_window_s == CONFIG.canary_window_s
+        stats = VersionStats(window_s or config.health_window_s, clock=world.clock)
+        for _ in range(50):
+            stats.record("m", "v1", is_error=False, ttft_ms=800.0)
+        sleep: Callable[[float], Awaitable[None]] = world.sleep
+
+        async def traffic_then_sleep(seconds: float) -> None:
+            await sleep(seconds)
+            routing = await world.models.get_routing("m")
+            assert routing is not None and routing.live is not None
+            for _ in range(5):
+                stats.record("m", routing.live, is_error=False, ttft_ms=100.0)
+            for _ in range(2 if routing.canary is not None else 0):
+                stats.record("m", routing.canary, is_error=False, ttft_ms=500.0)
+
+        world.sleep = traffic_then_sleep  # type: ignore[method-assign]
+        health = PooledHealth(world.models, stats, gateway="gw-a", max_age_s=5.0,
+                              clock=world.clock)
+        driver = world.controller("gw-a", health=health)
+        release = await driver.start("m", "v2", strategy=Strategy.CANARY, canary_weight=0.25)
+        final = await driver.drive(release.release_id)
+        if window_s is None:
+            assert states(final)[-2:] == ["rolling_back", "rolled_back"]
+            assert final.reason.startswith("canary m@v2: TTFT p99"), final.reason
         else:
             assert states(final)[-3:] == ["flipping", "retiring", "done"]  # promoted, wrongly
 
