@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from strata.registry.leases import Lease
 from strata.registry.models import Deployment, ModelRouting, ModelVersion, Release
 from strata.registry.models_cas import (
     next_revision,
@@ -36,6 +37,7 @@ class MemoryModelRegistry:
         self._deployments: dict[str, str] = {}  # name@version -> JSON
         self._releases: dict[str, str] = {}  # release_id -> JSON
         self._health: dict[tuple[str, str], str] = {}  # (name@version, gateway) -> JSON
+        self._leases: dict[str, str] = {}  # name -> JSON
 
     # --- versions ---------------------------------------------------------------------------
 
@@ -140,6 +142,18 @@ class MemoryModelRegistry:
         windows = [HealthWindow.from_json(json.loads(text))
                    for (k, _), text in sorted(self._health.items()) if k == key]
         return [w for w in windows if w.published_at >= since]
+
+    # --- leases (strata/registry/leases.py) ----------------------------------------------------
+
+    async def get_lease(self, name: str) -> Lease | None:
+        stored = self._leases.get(name)
+        return None if stored is None else Lease.from_json(json.loads(stored))
+
+    async def put_lease(self, lease: Lease, *, expected_revision: int) -> Lease:
+        new = next_revision(lease, expected_revision, self.clock())
+        self._check("lease", self._leases, lease.name, expected_revision)
+        self._leases[lease.name] = _dump(new)
+        return new
 
     async def close(self) -> None:
         return None

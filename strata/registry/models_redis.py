@@ -4,6 +4,7 @@
     {prefix}:routing:{name}             HASH    revision, record (JSON)
     {prefix}:deployment:{name}@{ver}    HASH    revision, record (JSON)
     {prefix}:release:{release_id}       HASH    revision, record (JSON)
+    {prefix}:lease:{name}               HASH    revision, record (JSON)
     {prefix}:in_progress:{name}         STRING  the release_id of the model's non-terminal release
     {prefix}:versions, :routings, :deployments, :releases     SETs of the keys' last parts
     {prefix}:releases:{name}            SET     release ids of one model
@@ -12,9 +13,8 @@
 
 Every write is one Lua script, so it is atomic on the server: a compare-and-set reads the stored
 revision and writes only when it is the expected one. The release script also keeps
-`in_progress:{name}` (set while a release is not terminal, cleared when it becomes terminal), so
-"one release in progress per model" is checked and taken in the same step. Listing reads the
-index sets, never KEYS.
+`in_progress:{name}` (set while a release is not terminal, cleared once terminal), so "one
+release in progress per model" is checked and taken at once. Listing reads index sets, never KEYS.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 from strata.errors import RegistryError
+from strata.registry.leases import Lease
 from strata.registry.models import Deployment, ModelRouting, ModelVersion, Release
 from strata.registry.models_cas import (
     next_revision,
@@ -214,9 +215,9 @@ class RedisModelRegistry:
         return sorted(releases, key=lambda r: (r.created_at, r.release_id))
 
     async def prune_releases(self, name: str, *, keep: int) -> int:
-        finished = [r for r in await self.list_releases(name) if r.is_terminal]
-        doomed = [r.release_id for r in finished[:max(0, len(finished) - keep)]]
-        return sum([await self._delete_finished(name, release_id) for release_id in doomed])
+        finished = [r.release_id for r in await self.list_releases(name) if r.is_terminal]
+        return sum([await self._delete_finished(name, release_id)
+                    for release_id in finished[:max(0, len(finished) - keep)]])
 
     # --- health windows -------------------------------------------------------------------------
 
@@ -234,6 +235,17 @@ class RedisModelRegistry:
         windows = [HealthWindow.from_json(json.loads(texts[g])) for g in sorted(texts)]
         return [w for w in windows if w.published_at >= self.clock() - HEALTH_RETENTION_S]
 
+    # --- leases (strata/registry/leases.py) ----------------------------------------------------
+
+    async def get_lease(self, name: str) -> Lease | None:
+        text = await self._record(self._key("lease", name))
+        return None if text is None else Lease.from_json(json.loads(text))
+
+    async def put_lease(self, lease: Lease, *, expected_revision: int) -> Lease:
+        new = next_revision(lease, expected_revision, self.clock())
+        await self._compare_and_set("lease", new.name, expected_revision, new)
+        return new
+
     async def close(self) -> None:
         await self._db.aclose()
 
@@ -243,7 +255,7 @@ class RedisModelRegistry:
         return ":".join((self.prefix, *parts))
 
     async def _compare_and_set(self, kind: str, key: str, expected_revision: int,
-                               new: ModelRouting | Deployment) -> None:
+                               new: ModelRouting | Deployment | Lease) -> None:
         keys = [self._key(kind, key), self._key(f"{kind}s")]
         args = [expected_revision, _dump(new), key]
         stored = await self._db.call(lambda: self._cas(keys=keys, args=args))
@@ -281,7 +293,7 @@ class RedisModelRegistry:
         return texts
 
 
-def _dump(record: ModelVersion | ModelRouting | Deployment | Release | HealthWindow) -> str:
+def _dump(record: ModelVersion | ModelRouting | Deployment | Release | HealthWindow | Lease) -> str:
     return json.dumps(record.to_json())
 
 
