@@ -201,11 +201,11 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
                                  pd=_pd_config(args), **_kv_options(args))
     app = create_app(built.async_engine, built.tokenizer, server_config,
                      registration=registration)
-    server = uvicorn.Server(uvicorn.Config(
+    server = _server_draining_first(uvicorn.Config(
         app, log_level=args.log_level, access_log=args.log_level == "debug",
         log_config=None,  # its loggers go through strata/logs.py's handler
         timeout_graceful_shutdown=args.shutdown_timeout_s,
-    ))
+    ), app.state.instance.begin_drain)
     # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown; these handlers
     # absorb it so that a requested stop exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -216,6 +216,19 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
     await server.serve(sockets=[sock])  # the lifespan shutdown drains, deregisters, stops
     announce.cancel()
     return exit_status()
+
+
+def _server_draining_first(config: Any, begin_drain: Callable[[], None]) -> Any:
+    """A uvicorn server that calls `begin_drain` (DRAINING in the registry) when asked to stop,
+    before it waits for open connections: no router takes a stopping instance for a READY one."""
+    import uvicorn
+
+    class DrainFirst(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            begin_drain()
+            await super().shutdown(sockets)
+
+    return DrainFirst(config)
 
 
 def exit_when_engine_dies(server: Any, async_engine: AsyncEngine) -> Callable[[], int]:
