@@ -28,6 +28,7 @@ from strata.gateway.policies.base import RouteRequest
 from strata.gateway.retry import RetryBudget
 from strata.gateway.upstream import (
     RelayResponse,
+    UpstreamAnswer,
     UpstreamPools,
     broken_stream_frames,
     close_quietly,
@@ -152,7 +153,7 @@ class Proxy:
             return await self._open_stream(attempt, response)
         return await self._whole_body(attempt, response)
 
-    async def _error_answer(self, attempt: Attempt, response: httpx.Response) -> Failure:
+    async def _error_answer(self, attempt: Attempt, response: UpstreamAnswer) -> Failure:
         try:
             body = await response.aread()
         except httpx.HTTPError:
@@ -164,7 +165,7 @@ class Proxy:
         return Failure(f"instance {attempt.view.instance_id} answered {response.status_code}",
                        passthrough, counts_as_failure=response.status_code >= 500)
 
-    async def _whole_body(self, attempt: Attempt, response: httpx.Response) -> Response | Failure:
+    async def _whole_body(self, attempt: Attempt, response: UpstreamAnswer) -> Response | Failure:
         try:
             body = b"".join([chunk async for chunk in response.aiter_raw()])
         except UPSTREAM_ERRORS as exc:
@@ -178,7 +179,7 @@ class Proxy:
         self._observe_overhead(attempt, answered_at)
         return Response(body, response.status_code, headers=headers)
 
-    async def _open_stream(self, attempt: Attempt, response: httpx.Response) -> Response | Failure:
+    async def _open_stream(self, attempt: Attempt, response: UpstreamAnswer) -> Response | Failure:
         chunks = response.aiter_raw()
         try:
             first, rest, is_eof = await read_frames(chunks)
@@ -193,7 +194,7 @@ class Proxy:
         self._observe_overhead(attempt, first_at)
         return relay
 
-    async def _relay(self, attempt: Attempt, response: httpx.Response,
+    async def _relay(self, attempt: Attempt, response: UpstreamAnswer,
                      chunks: AsyncIterator[bytes], first: bytes, rest: bytes,
                      is_eof: bool) -> AsyncIterator[bytes]:
         is_success = False
@@ -251,8 +252,8 @@ class Proxy:
         self.metrics.added_latency.observe(max(0.0, before + after))
 
 
-def _is_sse(response: httpx.Response) -> bool:
-    return response.headers.get("content-type", "").startswith("text/event-stream")
+def _is_sse(response: UpstreamAnswer) -> bool:
+    return (response.headers.get("content-type") or "").startswith("text/event-stream")
 
 
 def _describe(view: InstanceView, exc: Exception) -> str:
