@@ -221,7 +221,7 @@ class Proxy:
         view.num_in_flight += 1
         view.num_in_flight_tokens += route.num_tokens
         self.pipeline.policy.on_request_routed(route, view)
-        self.metrics.routed.labels(view.instance_id).inc()
+        self.metrics.routed_by_instance.inc(view.instance_id)
 
     def _finish(self, attempt: Attempt, *, is_success: bool) -> None:
         if attempt.is_finished:
