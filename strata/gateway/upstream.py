@@ -210,7 +210,10 @@ def broken_stream_frames(message: str) -> bytes:
 
 class RelayResponse(StreamingResponse):
     """A streamed response that runs `on_close` callbacks once, however the stream ends
-    (finished, instance failed, client gone, never sent)."""
+    (finished, instance failed, client gone, never sent). A client that disconnects stops the
+    stream at once (its upstream answer is closed, so the instance stops too): the frames are
+    sent from the request's own task while a second task waits for the disconnect, as
+    Starlette does, without the anyio task group it builds around both for every response."""
 
     def __init__(self, frames: AsyncIterator[bytes], status_code: int,
                  headers: dict[str, str]) -> None:
@@ -220,7 +223,7 @@ class RelayResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await self._stream_until_disconnect(receive, send)
         finally:
             with anyio.CancelScope(shield=True):
                 aclose = getattr(self._frames, "aclose", None)
@@ -228,6 +231,29 @@ class RelayResponse(StreamingResponse):
                     await aclose()
             for callback in self.on_close:
                 callback()
+
+
+    async def _stream_until_disconnect(self, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        disconnected = False
+
+        async def listen() -> None:
+            nonlocal disconnected
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected = True
+            task.cancel()  # surfaces where the stream awaits, inside the `try` below
+
+        listener = asyncio.get_running_loop().create_task(listen())
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not disconnected or task.cancelling() > 1:  # cancelled from outside too
+                raise
+            task.uncancel()
+        finally:
+            listener.cancel()
 
 
 async def read_frames(chunks: AsyncIterator[bytes]) -> tuple[bytes, bytes, bool]:
