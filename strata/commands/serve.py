@@ -83,6 +83,7 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-redis-appendfsync", choices=("always", "everysec", "no"),
                    default=None, help="set Redis AOF fsync for the session store (CONFIG SET)")
     _add_kv_flags(p)
+    _add_pd_flags(p)
     p.add_argument("--simulate", default=None, metavar="PROFILE",
                    help="answer from a latency model instead of the maths (a profile JSON or a "
                         "bundled name such as smollm2-cpu); labelled simulated everywhere")
@@ -109,6 +110,18 @@ def _add_kv_flags(p: argparse.ArgumentParser) -> None:
                    help="at most this much KV published per request (leading blocks kept)")
     p.add_argument("--kv-redis-maxmemory-mb", type=positive_int, default=None,
                    help="CONFIG SET maxmemory and maxmemory-policy allkeys-lru on the KV Redis")
+
+
+def _add_pd_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pd-lease-s", type=positive_float, default=10.0,
+                   help="prefill/decode hand-off: how long this instance holds a prompt's blocks "
+                        "for a decode instance that has not acknowledged them")
+    p.add_argument("--sim-kv-bandwidth-gbps", type=positive_float, default=0.5,
+                   help="with --simulate: the modeled KV transfer rate of a hand-off (GB/s; "
+                        "the default is the measured loopback pull rate)")
+    p.add_argument("--fault-config", default=None, metavar="FILE",
+                   help="tests only: kill points and damaged blocks of the hand-off (JSON, see "
+                        "strata/server/pd_faults.py)")
 
 
 def run(args: argparse.Namespace, env: CliEnv) -> int:

@@ -95,6 +95,7 @@ def build_simulated(args: argparse.Namespace) -> BuiltEngine:
         max_num_batched_tokens=args.max_num_batched_tokens or 512,
         enable_prefix_caching=not args.no_prefix_cache, max_waiting=args.max_waiting,
         max_queue_wait_s=args.max_queue_wait_s or None, namespace=f"{name}@{args.model_version}",
+        kv_bandwidth_gbps=args.sim_kv_bandwidth_gbps,
     ))
     return BuiltEngine(async_engine, tokenizer, name, simulated=True)
 
@@ -197,7 +198,7 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
                                  session_store_url=args.session_store,
                                  session_ttl_s=args.session_ttl_s,
                                  session_redis_appendfsync=args.session_redis_appendfsync,
-                                 **_kv_options(args))
+                                 pd=_pd_config(args), **_kv_options(args))
     app = create_app(built.async_engine, built.tokenizer, server_config,
                      registration=registration)
     server = uvicorn.Server(uvicorn.Config(
@@ -234,6 +235,14 @@ def exit_when_engine_dies(server: Any, async_engine: AsyncEngine) -> Callable[[]
 
     async_engine.on_death(on_death)
     return lambda: ENGINE_DIED_EXIT_STATUS if died else 0
+
+
+def _pd_config(args: argparse.Namespace) -> Any:
+    from strata.server.pd_config import PDConfig
+    from strata.server.pd_faults import FaultConfig
+
+    faults = FaultConfig.load(Path(args.fault_config)) if args.fault_config else FaultConfig()
+    return PDConfig(lease_s=args.pd_lease_s, faults=faults)
 
 
 def _kv_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -11,7 +11,9 @@ step (they sit the step out), then a running slot or blocks (they are preempted,
 the waiting queue under their original arrival time).
 A request admitted with fetched KV blocks (see kv_cache_manager) lists them in `kv_imports`:
 the engine has the executor import them before the step's forward pass and reports how many it
-wrote (`on_kv_imported`); the scheduler turns a refused payload into a miss.
+wrote (`on_kv_imported`); the scheduler turns a refused payload into a miss. A request whose
+whole prompt is imported and whose first token a prefill instance handed over is admitted with
+nothing to compute (`handed`): the engine appends that token, and it decodes from the next batch.
 
 Batches in flight (pipeline parallel): the engine reports each batch it submits and collects
 (`on_submitted`, `on_collected`). A request's next batch starts after its tokens in flight, so a
@@ -43,6 +45,7 @@ class KVImport:
     request: Request
     block_ids: list[int]
     payloads: list[bytes]
+    num_tokens: int  # the tokens these blocks hold (the last block may be partial)
 
 
 @dataclass(slots=True)
@@ -54,6 +57,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     kv_imports: list[KVImport] = field(default_factory=list)
     held_blocks: list[KVBlock] = field(default_factory=list)
+    handed: list[Request] = field(default_factory=list)  # admitted, nothing to compute
 
     @property
     def num_tokens(self) -> int:
@@ -144,7 +148,7 @@ class Scheduler:
             return
         self.num_kv_import_failures += 1
         request = kv_import.request
-        num_lost = num_refused * self.kv.block_size
+        num_lost = kv_import.num_tokens - num_imported * self.kv.block_size
         request.num_computed_tokens -= num_lost
         request.num_cached_tokens -= num_lost
         self.kv.record_refused_import(num_lost)
@@ -194,11 +198,13 @@ class Scheduler:
         """Admit `request` if it can run this step (making room below it); else change nothing."""
         computed = self.kv.get_computed_blocks(request)
         request.num_computed_tokens = computed.num_tokens
+        is_handed = request.num_tokens_to_compute == 0  # see the module docstring
         before = list(out.scheduled)
-        self._defer_lower(request, out, max_seqs)
+        if not is_handed:  # a handed request takes a running slot, not a seat in this batch
+            self._defer_lower(request, out, max_seqs)
         budget = self.config.max_num_batched_tokens - out.num_tokens
         num_new = self._num_to_schedule(request, budget) if budget > 0 else 0
-        if num_new == 0 or len(out.scheduled) >= max_seqs \
+        if (not is_handed and (num_new == 0 or len(out.scheduled) >= max_seqs)) \
                 or not self._make_room(request, num_new, computed, out, now) \
                 or not self.kv.allocate_slots(request, num_new, computed):
             request.num_computed_tokens = 0
@@ -208,7 +214,10 @@ class Scheduler:
         self._admit(request, computed)
         if computed.external:
             out.kv_imports.append(self._kv_import(request, computed))
-        out.scheduled.append((request, num_new))
+        if is_handed:
+            out.handed.append(request)
+        else:
+            out.scheduled.append((request, num_new))
         return True
 
     def _defer_lower(self, request: Request, out: SchedulerOutput, max_seqs: int) -> None:
@@ -241,11 +250,10 @@ class Scheduler:
         return num_new
 
     def _admit(self, request: Request, computed: ComputedBlocks) -> None:
-        if request.status == RequestStatus.WAITING:
-            request.num_cached_tokens = computed.num_tokens
-            num_external = len(computed.external) * self.kv.block_size
-            self.kv.record_lookup(request.num_prompt_tokens, computed.num_tokens - num_external,
-                                  num_external)
+        if request.status == RequestStatus.WAITING:  # a resumed request looks up its outputs too
+            request.num_cached_tokens = min(computed.num_tokens, request.num_prompt_tokens)
+            num_local = len(computed.blocks) * self.kv.block_size
+            self.kv.record_lookup(request.num_tokens, num_local, computed.num_tokens - num_local)
         request.external_kv = {}  # used once: a preempted request recomputes (or hits locally)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -254,7 +262,8 @@ class Scheduler:
     def _kv_import(self, request: Request, computed: ComputedBlocks) -> KVImport:
         first = len(computed.blocks)
         block_ids = self.kv.block_ids(request.request_id)[first : first + len(computed.external)]
-        return KVImport(request, block_ids, computed.external)
+        num_tokens = computed.num_tokens - first * self.kv.block_size
+        return KVImport(request, block_ids, computed.external, num_tokens)
 
     def _preempt(self, request: Request, out: SchedulerOutput, now: float) -> None:
         self.running.remove(request)

@@ -123,7 +123,8 @@ async def _start_background(gateway: Gateway) -> list[asyncio.Task[None]]:
     await gateway.source.refresh()
     tasks = [asyncio.create_task(every(config.poll_interval_s, gateway.source.refresh)),
              asyncio.create_task(every(config.health_check_interval_s,
-                                       gateway.health.check_once))]
+                                       gateway.health.check_once)),
+             asyncio.create_task(every(config.resume.stall_sweep_s, gateway.proxy.stalls.sweep))]
     if gateway.versions is not None:
         with contextlib.suppress(Exception):  # logged by `every` from then on
             await gateway.versions.refresh()

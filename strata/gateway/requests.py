@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from strata.errors import InvalidRequestError
@@ -15,6 +16,18 @@ POOL_HEADER = "x-strata-pool"
 SESSION_HEADER = "x-session-id"
 DEFAULT_MAX_TOKENS = 16
 BYTES_PER_TOKEN = 4  # a rough prompt-size estimate; only used to weigh load
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyRequest:
+    """A client request to forward: the body bytes go to the instance untouched."""
+
+    method: str
+    path: str
+    body: bytes
+    headers: list[tuple[str, str]]
+    route: RouteRequest
+    received_at: float
 
 
 def _field(data: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -60,4 +73,4 @@ def route_request(body: bytes, headers: Mapping[str, str], *,
     )
 
 
-__all__ = ["POOL_HEADER", "SESSION_HEADER", "VERSION_HEADER", "route_request"]
+__all__ = ["POOL_HEADER", "SESSION_HEADER", "VERSION_HEADER", "ProxyRequest", "route_request"]

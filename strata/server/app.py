@@ -5,6 +5,9 @@
     GET  /v1/models, /health, /ready, /metrics, /load   info_routes.py
     GET  /v1/strata/kv-events, /v1/strata/tokenizer     prefix_routes.py (cache-aware gateways)
     POST /tokenize, /detokenize, /admin/drain           info_routes.py
+    /internal/prefill/..., /internal/decode/..., /internal/kv/...   pd_routes.py (hand-off)
+    POST /v1/strata/resume                        resume.py: go on with a stream another
+                                                  instance began (strata/protocol/resume.py)
 
 Every route reaches the instance's parts through one typed object (`Instance`, instance.py);
 every error leaves through one table (errors.py). Middleware, outermost first: `X-Request-Id`
@@ -39,8 +42,11 @@ from strata.server.kv_events import open_prefix_serving
 from strata.server.kv_offload import open_kv_offload
 from strata.server.metrics import ServerMetrics
 from strata.server.openapi_routes import instance_openapi
+from strata.server.pd_routes import pd_routes
+from strata.server.pd_state import PD
 from strata.server.prefix_routes import prefix_routes
 from strata.server.registration import Registration
+from strata.server.resume import resume_routes
 from strata.server.serving import ServingContext
 from strata.server.session_routes import session_routes
 from strata.server.sessions import Sessions
@@ -68,12 +74,15 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
+            pd.start()
+            stack.push_async_callback(pd.close)
             _open_parts(instance, stack, session_store, kv_store)
             yield
 
     app = FastAPI(title="Strata", routes=build_routes(), lifespan=lifespan, docs_url=None,
                   redoc_url=None)
     app.state.instance = instance
+    app.state.pd = pd = PD(instance, config.pd)
     document = instance_openapi()  # GET /openapi.json serves it (openapi_routes.py)
     app.openapi = lambda: document  # type: ignore[method-assign]
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
@@ -90,7 +99,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
 
 
 def build_routes() -> list[BaseRoute]:
-    return [*generation_routes(), *session_routes(), *info_routes(), *prefix_routes()]
+    return [*generation_routes(), *session_routes(), *info_routes(), *prefix_routes(),
+            *pd_routes(), *resume_routes()]
 
 
 def _open_parts(instance: Instance, stack: AsyncExitStack, session_store: SessionStore | None,

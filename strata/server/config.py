@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from strata.errors import ConfigError
+from strata.server.pd_config import PDConfig
 from strata.state.kv_store import KVStoreLimits
 
 
@@ -44,6 +45,7 @@ class ServerConfig:
     kv_max_put_bytes: int = 256 << 20
     kv_min_fetch_tokens: int = 256
     kv_redis_maxmemory_bytes: int | None = None  # set: CONFIG SET maxmemory + allkeys-lru
+    pd: PDConfig = field(default_factory=PDConfig)  # prefill/decode hand-off (pd_state.py)
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

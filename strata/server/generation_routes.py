@@ -25,6 +25,7 @@ from strata.server.request_io import (
     request_priority,
     unless_disconnected,
 )
+from strata.server.resume import marks_for
 from strata.server.sessions import cache_tenant
 from strata.server.translate import tenant_scoped
 
@@ -39,7 +40,8 @@ async def completions(request: Request) -> Response:
     started = await unless_disconnected(request, serving.start_completion(ctx, req))
     with_lps = req.logprobs is not None
     if req.stream:
-        frames = serving.completion_stream(ctx, started, with_lps, req.include_usage)
+        frames = serving.completion_stream(ctx, started, with_lps, req.include_usage,
+                                           marks_for(request, ctx, started))
         return SSEResponse(frames, started.generation.close)
     body = await unless_disconnected(request, serving.completion_response(ctx, started, with_lps))
     return JSONResponse(body.model_dump())
@@ -70,7 +72,8 @@ async def _chat(request: Request, ctx: serving.ServingContext, req: ChatCompleti
     """Generate; with a session `turn`, store the turn after the last token (see sessions.py)."""
     started = await unless_disconnected(request, serving.start_chat(ctx, req))
     if req.stream:
-        frames = serving.chat_stream(ctx, started, req.logprobs, req.include_usage)
+        frames = serving.chat_stream(ctx, started, req.logprobs, req.include_usage,
+                                     marks_for(request, ctx, started))
         if turn is None:
             return SSEResponse(frames, started.generation.close)
 
