@@ -71,6 +71,12 @@ class Engine:
             raise InvalidRequestError(
                 f"prompt token ids must be in [0, {self.vocab_size})", param="prompt"
             )
+        if self.vocab_size is not None and not all(
+            0 <= t < self.vocab_size for t, _ in request.sampling_params.logit_bias
+        ):
+            raise InvalidRequestError(
+                f"logit_bias token ids must be in [0, {self.vocab_size})", param="logit_bias"
+            )
         if num_prompt >= max_len:
             raise ContextLengthError(
                 f"This model's maximum context length is {max_len} tokens, but the prompt has "
@@ -166,6 +172,7 @@ class Engine:
                     sampling_params=request.sampling_params,
                     output_token_ids=request.output_token_ids,
                     prompt_token_ids=request.prompt_token_ids,
+                    eos_token_ids=request.eos_token_ids,
                 )
             )
         return ModelInput(sequences, self.cache_config.block_size)
@@ -225,11 +232,18 @@ class Engine:
     def _finish_status(
         self, request: Request, token_id: int, detok: IncrementalDetokenizer
     ) -> RequestStatus | None:
-        """Token stops first (their text is never shown), then stop strings, then length."""
+        """A token the constraint refuses is an error; then token stops (their text is never
+        shown), then stop strings, then length. Before `min_tokens` only length stops."""
+        constraint = request.sampling_params.constraint
+        if constraint is not None and not constraint.accept(token_id):
+            request.stop_reason = "the structured output constraint refused a token"
+            return RequestStatus.FINISHED_ERROR
         status = check_stop(request, token_id, self.scheduler_config.max_model_len)
-        if status == RequestStatus.FINISHED_STOPPED:
-            return status
-        if detok.add_token(token_id) is not None:
+        if status == RequestStatus.FINISHED_STOPPED or (
+                constraint is not None and constraint.is_terminated):
+            return RequestStatus.FINISHED_STOPPED
+        early = request.num_output_tokens < request.sampling_params.min_tokens
+        if detok.add_token(token_id, match_stops=not early) is not None:
             request.stop_reason = detok.matched_stop
             return RequestStatus.FINISHED_STOPPED
         if status is not None:

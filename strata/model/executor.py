@@ -135,8 +135,10 @@ class TorchExecutor:
             sampled = [s for s in seqs if s.needs_sample]
             if not sampled or logits is None:
                 return {}
-            tokens = self.sampler.sample(logits, [s.sampling_params for s in sampled],
-                                         [s.output_token_ids for s in sampled])
+            tokens = self.sampler.sample(
+                logits, [s.sampling_params for s in sampled], [s.output_token_ids for s in sampled],
+                prompt_token_ids=[s.prompt_token_ids for s in sampled],
+                eos_token_ids=[s.eos_token_ids for s in sampled])
         return {s.request_id: t for s, t in zip(sampled, tokens, strict=True)}
 
 

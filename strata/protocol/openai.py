@@ -67,6 +67,9 @@ class _SamplingFields(_Request):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     user: str | None = None
     priority: int = 0
@@ -97,7 +100,6 @@ def _is_set(value: object) -> bool:
 
 
 _UNSUPPORTED = {
-    "logit_bias": _is_set,
     "tools": _is_set,
     "functions": _is_set,
     "tool_choice": lambda v: _is_set(v) and v != "none",

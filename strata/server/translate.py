@@ -136,7 +136,21 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
         logprobs=num_logprobs,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_tokens=req.min_tokens or 0,
+        logit_bias=logit_bias(req.logit_bias),
     )
+
+
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs; the engine checks ids against the
+    vocabulary, SamplingParams the range of the values."""
+    if not bias:
+        return ()
+    try:
+        return tuple((int(k), float(v)) for k, v in bias.items())
+    except ValueError:
+        raise _fail("logit_bias", "keys must be token ids (integers as strings)") from None
 
 
 def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
