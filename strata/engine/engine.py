@@ -233,19 +233,21 @@ class Engine:
         self, request: Request, token_id: int, detok: IncrementalDetokenizer
     ) -> RequestStatus | None:
         """A token the constraint refuses is an error; then token stops (their text is never
-        shown), then stop strings, then length. Before `min_tokens` only length stops."""
+        shown), then stop strings, then a completed constraint, then length. Before
+        `min_tokens` only length stops."""
         constraint = request.sampling_params.constraint
         if constraint is not None and not constraint.accept(token_id):
             request.stop_reason = "the structured output constraint refused a token"
             return RequestStatus.FINISHED_ERROR
         status = check_stop(request, token_id, self.scheduler_config.max_model_len)
-        if status == RequestStatus.FINISHED_STOPPED or (
-                constraint is not None and constraint.is_terminated):
-            return RequestStatus.FINISHED_STOPPED
+        if status == RequestStatus.FINISHED_STOPPED:
+            return status
         early = request.num_output_tokens < request.sampling_params.min_tokens
         if detok.add_token(token_id, match_stops=not early) is not None:
             request.stop_reason = detok.matched_stop
             return RequestStatus.FINISHED_STOPPED
+        if constraint is not None and constraint.is_terminated:  # complete: only EOS may follow
+            status = RequestStatus.FINISHED_STOPPED
         if status is not None:
             detok.flush()
         return status

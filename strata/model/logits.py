@@ -23,26 +23,31 @@ from strata.engine.request import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
-class AllowedTokens:
-    """Rows `rows` of the batch may only sample where `allowed` (len(rows), vocab) is true."""
+class TokenMask:
+    """Tokens that rows of the batch may not sample: `disallowed` (R, vocab) is true there;
+    `rows` (long, R) says which rows, None when it covers every row in order."""
 
-    rows: Tensor  # long (R,)
-    allowed: Tensor  # bool (R, vocab)
+    disallowed: Tensor
+    rows: Tensor | None = None
 
 
 def process_logits(logits: Tensor, params: Sequence[SamplingParams],
                    outputs: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]],
-                   eos_token_ids: Sequence[Sequence[int]],
-                   allowed: AllowedTokens | None = None) -> Tensor:
-    """A processed copy of float32 `logits` (rows, vocab); `logits` itself is left unchanged."""
-    out = logits.clone()
-    _logit_bias(out, params)
-    _repetition_penalty(out, params, outputs, prompts)
-    _presence_frequency(out, params, outputs)
-    if allowed is not None:
-        out[allowed.rows] = out[allowed.rows].masked_fill(~allowed.allowed, float("-inf"))
-    _min_tokens(out, params, outputs, eos_token_ids)
-    return out
+                   eos_token_ids: Sequence[Sequence[int]], mask: TokenMask | None = None) -> None:
+    """Process float32 `logits` (rows, vocab) in place: no copy of the whole batch."""
+    _logit_bias(logits, params)
+    _repetition_penalty(logits, params, outputs, prompts)
+    _presence_frequency(logits, params, outputs)
+    if mask is not None:
+        _apply_mask(logits, mask)
+    _min_tokens(logits, params, outputs, eos_token_ids)
+
+
+def _apply_mask(logits: Tensor, mask: TokenMask) -> None:
+    if mask.rows is None:
+        logits.masked_fill_(mask.disallowed, float("-inf"))
+    else:
+        logits[mask.rows] = logits[mask.rows].masked_fill_(mask.disallowed, float("-inf"))
 
 
 def _index(values: list[int], device: torch.device) -> Tensor:
@@ -114,16 +119,18 @@ def _min_tokens(logits: Tensor, params: Sequence[SamplingParams],
                 outputs: Sequence[Sequence[int]], eos: Sequence[Sequence[int]]) -> None:
     """EOS and stop token ids get -inf while a row has fewer than `min_tokens` outputs, unless
     nothing else would be left (a constraint that allows only EOS)."""
-    blocked = [(i, t) for i, p in enumerate(params) if len(outputs[i]) < p.min_tokens
-               for t in (*eos[i], *p.stop_token_ids)]
+    rows = [i for i, p in enumerate(params) if len(outputs[i]) < p.min_tokens]
+    blocked = [(r, t) for r, i in enumerate(rows) for t in (*eos[i], *params[i].stop_token_ids)]
     if not blocked:
         return
     device = logits.device
-    rows, tokens = _index([b[0] for b in blocked], device), _index([b[1] for b in blocked],
-                                                                    device)
-    masked = logits.index_put((rows, tokens), torch.tensor(float("-inf"), device=device))
-    keeps_some = torch.isfinite(masked).any(dim=-1)
-    logits.copy_(torch.where(keeps_some[:, None], masked, logits))
+    index = _index(rows, device)
+    sub = logits[index]
+    held = sub.index_put((_index([b[0] for b in blocked], device),
+                          _index([b[1] for b in blocked], device)),
+                         torch.tensor(float("-inf"), device=device))
+    keeps_some = torch.isfinite(held).any(dim=-1)
+    logits[index] = torch.where(keeps_some[:, None], held, sub)
 
 
-__all__ = ["AllowedTokens", "process_logits"]
+__all__ = ["TokenMask", "process_logits"]

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from strata.engine.executor import SampledToken
 from strata.engine.request import Logprob, SamplingParams
-from strata.model.logits import AllowedTokens, process_logits
+from strata.model.logits import TokenMask, process_logits
 
 _MASK63 = (1 << 63) - 1
 
@@ -45,19 +45,25 @@ class Sampler:
                output_token_ids: list[list[int]], *,
                prompt_token_ids: list[list[int]] | None = None,
                eos_token_ids: list[tuple[int, ...]] | None = None,
-               allowed: AllowedTokens | None = None) -> list[SampledToken]:
+               mask: TokenMask | None = None,
+               may_modify_logits: bool = False) -> list[SampledToken]:
         """One `SampledToken` per row; `output_token_ids[i]` are row i's generated tokens,
         `prompt_token_ids[i]` its prompt (repetition penalty), `eos_token_ids[i]` what
-        min_tokens holds back besides its stop token ids; `allowed` a constraint's mask."""
-        raw = logits.float()
-        if allowed is None and all(p.is_greedy and not p.has_processors for p in params):
-            token_ids = raw.argmax(dim=-1)
+        min_tokens holds back besides its stop token ids; `mask` the constraints' masks.
+        With `may_modify_logits` the processors work on `logits` itself, not on a copy."""
+        logits = logits.float()
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw = logits[torch.tensor(lp_rows, device=logits.device)] if lp_rows else None
+        if mask is None and all(p.is_greedy and not p.has_processors for p in params):
+            token_ids = logits.argmax(dim=-1)
         else:
             no_ids: list[list[int]] = [[] for _ in params]
-            adjusted = process_logits(raw, params, output_token_ids, prompt_token_ids or no_ids,
-                                      eos_token_ids or no_ids, allowed)
-            token_ids = self._choose(adjusted, params, output_token_ids)
-        logprobs = _logprobs(raw, token_ids, params)
+            if not may_modify_logits:
+                logits = logits.clone()
+            process_logits(logits, params, output_token_ids, prompt_token_ids or no_ids,
+                           eos_token_ids or no_ids, mask)
+            token_ids = self._choose(logits, params, output_token_ids)
+        logprobs = _logprobs(raw, lp_rows, token_ids, params)
         return [SampledToken(t, lp) for t, lp in zip(token_ids.tolist(), logprobs, strict=True)]
 
     def _choose(self, logits: Tensor, params: list[SamplingParams],
@@ -105,13 +111,14 @@ def _filter_top_k_top_p(logits: Tensor, params: list[SamplingParams]) -> Tensor:
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def _logprobs(raw: Tensor, token_ids: Tensor, params: list[SamplingParams]) -> list[Logprob | None]:
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+def _logprobs(raw: Tensor | None, rows: list[int], token_ids: Tensor,
+              params: list[SamplingParams]) -> list[Logprob | None]:
+    """`raw`: the unprocessed logits of `rows`, the rows that asked for logprobs."""
     result: list[Logprob | None] = [None] * len(params)
-    if not rows:
+    if raw is None:
         return result
     index = torch.tensor(rows, device=raw.device)
-    log_probs = torch.log_softmax(raw[index], dim=-1)
+    log_probs = torch.log_softmax(raw, dim=-1)
     chosen_ids = token_ids[index]
     chosen = log_probs.gather(1, chosen_ids[:, None])[:, 0].tolist()
     chosen_list = chosen_ids.tolist()

@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from strata.protocol.extensions import SamplingExtensions, StructuredOutputFields
+
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
@@ -51,7 +53,7 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(_Request, SamplingExtensions, StructuredOutputFields):
     """Fields shared by completions and chat completions (None means the default)."""
 
     model: str | None = None
@@ -67,9 +69,6 @@ class _SamplingFields(_Request):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     user: str | None = None
     priority: int = 0
@@ -104,8 +103,6 @@ _UNSUPPORTED = {
     "functions": _is_set,
     "tool_choice": lambda v: _is_set(v) and v != "none",
     "function_call": lambda v: _is_set(v) and v != "none",
-    "response_format": lambda v: _is_set(v) and not (isinstance(v, dict)
-                                                      and v.get("type") == "text"),
     "best_of": lambda v: _is_set(v) and v != 1,
     "suffix": _is_set,
 }

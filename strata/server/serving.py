@@ -7,8 +7,10 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 from strata import __version__
+from strata.engine.constraint import TokenConstraint
 from strata.engine.outputs import RequestOutput
 from strata.engine.request import Request
+from strata.model.grammar import GrammarSpec
 from strata.protocol.openai import (
     ChatChoice,
     ChatCompletionRequest,
@@ -30,6 +32,7 @@ from strata.server.config import ServerConfig
 from strata.server.generation import ChoiceState, Generation, start, usage
 from strata.server.kv_offload import KVOffload
 from strata.server.metrics import ServerMetrics
+from strata.server.structured import GrammarService, grammar_spec
 
 
 def fingerprint(config: ServerConfig) -> str:
@@ -46,9 +49,20 @@ class ServingContext:
     clock: Callable[[], float] = time.monotonic
     kv_offload: KVOffload | None = None  # set by the app's lifespan when KV offload is on
     fingerprint: str = field(init=False)  # of every response and chunk: computed once
+    grammar: GrammarService = field(init=False)  # structured output
 
     def __post_init__(self) -> None:
         self.fingerprint = fingerprint(self.config)
+        self.grammar = GrammarService(self.tokenizer, getattr(self.engine.engine, "vocab_size",
+                                                              None),
+                                      simulated=self.config.simulated)
+
+    async def constraints(self, spec: GrammarSpec | None,
+                          n: int) -> list[TokenConstraint] | list[None]:
+        """One constraint per choice for `spec` (None: unconstrained)."""
+        if spec is None:
+            return [None] * n
+        return await self.grammar.constraints(spec, n)
 
 
 @dataclass(slots=True)
@@ -66,6 +80,7 @@ async def start_completion(ctx: ServingContext, req: CompletionRequest) -> Start
     tr.check_common_limits(req, ctx.config)
     num_logprobs = tr.completion_num_logprobs(req, ctx.config)
     prompts = tr.completion_prompts(req, ctx.tokenizer)
+    spec = grammar_spec(req)
     requests: list[Request] = []
     indices: list[int] = []
     rid = tr.new_id("cmpl")
@@ -73,9 +88,9 @@ async def start_completion(ctx: ServingContext, req: CompletionRequest) -> Start
     for p, prompt in enumerate(prompts):
         max_tokens = tr.resolve_max_tokens(req.max_tokens, tr.COMPLETIONS_DEFAULT_MAX_TOKENS,
                                            len(prompt), ctx.engine.max_model_len)
-        for j in range(req.n):
+        for j, constraint in enumerate(await ctx.constraints(spec, req.n)):
             params = tr.sampling_params(req, max_tokens=max_tokens, num_logprobs=num_logprobs,
-                                        choice=j)
+                                        choice=j, constraint=constraint)
             requests.append(tr.engine_request(f"{rid}-{len(requests)}", prompt, params, req,
                                               ctx.tokenizer, arrival))
             indices.append(p)
@@ -93,12 +108,13 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest) -> Started
     requested = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     max_tokens = tr.resolve_max_tokens(requested, None, len(prompt), ctx.engine.max_model_len)
+    constraints = await ctx.constraints(grammar_spec(req), req.n)
     rid, arrival = tr.new_id("chatcmpl"), ctx.clock()
     requests = [
         tr.engine_request(f"{rid}-{j}", prompt, tr.sampling_params(
-            req, max_tokens=max_tokens, num_logprobs=num_logprobs, choice=j),
-            req, ctx.tokenizer, arrival)
-        for j in range(req.n)
+            req, max_tokens=max_tokens, num_logprobs=num_logprobs, choice=j,
+            constraint=constraint), req, ctx.tokenizer, arrival)
+        for j, constraint in enumerate(constraints)
     ]
     generation = await start(ctx.engine, requests, [0] * req.n, ctx.metrics, ctx.clock,
                              ctx.kv_offload)

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Protocol
 
+from strata.engine.constraint import TokenConstraint
 from strata.engine.request import Logprob, Request, SamplingParams
 from strata.errors import InvalidRequestError
 from strata.protocol.openai import (
@@ -121,7 +122,8 @@ def resolve_max_tokens(requested: int | None, default: int | None, num_prompt: i
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
-                    num_logprobs: int | None, choice: int) -> SamplingParams:
+                    num_logprobs: int | None, choice: int,
+                    constraint: TokenConstraint | None = None) -> SamplingParams:
     """SamplingParams validates the ranges itself (InvalidRequestError naming the param)."""
     seed = None if req.seed is None else req.seed + choice  # choices differ, runs reproduce
     return SamplingParams(
@@ -139,6 +141,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         min_tokens=req.min_tokens or 0,
         logit_bias=logit_bias(req.logit_bias),
+        constraint=constraint,
     )
 
 

@@ -24,7 +24,7 @@ from strata.engine.request import Request, SamplingParams
 from strata.errors import InvalidRequestError
 from strata.model.executor import TorchExecutor
 from strata.model.loader import LoadedModel, load_model
-from strata.model.logits import AllowedTokens, process_logits
+from strata.model.logits import TokenMask, process_logits
 from strata.model.sampler import Sampler
 from strata.types import RequestId
 
@@ -42,10 +42,12 @@ def history(rows: int, length: int, seed: int) -> list[list[int]]:
 
 def run(logits: Tensor, params: list[SamplingParams], outputs: list[list[int]],
         prompts: list[list[int]] | None = None, eos: list[tuple[int, ...]] | None = None,
-        allowed: AllowedTokens | None = None) -> Tensor:
-    n = len(params)
-    return process_logits(logits, params, outputs, prompts or [[] for _ in range(n)],
-                          eos or [() for _ in range(n)], allowed)
+        mask: TokenMask | None = None) -> Tensor:
+    """The processed logits (processing runs in place, on a copy here)."""
+    n, out = len(params), logits.clone()
+    process_logits(out, params, outputs, prompts or [[] for _ in range(n)],
+                   eos or [() for _ in range(n)], mask)
+    return out
 
 
 def test_repetition_penalty_equals_hf_over_prompt_and_outputs() -> None:
@@ -94,8 +96,7 @@ def test_a_batch_equals_each_row_alone_and_rows_without_processors_are_untouched
                     prompts[row : row + 1], eos[row : row + 1])
         torch.testing.assert_close(batch[row : row + 1], alone, rtol=0, atol=0)
     assert torch.equal(batch[0], logits[0])
-    assert not torch.equal(batch, logits)  # and the input is left as it was
-    assert torch.equal(logits, random_logits(6, seed=5))
+    assert not torch.equal(batch, logits)
 
 
 def test_presence_and_frequency_count_outputs_only() -> None:
@@ -110,23 +111,30 @@ def test_the_constraint_mask_wins_over_min_tokens() -> None:
     only_eos = torch.zeros(2, VOCAB, dtype=torch.bool)
     only_eos[:, 3] = True
     only_eos[1, 20] = True
-    allowed = AllowedTokens(torch.tensor([0, 1]), only_eos)
-    got = run(logits, [SamplingParams(min_tokens=5)] * 2, [[], []], eos=[(3,)] * 2,
-              allowed=allowed)
-    assert torch.isfinite(got[0]).tolist() == only_eos[0].tolist()  # EOS kept: nothing else
-    assert torch.isfinite(got[1]).nonzero().flatten().tolist() == [20]  # EOS held back
+    for mask in (TokenMask(~only_eos), TokenMask(~only_eos, torch.tensor([0, 1]))):
+        got = run(logits, [SamplingParams(min_tokens=5)] * 2, [[], []], eos=[(3,)] * 2,
+                  mask=mask)
+        assert torch.isfinite(got[0]).tolist() == only_eos[0].tolist()  # EOS kept: all left
+        assert torch.isfinite(got[1]).nonzero().flatten().tolist() == [20]  # EOS held back
 
 
-def test_sampler_picks_inside_the_mask_greedy_and_sampled() -> None:
-    logits = random_logits(2, seed=9)
+def test_sampler_picks_inside_the_mask_greedy_and_sampled_with_raw_logprobs() -> None:
+    logits = random_logits(3, seed=9)
     allowed = torch.zeros(2, VOCAB, dtype=torch.bool)
     allowed[:, 40:44] = True
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5, seed=1)]
+    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.5, seed=1)]
     for step in range(20):
-        tokens = Sampler(seed=step).sample(logits, params, [[0] * step, [0] * step],
-                                           allowed=AllowedTokens(torch.tensor([0, 1]), allowed))
-        assert all(40 <= t.token_id < 44 for t in tokens)
+        mask = TokenMask(~allowed, torch.tensor([0, 2]))  # row 1 is free
+        tokens = Sampler(seed=step).sample(logits, params, [[0] * step] * 3, mask=mask)
+        assert all(40 <= t.token_id < 44 for t in (tokens[0], tokens[2]))
     assert tokens[0].token_id == 40 + int(logits[0, 40:44].argmax())
+    assert tokens[1].token_id == int(logits[1].argmax())
+    lp = tokens[0].logprob
+    assert lp is not None  # the raw model's log-probabilities, before the mask
+    expected = torch.log_softmax(logits[0], dim=-1)
+    assert lp.logprob == pytest.approx(float(expected[lp.token_id]), abs=1e-6)
+    assert [t for t, _ in lp.top] == expected.topk(2).indices.tolist()
 
 
 @pytest.mark.parametrize(("field", "value"), [
