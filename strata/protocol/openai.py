@@ -2,8 +2,9 @@
 
 Requests ignore unknown fields (OpenAI clients send some we do not use) but are strict about types:
 `"n": "2"` or `"stream": 1` is a 400, not a silent coercion. OpenAI features that Strata does not
-implement (tools, logit_bias, structured output, best_of, suffix) are refused with a 400 that names
-them, never silently ignored: a caller relying on them would get wrong answers.
+implement (legacy functions, best_of, suffix, tools on completions) are refused with a 400 that
+names them, never silently ignored: a caller relying on them would get wrong answers. Structured
+output and vLLM's sampling fields live in extensions.py, tool calling in tools.py.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from strata.protocol.extensions import SamplingExtensions, StructuredOutputFields
+from strata.protocol.tools import MessageToolFields, ToolCall, ToolCallDelta, ToolRequestFields
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -38,7 +40,7 @@ class TextPart(_Request):
     text: str
 
 
-class ChatMessage(_Request):
+class ChatMessage(_Request, MessageToolFields):
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -79,7 +81,7 @@ class _SamplingFields(_Request, SamplingExtensions, StructuredOutputFields):
     def _refuse_unsupported(cls, data: object) -> object:
         if isinstance(data, dict):
             for name, is_used in _UNSUPPORTED.items():
-                if name in data and is_used(data[name]):
+                if name in data and name not in cls.model_fields and is_used(data[name]):
                     raise ValueError(f"{name} is not supported by Strata; remove it")
         return data
 
@@ -114,7 +116,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ToolRequestFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -196,6 +198,7 @@ class ChatLogprobs(_Response):
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(_Response):
@@ -215,6 +218,7 @@ class ChatCompletionResponse(_Envelope):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatStreamChoice(_Response):

@@ -10,6 +10,7 @@ from strata import __version__
 from strata.engine.constraint import TokenConstraint
 from strata.engine.outputs import RequestOutput
 from strata.engine.request import Request
+from strata.errors import InvalidRequestError
 from strata.model.grammar import GrammarSpec
 from strata.protocol.openai import (
     ChatChoice,
@@ -17,7 +18,6 @@ from strata.protocol.openai import (
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
     ChatLogprobs,
-    ChatResponseMessage,
     ChatStreamChoice,
     CompletionChoice,
     CompletionRequest,
@@ -33,6 +33,7 @@ from strata.server.generation import ChoiceState, Generation, start, usage
 from strata.server.kv_offload import KVOffload
 from strata.server.metrics import ServerMetrics
 from strata.server.structured import GrammarService, grammar_spec
+from strata.server.tools import StreamedAnswer, ToolPlan, answer, tool_plan
 
 
 def fingerprint(config: ServerConfig) -> str:
@@ -74,6 +75,7 @@ class Started:
     generation: Generation
     echo_texts: list[str]
     created: int
+    tools: ToolPlan = field(default_factory=ToolPlan)
 
 
 async def start_completion(ctx: ServingContext, req: CompletionRequest) -> Started:
@@ -104,11 +106,15 @@ async def start_completion(ctx: ServingContext, req: CompletionRequest) -> Start
 async def start_chat(ctx: ServingContext, req: ChatCompletionRequest) -> Started:
     tr.check_common_limits(req, ctx.config)
     num_logprobs = tr.chat_num_logprobs(req, ctx.config)
-    prompt = tr.chat_prompt(req.messages, ctx.tokenizer)
+    tools, spec = tool_plan(req), grammar_spec(req)
+    if tools.spec is not None and spec is not None:
+        raise InvalidRequestError(f"{spec.param}: a forced tool call (tool_choice) and "
+                                  "structured output cannot be combined", param=spec.param)
+    prompt = tr.chat_prompt(req.messages, ctx.tokenizer, tools=tools.template_tools)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     max_tokens = tr.resolve_max_tokens(requested, None, len(prompt), ctx.engine.max_model_len)
-    constraints = await ctx.constraints(grammar_spec(req), req.n)
+    constraints = await ctx.constraints(tools.spec or spec, req.n)
     rid, arrival = tr.new_id("chatcmpl"), ctx.clock()
     requests = [
         tr.engine_request(f"{rid}-{j}", prompt, tr.sampling_params(
@@ -119,7 +125,7 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest) -> Started
     generation = await start(ctx.engine, requests, [0] * req.n, ctx.metrics, ctx.clock,
                              ctx.kv_offload)
     return Started(rid, req.model or ctx.config.served_model_name, generation,
-                   [""] * req.n, int(time.time()))
+                   [""] * req.n, int(time.time()), tools)
 
 
 async def _collect(started: Started) -> list[ChoiceState]:
@@ -150,8 +156,9 @@ async def chat_response(ctx: ServingContext, started: Started,
     for c in choices:
         lps = ChatLogprobs(content=tr.chat_logprobs(c.logprobs, ctx.tokenizer)) \
             if with_logprobs else None
-        out.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              logprobs=lps, finish_reason=c.finish_reason,
+        message, called = answer(c.text, started.tools)
+        out.append(ChatChoice(index=c.index, message=message, logprobs=lps,
+                              finish_reason=_with_calls(c.finish_reason, called),
                               stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=started.id, created=started.created, model=started.model,
                                   choices=out, usage=usage(choices),
@@ -197,6 +204,7 @@ async def chat_stream(ctx: ServingContext, started: Started, with_logprobs: bool
             id=started.id, created=started.created, model=started.model, choices=items,
             system_fingerprint=ctx.fingerprint))
 
+    answers = [StreamedAnswer(started.tools) for _ in choices]
     for c in choices:
         yield chunk([ChatStreamChoice(index=c.index,
                                       delta=DeltaMessage(role="assistant", content=""))])
@@ -204,15 +212,20 @@ async def chat_stream(ctx: ServingContext, started: Started, with_logprobs: bool
         choices[i].update(output)
         lps = ChatLogprobs(content=tr.chat_logprobs(output.new_logprobs, ctx.tokenizer)) \
             if with_logprobs else None
-        if output.new_text or output.finished or lps is not None:
-            delta = DeltaMessage(content=output.new_text or None)
-            yield chunk([ChatStreamChoice(index=i, delta=delta, logprobs=lps,
-                                          finish_reason=_reason(output))])
+        delta = answers[i].delta(output.new_text, output.finished)
+        if delta is not None or output.finished or lps is not None:
+            yield chunk([ChatStreamChoice(
+                index=i, delta=delta or DeltaMessage(), logprobs=lps,
+                finish_reason=_with_calls(_reason(output), answers[i].called))])
     if include_usage:
         yield encode_event(ChatCompletionStreamResponse(
             id=started.id, created=started.created, model=started.model, choices=[],
             usage=usage(choices), system_fingerprint=ctx.fingerprint))
     yield DONE_FRAME
+
+
+def _with_calls(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def _reason(output: RequestOutput) -> str | None:

@@ -6,6 +6,7 @@ at once. Token texts come from the tokenizer: `id_to_token_text` for logprobs.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from typing import Protocol
@@ -40,7 +41,8 @@ class ServerTokenizer(Protocol):
     def id_to_token_text(self, token_id: int) -> str: ...
 
     def apply_chat_template(self, messages: list[dict[str, object]], *,
-                            add_generation_prompt: bool = True) -> str: ...
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, object]] | None = None) -> str: ...
 
 
 def new_id(prefix: str) -> str:
@@ -100,14 +102,29 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, object]]:
         item: dict[str, object] = {"role": m.role, "content": m.text}
         if m.name is not None:
             item["name"] = m.name
+        if m.tool_call_id is not None:
+            item["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:  # arguments as a dict, as templates expect (a string if not JSON)
+            item["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                for c in m.tool_calls]
         out.append(item)
     return out
 
 
+def _arguments(text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def chat_prompt(messages: Sequence[ChatMessage], tokenizer: ServerTokenizer,
-                add_generation_prompt: bool = True) -> list[int]:
+                add_generation_prompt: bool = True,
+                tools: list[dict[str, object]] | None = None) -> list[int]:
     text = tokenizer.apply_chat_template(chat_messages(messages),
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt,
+                                         tools=tools)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
