@@ -129,16 +129,20 @@ def write_tiny_gguf(
     omit_keys: Sequence[str] = (),
     omit_tensors: Sequence[str] = (),
     add_bos_token: bool = False,
+    sampling: dict[str, float] | None = None,
 ) -> Path:
     """Convert a tiny llama HF directory to GGUF at `out`, as convert_hf_to_gguf.py does.
 
-    `omit_keys` / `omit_tensors` (GGUF names) leave metadata or tensors out, to test errors.
+    `omit_keys` / `omit_tensors` (GGUF names) leave metadata or tensors out, to test errors;
+    `sampling` adds `general.sampling.<key>` float fields (temp, top_p, penalty_repeat).
     """
     cfg = json.loads((hf_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(out, "llama")
     _write_hparams(writer, cfg, hf_dir.name, tensor_type)
     _write_vocab(writer, hf_dir, cfg["vocab_size"])
     writer.add_add_bos_token(add_bos_token)
+    for key, value in (sampling or {}).items():
+        writer.add_float32(f"general.sampling.{key}", value)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
         data = tensor.float().numpy()

@@ -78,6 +78,7 @@ def load_for_serving(args: argparse.Namespace, path: Path,
                      cache_dir: Path) -> tuple[LoadedModel, ParallelModel | None]:
     """The model as one process serves it (with weights), or without weights when the flags
     ask for ranks (they read their own slices)."""
+    from strata.model.generation_defaults import read_generation_defaults
     from strata.model.loader import LoadedModel, load_model
 
     layout = parallel_layout(args)
@@ -87,7 +88,8 @@ def load_for_serving(args: argparse.Namespace, path: Path,
 
     prepared = prepare_model(path, dtype=args.dtype, cache_dir=cache_dir)
     layout.validate(prepared.config)
-    loaded = LoadedModel(prepared.config, {}, prepared.tokenizer, prepared.name, prepared.source)
+    loaded = LoadedModel(prepared.config, {}, prepared.tokenizer, prepared.name, prepared.source,
+                         read_generation_defaults(prepared.source))
     return loaded, ParallelModel(prepared, layout)
 
 

@@ -27,6 +27,7 @@ from strata.commands.serve_parallel import (
     watch_ranks,
 )
 from strata.errors import ConfigError
+from strata.model.generation_defaults import GenerationDefaults
 
 if TYPE_CHECKING:
     from strata.commands.serve_parallel import ParallelModel
@@ -47,6 +48,7 @@ class BuiltEngine:
     tokenizer: Any
     name: str
     simulated: bool = False
+    generation_defaults: GenerationDefaults | None = None  # the model's; None: none
 
 
 def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
@@ -61,7 +63,8 @@ def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
         name = args.served_model_name or (alias.served_name if alias else loaded.name)
         async_engine = build_async_engine(args, loaded, name, parallel)
         loaded.weights.clear()  # the executor holds its own (packed) copies
-    return BuiltEngine(async_engine, loaded.tokenizer, name)
+    defaults = loaded.generation_defaults if args.generation_config == "auto" else None
+    return BuiltEngine(async_engine, loaded.tokenizer, name, generation_defaults=defaults)
 
 
 def build_simulated(args: argparse.Namespace) -> BuiltEngine:
@@ -163,6 +166,14 @@ def scheduler_config_from(args: argparse.Namespace, max_model_len: int) -> Sched
     )
 
 
+def _defaults(built: BuiltEngine) -> GenerationDefaults:
+    if built.generation_defaults is None:
+        return GenerationDefaults()
+    log.info("sampling defaults from the model (--generation-config auto): %s",
+             built.generation_defaults.as_dict() or "none set")
+    return built.generation_defaults
+
+
 async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
                      started: float) -> int:
     """Bind, register (if asked), serve; SIGTERM/SIGINT drain in-flight requests, exit 0
@@ -184,7 +195,7 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
                                  session_store_url=args.session_store,
                                  session_ttl_s=args.session_ttl_s,
                                  session_redis_appendfsync=args.session_redis_appendfsync,
-                                 **_kv_options(args))
+                                 generation_defaults=_defaults(built), **_kv_options(args))
     app = create_app(built.async_engine, built.tokenizer, server_config,
                      registration=registration)
     server = uvicorn.Server(uvicorn.Config(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from strata.errors import ConfigError, ModelLoadError
 from strata.model.config import ModelConfig
+from strata.model.generation_defaults import GenerationDefaults, read_generation_defaults
 from strata.model.gguf_cache import load_gguf
 from strata.model.hf_config import model_config_from_hf
 from strata.model.tokenizer import Tokenizer
@@ -36,6 +37,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str  # default served name: the directory name or the GGUF `general.name`
     source: Path
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 def load_model(
@@ -56,6 +58,7 @@ def load_model(
     else:
         raise ModelLoadError(f"{src}: no such model directory or .gguf file")
     check_weights(model.weights, model.config, source=str(src))
+    model.generation_defaults = read_generation_defaults(src)
     return model
 
 

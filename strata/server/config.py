@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from strata.errors import ConfigError
+from strata.model.generation_defaults import GenerationDefaults
 from strata.state.kv_store import KVStoreLimits
 
 
@@ -42,6 +43,8 @@ class ServerConfig:
     kv_max_put_bytes: int = 256 << 20
     kv_min_fetch_tokens: int = 256
     kv_redis_maxmemory_bytes: int | None = None  # set: CONFIG SET maxmemory + allkeys-lru
+    # the model's sampling defaults for fields a request leaves out (--generation-config auto)
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

@@ -11,6 +11,7 @@ from strata.engine.constraint import TokenConstraint
 from strata.engine.outputs import RequestOutput
 from strata.engine.request import Request
 from strata.errors import InvalidRequestError
+from strata.model.generation_defaults import GenerationDefaults
 from strata.model.grammar import GrammarSpec
 from strata.protocol.openai import (
     ChatChoice,
@@ -52,6 +53,10 @@ class ServingContext:
     fingerprint: str = field(init=False)  # of every response and chunk: computed once
     grammar: GrammarService = field(init=False)  # structured output
 
+    @property
+    def defaults(self) -> GenerationDefaults:
+        return self.config.generation_defaults
+
     def __post_init__(self) -> None:
         self.fingerprint = fingerprint(self.config)
         self.grammar = GrammarService(self.tokenizer, getattr(self.engine.engine, "vocab_size",
@@ -88,11 +93,12 @@ async def start_completion(ctx: ServingContext, req: CompletionRequest) -> Start
     rid = tr.new_id("cmpl")
     arrival = ctx.clock()
     for p, prompt in enumerate(prompts):
-        max_tokens = tr.resolve_max_tokens(req.max_tokens, tr.COMPLETIONS_DEFAULT_MAX_TOKENS,
+        max_tokens = tr.resolve_max_tokens(req.max_tokens, ctx.defaults.max_tokens
+                                           or tr.COMPLETIONS_DEFAULT_MAX_TOKENS,
                                            len(prompt), ctx.engine.max_model_len)
         for j, constraint in enumerate(await ctx.constraints(spec, req.n)):
             params = tr.sampling_params(req, max_tokens=max_tokens, num_logprobs=num_logprobs,
-                                        choice=j, constraint=constraint)
+                                        choice=j, constraint=constraint, defaults=ctx.defaults)
             requests.append(tr.engine_request(f"{rid}-{len(requests)}", prompt, params, req,
                                               ctx.tokenizer, arrival))
             indices.append(p)
@@ -113,13 +119,14 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest) -> Started
     prompt = tr.chat_prompt(req.messages, ctx.tokenizer, tools=tools.template_tools)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
-    max_tokens = tr.resolve_max_tokens(requested, None, len(prompt), ctx.engine.max_model_len)
+    max_tokens = tr.resolve_max_tokens(requested, ctx.defaults.max_tokens, len(prompt),
+                                       ctx.engine.max_model_len)
     constraints = await ctx.constraints(tools.spec or spec, req.n)
     rid, arrival = tr.new_id("chatcmpl"), ctx.clock()
     requests = [
         tr.engine_request(f"{rid}-{j}", prompt, tr.sampling_params(
             req, max_tokens=max_tokens, num_logprobs=num_logprobs, choice=j,
-            constraint=constraint), req, ctx.tokenizer, arrival)
+            constraint=constraint, defaults=ctx.defaults), req, ctx.tokenizer, arrival)
         for j, constraint in enumerate(constraints)
     ]
     generation = await start(ctx.engine, requests, [0] * req.n, ctx.metrics, ctx.clock,

@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from strata.engine.constraint import TokenConstraint
 from strata.engine.request import Logprob, Request, SamplingParams
 from strata.errors import InvalidRequestError
+from strata.model.generation_defaults import GenerationDefaults
 from strata.protocol.openai import (
     ChatCompletionRequest,
     ChatLogprobToken,
@@ -26,6 +27,8 @@ from strata.server.config import ServerConfig
 from strata.types import RequestId
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
+NO_DEFAULTS = GenerationDefaults()
+_T = TypeVar("_T")
 
 
 class ServerTokenizer(Protocol):
@@ -140,14 +143,16 @@ def resolve_max_tokens(requested: int | None, default: int | None, num_prompt: i
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
                     num_logprobs: int | None, choice: int,
-                    constraint: TokenConstraint | None = None) -> SamplingParams:
-    """SamplingParams validates the ranges itself (InvalidRequestError naming the param)."""
+                    constraint: TokenConstraint | None = None,
+                    defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingParams:
+    """SamplingParams validates the ranges itself (InvalidRequestError naming the param).
+    A field the request leaves out takes the model's default, else Strata's."""
     seed = None if req.seed is None else req.seed + choice  # choices differ, runs reproduce
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
+        temperature=_first(req.temperature, defaults.temperature, 1.0),
+        top_p=_first(req.top_p, defaults.top_p, 1.0),
+        top_k=_first(req.top_k, defaults.top_k, 0),
         seed=seed,
         stop=tuple(req.stop_list),
         stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -155,11 +160,15 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
         logprobs=num_logprobs,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=_first(req.repetition_penalty, defaults.repetition_penalty, 1.0),
         min_tokens=req.min_tokens or 0,
         logit_bias=logit_bias(req.logit_bias),
         constraint=constraint,
     )
+
+
+def _first(*values: _T | None) -> _T:
+    return next(v for v in values if v is not None)
 
 
 def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
