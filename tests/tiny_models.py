@@ -31,7 +31,8 @@ CHATML_TEMPLATE = (
 )
 TINY_VOCAB_SIZE = 300
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "mistral": "MistralForCausalLM"}
+               "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "phi3": "Phi3ForCausalLM"}
 
 
 def make_tiny_tokenizer_json() -> str:
