@@ -63,8 +63,18 @@ def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
         name = args.served_model_name or (alias.served_name if alias else loaded.name)
         async_engine = build_async_engine(args, loaded, name, parallel)
         loaded.weights.clear()  # the executor holds its own (packed) copies
-    defaults = loaded.generation_defaults if args.generation_config == "auto" else None
+    defaults = generation_defaults_of(args.generation_config, loaded.generation_defaults,
+                                      alias.generation_defaults if alias else None)
     return BuiltEngine(async_engine, loaded.tokenizer, name, generation_defaults=defaults)
+
+
+def generation_defaults_of(mode: str, model: GenerationDefaults,
+                           alias: GenerationDefaults | None) -> GenerationDefaults | None:
+    """--generation-config: `auto` takes the model file's defaults, else its alias's (a file
+    that sets none); `none` takes none."""
+    if mode != "auto":
+        return None
+    return model if model.as_dict() or alias is None else alias
 
 
 def build_simulated(args: argparse.Namespace) -> BuiltEngine:

@@ -12,7 +12,8 @@ import pytest
 from live_server import MODEL_NAME, LiveServer, start_server
 
 from strata.commands.serve import add_parser
-from strata.commands.serve_stack import BuiltEngine, _defaults
+from strata.commands.serve_stack import BuiltEngine, _defaults, generation_defaults_of
+from strata.model.fetch import KNOWN_MODELS
 from strata.model.generation_defaults import GenerationDefaults
 from strata.model.loader import LoadedModel
 
@@ -67,3 +68,13 @@ def test_the_flag_turns_them_off() -> None:
     assert _defaults(built) == DEFAULTS
     off: BuiltEngine = BuiltEngine(None, None, "m")  # type: ignore[arg-type]
     assert _defaults(off) == GenerationDefaults()
+
+
+def test_a_known_alias_brings_defaults_when_its_file_sets_none() -> None:
+    smollm2 = KNOWN_MODELS["smollm2"].generation_defaults
+    assert smollm2.as_dict() == {"temperature": 0.2, "top_p": 0.9}  # its model card's
+    none = GenerationDefaults()
+    assert generation_defaults_of("auto", none, smollm2) == smollm2
+    assert generation_defaults_of("auto", DEFAULTS, smollm2) == DEFAULTS  # the file's win
+    assert generation_defaults_of("auto", none, None) == none
+    assert generation_defaults_of("none", DEFAULTS, smollm2) is None
