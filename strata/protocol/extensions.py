@@ -13,6 +13,7 @@ Only one of them per request. Options Strata cannot honour (`structural_tag`,
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -85,5 +86,37 @@ class StructuredOutputFields(_Wire):
     guided_grammar: str | None = None
 
 
+def _is_set(value: object) -> bool:
+    return value not in (None, False, "", [], {})
+
+
+# Fields of OpenAI's or vLLM's API that Strata does not implement, refused when used (a field
+# the request model declares is never refused: `tools` is a chat field, not a completions one).
+_UNSUPPORTED: dict[str, Callable[[object], bool]] = {
+    "tools": _is_set,
+    "functions": _is_set,
+    "tool_choice": lambda v: _is_set(v) and v != "none",
+    "function_call": lambda v: _is_set(v) and v != "none",
+    "best_of": lambda v: _is_set(v) and v != 1,
+    "suffix": _is_set,
+    "min_p": lambda v: _is_set(v) and v != 0,
+    "prediction": _is_set,
+    "audio": _is_set,
+    "modalities": lambda v: _is_set(v) and v != ["text"],
+    "web_search_options": _is_set,
+    "truncate_prompt_tokens": _is_set,
+    "prompt_logprobs": _is_set,
+    "use_beam_search": _is_set,
+}
+
+
+def unsupported_field(data: object, declared: Collection[str]) -> str | None:
+    """The first field of `data` that Strata would have to ignore, or None."""
+    if not isinstance(data, dict):
+        return None
+    return next((name for name, is_used in _UNSUPPORTED.items()
+                 if name in data and name not in declared and is_used(data[name])), None)
+
+
 __all__ = ["JsonSchemaFormat", "ResponseFormat", "SamplingExtensions", "StructuredOutputFields",
-           "StructuredOutputs"]
+           "StructuredOutputs", "unsupported_field"]

@@ -14,7 +14,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from strata.protocol.extensions import SamplingExtensions, StructuredOutputFields
+from strata.protocol.extensions import (
+    SamplingExtensions,
+    StructuredOutputFields,
+    unsupported_field,
+)
 from strata.protocol.tools import MessageToolFields, ToolCall, ToolCallDelta, ToolRequestFields
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
@@ -79,10 +83,9 @@ class _SamplingFields(_Request, SamplingExtensions, StructuredOutputFields):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: object) -> object:
-        if isinstance(data, dict):
-            for name, is_used in _UNSUPPORTED.items():
-                if name in data and name not in cls.model_fields and is_used(data[name]):
-                    raise ValueError(f"{name} is not supported by Strata; remove it")
+        name = unsupported_field(data, cls.model_fields)
+        if name is not None:
+            raise ValueError(f"{name} is not supported by Strata; remove it")
         return data
 
     @property
@@ -94,20 +97,6 @@ class _SamplingFields(_Request, SamplingExtensions, StructuredOutputFields):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
-
-
-def _is_set(value: object) -> bool:
-    return value not in (None, False, "", [], {})
-
-
-_UNSUPPORTED = {
-    "tools": _is_set,
-    "functions": _is_set,
-    "tool_choice": lambda v: _is_set(v) and v != "none",
-    "function_call": lambda v: _is_set(v) and v != "none",
-    "best_of": lambda v: _is_set(v) and v != 1,
-    "suffix": _is_set,
-}
 
 
 class CompletionRequest(_SamplingFields):
