@@ -68,6 +68,15 @@ def read_generation_defaults(source: Path) -> GenerationDefaults:
     return GenerationDefaults.from_fields(_gguf_fields(source), str(source))
 
 
+def generation_defaults_of(mode: str, model: GenerationDefaults,
+                           alias: GenerationDefaults | None) -> GenerationDefaults:
+    """--generation-config: `auto` takes the model file's defaults, else its alias's (a file
+    that sets none); `none` takes none."""
+    if mode != "auto":
+        return GenerationDefaults()
+    return model if model.as_dict() or alias is None else alias
+
+
 def _gguf_fields(path: Path) -> dict[str, Any]:
     from gguf import GGUFReader  # the header only; tensors stay memory-mapped
 
@@ -80,4 +89,4 @@ def _gguf_fields(path: Path) -> dict[str, Any]:
     return fields
 
 
-__all__ = ["GenerationDefaults", "read_generation_defaults"]
+__all__ = ["GenerationDefaults", "generation_defaults_of", "read_generation_defaults"]

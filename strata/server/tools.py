@@ -99,6 +99,11 @@ def answer(text: str, plan: ToolPlan) -> tuple[ChatResponseMessage, bool]:
         ToolCall(id=i, function=FunctionCall(name=n, arguments=a)) for i, n, a in calls]), True
 
 
+def with_calls(reason: str | None, called: bool) -> str | None:
+    """A choice that called a tool and stopped finishes with `tool_calls`."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 @dataclass(slots=True)
 class StreamedAnswer:
     """One choice's deltas: content, and tool-call deltas in OpenAI's shape."""
@@ -130,4 +135,4 @@ class StreamedAnswer:
         return DeltaMessage(content=content or None, tool_calls=calls or None)
 
 
-__all__ = ["StreamedAnswer", "ToolPlan", "answer", "calls_lark", "tool_plan"]
+__all__ = ["StreamedAnswer", "ToolPlan", "answer", "calls_lark", "tool_plan", "with_calls"]

@@ -12,9 +12,8 @@ import pytest
 from live_server import MODEL_NAME, LiveServer, start_server
 
 from strata.commands.serve import add_parser
-from strata.commands.serve_stack import BuiltEngine, _defaults, generation_defaults_of
 from strata.model.fetch import KNOWN_MODELS
-from strata.model.generation_defaults import GenerationDefaults
+from strata.model.generation_defaults import GenerationDefaults, generation_defaults_of
 from strata.model.loader import LoadedModel
 
 DEFAULTS = GenerationDefaults(temperature=0.0, max_tokens=4)
@@ -64,10 +63,6 @@ def test_the_flag_turns_them_off() -> None:
     add_parser(parser.add_subparsers())
     assert parser.parse_args(["serve"]).generation_config == "auto"
     assert parser.parse_args(["serve", "--generation-config", "none"]).generation_config == "none"
-    built: BuiltEngine = BuiltEngine(None, None, "m", generation_defaults=DEFAULTS)  # type: ignore[arg-type]
-    assert _defaults(built) == DEFAULTS
-    off: BuiltEngine = BuiltEngine(None, None, "m")  # type: ignore[arg-type]
-    assert _defaults(off) == GenerationDefaults()
 
 
 def test_a_known_alias_brings_defaults_when_its_file_sets_none() -> None:
@@ -77,4 +72,4 @@ def test_a_known_alias_brings_defaults_when_its_file_sets_none() -> None:
     assert generation_defaults_of("auto", none, smollm2) == smollm2
     assert generation_defaults_of("auto", DEFAULTS, smollm2) == DEFAULTS  # the file's win
     assert generation_defaults_of("auto", none, None) == none
-    assert generation_defaults_of("none", DEFAULTS, smollm2) is None
+    assert generation_defaults_of("none", DEFAULTS, smollm2) == none
