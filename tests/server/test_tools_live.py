@@ -15,8 +15,10 @@ import openai
 import pytest
 from live_server import MODEL_NAME, LiveServer, start_server
 from pydantic import BaseModel, Field
+from resume_streams import cut_after_tokens, events_of, frames_of
 
 from strata.model.loader import LoadedModel
+from strata.protocol.resume import RESUMABLE_HEADER, RESUME_PATH
 
 WEATHER: dict[str, Any] = {
     "type": "object",
@@ -224,3 +226,39 @@ def test_refusals_name_the_field(live: LiveServer, path: str, body: dict[str, An
         assert error["param"] == param
     named = param or next(iter(body))
     assert named in error["message"] or named in str(error["param"]), error
+
+
+def calls_of(events: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    calls: dict[int, list[str]] = {}
+    for e in events:
+        for c in e["choices"]:
+            for d in c["delta"].get("tool_calls") or []:
+                entry = calls.setdefault(d["index"], ["", ""])
+                entry[0] += d["function"].get("name") or ""
+                entry[1] += d["function"].get("arguments") or ""
+    return [(n, a) for n, a in calls.values()]
+
+
+def test_a_forced_call_resumed_mid_stream_is_the_unbroken_call(live: LiveServer) -> None:
+    """Mid-stream resume (another instance continues): the constraint is advanced past the sent
+    tokens and the parser replays the sent text, so the deltas add up to the same call."""
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "tools": TOOLS, "stream": True,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "parallel_tool_calls": False, "temperature": 0}
+    raw = httpx.post(f"{live.v1}/chat/completions", json=body, headers={RESUMABLE_HEADER: "1"},
+                     timeout=60).content
+    whole = frames_of(raw)
+    expected = calls_of(events_of(whole))
+    num_tokens = len([t for f in whole for t in f.token_ids])
+    assert len(expected) == 1 and num_tokens > 20
+    for num_sent in (3, 14, 20, num_tokens - 2):  # in the tag, the name, the arguments, the end
+        before, sent = cut_after_tokens(whole, num_sent)
+        start = before[0].marks[0]
+        resumed = {"path": "/v1/chat/completions", "request": body, "id": start["id"],
+                   "created": start["created"], "version": start["version"],
+                   "prompt_token_ids": start["prompt"], "output_token_ids": sent}
+        rest = frames_of(httpx.post(live.base_url + RESUME_PATH, json=resumed,
+                                    timeout=60).content)
+        assert calls_of(events_of(before) + events_of(rest)) == expected, num_sent
+        assert [t for f in before + rest for t in f.token_ids] == \
+            [t for f in whole for t in f.token_ids]
