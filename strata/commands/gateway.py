@@ -106,6 +106,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "by another gateway (or this one, restarted)")
     p.add_argument("--release-ready-timeout-s", type=positive_float, default=600.0,
                    help="a release rolls back when its new instances are not ready by then")
+    p.add_argument("--release-propagation-s", type=non_negative_float, default=1.0,
+                   help="after a flip, how long before the old version retires (every gateway "
+                        "re-reads the routing meanwhile; pinned sessions stay on it until then)")
     p.add_argument("--canary-window-s", type=positive_float, default=30.0,
                    help="how long a canary is watched before it is promoted")
     p.add_argument("--canary-min-requests", type=positive_int, default=20)
@@ -184,7 +187,8 @@ def _release_config(args: argparse.Namespace) -> ReleaseConfig:
                          lease_s=args.release_lease_s, canary_window_s=args.canary_window_s,
                          canary_min_requests=args.canary_min_requests,
                          canary_max_error_rate=args.canary_max_error_rate,
-                         canary_max_ttft_p99_ratio=args.canary_max_ttft_ratio)
+                         canary_max_ttft_p99_ratio=args.canary_max_ttft_ratio,
+                         propagation_s=args.release_propagation_s)
 
 
 def build_source(config: GatewayConfig,

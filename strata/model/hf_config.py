@@ -6,6 +6,7 @@ from typing import Any
 
 from strata.errors import ModelLoadError
 from strata.model.config import ModelConfig, RopeScaling
+from strata.model.model_fields import check_hf_fields
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -21,6 +22,7 @@ def model_config_from_hf(cfg: dict[str, Any], *, source: str = "config.json") ->
     arch = _architecture(cfg, source)
     _refuse_unsupported_variants(cfg, arch, source)
     try:
+        check_hf_fields(cfg, source=source)  # a field Strata does not compute is refused
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         eos = cfg.get("eos_token_id")

@@ -70,12 +70,15 @@ class _WeightReader:
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
-    """Inverse frequencies (head_dim / 2,), float32, with Llama-3 scaling when configured."""
+    """Inverse frequencies (head_dim / 2,), float32, with Llama-3 scaling when configured: from
+    an HF config's parameters, or as a GGUF file's per-frequency divisors (llama.cpp's form)."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (config.rope_theta ** exponents)
     if config.rope_scaling is not None:
         inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
     return inv_freq
 
 
