@@ -32,7 +32,8 @@ CHATML_TEMPLATE = (
 )
 TINY_VOCAB_SIZE = 300
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "mistral": "MistralForCausalLM"}
+               "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "phi3": "Phi3ForCausalLM"}
 
 
 def make_tiny_tokenizer_json() -> str:
@@ -130,6 +131,7 @@ def write_tiny_gguf(
     omit_keys: Sequence[str] = (),
     omit_tensors: Sequence[str] = (),
     add_bos_token: bool = False,
+    sampling: dict[str, float] | None = None,
     extra_keys: Mapping[str, str | int | float] | None = None,
     extra_tensors: Mapping[str, np.ndarray] | None = None,
 ) -> Path:
@@ -138,13 +140,16 @@ def write_tiny_gguf(
 
     `omit_keys` / `omit_tensors` (GGUF names) leave metadata or tensors out, `extra_keys` /
     `extra_tensors` add some (a str, int or float key is written as a string, uint32 or float32),
-    to test errors.
+    to test errors; `sampling` adds `general.sampling.<key>` float fields (temp, top_p,
+    penalty_repeat).
     """
     cfg = json.loads((hf_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(out, "llama")
     _write_hparams(writer, cfg, hf_dir.name, tensor_type)
     _write_vocab(writer, hf_dir, cfg["vocab_size"])
     writer.add_add_bos_token(add_bos_token)
+    for key, value in (sampling or {}).items():
+        writer.add_float32(f"general.sampling.{key}", value)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
         data = tensor.float().numpy()

@@ -11,6 +11,7 @@ from typing import Any
 from strata.errors import ConfigError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,9 +26,9 @@ class RopeScaling:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Architecture of a Llama-family model (Llama, Qwen2, Mistral)."""
+    """Architecture of a Llama-family model (Llama, Qwen2, Qwen3, Mistral, Phi-3)."""
 
-    architecture: str  # "llama" | "qwen2" | "mistral"
+    architecture: str  # one of ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -44,15 +45,16 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        if self.architecture not in ("llama", "qwen2", "mistral"):
+        if self.architecture not in ARCHITECTURES:
             raise ConfigError(
                 f"unsupported architecture {self.architecture!r}; "
-                "Strata serves llama, qwen2 and mistral"
+                f"Strata serves {', '.join(ARCHITECTURES)}"
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
