@@ -15,7 +15,11 @@ import uvicorn
 from strata.server.app import create_app
 from strata.server.config import ServerConfig
 from strata.sim.profile import LatencyProfile
-from strata.sim.server import build_simulated_async_engine, build_simulated_engine
+from strata.sim.server import (
+    SimulatedEngineParts,
+    build_simulated_async_engine,
+    build_simulated_engine,
+)
 from strata.state.sessions import SessionStore
 
 FAST = LatencyProfile(model="sim", source="synthetic", prefill_ms_base=0.2,
@@ -36,9 +40,11 @@ class SimInstance:
 def start_sim_instance(*, model: str = "sim", version: str = "default",
                        profile: LatencyProfile = FAST,
                        session_store: SessionStore | None = None,
-                       sleep: Callable[[float], None] = time.sleep) -> SimInstance:
-    """One simulated instance; returns once it accepts connections."""
-    async_engine, tokenizer = build_simulated_async_engine(build_simulated_engine(
+                       sleep: Callable[[float], None] = time.sleep,
+                       parts: SimulatedEngineParts | None = None) -> SimInstance:
+    """One simulated instance (of `parts` when given, an engine built by the test); returns
+    once it accepts connections."""
+    async_engine, tokenizer = build_simulated_async_engine(parts or build_simulated_engine(
         profile, max_num_seqs=16, kv_blocks=512, max_model_len=1024, sleep=sleep))
     config = ServerConfig(served_model_name=model, model_version=version, simulated=True)
     app = create_app(async_engine, tokenizer, config, session_store=session_store)

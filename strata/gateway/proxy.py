@@ -211,7 +211,7 @@ class Proxy:
                 await close_quietly(segment.response)
                 self._finish(segment.attempt, is_success=False)
             segment = await self._resume(record) if record is not None else None
-        yield broken_stream_frames(message)
+        yield broken_stream_frames(record.explain(message) if record is not None else message)
 
     async def _resume(self, record: StreamRecord) -> Segment | None:
         """The continuation of a broken stream on an instance it has not tried, or None."""
@@ -224,7 +224,7 @@ class Proxy:
             record.tried.append(decision.instance.instance_id)
             attempt = Attempt(decision.instance, request)
             try:
-                segment = await self._open_resumed(attempt)
+                segment = await self._open_resumed(attempt, record)
             except BaseException:  # the client left meanwhile: the attempt ends with it
                 self._finish(attempt, is_success=False)
                 raise
@@ -237,7 +237,8 @@ class Proxy:
             self.metrics.resumes.labels("failed").inc()
         return None
 
-    async def _open_resumed(self, attempt: Attempt) -> Segment | Failure | None:
+    async def _open_resumed(self, attempt: Attempt,
+                            record: StreamRecord) -> Segment | Failure | None:
         """The resumed stream's first frames; a failure (try another instance) or None when
         the instance refused the resume."""
         response = await self._send(attempt)
@@ -246,6 +247,7 @@ class Proxy:
         try:
             if is_sse(response):
                 return await self._first_frames(attempt, response)
+            await self.resumer.refused(record, attempt.view.instance_id, response)
         except BaseException:
             await close_quietly(response)
             raise

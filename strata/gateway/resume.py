@@ -16,7 +16,8 @@ relayed), at most
 stream has not tried. The proxy routes the resume like a request (filters, policy, retries on
 another instance while nothing came back), and relays the continuation under the frames
 already sent. What is not: several choices, a stream whose client left, a resume refused.
-Those end as before: an error event and [DONE].
+Those end as before: an error event and [DONE]; a refusal is logged and its status and message
+are in that event.
 
 Identical tokens: the continuation starts from the prompt ids the first instance rendered and
 the token ids the client was sent, so greedy and seeded streams are token for token those of an
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,10 +46,13 @@ from strata.protocol.resume import (
     read_mark,
 )
 
+logger = logging.getLogger("strata.gateway")
+
 FRAME_END = b"\n\n"
 ERROR_FINISH = b'"f":"error"'
 SESSION_REVISION_HEADER = "x-session-revision"
 RESUMABLE_FINISHES = ("stop", "length")
+REFUSAL_BYTES = 4096  # of a refusal's body, read for its message
 
 
 @dataclass(slots=True)
@@ -60,6 +65,7 @@ class StreamRecord:
     tried: list[str] = field(default_factory=list)  # instances this stream went to
     num_resumes: int = 0
     has_failed: bool = False  # the instance ended the stream with finish reason "error"
+    refusal: str = ""  # why an instance refused to resume it
 
     def take(self, frames: bytes) -> bytes:
         """`frames` (whole SSE frames, maybe a partial one at the end of the stream) as the
@@ -80,6 +86,10 @@ class StreamRecord:
             if any(kept):
                 out.append(b"\n".join(kept) + (FRAME_END if i < len(pieces) - 1 else b""))
         return b"".join(out)
+
+    def explain(self, message: str) -> str:
+        """The client's error `message` for this stream's break, with a refusal's reason."""
+        return f"{message}; {self.refusal}" if self.refusal else message
 
     def resume_body(self) -> dict[str, Any] | None:
         """The body of POST /v1/strata/resume, or None when the stream cannot be resumed (no start
@@ -143,5 +153,32 @@ class Resumer:
                             [(k, v) for k, v in original.headers if k.lower() != "content-type"]
                             + [("content-type", "application/json")], route, now)
 
+    async def refused(self, record: StreamRecord, instance_id: str,
+                      response: httpx.Response) -> None:
+        """`response`, not a stream, refused the resume of `record` (no other instance is
+        tried): logged, and told to the client."""
+        reason = await refusal_of(response)
+        logger.warning("instance %s refused to resume a stream of %s: %s", instance_id,
+                       record.request.path, reason)
+        record.refusal = f"its resume on instance {instance_id} was refused: {reason}"
 
-__all__ = ["Resumer", "StreamRecord"]
+
+async def refusal_of(response: httpx.Response) -> str:
+    """"STATUS message" of an answer that is not the resumed stream: the message of its OpenAI
+    error body, else the start of its body."""
+    body = b""
+    try:
+        async for chunk in response.aiter_bytes():
+            body += chunk
+            if len(body) >= REFUSAL_BYTES:
+                break
+    except httpx.HTTPError:
+        pass
+    try:
+        message = str(json.loads(body)["error"]["message"])
+    except (ValueError, TypeError, KeyError):
+        message = body[:200].decode(errors="replace")
+    return f"{response.status_code} {message}".strip()
+
+
+__all__ = ["Resumer", "StreamRecord", "refusal_of"]

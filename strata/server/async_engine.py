@@ -39,6 +39,7 @@ class EngineCore(Protocol):
     `validate_request`, `block_hashes` and `num_cached_blocks` are called off the engine thread."""
 
     cache_config: CacheConfig
+    vocab_size: int | None  # the ids the model can generate (None: unchecked)
 
     def block_hashes(self, token_ids: list[int], cache_salt: str = "",
                      num_public_tokens: int = 0, *, partial: bool = False

@@ -115,7 +115,9 @@ async def _start(ctx: ServingContext, body: ResumeRequest, req: ClientRequest) -
     request = tr.engine_request(tr.new_id("resume"), prompt, params, req, ctx.tokenizer,
                                 ctx.clock(), num_public)
     request.output_token_ids = list(sent)
-    vocab = ctx.tokenizer.vocab_size
+    # the model's vocabulary, not the tokenizer's: a model may have more rows than its tokenizer
+    # has tokens (padding), and the first instance may have sent any of them (as empty text)
+    vocab = ctx.engine.engine.vocab_size or ctx.tokenizer.vocab_size
     if not all(0 <= t < vocab for t in request.all_token_ids):
         raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="output_token_ids")
     if body.finish is None:

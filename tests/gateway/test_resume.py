@@ -180,7 +180,8 @@ def test_resumes_are_bounded_and_each_goes_to_an_instance_the_stream_has_not_tri
                                                                       [10, 11, 12]]
 
 
-def test_a_failed_resume_attempt_is_retried_elsewhere_and_a_refusal_is_not() -> None:
+def test_a_failed_resume_attempt_is_retried_elsewhere_and_a_refusal_is_not(
+        caplog: pytest.LogCaptureFixture) -> None:
     script = Scripted()
     others = in_turn(script.answers(status=503), script.answers(*REST))
     upstreams = Upstreams(a=script.breaks(*FIRST), b=others, c=others)
@@ -191,8 +192,13 @@ def test_a_failed_resume_attempt_is_retried_elsewhere_and_a_refusal_is_not() -> 
     refused = script.answers(status=404)
     upstreams = Upstreams(a=script.breaks(*FIRST), b=refused, c=refused)
     response, gateway = stream(upstreams, [view("a"), view("b"), view("c")])
-    assert len(errors_of(response)) == 1
     assert [p for _, p in upstreams.calls] == ["/v1/chat/completions", RESUME_PATH]
+    refuser = upstreams.calls[1][0]
+    assert errors_of(response) == [
+        "the stream broke: instance a failed: RemoteProtocolError: peer closed connection "
+        f"without sending complete body; its resume on instance {refuser} was refused: 404 no"]
+    assert [r.getMessage() for r in caplog.records if r.name == "strata.gateway"] == [
+        f"instance {refuser} refused to resume a stream of /v1/chat/completions: 404 no"]
     assert metric(gateway, "strata:gateway_stream_resumes_total", outcome="failed") == 1
 
 
@@ -217,3 +223,17 @@ def test_marks_are_taken_out_of_the_frames(frames: bytes, expected: bytes) -> No
     record = StreamRecord(request=None)  # type: ignore[arg-type]
     assert record.take(frames) == expected
     assert len(record.marks) == frames.count(b": strata")
+
+
+@pytest.mark.parametrize("status,body,expected", [
+    (400, b'{"error": {"message": "token ids must be in [0, 9)"}}',
+     "400 token ids must be in [0, 9)"),
+    (404, b"Not Found", "404 Not Found"),
+    (400, b'{"detail": "x"}', '400 {"detail": "x"}'),
+    (409, b"", "409"),
+])
+def test_a_refusal_is_told_by_its_status_and_message(status: int, body: bytes,
+                                                     expected: str) -> None:
+    from strata.gateway.resume import refusal_of
+
+    assert asyncio.run(refusal_of(httpx.Response(status, content=body))) == expected

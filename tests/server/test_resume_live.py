@@ -1,6 +1,7 @@
 """The instance's side of mid-stream resume, over HTTP on simulated instances: marked streams,
 POST /v1/strata/resume continuing a stream cut after any token (text, token ids, usage, envelope
-identical to the unbroken stream), a session turn stored once, refusals."""
+identical to the unbroken stream; ids the model has and its tokenizer lacks), a session turn
+stored once, refusals."""
 
 from __future__ import annotations
 
@@ -10,9 +11,14 @@ from typing import Any
 import httpx
 import pytest
 from resume_streams import Frame, cut_after_tokens, events_of, frames_of, text_of, usage_of
-from sim_instances import SimInstance, start_sim_instance
+from sim_instances import FAST, SimInstance, start_sim_instance
 
+from strata.engine.config import CacheConfig, SchedulerConfig
+from strata.engine.engine import Engine
 from strata.protocol.resume import MARK, RESUMABLE_HEADER, RESUME_PATH
+from strata.sim.executor import SimulatedExecutor
+from strata.sim.server import SimulatedEngineParts
+from strata.sim.tokenizer import build_sim_tokenizer, word_token_ids
 from strata.state.sessions import SessionStore, create_session_store
 
 MARKED = {RESUMABLE_HEADER: "1"}
@@ -89,6 +95,50 @@ def test_a_chat_stream_resumed_after_any_token_is_the_unbroken_stream(
         logprobs = [t for e in got for c in e["choices"] if c.get("logprobs")
                     for t in c["logprobs"]["content"]]
         assert len(logprobs) == num_tokens
+
+
+NUM_PADDING_ROWS = 16
+
+
+def padded_vocabulary_parts() -> SimulatedEngineParts:
+    """A model with more vocabulary rows than its tokenizer has tokens (padding, as many real
+    models have), which generates its last row among three words."""
+    tokenizer = build_sim_tokenizer()
+    num_rows = tokenizer.vocab_size + NUM_PADDING_ROWS
+    executor = SimulatedExecutor(FAST, num_rows,
+                                 token_ids=[*word_token_ids(tokenizer)[:3], num_rows - 1])
+    engine = Engine(executor, CacheConfig(num_blocks=512),
+                    SchedulerConfig(max_num_seqs=16, max_model_len=1024), tokenizer,
+                    vocab_size=num_rows)
+    return SimulatedEngineParts(engine, executor, tokenizer)
+
+
+def test_a_stream_with_ids_its_tokenizer_lacks_is_resumed_after_any_token() -> None:
+    """The first instance streams a padding row's id as empty text; the resume takes it (the
+    ids are the model's, not the tokenizer's), mid-stream and after the last token."""
+    parts = padded_vocabulary_parts()
+    padding_id = parts.tokenizer.vocab_size + NUM_PADDING_ROWS - 1
+    served = start_sim_instance(parts=parts)
+    try:
+        body = {**CHAT, "logprobs": True}
+        whole = frames_of(post(served.url, "/v1/chat/completions", body, MARKED).content)
+        token_ids = [t for f in whole for t in f.token_ids]
+        assert padding_id in token_ids[:-1]
+        for num_sent in range(1, len(token_ids)):
+            before, sent = cut_after_tokens(whole, num_sent)
+            resumed = post(served.url, RESUME_PATH,
+                           resume_body("/v1/chat/completions", body, before, sent))
+            assert resumed.status_code == 200, (num_sent, resumed.text)
+            rest = frames_of(resumed.content)
+            assert text_of(events_of(before) + events_of(rest)) == text_of(events_of(whole))
+            assert [t for f in before + rest for t in f.token_ids] == token_ids
+        finish = {"reason": "length", "stop_reason": None}
+        last = post(served.url, RESUME_PATH, resume_body("/v1/chat/completions", body, whole,
+                                                         token_ids, finish=finish))
+        assert last.status_code == 200, last.text
+        assert usage_of(events_of(frames_of(last.content))) == usage_of(events_of(whole))
+    finally:
+        served.stop()
 
 
 def test_a_completion_resumed_keeps_its_echo_once_and_its_text_offsets(
