@@ -239,8 +239,7 @@ class Proxy:
 
     async def _open_resumed(self, attempt: Attempt,
                             record: StreamRecord) -> Segment | Failure | None:
-        """The resumed stream's first frames; a failure (try another instance) or None when
-        the instance refused the resume."""
+        """The resumed stream's first frames; a failure (try elsewhere); None: it was refused."""
         response = await self._send(attempt)
         if isinstance(response, Failure):
             return response

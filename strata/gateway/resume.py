@@ -34,6 +34,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
+
 from strata.gateway.config import ResumeConfig
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.requests import ProxyRequest
@@ -154,7 +156,7 @@ class Resumer:
                             + [("content-type", "application/json")], route, now)
 
     async def refused(self, record: StreamRecord, instance_id: str,
-                      response: httpx.Response) -> None:
+                      response: UpstreamAnswer) -> None:
         """`response`, not a stream, refused the resume of `record` (no other instance is
         tried): logged, and told to the client."""
         reason = await refusal_of(response)
@@ -163,17 +165,13 @@ class Resumer:
         record.refusal = f"its resume on instance {instance_id} was refused: {reason}"
 
 
-async def refusal_of(response: httpx.Response) -> str:
+async def refusal_of(response: UpstreamAnswer) -> str:
     """"STATUS message" of an answer that is not the resumed stream: the message of its OpenAI
     error body, else the start of its body."""
-    body = b""
     try:
-        async for chunk in response.aiter_bytes():
-            body += chunk
-            if len(body) >= REFUSAL_BYTES:
-                break
-    except httpx.HTTPError:
-        pass
+        body = (await response.aread())[:REFUSAL_BYTES]  # an error body: small
+    except (httpx.HTTPError, OSError):
+        body = b""
     try:
         message = str(json.loads(body)["error"]["message"])
     except (ValueError, TypeError, KeyError):
