@@ -20,7 +20,6 @@ _ARCHITECTURES = {
 def model_config_from_hf(cfg: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
     """Build a ModelConfig; errors name `source` and the field at fault."""
     arch = _architecture(cfg, source)
-    _refuse_unsupported_variants(cfg, arch, source)
     try:
         check_hf_fields(cfg, source=source)  # a field Strata does not compute is refused
         hidden = int(cfg["hidden_size"])
@@ -64,18 +63,6 @@ def _architecture(cfg: dict[str, Any], source: str) -> str:
         f"{source}: field 'architectures' = {names!r} (model_type {model_type!r}) is not "
         f"supported; Strata serves {sorted(_ARCHITECTURES)}"
     )
-
-
-def _refuse_unsupported_variants(cfg: dict[str, Any], arch: str, source: str) -> None:
-    """Options of the new families that Strata does not implement: a load error naming them,
-    never a model that silently computes something else."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    partial = cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1.0):
-        raise ModelLoadError(f"{source}: field 'partial_rotary_factor' = {partial!r} is not "
-                             "supported (only 1.0)")
-    if cfg.get("use_sliding_window"):
-        raise ModelLoadError(f"{source}: field 'use_sliding_window' = true is not supported")
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
