@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from strata.engine.config import CacheConfig, SchedulerConfig
@@ -272,6 +273,8 @@ def make_engine(
     max_waiting: int = 1024,
     namespace: str = "m@1",
     executor: FakeExecutor | None = None,
+    prefill_stretch: float = 1.5,
+    clock: Callable[[], float] = lambda: 0.0,  # steps take no time: no adaptive prefill cap
 ) -> tuple[Engine, FakeExecutor]:
     executor = executor if executor is not None else FakeExecutor()
     engine = Engine(
@@ -280,9 +283,10 @@ def make_engine(
                     enable_prefix_caching=enable_prefix_caching, namespace=namespace),
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
-                        max_waiting=max_waiting),
+                        max_waiting=max_waiting, prefill_stretch=prefill_stretch),
         FakeDecoder(),
         vocab_size=VOCAB,
+        clock=clock,
     )
     return engine, executor
 

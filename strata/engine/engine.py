@@ -16,6 +16,9 @@ does the fetching and publishing.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from strata.engine.batch_queue import BatchQueue
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.detokenizer import IncrementalDetokenizer, check_stop
@@ -44,8 +47,10 @@ class Engine:
         decoder: TokenDecoder,
         *,
         vocab_size: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.executor = executor
+        self.clock = clock  # times steps for the adaptive prefill budget
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.decoder = decoder
@@ -127,11 +132,16 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Submit batches while the executor has room and a request can run, then wait for the
         oldest batch in flight and return its news ([] when none was in flight)."""
+        started = self.clock()
         while self._batches.has_room and self._submit_next():
             pass
         collected = self._batches.collect_oldest()
         if collected is None:
             return []
+        if self._batches.max_batches == 1:  # the step's time is this batch's
+            sizes = [n for _, n in collected.scheduled.scheduled]
+            self.scheduler.step_budget.observe(sizes.count(1), sum(n for n in sizes if n > 1),
+                                               self.clock() - started)
         applied = self.scheduler.on_collected(collected.scheduled)
         failed = [self._fail(r) for r, _ in applied if r.request_id in collected.failed]
         return failed + self._update([(r, n) for r, n in applied

@@ -9,6 +9,9 @@ A request admitted with fetched KV blocks (see kv_cache_manager) lists them in `
 the engine has the executor import them before the step's forward pass and reports how many it
 wrote (`on_kv_imported`); the scheduler turns a refused payload into a miss.
 
+While decodes run, prefill tokens (new prompts, chunks of running ones) are capped by the
+adaptive prefill budget (step_budget.py), which the engine feeds with each step's wall time.
+
 Batches in flight (pipeline parallel): the engine reports each batch it submits and collects
 (`on_submitted`, `on_collected`). A request's next batch starts after its tokens in flight, so a
 prompt may be computed in chunks that are in flight together, while a request whose batch in
@@ -29,6 +32,7 @@ from strata.engine.block_pool import KVBlock
 from strata.engine.config import SchedulerConfig
 from strata.engine.kv_cache_manager import ComputedBlocks, KVCacheManager
 from strata.engine.request import Request, RequestStatus
+from strata.engine.step_budget import StepBudget
 from strata.types import RequestId
 
 
@@ -73,6 +77,8 @@ class Scheduler:
         self._requests: dict[RequestId, Request] = {}
         self.num_preemptions = 0
         self.num_kv_import_failures = 0
+        self.step_budget = StepBudget(config.prefill_stretch, floor=16)
+        self._prefill_left: int | None = None  # this step's prefill tokens left; None: no cap
 
     @property
     def num_waiting(self) -> int:
@@ -103,6 +109,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         max_seqs = self._max_seqs_per_batch()
+        num_decodes = sum(r.num_tokens_to_compute == 1 for r in self.running)
+        capped = self.config.prefill_stretch and self.config.enable_chunked_prefill
+        self._prefill_left = self.step_budget.prefill_cap(num_decodes) if capped else None
         budget = self._schedule_running(out, self.config.max_num_batched_tokens, max_seqs)
         if not out.preempted:
             self._schedule_waiting(out, budget, max_seqs)
@@ -153,6 +162,9 @@ class Scheduler:
                 i += 1
                 continue
             num_new = self._num_to_schedule(request, budget)
+            if num_new == 0 and self._prefill_left == 0:  # the decodes after it still run
+                i += 1
+                continue
             if num_new == 0:
                 break
             while not self.kv.allocate_slots(request, num_new):
@@ -189,9 +201,14 @@ class Scheduler:
             budget -= num_new
 
     def _num_to_schedule(self, request: Request, budget: int) -> int:
+        is_prefill = request.num_tokens_to_compute > 1
+        if is_prefill and self._prefill_left is not None:
+            budget = min(budget, self._prefill_left)
         num_new = min(request.num_tokens_to_compute, budget)
         if num_new < request.num_tokens_to_compute and not self.config.enable_chunked_prefill:
             return 0
+        if is_prefill and self._prefill_left is not None:
+            self._prefill_left -= num_new
         return num_new
 
     def _admit(self, request: Request, computed: ComputedBlocks) -> None:
