@@ -163,6 +163,7 @@ def scheduler_config_from(args: argparse.Namespace, max_model_len: int) -> Sched
     return SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
         max_model_len=max_model_len, enable_chunked_prefill=chunked, max_waiting=args.max_waiting,
+        prefill_stretch=args.prefill_stretch,
     )
 
 
