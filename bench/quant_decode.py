@@ -116,7 +116,8 @@ def main() -> None:
     med = {m: statistics.median(v) for m, v in single.items() if v}
     print(f"\nload average {min(loads):.1f}-{max(loads):.1f}; medians of {a.rounds} rounds, "
           "[min..max]")
-    print("| weights | weight MB | x bf16 | single-stream tok/s | batch-32 tok/s | greedy vs bf16 |")
+    print("| weights | weight MB | x bf16 | single-stream tok/s | batch-32 tok/s | "
+          "greedy vs bf16 |")
     print("|---|---|---|---|---|---|")
     for m in a.modes:
         g = agree[m]
