@@ -138,7 +138,7 @@ class RayLauncher:
 
         c = self.config.cluster
         instance_id = instance_id_of(version.name, version.version, index)
-        argv = instance_argv(c, version, instance_id, free_port(c.host), sys.executable)
+        argv = instance_argv(c, version, instance_id, free_port(c.host), sys.executable, index)
         actor = ray.remote(InstanceActor).options(
             name=f"strata-{instance_id}", num_cpus=self.config.num_cpus_per_instance,
             max_restarts=-1, max_task_retries=-1,

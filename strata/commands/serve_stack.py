@@ -19,7 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from strata.commands.env import CliEnv, read_admin_keys, read_api_keys
+from strata.commands.env import (
+    CliEnv,
+    read_admin_keys,
+    read_api_keys,
+    read_key_max_priority,
+)
 from strata.commands.serve_parallel import (
     load_for_serving,
     make_executor,
@@ -89,7 +94,8 @@ def build_simulated(args: argparse.Namespace) -> BuiltEngine:
         block_size=args.block_size, max_model_len=args.max_model_len or DEFAULT_MAX_MODEL_LEN,
         max_num_batched_tokens=args.max_num_batched_tokens or 512,
         enable_prefix_caching=not args.no_prefix_cache, max_waiting=args.max_waiting,
-        namespace=f"{name}@{args.model_version}",
+        max_queue_wait_s=args.max_queue_wait_s or None, namespace=f"{name}@{args.model_version}",
+        kv_bandwidth_gbps=args.sim_kv_bandwidth_gbps,
     ))
     return BuiltEngine(async_engine, tokenizer, name, simulated=True)
 
@@ -151,7 +157,7 @@ def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str,
     log.info("device %s, dtype %s, %d KV blocks of %d tokens, max_model_len %d", device,
              args.dtype, cache_config.num_blocks, cache_config.block_size, max_model_len)
     engine = Engine(executor, cache_config, scheduler_config, loaded.tokenizer,
-                    vocab_size=loaded.config.vocab_size)
+                    vocab_size=loaded.config.vocab_size, clock=time.monotonic)
     return AsyncEngine(engine, max_model_len=max_model_len)
 
 
@@ -163,6 +169,7 @@ def scheduler_config_from(args: argparse.Namespace, max_model_len: int) -> Sched
     return SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
         max_model_len=max_model_len, enable_chunked_prefill=chunked, max_waiting=args.max_waiting,
+        max_queue_wait_s=args.max_queue_wait_s or None,
         prefill_stretch=args.prefill_stretch,
     )
 
@@ -186,12 +193,13 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
     server_config = ServerConfig(served_model_name=name, host=args.host, port=port,
                                  shutdown_timeout_s=args.shutdown_timeout_s,
                                  api_keys=api_keys, admin_keys=admin_keys,
+                                 key_max_priority=read_key_max_priority(args.api_key_file, env),
                                  rate_limit_per_s=args.rate_limit_per_s, simulated=simulated,
                                  model_version=args.model_version,
                                  session_store_url=args.session_store,
                                  session_ttl_s=args.session_ttl_s,
                                  session_redis_appendfsync=args.session_redis_appendfsync,
-                                 **_kv_options(args))
+                                 pd=_pd_config(args), **_kv_options(args))
     app = create_app(built.async_engine, built.tokenizer, server_config,
                      registration=registration)
     server = uvicorn.Server(uvicorn.Config(
@@ -228,6 +236,14 @@ def exit_when_engine_dies(server: Any, async_engine: AsyncEngine) -> Callable[[]
 
     async_engine.on_death(on_death)
     return lambda: ENGINE_DIED_EXIT_STATUS if died else 0
+
+
+def _pd_config(args: argparse.Namespace) -> Any:
+    from strata.server.pd_config import PDConfig
+    from strata.server.pd_faults import FaultConfig
+
+    faults = FaultConfig.load(Path(args.fault_config)) if args.fault_config else FaultConfig()
+    return PDConfig(lease_s=args.pd_lease_s, faults=faults)
 
 
 def _kv_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""`strata status`: the instances in the registry, their states and load, as a table."""
+"""`strata status`: the instances in the registry, their states and load, as a table; for a
+prefill/decode fleet, then each pool's roles."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
         print(f"no instances registered in {url}")
         return 0
     print(format_table(records, now=time.time()))
+    if any(r.role.value == "prefill" for r in records):
+        print(pools_summary(records))
     return 0
 
 
@@ -61,4 +64,17 @@ def format_table(records: Sequence[InstanceRecord], *, now: float) -> str:
                      for r in rows)
 
 
-__all__ = ["add_parser", "default_registry_url", "format_table", "run"]
+def pools_summary(records: Sequence[InstanceRecord]) -> str:
+    """One line per pool of a prefill/decode fleet: how many of each role, how many ready."""
+    counts: dict[str, dict[str, list[int]]] = {}
+    for record in records:
+        ready_total = counts.setdefault(record.pool, {}).setdefault(record.role.value, [0, 0])
+        ready_total[0] += record.state.value == "ready"
+        ready_total[1] += 1
+    return "\n".join(
+        f"pool {pool}: " + ", ".join(f"{total} {role} ({ready} ready)"
+                                     for role, (ready, total) in sorted(roles.items()))
+        for pool, roles in sorted(counts.items()))
+
+
+__all__ = ["add_parser", "default_registry_url", "format_table", "pools_summary", "run"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import json
 import logging
 import os
 import signal
@@ -24,8 +23,23 @@ from typing import Any, Protocol
 from strata.cluster.deployments import VERSION_FLAGS
 from strata.cluster.local import LocalClusterConfig, Supervisor
 from strata.cluster.seed import ClusterSeed, seed_registry
-from strata.commands.argtypes import port_number, positive_float, positive_int
+from strata.commands.argtypes import (
+    non_negative_float,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
+from strata.commands.autoscale_flags import add_autoscale_flags, gateway_args
+from strata.commands.cluster_file import check_not_running, cluster_file, write_cluster_file
 from strata.commands.env import CliEnv, read_admin_keys, read_api_keys
+from strata.commands.up_roles import (
+    PD_SERVE_FLAGS,
+    add_role_flags,
+    describe_roles,
+    initial_replicas,
+    role_split,
+)
 from strata.errors import ConfigError, StrataError
 from strata.logs import announce
 from strata.protocol.auth import check_exposure
@@ -52,14 +66,18 @@ _SERVE_FLAGS: tuple[tuple[str, Any], ...] = (
     ("--served-model-name", str), ("--model-version", str), ("--dtype", str),
     ("--max-model-len", positive_int), ("--kv-cache-gb", positive_float),
     ("--block-size", positive_int), ("--max-num-seqs", positive_int), ("--simulate", str),
-    ("--session-store", str),
+    ("--session-store", str), ("--sim-start-s", non_negative_float),
+    ("--max-queue-wait-s", non_negative_float), *PD_SERVE_FLAGS,
 )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start N instances behind the gateway on one machine")
     p.add_argument("model", nargs="?", default=None, help="as for `strata serve`")
-    p.add_argument("--replicas", type=positive_int, default=2)
+    p.add_argument("--replicas", type=non_negative_int, default=None,
+                   help="instances to start with (default 2; with --autoscale, "
+                        "--min-replicas, and 0 only then)")
+    add_role_flags(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000, help="the gateway's port")
     p.add_argument("--policy", default=None, help="gateway routing policy")
@@ -87,16 +105,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(STRATA_ADMIN_KEYS, inherited, adds more)")
     p.add_argument("--insecure", action="store_true",
                    help="allow --host beyond the loopback without keys (passed through)")
+    add_autoscale_flags(p)
 
 
 def run(args: argparse.Namespace, env: CliEnv) -> int:
     check_exposure("strata up", args.host, read_api_keys(args.api_key_file, env.api_keys),
                    read_admin_keys(args.admin_key_file, env.admin_keys), insecure=args.insecure)
     config = _config(args, env)
-    _check_not_running(config.run_dir)
+    check_not_running(config.run_dir)
     config.run_dir.mkdir(parents=True, exist_ok=True)
     _prefetch(args, env)
-    seed = ClusterSeed(seed_version(args), replicas=args.replicas)
+    seed = ClusterSeed(seed_version(args), replicas=config.replicas)
     asyncio.run(_seed(config.registry_url, seed))
     supervisor = _launcher(args, config)
     stop = {"now": False}
@@ -110,33 +129,41 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
     try:
         _wait_ready(supervisor, config, args.ready_timeout_s, lambda: stop["now"])
         if not stop["now"]:
-            _write_cluster_file(config)
-            announce(f"Strata cluster: {config.replicas} instances behind "
+            write_cluster_file(config)
+            roles = describe_roles(config.replicas, config.num_prefill)
+            announce(f"Strata cluster: {config.replicas} instances{roles} behind "
                      f"http://{config.host}:{config.port} serving {seed.version.key} "
                      f"(logs in {config.log_dir})")
             announce(f"Dashboard: http://{config.host}:{config.port}/dashboard")
         supervisor.run_forever(lambda: stop["now"])
     finally:
         announce("stopping the cluster...")
-        _cluster_file(config.run_dir).unlink(missing_ok=True)
+        cluster_file(config.run_dir).unlink(missing_ok=True)
         supervisor.stop()
     return 0
 
 
 def seed_version(args: argparse.Namespace) -> ModelVersion:
     """The catalogue entry of the flags' model: NAME is what `strata serve` would call it."""
-    version = args.model_version or "default"
+    version, name = args.model_version or "default", _model_name(args)
     if args.simulate:
-        from strata.sim import load_profile
-
-        name = args.served_model_name or load_profile(args.simulate).model
         return ModelVersion(name, version, f"sim:{_absolute_if_local(args.simulate)}")
     from strata.model.fetch import DEFAULT_MODEL
 
-    model = args.model or DEFAULT_MODEL
-    uri = _absolute_if_local(model)
-    name = args.served_model_name or _served_name(model)
+    uri = _absolute_if_local(args.model or DEFAULT_MODEL)
     return ModelVersion(name, version, uri, manifest_sha256=local_manifest_sha256(uri))
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return str(args.served_model_name)
+    if args.simulate:
+        from strata.sim import load_profile
+
+        return load_profile(args.simulate).model
+    from strata.model.fetch import DEFAULT_MODEL
+
+    return _served_name(args.model or DEFAULT_MODEL)
 
 
 def _absolute_if_local(model: str) -> str:
@@ -172,35 +199,6 @@ async def _seed(registry_url: str, seed: ClusterSeed) -> None:
         await instances.close()
 
 
-def _cluster_file(run_dir: Path) -> Path:
-    return run_dir / "cluster.json"
-
-
-def _check_not_running(run_dir: Path) -> None:
-    """Two clusters on one run dir would reset each other's registry."""
-    try:
-        pid = int(json.loads(_cluster_file(run_dir).read_text())["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return  # a stale file: that cluster died without removing it
-    except PermissionError:
-        pass
-    raise ConfigError(f"a cluster (pid {pid}) is already running with run dir {run_dir}; stop "
-                      "it first, or set STRATA_RUN_DIR to another directory")
-
-
-def _write_cluster_file(config: LocalClusterConfig) -> None:
-    data = {"gateway_url": f"http://{config.host}:{config.port}",
-            "registry_url": config.registry_url, "pid": os.getpid()}
-    path = _cluster_file(config.run_dir)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)  # readers never see half a file
-
-
 def _launcher(args: argparse.Namespace, config: LocalClusterConfig) -> Launcher:
     if not args.ray:
         return Supervisor(config)
@@ -223,14 +221,17 @@ def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
         if value is not None:
             serve_args += [flag, str(value)]
     serve_args += _auth_args(args)
-    threads = args.threads_per_instance or max(1, (os.cpu_count() or 1) // args.replicas)
-    gateway_args = [*(["--policy", args.policy] if args.policy else []), *_auth_args(args),
-                    *log_flags, *args.gateway_arg]
+    replicas, num_prefill = role_split(args, initial_replicas(args))
+    threads = args.threads_per_instance or max(1, (os.cpu_count() or 1) // max(1, replicas))
+    autoscale = gateway_args(args, _model_name(args), args.simulate) if args.autoscale else []
+    gateway = [*(["--policy", args.policy] if args.policy else []), *autoscale,
+               *_auth_args(args), *log_flags, *args.gateway_arg]
     return LocalClusterConfig(
-        replicas=args.replicas, run_dir=env.run_dir, model=args.model, host=args.host,
-        port=args.port, serve_args=tuple(serve_args), gateway_args=tuple(gateway_args),
+        replicas=replicas, num_prefill=num_prefill, run_dir=env.run_dir, model=args.model,
+        host=args.host, port=args.port, serve_args=tuple(serve_args),
+        gateway_args=tuple(gateway),
         threads_per_instance=None if args.simulate else threads,
-        registry=args.registry or env.registry_url,
+        registry=args.registry or env.registry_url, is_autoscaled=args.autoscale,
     )
 
 
@@ -265,6 +266,8 @@ def _gateway_routes_all(config: LocalClusterConfig) -> bool:
     import httpx
 
     try:
+        if config.replicas == 0:  # an autoscaler starts the first instance on demand
+            return httpx.get(f"http://{config.host}:{config.port}/health", timeout=2).is_success
         resp = httpx.get(f"http://{config.host}:{config.port}/ready", timeout=2)
         num_routable = int(resp.json()["num_routable"]) if resp.status_code == 200 else 0
     except (httpx.HTTPError, ValueError, KeyError, TypeError):

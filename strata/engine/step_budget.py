@@ -23,11 +23,26 @@ MIN_PREFILL_SAMPLE = 16  # tokens: a smaller prefill says little about the cost 
 
 
 class StepBudget:
+    """`stretch` 0: no cap. Per step: `start_step`, then `limit` for each request scheduled."""
+
     def __init__(self, stretch: float, floor: int) -> None:
         self.stretch = stretch
         self.floor = floor
         self.base_s: float | None = None  # one decode-only step
         self.token_s: float | None = None  # one prefill token
+        self.left: int | None = None  # prefill tokens this step may still add; None: no cap
+
+    def start_step(self, num_decodes: int) -> None:
+        self.left = self.prefill_cap(num_decodes) if self.stretch else None
+
+    def limit(self, num_to_compute: int, budget: int) -> int:
+        """The token budget of a request with `num_to_compute` tokens to go (a prefill when
+        more than 1), counted as taken from what is left."""
+        if num_to_compute <= 1 or self.left is None:
+            return budget
+        budget = min(budget, self.left)
+        self.left -= min(budget, num_to_compute)
+        return budget
 
     def observe(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
         if num_prefill_tokens == 0:

@@ -18,6 +18,7 @@ from strata.gateway.proxy import ProxyRequest
 from strata.gateway.requests import route_request
 from strata.gateway.upstream import error_response
 from strata.gateway.wiring import Gateway
+from strata.protocol.priority import MAX_PRIORITY_STATE, PRIORITY_HEADER
 
 
 def _gateway(request: Request) -> Gateway:
@@ -43,12 +44,14 @@ async def _proxied(request: Request, gateway: Gateway, forward: Handler) -> Resp
     gateway.metrics.requests.labels(request.url.path).inc()
     body = await request.body()
     try:
-        route = route_request(body, request.headers)
+        route = route_request(body, request.headers,
+                              max_priority=request.scope.get("state", {}).get(MAX_PRIORITY_STATE))
     except InvalidRequestError as exc:
         gateway.metrics.errors.labels("bad_request").inc()
         return error_response(400, str(exc))
-    preq = ProxyRequest(request.method, request.url.path, body, list(request.headers.items()),
-                        route, received_at)
+    headers = [(k, v) for k, v in request.headers.items() if k != PRIORITY_HEADER]
+    headers.append((PRIORITY_HEADER, str(route.priority)))  # the instance gets it clamped
+    preq = ProxyRequest(request.method, request.url.path, body, headers, route, received_at)
     return await forward(preq)
 
 

@@ -16,7 +16,9 @@ with OpenAI error bodies:
     a client key on /admin/       -> 403 permission_error, when admin keys are set
     key over its rate             -> 429 rate_limit_exceeded (Retry-After)
 
-Probes and scrapes (/health, /ready, /metrics, /load) need no key.
+Probes and scrapes (/health, /ready, /metrics, /load) need no key. A key may carry a priority
+ceiling (strata/protocol/priority.py): the middleware leaves it in the request's state
+(`scope["state"][MAX_PRIORITY_STATE]`) for the routes to clamp with.
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ import hmac
 import ipaddress
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from strata.errors import ConfigError
 from strata.protocol.errors import error_json
+from strata.protocol.priority import MAX_PRIORITY_STATE
 
 EXEMPT_PATHS = frozenset({"/health", "/ready", "/metrics", "/load"})
 ADMIN_PREFIX = "/admin/"
@@ -111,7 +114,8 @@ class ApiKeyAuth:
                  rate_limit_per_s: float | None = None,
                  burst: int | None = None, clock: Callable[[], float] = time.monotonic,
                  compare: Compare = hmac.compare_digest,
-                 exempt_paths: frozenset[str] = EXEMPT_PATHS) -> None:
+                 exempt_paths: frozenset[str] = EXEMPT_PATHS,
+                 max_priority: Mapping[str, int] | None = None) -> None:
         if not (keys or admin_keys) or any(not key for key in (*keys, *admin_keys)):
             raise ConfigError("API keys must be a non-empty list of non-empty strings; "
                               "leave auth off instead of passing no keys")
@@ -120,6 +124,7 @@ class ApiKeyAuth:
         self.app = app
         self.keys = [key.encode() for key in keys]
         self.admin_keys = [key.encode() for key in admin_keys]
+        self.max_priority = [(max_priority or {}).get(key) for key in keys]
         self.rate_limit_per_s = rate_limit_per_s
         self.burst = burst if burst is not None else max(1, math.ceil(rate_limit_per_s or 1))
         self.clock = clock
@@ -154,6 +159,8 @@ class ApiKeyAuth:
                           f"Rate limit of {self.rate_limit_per_s:g} requests/s exceeded for "
                           "this API key; retry later", [(b"retry-after", retry_after)])
             return
+        if self.max_priority[index] is not None:
+            scope.setdefault("state", {})[MAX_PRIORITY_STATE] = self.max_priority[index]
         await self.app(scope, receive, send)
 
     async def _refuse_admin(self, send: Send, *, is_client: bool) -> None:

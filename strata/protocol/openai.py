@@ -69,7 +69,7 @@ class _SamplingFields(_Request):
     frequency_penalty: float | None = None
     ignore_eos: bool = False
     user: str | None = None
-    priority: int = 0
+    priority: int | str | None = None  # a class name or an integer (strata/protocol/priority.py)
     cache_salt: str | None = None
 
     @model_validator(mode="before")

@@ -5,6 +5,9 @@
     GET  /v1/models, /health, /ready, /metrics, /load   info_routes.py
     GET  /v1/strata/kv-events, /v1/strata/tokenizer     prefix_routes.py (cache-aware gateways)
     POST /tokenize, /detokenize, /admin/drain           info_routes.py
+    /internal/prefill/..., /internal/decode/..., /internal/kv/...   pd_routes.py (hand-off)
+    POST /v1/strata/resume                        resume.py: go on with a stream another
+                                                  instance began (strata/protocol/resume.py)
 
 Every route reaches the instance's parts through one typed object (`Instance`, instance.py);
 every error leaves through one table (errors.py). Middleware, outermost first: `X-Request-Id`
@@ -39,8 +42,11 @@ from strata.server.kv_events import open_prefix_serving
 from strata.server.kv_offload import open_kv_offload
 from strata.server.metrics import ServerMetrics
 from strata.server.openapi_routes import instance_openapi
+from strata.server.pd_routes import pd_routes
+from strata.server.pd_state import PD
 from strata.server.prefix_routes import prefix_routes
 from strata.server.registration import Registration
+from strata.server.resume import resume_routes
 from strata.server.serving import ServingContext
 from strata.server.session_routes import session_routes
 from strata.server.sessions import Sessions
@@ -68,12 +74,15 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
+            pd.start()
+            stack.push_async_callback(pd.close)
             _open_parts(instance, stack, session_store, kv_store)
             yield
 
     app = FastAPI(title="Strata", routes=build_routes(), lifespan=lifespan, docs_url=None,
                   redoc_url=None)
     app.state.instance = instance
+    app.state.pd = pd = PD(instance, config.pd)
     document = instance_openapi()  # GET /openapi.json serves it (openapi_routes.py)
     app.openapi = lambda: document  # type: ignore[method-assign]
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
@@ -82,14 +91,16 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
     if config.api_keys or config.admin_keys:
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
                            admin_keys=list(config.admin_keys),
-                           rate_limit_per_s=config.rate_limit_per_s)
+                           rate_limit_per_s=config.rate_limit_per_s,
+                           max_priority=dict(config.key_max_priority))
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer and log line has the id
     install_error_handlers(app)
     return app
 
 
 def build_routes() -> list[BaseRoute]:
-    return [*generation_routes(), *session_routes(), *info_routes(), *prefix_routes()]
+    return [*generation_routes(), *session_routes(), *info_routes(), *prefix_routes(),
+            *pd_routes(), *resume_routes()]
 
 
 def _open_parts(instance: Instance, stack: AsyncExitStack, session_store: SessionStore | None,

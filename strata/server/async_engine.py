@@ -41,7 +41,8 @@ class EngineCore(Protocol):
     cache_config: CacheConfig
 
     def block_hashes(self, token_ids: list[int], cache_salt: str = "",
-                     num_public_tokens: int = 0) -> list[BlockHash]: ...
+                     num_public_tokens: int = 0, *, partial: bool = False
+                     ) -> list[BlockHash]: ...
 
     def num_cached_blocks(self, hashes: list[BlockHash]) -> int: ...
 
@@ -56,6 +57,8 @@ class EngineCore(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def stats(self) -> EngineStats: ...
+
+    def release_held(self, request_id: RequestId) -> int: ...
 
 
 @dataclass(slots=True)
@@ -172,6 +175,11 @@ class AsyncEngine:
             if not finished:
                 self._post(("abort", request.request_id))
 
+    def release_held(self, request_id: RequestId) -> None:
+        """Return the blocks a finished request left held to the free pool (on the engine
+        thread, at its next command pass)."""
+        self._post(("release", request_id))
+
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -209,6 +217,8 @@ class AsyncEngine:
                 self._stopping = True
             elif kind == "abort":
                 self.engine.abort_request(RequestId(str(arg)))
+            elif kind == "release":
+                self.engine.release_held(RequestId(str(arg)))
             elif kind == "fail" and isinstance(arg, Exception):
                 raise arg
             elif isinstance(arg, Request):

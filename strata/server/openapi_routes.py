@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from strata.protocol.openapi import OPENAI_OPERATIONS, Operation, openapi_document
+from strata.protocol.resume import RESUME_PATH, ResumeRequest
+from strata.server.pd_routes import PD_OPERATIONS
 
 INSTANCE_OPERATIONS: tuple[Operation, ...] = (
     *OPENAI_OPERATIONS,
@@ -14,6 +16,9 @@ INSTANCE_OPERATIONS: tuple[Operation, ...] = (
               access="admin"),
     Operation("GET", "/v1/strata/kv-events", "Prefix-cache events for cache-aware gateways"),
     Operation("GET", "/v1/strata/tokenizer", "The tokenizer, for cache-aware gateways"),
+    *PD_OPERATIONS,
+    Operation("POST", RESUME_PATH, "Go on with a stream another instance began (gateways)",
+              ResumeRequest, streams=True),
 )
 
 

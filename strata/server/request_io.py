@@ -17,6 +17,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Send
 
 from strata.protocol.json_body import parse_json_object
+from strata.protocol.priority import MAX_PRIORITY_STATE, PRIORITY_HEADER, effective_priority
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -26,6 +27,13 @@ async def parse_body(request: Request, model: type[M]) -> M:
     """JSON body -> model; a body that is not a JSON object (strata/protocol/json_body.py) and
     wrong types raise (mapped to 400)."""
     return model.model_validate(parse_json_object(await request.body()))
+
+
+def request_priority(request: Request, body_priority: object) -> int:
+    """`X-Priority`, else the body's `priority`, else standard; clamped to the API key's
+    ceiling (strata/protocol/priority.py)."""
+    ceiling = request.scope.get("state", {}).get(MAX_PRIORITY_STATE)
+    return effective_priority(request.headers.get(PRIORITY_HEADER), body_priority, ceiling)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -21,6 +21,7 @@ from strata.protocol.openai import (
     CompletionLogprobs,
     CompletionRequest,
 )
+from strata.protocol.priority import effective_priority
 from strata.server.config import ServerConfig
 from strata.types import RequestId
 
@@ -153,8 +154,8 @@ def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
                    num_public_tokens: int = 0) -> Request:
     return Request(request_id=RequestId(request_id), prompt_token_ids=prompt,
                    sampling_params=params, eos_token_ids=tuple(tokenizer.eos_token_ids),
-                   arrival_time=arrival_s, priority=req.priority, cache_salt=req.cache_salt or "",
-                   num_public_tokens=num_public_tokens)
+                   arrival_time=arrival_s, priority=effective_priority(None, req.priority, None),
+                   cache_salt=req.cache_salt or "", num_public_tokens=num_public_tokens)
 
 
 R = TypeVar("R", CompletionRequest, ChatCompletionRequest)

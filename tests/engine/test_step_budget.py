@@ -48,7 +48,7 @@ def run_interference(stretch: float) -> TimedExecutor:
     executor = TimedExecutor()
     engine, _ = make_engine(num_blocks=512, max_num_seqs=32, max_num_batched_tokens=256,
                             max_model_len=1024, executor=executor, prefill_stretch=stretch,
-                            clock=lambda: executor.now)
+                            step_clock=lambda: executor.now)
     decoders = [make_request(prompt_of(12, start=i), 40) for i in range(16)]
     for r in decoders:
         engine.add_request(r)

@@ -8,6 +8,7 @@ import threading
 import pytest
 from engine_fakes import make_engine, make_request, prompt_of, reference_tokens
 
+from strata.bench.procs import wait_until
 from strata.engine.executor import ModelInput, ModelOutput
 from strata.errors import EngineDeadError, InvalidRequestError
 from strata.server.async_engine import AsyncEngine
@@ -143,7 +144,9 @@ def test_a_failing_step_ends_every_request_with_error_and_kills_the_engine() -> 
     for n, streamed in tokens.items():  # what streamed before the failure was right, and short
         assert streamed == reference_tokens(prompt_of(n), 50)[:len(streamed)] and \
             len(streamed) < 50
-    assert deaths == ["Boom: the GPU fell off"]  # the hook `strata serve` exits by
+    # the hook `strata serve` exits by runs on the engine thread right after the streams ended
+    wait_until(lambda: bool(deaths), 5, "the death hook")
+    assert deaths == ["Boom: the GPU fell off"]
 
 
 def test_a_request_the_executor_cannot_run_fails_alone_and_the_engine_lives() -> None:
