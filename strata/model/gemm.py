@@ -9,6 +9,7 @@ every row of the batch. bf16 weights get this kernel only where it beats oneDNN'
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +51,10 @@ def supports_bf16() -> bool:
     return lib is not None and bool(lib.gemm_has_bf16())
 
 
+@functools.cache
 def has_amx() -> bool:
-    """Whether the AMX kernel runs here (built with AMX, and the kernel granted AMX state)."""
+    """Whether the AMX kernel runs here (built with AMX, and the kernel granted AMX state);
+    asked once per process (`matmul` asks on every call)."""
     lib = kernel_library()
     return lib is not None and bool(lib.gemm_amx_init())
 
