@@ -20,12 +20,11 @@ from strata.model.quant import QuantWeight
 
 KINDS = {"bf16": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3}
 TILE, RECORD_BYTES = 16, {"bf16": 1024, "q8_0": 544, "q4_0": 288, "q4_1": 320}
-# Rows up to which the bf16 vector kernel is used instead of oneDNN's packed matmul, on a CPU
-# without AMX (with AMX, oneDNN's matmul wins from 8 rows up and bf16 weights stay with it).
+# Rows up to which bf16 weights run the C kernels instead of oneDNN's packed matmul.
 BF16_MAX_ROWS = 64
-# Rows from which quantized weights run on the AMX tiles instead of the vector kernel
-# (bench/gemm_shapes.py).
-AMX_MIN_ROWS = 8
+# Rows from which the AMX kernel replaces the vector one, where the CPU has AMX: quantized
+# weights pay a decode per call, bf16 weights do not (bench/gemm_shapes.py, 2026-12-01).
+AMX_MIN_ROWS = {"bf16": 2, "q8_0": 8, "q4_0": 8, "q4_1": 8}
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +84,8 @@ def pack(weight: Tensor | QuantWeight, dense: Tensor | None = None) -> PackedWei
 def matmul(x: Tensor, weight: PackedWeight, bias: Tensor | None = None, *,
            kernel: str = "auto") -> Tensor:
     """x (M, K) bf16 @ W^T (+ bias (N,) bf16) -> (M, N) bf16. `kernel`: auto (AMX from
-    `AMX_MIN_ROWS` rows where it runs, else the vector kernel), or "vector", "amx", "portable"
-    (the quantized kernels' portable loop) for tests and benchmarks."""
+    `AMX_MIN_ROWS[kind]` rows where it runs, else the vector kernel), or "vector", "amx",
+    "portable" (the quantized kernels' portable loop) for tests and benchmarks."""
     lib = kernel_library()
     assert lib is not None, "invariant kernel_built"
     n, k = weight.shape
@@ -97,7 +96,7 @@ def matmul(x: Tensor, weight: PackedWeight, bias: Tensor | None = None, *,
         return out
     b = bias.contiguous().data_ptr() if bias is not None else None
     if kernel == "auto":
-        kernel = "amx" if m >= AMX_MIN_ROWS and has_amx() else "vector"
+        kernel = "amx" if m >= AMX_MIN_ROWS[weight.kind] and has_amx() else "vector"
     args = (x.data_ptr(), m, k, weight.data.data_ptr(), n, b, out.data_ptr())
     if kernel == "amx":
         assert has_amx(), "invariant amx: check has_amx() first"

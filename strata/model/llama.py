@@ -116,16 +116,16 @@ def pack_linear_weight(weight: Tensor | QuantWeight) -> Linear:
 
     Quantized: the C kernels' tile layout (it stays quantized). bf16 on CPU: oneDNN's blocked
     layout (oneDNN otherwise reorders the weight on every call; packing halves the time of the
-    decode matmuls, bit-identical results), plus the C kernel's layout on an AVX512-BF16 CPU
-    without AMX (with AMX, oneDNN's matmul is as fast from 4 rows up and faster from 8: measured,
-    bench/gemm_shapes.py). Anything else stays as it is.
+    decode matmuls, bit-identical results), plus the C kernels' layout on an AVX512-BF16 CPU
+    (up to `gemm.BF16_MAX_ROWS` rows they beat oneDNN: bench/gemm_shapes.py). Anything else
+    stays as it is.
     """
     if isinstance(weight, QuantWeight):
         return gemm.pack(weight)
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not _can_pack():
         return weight
     dense = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
-    if weight.shape[1] % 32 or not gemm.supports_bf16() or gemm.has_amx():
+    if weight.shape[1] % 32 or not gemm.supports_bf16():
         return dense
     return gemm.pack(weight, dense)
 
