@@ -149,7 +149,7 @@ def _build_engine(args: argparse.Namespace, loaded: Any) -> tuple[Any, TimingExe
     engine = Engine(timer, CacheConfig(block_size=BLOCK_SIZE, num_blocks=blocks + 64,
                                        enable_prefix_caching=False),
                     SchedulerConfig(max_num_seqs=args.max_batch, max_num_batched_tokens=budget,
-                                    max_model_len=max_len),
+                                    max_model_len=max_len, prefill_stretch=0.0),  # exact shapes
                     loaded.tokenizer, vocab_size=loaded.config.vocab_size)
     return engine, timer
 
