@@ -119,3 +119,10 @@ def rows(weight: PackedWeight, ids: Tensor) -> Tensor:
     lib.gemm_rows_q(KINDS[weight.kind], weight.data.data_ptr(), n, k, ids.data_ptr(),
                     ids.numel(), out.data_ptr())
     return out
+
+
+def embedding(ids: Tensor, table: Tensor | PackedWeight) -> Tensor:
+    """`F.embedding`, or the rows of a packed quantized table (a tied LM head's bytes)."""
+    if isinstance(table, PackedWeight):
+        return rows(table, ids)
+    return torch.nn.functional.embedding(ids, table)

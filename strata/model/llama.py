@@ -1,4 +1,4 @@
-"""Llama-family forward pass (Llama, Qwen2, Mistral) over a paged KV cache.
+"""Llama-family forward pass (Llama, Qwen2, Qwen3, Mistral, Phi-3) over a paged KV cache.
 
 One `LlamaModel.forward` runs one engine step: the linear layers see every new token of every
 sequence concatenated (bf16 weights prepacked for oneDNN and for the small-M C kernel, GGUF
@@ -41,6 +41,7 @@ class _Layer:
     input_norm: Tensor
     qkv: Linear  # q, k and v projections stacked on the output dimension
     qkv_bias: Tensor | None
+    qk_norm: Tensor | None  # (q heads + kv heads, head_dim): q_norm's rows, then k_norm's
     o: Linear
     post_norm: Tensor
     gate_up: Linear  # gate and up projections stacked on the output dimension
@@ -89,12 +90,15 @@ class _WeightReader:
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
-    """Inverse frequencies (head_dim / 2,), float32, with Llama-3 scaling when configured."""
+    """Inverse frequencies (head_dim / 2,), float32, with Llama-3 scaling when configured: from
+    an HF config's parameters, or as a GGUF file's per-frequency divisors (llama.cpp's form)."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (config.rope_theta ** exponents)
     if config.rope_scaling is not None:
         inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
     return inv_freq
 
 
@@ -113,13 +117,9 @@ def _llama3_scale(inv_freq: Tensor, rs: RopeScaling) -> Tensor:
 
 def pack_linear_weight(weight: Tensor | QuantWeight) -> Linear:
     """A weight (out, in) packed once for the matmuls that run it; use it with `linear` only.
-
-    Quantized: the C kernels' tile layout (it stays quantized). bf16 on CPU: oneDNN's blocked
-    layout (oneDNN otherwise reorders the weight on every call; packing halves the time of the
-    decode matmuls, bit-identical results), plus the C kernels' layout on an AVX512-BF16 CPU
-    (up to `gemm.BF16_MAX_ROWS` rows they beat oneDNN: bench/gemm_shapes.py). Anything else
-    stays as it is.
-    """
+    Quantized: the C kernels' tile layout. bf16 on CPU: oneDNN's blocked layout (else reordered
+    on every call), plus the C kernels' on an AVX512-BF16 CPU (faster up to
+    `gemm.BF16_MAX_ROWS` rows: bench/gemm_shapes.py). Anything else stays as it is."""
     if isinstance(weight, QuantWeight):
         return gemm.pack(weight)
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not _can_pack():
@@ -139,12 +139,6 @@ def linear(x: Tensor, weight: Linear, bias: Tensor | None = None) -> Tensor:
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
-
-
-def _embedding(ids: Tensor, table: Linear) -> Tensor:
-    if isinstance(table, PackedWeight):
-        return gemm.rows(table, ids)
-    return F.embedding(ids, table)
 
 
 def _can_pack() -> bool:
@@ -205,6 +199,12 @@ class LlamaModel:
                for n, d in shapes.items()]
         bias = ([reader.take(f"{p}self_attn.{n}_proj.bias", (d,)) for n, d in shapes.items()]
                 if c.attention_bias else None)
+        qk_norm = None
+        if c.qk_norm:
+            norms = [reader.take(f"{p}self_attn.{n}_norm.weight", (c.head_dim,))
+                     for n in ("q", "k")]
+            qk_norm = torch.cat([norms[0].expand(len(s.q_heads), -1),
+                                 norms[1].expand(len(s.kv_heads), -1)])
         rows = len(s.intermediate)
         mlp = [reader.take_linear(f"{p}mlp.{n}_proj.weight", (rows, c.hidden_size))
                for n in ("gate", "up")]
@@ -212,6 +212,7 @@ class LlamaModel:
             input_norm=reader.take(f"{p}input_layernorm.weight", (c.hidden_size,)),
             qkv=pack_linear_weight(stack_rows(qkv)),
             qkv_bias=torch.cat(bias) if bias is not None else None,
+            qk_norm=qk_norm,
             o=pack_linear_weight(
                 reader.take_linear(f"{p}self_attn.o_proj.weight", (c.hidden_size, q_dim))),
             post_norm=reader.take(f"{p}post_attention_layernorm.weight", (c.hidden_size,)),
@@ -245,10 +246,10 @@ class LlamaModel:
         elsewhere) and the sum over the group assembles them exactly."""
         assert self.embed is not None
         if not self.is_vocab_split:
-            return _embedding(input_ids, self.embed)
+            return gemm.embedding(input_ids, self.embed)
         local = input_ids - self.shard.vocab.start
         outside = (local < 0) | (local >= len(self.shard.vocab))
-        x = _embedding(local.masked_fill(outside, 0), self.embed)
+        x = gemm.embedding(local.masked_fill(outside, 0), self.embed)
         return self.comm.all_reduce(x.masked_fill_(outside[:, None], 0))
 
     def _rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -271,6 +272,8 @@ class LlamaModel:
         q_dim, kv_dim = heads * hd, kv_heads * hd
         # q and k rotate together: one rope over (T, heads + kv_heads, head_dim).
         qk = qkv[:, : q_dim + kv_dim].view(-1, heads + kv_heads, hd)
+        if layer.qk_norm is not None:
+            qk = _rms_norm(qk, layer.qk_norm, self.config.rms_norm_eps)
         qk = torch.addcmul(qk * cos, qk.roll(hd // 2, dims=-1), sin)
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, q_dim + kv_dim :].view(-1, kv_heads, hd)
