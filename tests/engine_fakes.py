@@ -275,6 +275,8 @@ def make_engine(
     executor: FakeExecutor | None = None,
     max_queue_wait_s: float | None = None,
     clock: Callable[[], float] | None = None,
+    prefill_stretch: float = 1.5,
+    step_clock: Callable[[], float] = lambda: 0.0,  # steps take no time: no prefill cap
 ) -> tuple[Engine, FakeExecutor]:
     executor = executor if executor is not None else FakeExecutor()
     engine = Engine(
@@ -283,10 +285,12 @@ def make_engine(
                     enable_prefix_caching=enable_prefix_caching, namespace=namespace),
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
-                        max_waiting=max_waiting, max_queue_wait_s=max_queue_wait_s),
+                        max_waiting=max_waiting, max_queue_wait_s=max_queue_wait_s,
+                        prefill_stretch=prefill_stretch),
         FakeDecoder(),
         vocab_size=VOCAB,
         clock=clock,
+        step_clock=step_clock,
     )
     return engine, executor
 

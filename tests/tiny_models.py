@@ -220,7 +220,9 @@ def _write_hparams(w: gguf.GGUFWriter, cfg: dict[str, Any], name: str, qtype: An
     w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
     file_types = {gguf.GGMLQuantizationType.F32: gguf.LlamaFileType.ALL_F32,
                   gguf.GGMLQuantizationType.F16: gguf.LlamaFileType.MOSTLY_F16,
-                  gguf.GGMLQuantizationType.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
+                  gguf.GGMLQuantizationType.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
+                  gguf.GGMLQuantizationType.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
+                  gguf.GGMLQuantizationType.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1}
     w.add_file_type(file_types[qtype])
 
 

@@ -38,6 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="HF model directory, .gguf file, URI or alias (default: smollm2)")
     p.add_argument("--out", type=Path, required=True, help="where to write the profile JSON")
     p.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
+    p.add_argument("--weights-dtype", choices=("auto", "bf16", "q8_0", "q4"), default="auto",
+                   help="as strata serve's --weights-dtype")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--max-batch", type=int, default=32, help="largest decode batch measured")
     p.add_argument("--repeats", type=int, default=3, help="measurements per configuration")
@@ -118,7 +120,8 @@ def _load(args: argparse.Namespace, env: CliEnv) -> tuple[Any, str]:
         path = resolve_model_uri(args.model, cache_dir=env.cache_dir)
     else:
         path = resolve_model(args.model, cache_dir=env.cache_dir, progress=True)
-    loaded = load_model(path, dtype=args.dtype, cache_dir=env.cache_dir)
+    loaded = load_model(path, dtype=args.dtype, cache_dir=env.cache_dir,
+                        weights_dtype=args.weights_dtype, device=_device(args))
     alias = KNOWN_MODELS.get(args.model or DEFAULT_MODEL)
     return loaded, alias.served_name if alias else loaded.name
 
@@ -146,7 +149,7 @@ def _build_engine(args: argparse.Namespace, loaded: Any) -> tuple[Any, TimingExe
     engine = Engine(timer, CacheConfig(block_size=BLOCK_SIZE, num_blocks=blocks + 64,
                                        enable_prefix_caching=False),
                     SchedulerConfig(max_num_seqs=args.max_batch, max_num_batched_tokens=budget,
-                                    max_model_len=max_len),
+                                    max_model_len=max_len, prefill_stretch=0.0),  # exact shapes
                     loaded.tokenizer, vocab_size=loaded.config.vocab_size)
     return engine, timer
 

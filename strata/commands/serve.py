@@ -29,6 +29,7 @@ from strata.commands.serve_stack import (
 from strata.state.urls import schemes_help
 
 DTYPES = ("bfloat16", "float32", "float16")
+WEIGHTS_DTYPES = ("auto", "bf16", "q8_0", "q4")  # strata.model.quant_loader says what each means
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -44,6 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--weights-dtype", choices=WEIGHTS_DTYPES, default="auto",
+                   help="auto (default): a GGUF's Q8_0/Q4_0/Q4_1 weights stay quantized on CPU; "
+                        "bf16: every weight in --dtype; q8_0, q4: quantize at load")
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help=f"context length (default: min(model context, {DEFAULT_MAX_MODEL_LEN}))")
     p.add_argument("--kv-cache-gb", type=positive_float, default=1.0)
@@ -53,6 +57,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="token budget per step (default: 512; max-model-len without chunking)")
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--prefill-stretch", type=non_negative_float, default=1.5,
+                   help="while decodes run, cap each step's prefill tokens so that it lasts "
+                        "about this many decode steps (measured; default 1.5; 0: no cap)")
     p.add_argument("--max-waiting", type=positive_int, default=1024,
                    help="queued requests beyond which new ones get 429")
     p.add_argument("--max-queue-wait-s", type=non_negative_float, default=30.0,

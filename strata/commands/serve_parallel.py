@@ -84,7 +84,12 @@ def load_for_serving(args: argparse.Namespace, path: Path,
 
     layout = parallel_layout(args)
     if layout is None:
-        return load_model(path, dtype=args.dtype, cache_dir=cache_dir), None
+        device = args.device or ("cuda" if _has_cuda() else "cpu")
+        return load_model(path, dtype=args.dtype, cache_dir=cache_dir,
+                          weights_dtype=args.weights_dtype, device=device), None
+    if args.weights_dtype not in ("auto", "bf16"):
+        raise ConfigError(f"--weights-dtype {args.weights_dtype} runs in one process only; "
+                          "tensor and pipeline ranks read bf16 weights (--weights-dtype bf16)")
     from strata.model.parallel.shard_loader import prepare_model
 
     prepared = prepare_model(path, dtype=args.dtype, cache_dir=cache_dir)
@@ -92,6 +97,12 @@ def load_for_serving(args: argparse.Namespace, path: Path,
     loaded = LoadedModel(prepared.config, {}, prepared.tokenizer, prepared.name, prepared.source,
                          read_generation_defaults(prepared.source))
     return loaded, ParallelModel(prepared, layout)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def make_executor(args: argparse.Namespace, loaded: LoadedModel, parallel: ParallelModel | None,

@@ -154,6 +154,7 @@ def scheduler_config_from(args: argparse.Namespace, max_model_len: int) -> Sched
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
         max_model_len=max_model_len, enable_chunked_prefill=chunked, max_waiting=args.max_waiting,
         max_queue_wait_s=args.max_queue_wait_s or None,
+        prefill_stretch=args.prefill_stretch,
     )
 
 

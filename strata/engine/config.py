@@ -46,6 +46,9 @@ class SchedulerConfig:
     max_waiting: int = 1024  # beyond this new requests are refused (OverloadedError)
     # aging: a request (not sheddable) waiting this long ranks with the top class; None: off
     max_queue_wait_s: float | None = None
+    # While decodes run, a step's prefill tokens are capped so that it lasts at most about this
+    # many decode steps (measured: step_budget.py); 0 turns the cap off.
+    prefill_stretch: float = 1.5
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -60,6 +63,8 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode"
             )
+        if self.prefill_stretch != 0 and self.prefill_stretch <= 1.0:
+            raise ConfigError(f"prefill_stretch must be 0 (off) or > 1, got {self.prefill_stretch}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 "without chunked prefill max_num_batched_tokens "

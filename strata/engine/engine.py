@@ -20,6 +20,7 @@ instance's first token instead of a sample and, its whole prompt imported, compu
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from strata.engine.batch_queue import BatchQueue
@@ -53,10 +54,12 @@ class Engine:
         *,
         vocab_size: int | None = None,
         clock: Callable[[], float] | None = None,
+        step_clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """`clock`: the clock of `Request.arrival_time`, which aging reads (the engine never
-        reads the time itself)."""
+        """`clock`: the clock of `Request.arrival_time`, which aging reads; `step_clock` times
+        each step for the adaptive prefill budget (scheduler.step_budget)."""
         self.executor = executor
+        self.step_clock = step_clock
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.decoder = decoder
@@ -118,12 +121,17 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Submit batches while the executor has room and a request can run, then wait for the
         oldest batch in flight and return its news, after the first tokens handed over."""
+        started = self.step_clock()
         while self._batches.has_room and self._submit_next():
             pass
         handed, self._handed = self._handed, []
         collected = self._batches.collect_oldest()
         if collected is None:
             return handed
+        if self._batches.max_batches == 1:  # the step's time is this batch's
+            sizes = [n for _, n in collected.scheduled.scheduled]
+            self.scheduler.step_budget.observe(sizes.count(1), sum(n for n in sizes if n > 1),
+                                               self.step_clock() - started)
         applied = self.scheduler.on_collected(collected.scheduled)
         failed = [self._fail(r) for r, _ in applied if r.request_id in collected.failed]
         return handed + failed + self._update([(r, n) for r, n in applied

@@ -15,6 +15,9 @@ wrote (`on_kv_imported`); the scheduler turns a refused payload into a miss. A r
 whole prompt is imported and whose first token a prefill instance handed over is admitted with
 nothing to compute (`handed`): the engine appends that token, and it decodes from the next batch.
 
+While decodes run, prefill tokens (new prompts, chunks of running ones) are capped by the
+adaptive prefill budget (step_budget.py), which the engine feeds with each step's wall time.
+
 Batches in flight (pipeline parallel): the engine reports each batch it submits and collects
 (`on_submitted`, `on_collected`). A request's next batch starts after its tokens in flight, so a
 prompt may be computed in chunks that are in flight together, while a request whose batch in
@@ -31,9 +34,11 @@ from dataclasses import dataclass, field
 
 from strata.engine.block_pool import KVBlock
 from strata.engine.config import SchedulerConfig
+from strata.engine.integrity import check_scheduler
 from strata.engine.kv_cache_manager import ComputedBlocks, KVCacheManager
 from strata.engine.priority import WaitingQueue, order_key, to_defer, victims
 from strata.engine.request import Request, RequestStatus
+from strata.engine.step_budget import StepBudget
 from strata.errors import ConfigError
 from strata.types import RequestId
 
@@ -86,6 +91,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_priority_preemptions = 0  # of them, to make room for a higher priority
         self.num_kv_import_failures = 0
+        self.step_budget = StepBudget(
+            config.prefill_stretch if config.enable_chunked_prefill else 0.0, floor=16)
 
     @property
     def num_waiting(self) -> int:
@@ -117,6 +124,7 @@ class Scheduler:
         now = self.clock() if self.clock is not None else 0.0
         out = SchedulerOutput()
         max_seqs = self._max_seqs_per_batch()
+        self.step_budget.start_step(sum(r.num_tokens_to_compute == 1 for r in self.running))
         self._schedule_running(out, self.config.max_num_batched_tokens, max_seqs, now)
         if not out.preempted:
             self._schedule_waiting(out, max_seqs, now)
@@ -168,8 +176,11 @@ class Scheduler:
                 i += 1
                 continue
             num_new = self._num_to_schedule(request, budget)
-            if num_new == 0:
+            if num_new == 0 and self.step_budget.left != 0:
                 break
+            if num_new == 0:  # a prefill over the cap: the decodes after it still run
+                i += 1
+                continue
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out, now)
@@ -244,8 +255,9 @@ class Scheduler:
         return chosen is not None
 
     def _num_to_schedule(self, request: Request, budget: int) -> int:
-        num_new = min(request.num_tokens_to_compute, budget)
-        if num_new < request.num_tokens_to_compute and not self.config.enable_chunked_prefill:
+        to_go = request.num_tokens_to_compute
+        num_new = min(to_go, self.step_budget.limit(to_go, budget))
+        if num_new < to_go and not self.config.enable_chunked_prefill:
             return 0
         return num_new
 
@@ -277,20 +289,5 @@ class Scheduler:
         self._waiting.push(request, now)  # under its original arrival: it keeps its place
 
     def check_integrity(self, in_flight: Iterable[SchedulerOutput]) -> None:
-        """The running set is running, and each request's tokens in flight are those of the
-        batches in flight, within its known tokens."""
-        for request in self.running:
-            if request.status != RequestStatus.RUNNING:
-                raise RuntimeError(f"running_are_running: {request.request_id} is {request.status}")
-        num_in_flight: dict[Request, int] = {}
-        for out in in_flight:
-            for request, num_new in out.scheduled:
-                num_in_flight[request] = num_in_flight.get(request, 0) + num_new
-        for request in {*self._requests.values(), *num_in_flight}:
-            if request.num_in_flight_tokens != num_in_flight.get(request, 0):
-                raise RuntimeError(
-                    f"in_flight_tokens_match_batches: {request.request_id} counts "
-                    f"{request.num_in_flight_tokens}, batches {num_in_flight.get(request, 0)}"
-                )
-            if request.num_computed_tokens + request.num_in_flight_tokens > request.num_tokens:
-                raise RuntimeError(f"in_flight_within_known_tokens: {request.request_id}")
+        """See strata.engine.integrity; RuntimeError naming a broken invariant."""
+        check_scheduler(self.running, self._requests.values(), (o.scheduled for o in in_flight))

@@ -26,7 +26,7 @@ from strata.model import cpu_kernels
 from strata.model.attention import PagedKVCache, PrefillChunk, StepBatch
 from strata.model.config import ModelConfig
 from strata.model.kv_codec import FORMAT_VERSION, KVCodec, KVLayout
-from strata.model.llama import LlamaModel
+from strata.model.llama import LlamaModel, Weights
 from strata.model.masks import MaskWorker
 from strata.model.sampler import Sampler
 from strata.model.shard import RankShard, ShardComm
@@ -43,7 +43,7 @@ class TorchExecutor:
     go into the header of exported KV blocks, and imported ones must carry the same.
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, Tensor], *,
+    def __init__(self, config: ModelConfig, weights: Weights, *,
                  dtype: str = "bfloat16", device: str = "cpu", model_name: str = "",
                  model_version: str = "default", shard: RankShard | None = None,
                  comm: ShardComm | None = None) -> None:

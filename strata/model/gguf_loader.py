@@ -49,7 +49,7 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _ROPE_FREQS = "rope_freqs.weight"
-_SKIPPED = {_ROPE_FREQS}  # read into the config, not a weight
+SKIPPED = {_ROPE_FREQS}  # read into the config, not a weight
 _BIASED = {"qwen2": ("attn_q", "attn_k", "attn_v")}  # the only biases Strata's layers have
 
 
@@ -74,8 +74,8 @@ class GGUFHeader:
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF name -> shape of every tensor the model uses, in file order."""
-        return {_hf_name(t.name, self.source): tuple(int(d) for d in reversed(t.shape.tolist()))
-                for t in self.reader.tensors if t.name not in _SKIPPED}
+        return {hf_name(t.name, self.source): tuple(int(d) for d in reversed(t.shape.tolist()))
+                for t in self.reader.tensors if t.name not in SKIPPED}
 
 
 def open_gguf(path: Path) -> GGUFHeader:
@@ -105,9 +105,9 @@ def gguf_tensors(header: GGUFHeader, dtype: torch.dtype) -> Iterator[tuple[str, 
     tensors = header.reader.tensors
     with progress(len(tensors), f"dequantizing {header.source.name}", unit="tensors") as bar:
         for t in tensors:
-            if t.name not in _SKIPPED:
-                tensor = _tensor(t, header.config, header.source)
-                yield _hf_name(t.name, header.source), tensor.to(dtype)
+            if t.name not in SKIPPED:
+                tensor = dense_tensor(t, header.config, header.source)
+                yield hf_name(t.name, header.source), tensor.to(dtype)
             bar.update(1)
 
 
@@ -216,7 +216,7 @@ def _tokenizer(meta: _Meta) -> Tokenizer:
     )
 
 
-def _hf_name(name: str, path: Path) -> str:
+def hf_name(name: str, path: Path) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _LAYER.fullmatch(name)
@@ -225,7 +225,7 @@ def _hf_name(name: str, path: Path) -> str:
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
-def _tensor(t: Any, cfg: ModelConfig, path: Path) -> torch.Tensor:
+def dense_tensor(t: Any, cfg: ModelConfig, path: Path) -> torch.Tensor:
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     try:
         array = dequantize(t.data, t.tensor_type).reshape(shape)

@@ -86,6 +86,17 @@ def _declare_all(handle: ctypes.CDLL) -> None:
         _declare(handle, name, [ptr] * 7 + [i64] * 7 + [ctypes.c_float])
         _declare(handle, f"{name}_add_rms_norm", [ptr] * 4 + [i64] * 2 + [ctypes.c_float])
         _declare(handle, f"{name}_chunk", [ptr] * 6 + [i64] * 7 + [ctypes.c_float])
+    i32 = ctypes.c_int
+    _declare(handle, "gemm_pack_q", [i32, ptr, i64, i64, ptr])
+    _declare(handle, "gemm_pack_bf16", [ptr, i64, i64, ptr])
+    _declare(handle, "gemm_rows_q", [i32, ptr, i64, i64, ptr, i64, ptr])
+    _declare(handle, "gemm_q", [i32, ptr, i64, i64, ptr, i64, ptr, ptr])
+    _declare(handle, "gemm_q_portable", [i32, ptr, i64, i64, ptr, i64, ptr, ptr])
+    _declare(handle, "gemm_bf16", [ptr, i64, i64, ptr, i64, ptr, ptr])
+    _declare(handle, "gemm_amx", [i32, ptr, i64, i64, ptr, i64, ptr, ptr])
+    for name in ("gemm_has_bf16", "gemm_amx_init"):
+        getattr(handle, name).argtypes = []
+        getattr(handle, name).restype = i32
 
 
 def _declare(handle: ctypes.CDLL, name: str, argtypes: list) -> None:

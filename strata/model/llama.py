@@ -1,7 +1,8 @@
 """Llama-family forward pass (Llama, Qwen2, Qwen3, Mistral, Phi-3) over a paged KV cache.
 
 One `LlamaModel.forward` runs one engine step: the linear layers see every new token of every
-sequence concatenated (bf16 weights prepacked for oneDNN); attention (strata.model.attention)
+sequence concatenated (bf16 weights prepacked for oneDNN and for the small-M C kernel, GGUF
+quantized weights kept quantized: strata.model.gemm); attention (strata.model.attention)
 runs once for all decode rows and once per prefill chunk. Everything that depends on the batch's
 shape lives in a `StepBatch`, built once per step, never per layer.
 
@@ -15,6 +16,7 @@ with hooks that do nothing.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -22,25 +24,28 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from strata.errors import ModelLoadError
-from strata.model import cpu_kernels
+from strata.model import cpu_kernels, gemm
 from strata.model.attention import DecodePlan, HeadGroups, PagedKVCache, StepBatch, attention
 from strata.model.config import ModelConfig, RopeScaling
+from strata.model.gemm import PackedWeight
+from strata.model.quant import QuantWeight, stack_rows
 from strata.model.shard import LocalComm, RankShard, ShardComm
 
-Weights = dict[str, Tensor]
+Weights = Mapping[str, Tensor | QuantWeight]
+Linear = Tensor | PackedWeight  # what `linear` takes
 _PACK_BATCH_HINT = 32  # oneDNN's packing hint; measured the same speed for 1 .. 512 rows
 
 
 @dataclass(slots=True)
 class _Layer:
     input_norm: Tensor
-    qkv: Tensor  # q, k and v projections stacked on the output dimension
+    qkv: Linear  # q, k and v projections stacked on the output dimension
     qkv_bias: Tensor | None
     qk_norm: Tensor | None  # (q heads + kv heads, head_dim): q_norm's rows, then k_norm's
-    o: Tensor
+    o: Linear
     post_norm: Tensor
-    gate_up: Tensor  # gate and up projections stacked on the output dimension
-    down: Tensor
+    gate_up: Linear  # gate and up projections stacked on the output dimension
+    down: Linear
 
 
 class _WeightReader:
@@ -52,6 +57,18 @@ class _WeightReader:
         self.device = device
 
     def take(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        tensor = self._get(name, shape)
+        if isinstance(tensor, QuantWeight):
+            raise ModelLoadError(f"weight {name!r} is quantized ({tensor.kind}); only linear "
+                                 "weights and the embedding can be")
+        return self._dense(tensor)
+
+    def take_linear(self, name: str, shape: tuple[int, ...]) -> Tensor | QuantWeight:
+        """A weight that may stay quantized (a linear weight or the embedding)."""
+        tensor = self._get(name, shape)
+        return tensor if isinstance(tensor, QuantWeight) else self._dense(tensor)
+
+    def _get(self, name: str, shape: tuple[int, ...]) -> Tensor | QuantWeight:
         tensor = self.weights.get(name)
         if tensor is None:
             raise ModelLoadError(
@@ -63,6 +80,9 @@ class _WeightReader:
                 f"weight {name!r} has shape {list(tensor.shape)}, expected {list(shape)} from the "
                 "model config"
             )
+        return tensor
+
+    def _dense(self, tensor: Tensor) -> Tensor:
         out = tensor.to(device=self.device, dtype=self.dtype)
         # An owned copy: a loader's tensors may all be views of one mmap of the weights file, and
         # one kept view (the embedding, a norm) would keep every page of it resident.
@@ -95,19 +115,27 @@ def _llama3_scale(inv_freq: Tensor, rs: RopeScaling) -> Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def pack_linear_weight(weight: Tensor) -> Tensor:
-    """A bf16 CPU weight (out, in) repacked once into oneDNN's blocked layout, else `weight`.
-
-    oneDNN otherwise reorders the weight on every call: packing halves the time of the small-batch
-    (decode) matmuls and gives bit-identical results. Use the result with `linear` only.
-    """
+def pack_linear_weight(weight: Tensor | QuantWeight) -> Linear:
+    """A weight (out, in) packed once for the matmuls that run it; use it with `linear` only.
+    Quantized: the C kernels' tile layout. bf16 on CPU: oneDNN's blocked layout (else reordered
+    on every call), plus the C kernels' on an AVX512-BF16 CPU (faster up to
+    `gemm.BF16_MAX_ROWS` rows: bench/gemm_shapes.py). Anything else stays as it is."""
+    if isinstance(weight, QuantWeight):
+        return gemm.pack(weight)
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not _can_pack():
         return weight
-    return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+    dense = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+    if weight.shape[1] % 32 or not gemm.supports_bf16():
+        return dense
+    return gemm.pack(weight, dense)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Linear, bias: Tensor | None = None) -> Tensor:
     """`F.linear` for plain or `pack_linear_weight`-packed weights."""
+    if isinstance(weight, PackedWeight):
+        if weight.dense is None or x.shape[0] <= gemm.BF16_MAX_ROWS:
+            return gemm.matmul(x, weight, bias)
+        weight = weight.dense
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -140,18 +168,24 @@ class LlamaModel:
         self.is_vocab_split = len(shard.vocab) < config.vocab_size
         reader = _WeightReader(weights, dtype, device)
         hidden, vocab = config.hidden_size, len(shard.vocab)
-        self.embed = (reader.take("model.embed_tokens.weight", (vocab, hidden))
-                      if shard.is_first_stage else None)
+        embed = (reader.take_linear("model.embed_tokens.weight", (vocab, hidden))
+                 if shard.is_first_stage else None)
+        # A quantized embedding is read from the packed bytes of the (tied) LM head.
+        self.embed: Linear | None = (pack_linear_weight(embed) if isinstance(embed, QuantWeight)
+                                     else embed)
         self.layers = [self._load_layer(reader, i) for i in shard.layers]
         self.norm: Tensor | None = None
-        self.lm_head: Tensor | None = None
+        self.lm_head: Linear | None = None
         if shard.is_last_stage:
             self.norm = reader.take("model.norm.weight", (hidden,))
             tied = config.tie_word_embeddings
-            lm_head = (self.embed if tied and self.embed is not None
-                       else reader.take("model.embed_tokens.weight" if tied else "lm_head.weight",
-                                        (vocab, hidden)))
-            self.lm_head = pack_linear_weight(lm_head)
+            if tied and isinstance(self.embed, PackedWeight):
+                self.lm_head = self.embed
+            else:
+                lm_head = (self.embed if tied and isinstance(self.embed, Tensor) else
+                           reader.take_linear("model.embed_tokens.weight" if tied
+                                              else "lm_head.weight", (vocab, hidden)))
+                self.lm_head = pack_linear_weight(lm_head)
         self.inv_freq = rope_inv_freq(config).to(device)
         self.heads = HeadGroups.of(shard.head_start, device)
         self.fused = cpu_kernels.supports(dtype, device)  # the fused C add + RMSNorm
@@ -161,7 +195,7 @@ class LlamaModel:
         p = f"model.layers.{i}."
         q_dim, kv_dim = len(s.q_heads) * c.head_dim, len(s.kv_heads) * c.head_dim
         shapes = {"q": q_dim, "k": kv_dim, "v": kv_dim}
-        qkv = [reader.take(f"{p}self_attn.{n}_proj.weight", (d, c.hidden_size))
+        qkv = [reader.take_linear(f"{p}self_attn.{n}_proj.weight", (d, c.hidden_size))
                for n, d in shapes.items()]
         bias = ([reader.take(f"{p}self_attn.{n}_proj.bias", (d,)) for n, d in shapes.items()]
                 if c.attention_bias else None)
@@ -172,19 +206,19 @@ class LlamaModel:
             qk_norm = torch.cat([norms[0].expand(len(s.q_heads), -1),
                                  norms[1].expand(len(s.kv_heads), -1)])
         rows = len(s.intermediate)
-        mlp = [reader.take(f"{p}mlp.{n}_proj.weight", (rows, c.hidden_size))
+        mlp = [reader.take_linear(f"{p}mlp.{n}_proj.weight", (rows, c.hidden_size))
                for n in ("gate", "up")]
         return _Layer(
             input_norm=reader.take(f"{p}input_layernorm.weight", (c.hidden_size,)),
-            qkv=pack_linear_weight(torch.cat(qkv)),
+            qkv=pack_linear_weight(stack_rows(qkv)),
             qkv_bias=torch.cat(bias) if bias is not None else None,
             qk_norm=qk_norm,
             o=pack_linear_weight(
-                reader.take(f"{p}self_attn.o_proj.weight", (c.hidden_size, q_dim))),
+                reader.take_linear(f"{p}self_attn.o_proj.weight", (c.hidden_size, q_dim))),
             post_norm=reader.take(f"{p}post_attention_layernorm.weight", (c.hidden_size,)),
-            gate_up=pack_linear_weight(torch.cat(mlp)),
+            gate_up=pack_linear_weight(stack_rows(mlp)),
             down=pack_linear_weight(
-                reader.take(f"{p}mlp.down_proj.weight", (c.hidden_size, rows))),
+                reader.take_linear(f"{p}mlp.down_proj.weight", (c.hidden_size, rows))),
         )
 
     def forward(self, batch: StepBatch, kv_cache: PagedKVCache) -> Tensor | None:
@@ -212,10 +246,10 @@ class LlamaModel:
         elsewhere) and the sum over the group assembles them exactly."""
         assert self.embed is not None
         if not self.is_vocab_split:
-            return F.embedding(input_ids, self.embed)
+            return gemm.embedding(input_ids, self.embed)
         local = input_ids - self.shard.vocab.start
         outside = (local < 0) | (local >= len(self.shard.vocab))
-        x = F.embedding(local.masked_fill(outside, 0), self.embed)
+        x = gemm.embedding(local.masked_fill(outside, 0), self.embed)
         return self.comm.all_reduce(x.masked_fill_(outside[:, None], 0))
 
     def _rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:

@@ -21,7 +21,10 @@ from strata.errors import ConfigError, ModelLoadError
 from strata.model.config import ModelConfig
 from strata.model.generation_defaults import GenerationDefaults, read_generation_defaults
 from strata.model.gguf_cache import load_gguf
+from strata.model.gguf_loader import open_gguf
 from strata.model.hf_config import model_config_from_hf
+from strata.model.quant import QuantWeight
+from strata.model.quant_loader import apply_weights_dtype, gguf_weights, keeps_quantized
 from strata.model.tokenizer import Tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -33,7 +36,7 @@ class LoadedModel:
     """A model ready to serve: architecture, weights and tokenizer."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | QuantWeight]  # QuantWeight: see quant_loader
     tokenizer: Tokenizer
     name: str  # default served name: the directory name or the GGUF `general.name`
     source: Path
@@ -41,23 +44,32 @@ class LoadedModel:
 
 
 def load_model(
-    path: str | Path, *, dtype: str = "bfloat16", cache_dir: Path | None = None
+    path: str | Path, *, dtype: str = "bfloat16", cache_dir: Path | None = None,
+    weights_dtype: str = "bf16", device: str = "cpu",
 ) -> LoadedModel:
     """Load an HF model directory or a `.gguf` file.
 
-    GGUF tensors are dequantized once and cached as safetensors under `cache_dir` (no cache when
-    it is None); a later load of the same unchanged file reads the cache.
+    `weights_dtype` (auto, bf16, q8_0, q4: strata.model.quant_loader) says which weights stay
+    quantized on `device`. GGUF tensors served dense are dequantized once and cached as
+    safetensors under `cache_dir` (no cache when it is None); a later load of the same unchanged
+    file reads the cache. Quantized ones are read from the file as they are, never cached.
     """
     torch_dtype = torch_dtype_of(dtype)
+    quantized = keeps_quantized(weights_dtype, dtype, device)
     src = Path(path)
     if src.is_dir():
         model = _load_hf_dir(src, torch_dtype)
+    elif src.is_file() and quantized:
+        h = open_gguf(src)
+        model = LoadedModel(h.config, dict(gguf_weights(h, torch_dtype)), h.tokenizer, h.name,
+                            src)
     elif src.is_file():
         g = load_gguf(src, dtype=torch_dtype, cache_dir=cache_dir)
-        model = LoadedModel(g.config, g.weights, g.tokenizer, g.name, g.source)
+        model = LoadedModel(g.config, dict(g.weights), g.tokenizer, g.name, g.source)
     else:
         raise ModelLoadError(f"{src}: no such model directory or .gguf file")
     check_weights(model.weights, model.config, source=str(src))
+    apply_weights_dtype(model.weights, weights_dtype, torch_dtype, quantized)
     model.generation_defaults = read_generation_defaults(src)
     return model
 
@@ -116,7 +128,8 @@ def split_fused(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
             weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"] = gate, up
 
 
-def check_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, *, source: str) -> None:
+def check_weights(weights: dict[str, torch.Tensor | QuantWeight], cfg: ModelConfig, *,
+                  source: str) -> None:
     """Drop tensors the model does not use; raise on a missing tensor or a wrong shape."""
     shapes = expected_shapes(cfg)
     for name in [n for n in weights if n not in shapes]:
@@ -133,9 +146,10 @@ def check_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, *, source:
 
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
     config = _hf_config(path)
-    weights = _load_safetensors(path, dtype)
+    dense = _load_safetensors(path, dtype)
     if config.architecture == "phi3":
-        split_fused(weights, config)
+        split_fused(dense, config)
+    weights: dict[str, torch.Tensor | QuantWeight] = dict(dense)
     config, tokenizer = _with_tokenizer(path, config)
     return LoadedModel(config, weights, tokenizer, name=path.resolve().name, source=path)
 

@@ -104,8 +104,9 @@ class SimInstance:
         cache = CacheConfig(block_size=shape.block_size, num_blocks=shape.kv_blocks,
                             enable_prefix_caching=shape.enable_prefix_caching,
                             namespace=f"{profile.model}@plan")
+        # Steps are timed in modelled seconds (the adaptive prefill budget sees the profile).
         self.engine = Engine(self.executor, cache, scheduler, _NoText(), vocab_size=VOCAB_SIZE,
-                             clock=clock)
+                             clock=clock, step_clock=lambda: self.executor.busy_s)
         self.view = InstanceView(instance_id, f"sim://{instance_id}", profile.model, role=role)
         self.is_busy = False  # a step is under way (its end is an event)
         self.started_at = 0.0

@@ -18,6 +18,7 @@ from strata.engine.executor import ModelInput, ScheduledSequence
 from strata.engine.request import SamplingParams
 from strata.errors import ConfigError, ModelLoadError
 from strata.model.executor import TorchExecutor
+from strata.model.gemm import PackedWeight
 from strata.model.hf_config import model_config_from_hf
 from strata.types import RequestId
 
@@ -135,4 +136,6 @@ def test_the_model_shares_no_storage_with_the_loaders_weights(dtype: str) -> Non
     kept = [model.embed, model.norm, model.lm_head, *(
         t for layer in model.layers for t in (layer.input_norm, layer.qkv, layer.o,
                                               layer.post_norm, layer.gate_up, layer.down))]
-    assert all(t.is_mkldnn or t.untyped_storage().data_ptr() not in loader for t in kept)
+    tensors = [u for t in kept for u in (
+        [t.data, t.dense] if isinstance(t, PackedWeight) else [t]) if u is not None]
+    assert all(t.is_mkldnn or t.untyped_storage().data_ptr() not in loader for t in tensors)

@@ -1,5 +1,6 @@
 /* Strata's CPU kernels: paged decode attention, chunk attention and a fused residual-add +
-   RMSNorm, for float32 and bfloat16 tensors.
+   RMSNorm, for float32 and bfloat16 tensors; small-M matmuls over repacked bf16 and GGUF
+   quantized weights (gemm.h).
 
    strata/model/kernel_build.py compiles this file at first use with the system C compiler
    (cc -O3 -march=native -fopenmp -fno-math-errno -shared -fPIC ... -lm) and loads it with
@@ -15,3 +16,6 @@
 #define T float
 #define SFX f32
 #include "dtype_kernels.h"
+
+#include "gemm.h"
+#include "gemm_amx.h"

@@ -34,6 +34,7 @@ from strata.engine.executor import ModelInput, ModelOutput, ScheduledSequence
 from strata.engine.request import SamplingParams
 from strata.model.config import ModelConfig
 from strata.model.executor import TorchExecutor
+from strata.model.gemm import PackedWeight
 from strata.model.parallel.comm import CommSpec, RankComms
 from strata.model.parallel.layout import ParallelLayout, even_split
 from strata.model.parallel.shard_loader import WeightFiles, load_shard
@@ -260,6 +261,8 @@ def _weight_bytes(executor: TorchExecutor) -> int:
                     layer.gate_up, layer.down]
     seen: dict[int, int] = {}
     for t in tensors:
-        if t is not None:
+        if isinstance(t, PackedWeight):
+            seen[id(t)] = t.nbytes  # bf16 on a CPU without AMX: both of its layouts
+        elif t is not None:
             seen[id(t)] = t.numel() * t.element_size()
     return sum(seen.values())

@@ -1,0 +1,140 @@
+"""`--weights-dtype` on the default model's GGUF: Strata bf16 / Q4_1 (the file's) / Q8_0 against
+llama.cpp (llama-cpp-python) on the same file and threads.
+
+Per round, interleaved (Strata bf16, Strata auto, Strata q8_0, llama.cpp, then again):
+  single   one stream, 16 prompt tokens, 256 greedy tokens: decode tokens/s after the first
+  batch32  the fixed workload, 32 x 128 -> 64, greedy, ignore_eos: output tokens/s (Strata
+           only: llama-cpp-python's high-level API runs one sequence at a time)
+Once: weight bytes of each mode, and greedy agreement with bf16 (8 prompts x 64 tokens: the
+share of streams identical to the end, and the mean length of the common prefix).
+
+    .venv/bin/python bench/quant_decode.py [--rounds 3] [--threads 2] [--modes bf16 auto q8_0]
+
+Prints one table; writes JSON to .bench/results/quant_decode.json. Marked slow: not in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from strata_offline import CACHE_DIR, build_engine, fixed, make_request  # noqa: E402
+from workload import random_prompts  # noqa: E402
+
+from strata.model.fetch import resolve_model  # noqa: E402
+from strata.model.loader import LoadedModel, load_model  # noqa: E402
+from strata.model.quant_loader import weight_bytes  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent.parent / ".bench" / "results"
+
+
+def strata_single(engine: object, vocab: int, n: int = 256) -> float:
+    res = fixed(engine, 1, 16, n, vocab, seed=1)  # type: ignore[arg-type]
+    return float(res["decode_tokens_per_s"])
+
+
+def llama_cpp_single(llm: object, vocab: int, n: int = 256) -> float:
+    prompt = random_prompts(1, 16, vocab, 1)[0]
+    llm.reset()  # type: ignore[attr-defined]
+    times = []
+    for i, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0)):  # type: ignore[attr-defined]
+        times.append(time.perf_counter())
+        if i + 1 == n:
+            break
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def greedy(engine: object, prompts: list[list[int]], n: int) -> list[list[int]]:
+    reqs = [make_request(p, n) for p in prompts]
+    outs: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        engine.add_request(r)  # type: ignore[attr-defined]
+    while engine.has_unfinished_requests():  # type: ignore[attr-defined]
+        for o in engine.step():  # type: ignore[attr-defined]
+            outs[o.request_id].extend(o.new_token_ids)
+    return [outs[r.request_id] for r in reqs]
+
+
+def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
+    prefixes = [next((i for i, (a, b) in enumerate(zip(r, g, strict=True)) if a != b), len(r))
+                for r, g in zip(ref, got, strict=True)]
+    return {"identical_streams": sum(p == len(r) for p, r in zip(prefixes, ref, strict=True)),
+            "streams": len(ref), "mean_common_prefix": statistics.fmean(prefixes),
+            "tokens": len(ref[0])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--modes", nargs="+", default=["bf16", "auto", "q8_0"])
+    ap.add_argument("--no-llama-cpp", action="store_true")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    path = resolve_model(None, cache_dir=CACHE_DIR, progress=False)
+    loaded: dict[str, LoadedModel] = {
+        m: load_model(path, cache_dir=CACHE_DIR, weights_dtype=m) for m in a.modes}
+    vocab = next(iter(loaded.values())).config.vocab_size
+    engines = {m: build_engine(lm) for m, lm in loaded.items()}
+    memory = {m: weight_bytes(lm.weights) / 1e6 for m, lm in loaded.items()}
+    llm = None
+    if not a.no_llama_cpp:
+        try:
+            from llama_cpp import Llama
+
+            llm = Llama(str(path), n_threads=a.threads, n_threads_batch=a.threads, n_ctx=1024,
+                        verbose=False)
+        except ImportError as e:
+            print(f"llama-cpp-python not importable ({e}): llama.cpp column skipped")
+    prompts = random_prompts(8, 32, vocab, 9)
+    outputs = {m: greedy(e, prompts, 64) for m, e in engines.items()}
+    agree = {m: agreement(outputs[a.modes[0]], out) for m, out in outputs.items()}
+    single: dict[str, list[float]] = {m: [] for m in [*a.modes, "llama.cpp"]}
+    batch: dict[str, list[float]] = {m: [] for m in a.modes}
+    loads = []
+    for r in range(a.rounds):
+        loads.append(os.getloadavg()[0])
+        for m, e in engines.items():
+            single[m].append(strata_single(e, vocab))
+            batch[m].append(fixed(e, 32, 128, 64, vocab, seed=100 + r)["tokens_per_s"])
+        if llm is not None:
+            single["llama.cpp"].append(llama_cpp_single(llm, vocab))
+        print(f"round {r}: load {loads[-1]:.1f} single "
+              + " ".join(f"{m} {v[-1]:.1f}" for m, v in single.items() if v)
+              + " | batch32 " + " ".join(f"{m} {v[-1]:.0f}" for m, v in batch.items()),
+              flush=True)
+    med = {m: statistics.median(v) for m, v in single.items() if v}
+    print(f"\nload average {min(loads):.1f}-{max(loads):.1f}; medians of {a.rounds} rounds, "
+          "[min..max]")
+    print("| weights | weight MB | x bf16 | single-stream tok/s | batch-32 tok/s | "
+          "greedy vs bf16 |")
+    print("|---|---|---|---|---|---|")
+    for m in a.modes:
+        g = agree[m]
+        print(f"| {m} | {memory[m]:.1f} | {memory[m] / memory[a.modes[0]]:.2f} | "
+              f"**{med[m]:.1f}** [{min(single[m]):.1f}..{max(single[m]):.1f}] | "
+              f"**{statistics.median(batch[m]):.0f}** [{min(batch[m]):.0f}..{max(batch[m]):.0f}]"
+              f" | {g['identical_streams']}/{g['streams']} streams identical over "
+              f"{g['tokens']} tokens, common prefix {g['mean_common_prefix']:.1f} |")
+    if single["llama.cpp"]:
+        v = single["llama.cpp"]
+        print(f"| llama.cpp (same GGUF) | - | - | **{med['llama.cpp']:.1f}** "
+              f"[{min(v):.1f}..{max(v):.1f}] | - | - |")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "quant_decode.json").write_text(json.dumps(
+        {"load": loads, "single": single, "batch32": batch, "memory_mb": memory,
+         "agreement": agree}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
