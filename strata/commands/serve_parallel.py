@@ -130,7 +130,8 @@ def watch_ranks(app: Any, async_engine: AsyncEngine, server: Any) -> FatalExit:
     if not isinstance(executor, ParallelExecutor):
         return state
     app.state.instance.metrics.watch_ranks(
-        lambda: [(m.rank, m.weight_bytes, m.kv_bytes) for m in executor.rank_memory()])
+        lambda: [(m.rank, m.weight_bytes, m.kv_bytes) for m in executor.rank_memory()],
+        pipeline=executor.pipeline_stats)
     loop = asyncio.get_running_loop()
 
     def stop_server(exc: Exception) -> None:

@@ -25,7 +25,8 @@ import torch
 
 from strata.errors import RankFailedError
 from strata.model.parallel.comm import connect
-from strata.model.parallel.rank import Rank, RankReport, RankSpec, Stop, decode
+from strata.model.parallel.commands import RankReport, RankSpec, Stop, decode
+from strata.model.parallel.rank import Rank
 
 log = logging.getLogger("strata.model.parallel")
 _PR_SET_PDEATHSIG = 1
