@@ -108,6 +108,20 @@ def make_executor(args: argparse.Namespace, loaded: LoadedModel, parallel: Paral
     return executor
 
 
+def parallel_identity(async_engine: AsyncEngine) -> dict[str, Any]:
+    """What the registry shows of a parallel instance: its layout and its ranks (host, pid,
+    weight and KV bytes); nothing for one process."""
+    from strata.model.parallel.executor import ParallelExecutor
+    from strata.registry.records import RankInfo
+
+    executor = getattr(async_engine.engine, "executor", None)
+    if not isinstance(executor, ParallelExecutor):
+        return {}
+    ranks = tuple(RankInfo(m.rank, m.host, m.pid, m.weight_bytes, m.kv_bytes)
+                  for m in executor.rank_memory())
+    return {"layout": executor.layout.name, "ranks": ranks}
+
+
 @dataclass
 class FatalExit:
     """Set when a parallel engine died: `strata serve` then exits 1, not 0."""

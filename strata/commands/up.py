@@ -49,7 +49,8 @@ _SERVE_FLAGS: tuple[tuple[str, Any], ...] = (
     ("--served-model-name", str), ("--model-version", str), ("--dtype", str),
     ("--max-model-len", positive_int), ("--kv-cache-gb", positive_float),
     ("--block-size", positive_int), ("--max-num-seqs", positive_int), ("--simulate", str),
-    ("--session-store", str),
+    ("--session-store", str), ("--tensor-parallel-size", positive_int),
+    ("--pipeline-parallel-size", positive_int), ("--pipeline-layers", str),
 )
 
 
@@ -64,7 +65,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="one more `strata gateway` flag, repeatable "
                         "(e.g. --gateway-arg=--max-in-flight=64)")
     p.add_argument("--threads-per-instance", type=positive_int, default=None,
-                   help="torch threads per instance (default: cores / replicas, at least 1)")
+                   help="torch threads per instance, shared by its ranks (default: cores / "
+                        "replicas, at least 1)")
     p.add_argument("--ready-timeout-s", type=positive_float, default=600.0)
     p.add_argument("--log-level", default="info")
     p.add_argument("--registry", default=None,
@@ -206,7 +208,9 @@ def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             serve_args += [flag, str(value)]
+    ranks = (args.tensor_parallel_size or 1) * (args.pipeline_parallel_size or 1)
     threads = args.threads_per_instance or max(1, (os.cpu_count() or 1) // args.replicas)
+    threads = max(1, threads // ranks)  # `strata serve --threads` is per rank
     gateway_args = [*(["--policy", args.policy] if args.policy else []), *args.gateway_arg]
     return LocalClusterConfig(
         replicas=args.replicas, run_dir=env.run_dir, model=args.model, host=args.host,

@@ -186,7 +186,7 @@ class ParallelExecutor:
 
     def rank_memory(self) -> list[RankMemory]:
         """Weight and KV bytes of every rank (KV: 0 before `allocate_kv_cache`)."""
-        return [RankMemory(r.rank, r.pid, r.weight_bytes,
+        return [RankMemory(r.rank, r.host, r.pid, r.weight_bytes,
                            self._num_slots * self._rank_kv_bytes_per_token(r.rank))
                 for r in self.reports]
 

@@ -23,6 +23,7 @@ from strata.engine.executor import BatchHandle, ModelOutput
 @dataclass(frozen=True, slots=True)
 class RankMemory:
     rank: int
+    host: str
     pid: int
     weight_bytes: int
     kv_bytes: int
