@@ -1,7 +1,9 @@
 """`strata serve --tensor-parallel-size T --pipeline-parallel-size P`: one model over T x P ranks.
 
 The serving process is rank 0; `--distributed-executor mp` (the default) spawns the others on
-this host (Ray placement is not built yet). The weights never pass through this process: it
+this host, `ray` makes them Ray actors in one placement group (strata/cluster/ray_ranks.py:
+the group `--ray-placement-group` names, as `strata up --ray` passes, or one of its own). The
+weights never pass through this process: it
 prepares the model (config, tokenizer; a GGUF is converted into the cache) and every rank reads
 its own slices. `--threads` is per rank (default: this host's cores / ranks, at least 1).
 
@@ -41,6 +43,15 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="layers per pipeline stage (default: as even as they go)")
     p.add_argument("--distributed-executor", choices=EXECUTORS, default="mp",
                    help="how the ranks other than 0 start: mp (local processes, default) or ray")
+    p.add_argument("--ray-address", default=None,
+                   help="with --distributed-executor ray: the Ray cluster to join (e.g. auto, "
+                        "HOST:6379; default: Ray's own default)")
+    p.add_argument("--ray-placement-group", default=None, metavar="HEX_ID",
+                   help="with --distributed-executor ray: place rank i in bundle i of this "
+                        "group (strata up --ray makes one per replica; default: make one)")
+    p.add_argument("--ray-cpus-per-rank", type=float, default=None,
+                   help="with --distributed-executor ray: CPUs each rank reserves (fractions "
+                        "allowed; default: the cluster's CPUs shared out, at most 1)")
 
 
 def parallel_layout(args: argparse.Namespace) -> ParallelLayout | None:
@@ -51,10 +62,12 @@ def parallel_layout(args: argparse.Namespace) -> ParallelLayout | None:
     layout = ParallelLayout(args.tensor_parallel_size, args.pipeline_parallel_size, layers)
     if layout.world_size == 1:
         return None
-    if args.distributed_executor == "ray":
-        raise ConfigError("--distributed-executor ray is not built yet; use mp (local ranks)")
     if args.simulate:
         raise ConfigError("--simulate has no ranks: drop --tensor/--pipeline-parallel-size")
+    ray_flags = [args.ray_address, args.ray_placement_group, args.ray_cpus_per_rank]
+    if args.distributed_executor != "ray" and any(f is not None for f in ray_flags):
+        raise ConfigError("--ray-address, --ray-placement-group and --ray-cpus-per-rank need "
+                          "--distributed-executor ray")
     return layout
 
 
@@ -103,9 +116,21 @@ def make_executor(args: argparse.Namespace, loaded: LoadedModel, parallel: Paral
 
     executor = ParallelExecutor(parallel.prepared, parallel.layout, dtype=args.dtype,
                                 device=device, threads=rank_threads(args) or 1,
-                                model_name=name, model_version=args.model_version)
+                                model_name=name, model_version=args.model_version,
+                                launcher=_launcher(args))
     atexit.register(executor.shutdown)
     return executor
+
+
+def _launcher(args: argparse.Namespace) -> Any:
+    """None (the executor's default: local processes) or Ray's."""
+    if args.distributed_executor != "ray":
+        return None
+    from strata.cluster.ray_ranks import RayPlacement, RayRankLauncher
+
+    return RayRankLauncher(RayPlacement(address=args.ray_address,
+                                        placement_group=args.ray_placement_group,
+                                        cpus_per_rank=args.ray_cpus_per_rank))
 
 
 def parallel_identity(async_engine: AsyncEngine) -> dict[str, Any]:
