@@ -52,6 +52,7 @@ _SERVE_FLAGS: tuple[tuple[str, Any], ...] = (
     ("--session-store", str), ("--tensor-parallel-size", positive_int),
     ("--pipeline-parallel-size", positive_int), ("--pipeline-layers", str),
 )
+_SHORT = {"--tensor-parallel-size": ("-tp",), "--pipeline-parallel-size": ("-pp",)}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -75,9 +76,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ray", action="store_true", help="run the instances as Ray actors")
     p.add_argument("--address", default=None, help="Ray cluster address (default: local Ray)")
     p.add_argument("--num-cpus-per-instance", type=positive_float, default=0.5,
-                   help="Ray CPUs reserved per instance actor (fractions allowed)")
+                   help="Ray CPUs reserved per instance, shared by its ranks (fractions "
+                        "allowed)")
     for flag, kind in _SERVE_FLAGS:
-        p.add_argument(flag, type=kind, default=None, help="passed to every instance")
+        p.add_argument(flag, *_SHORT.get(flag, ()), type=kind, default=None,
+                       help="passed to every instance")
 
 
 def run(args: argparse.Namespace, env: CliEnv) -> int:
@@ -197,7 +200,9 @@ def _launcher(args: argparse.Namespace, config: LocalClusterConfig) -> Launcher:
     from strata.cluster.ray_launcher import RayClusterConfig, RayLauncher
 
     return RayLauncher(RayClusterConfig(config, address=args.address,
-                                        num_cpus_per_instance=args.num_cpus_per_instance))
+                                        num_cpus_per_instance=args.num_cpus_per_instance,
+                                        tensor_parallel_size=args.tensor_parallel_size or 1,
+                                        pipeline_parallel_size=args.pipeline_parallel_size or 1))
 
 
 def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:

@@ -33,6 +33,23 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     started.stop()
 
 
+def test_up_passes_the_layout_to_every_instance_and_shares_its_threads_over_the_ranks(
+        tmp_path: Path) -> None:
+    from strata.cli import build_parser
+    from strata.commands.env import CliEnv
+    from strata.commands.up import _config
+
+    args = build_parser().parse_args(["up", str(tmp_path / "m"), "-tp", "2", "-pp", "2",
+                                      "--pipeline-layers", "12,18",
+                                      "--threads-per-instance", "8"])
+    config = _config(args, CliEnv(cache_dir=tmp_path, run_dir=tmp_path / "run"))
+    flags = config.serve_args
+    assert flags[flags.index("--tensor-parallel-size") + 1] == "2"
+    assert flags[flags.index("--pipeline-parallel-size") + 1] == "2"
+    assert flags[flags.index("--pipeline-layers") + 1] == "12,18"
+    assert config.threads_per_instance == 2  # `strata serve --threads` is per rank: 8 / 4
+
+
 def records(cluster: Cluster) -> dict[str, InstanceRecord]:
     async def go() -> list[InstanceRecord]:
         registry = create_registry(local_registry_url(cluster.run_dir))
