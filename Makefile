@@ -1,36 +1,53 @@
 # Strata developer commands. `make serve` and `make test` work on a fresh clone: both install
-# first. Installing is skipped while the stamp is newer than pyproject.toml.
+# first. `make serve` installs what serving needs (`pip install -e .`); `make test` and
+# `make lint` the dev extra too (test tools, Ray). Each install is skipped while its stamp is
+# newer than pyproject.toml; the dev install also satisfies `make serve`.
 #   PIP_ARGS   extra pip flags, e.g. --extra-index-url https://download.pytorch.org/whl/cpu
 #   ARGS       extra flags for `strata serve` / `strata bench`
+#   PYTEST_ARGS  extra pytest flags for `make test`, e.g. "-x tests/test_cli.py" or --collect-only
 
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.strata-installed
+SERVE_STAMP := $(VENV)/.strata-installed-serve
+DEV_STAMP := $(VENV)/.strata-installed-dev
+PIP_INSTALL = $(BIN)/python -m pip install --disable-pip-version-check -q
 PIP_ARGS ?=
 ARGS ?=
+PYTEST_ARGS ?=
 
-.PHONY: install serve test lint bench clean-stamp
+.PHONY: install install-dev serve test lint bench doctor clean-stamp
 
-install: $(STAMP)
+install: $(SERVE_STAMP)
 
-$(STAMP): pyproject.toml
-	@test -x $(BIN)/python || { echo "creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
-	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[dev]' $(PIP_ARGS)
-	@touch $(STAMP)
+install-dev: $(DEV_STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(SERVE_STAMP): pyproject.toml | $(BIN)/python
+	$(PIP_INSTALL) -e . $(PIP_ARGS)
+	@touch $@
+
+$(DEV_STAMP): pyproject.toml | $(BIN)/python
+	$(PIP_INSTALL) -e '.[dev]' $(PIP_ARGS)
+	@touch $@ $(SERVE_STAMP)
 
 serve: install
 	$(BIN)/strata serve $(ARGS)
 
-test: install
-	$(BIN)/python -m pytest -q
+test: install-dev
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-lint: install
+lint: install-dev
 	$(BIN)/ruff check strata tests
 	$(BIN)/mypy strata
 
 bench: install
 	$(BIN)/strata bench $(ARGS)
 
+doctor: install
+	$(BIN)/strata doctor
+
 clean-stamp:
-	rm -f $(STAMP)
+	rm -f $(SERVE_STAMP) $(DEV_STAMP)

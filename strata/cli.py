@@ -8,8 +8,10 @@ fast.
 
 Environment: STRATA_CACHE_DIR (default `$XDG_CACHE_HOME/strata`, else `~/.cache/strata`) holds
 pulled models and dequantized weights; STRATA_RUN_DIR (default `$STRATA_CACHE_DIR/run`) what
-`strata up` keeps; STRATA_API_KEYS (comma separated) the accepted API keys; STRATA_REGISTRY the
-default registry URL.
+`strata up` keeps; STRATA_API_KEYS (comma separated) the accepted API keys; STRATA_ADMIN_KEYS
+(comma separated) the admin keys (for /admin/*); STRATA_REGISTRY the default registry URL;
+STRATA_LOG_FORMAT (`text` or `json`) the log format of a command run without `--log-format`.
+Logging is configured here, once per process (strata/logs.py).
 """
 
 from __future__ import annotations
@@ -31,13 +33,15 @@ from strata.commands.argtypes import (
 )
 from strata.commands.env import CliEnv
 from strata.errors import StrataError
+from strata.logs import LOG_FORMATS, LogConfig, configured
+from strata.protocol.priority import key_ceilings
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 log = logging.getLogger("strata")
 # modules of strata.commands, one subcommand each (add_parser + run)
 COMMAND_MODULES: tuple[str, ...] = (
     "serve", "gateway", "up", "status", "sessions", "store", "profile", "models", "release",
-    "rollback",
+    "rollback", "doctor",
 )
 
 
@@ -53,9 +57,17 @@ def cache_dir_from_env(env: Mapping[str, str]) -> Path:
 def cli_env_from(env: Mapping[str, str]) -> CliEnv:
     cache_dir = cache_dir_from_env(env)
     run_dir = Path(env["STRATA_RUN_DIR"]).expanduser() if env.get("STRATA_RUN_DIR") else None
-    keys = tuple(k.strip() for k in env.get("STRATA_API_KEYS", "").split(",") if k.strip())
+    specs = _keys(env, "STRATA_API_KEYS")
+    keys, ceilings = key_ceilings(list(specs))
     return CliEnv(cache_dir=cache_dir, run_dir=run_dir or cache_dir / "run", api_keys=keys,
-                  registry_url=env.get("STRATA_REGISTRY") or None)
+                  key_max_priority=tuple(sorted(ceilings.items())),
+                  admin_keys=_keys(env, "STRATA_ADMIN_KEYS"),
+                  registry_url=env.get("STRATA_REGISTRY") or None,
+                  log_format=env.get("STRATA_LOG_FORMAT") or "text")
+
+
+def _keys(env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    return tuple(k.strip() for k in env.get(name, "").split(",") if k.strip())
 
 
 def _command_modules() -> list[Any]:
@@ -116,7 +128,28 @@ def build_parser() -> argparse.ArgumentParser:
         add(sub)
     for module in _command_modules():
         module.add_parser(sub)
+    for command in _leaf_parsers(parser):
+        command.add_argument("--log-format", choices=LOG_FORMATS, default=None,
+                             help="text (default) or json: one JSON object per log line "
+                                  "(default $STRATA_LOG_FORMAT)")
     return parser
+
+
+def _leaf_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The parsers of the commands that run (`strata models pull`, not `strata models`): a flag
+    defined on both a parser and its subcommand would be reset by the subcommand's default."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return [parser]
+    return [leaf for action in subs for child in dict.fromkeys(action.choices.values())
+            for leaf in _leaf_parsers(child)]
+
+
+def log_config_from(args: argparse.Namespace, env: CliEnv) -> LogConfig:
+    """The flag, else STRATA_LOG_FORMAT, else text; the command's --log-level, else info.
+    `args.log_format` is set to the outcome, which `strata up` hands to its children."""
+    args.log_format = args.log_format or env.log_format
+    return LogConfig(format=args.log_format, level=str(getattr(args, "log_level", "info")))
 
 
 def cmd_chat(args: argparse.Namespace, env: CliEnv) -> int:
@@ -148,20 +181,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if report["num_completed"] else 1
 
 
+def _run(args: argparse.Namespace, env: CliEnv) -> int:
+    if args.command in COMMAND_MODULES:
+        module = _command_modules()[COMMAND_MODULES.index(args.command)]
+        return int(module.run(args, env))
+    if args.command == "chat":
+        return cmd_chat(args, env)
+    return cmd_bench(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `strata` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
     env = cli_env_from(os.environ)
     try:
-        if args.command in COMMAND_MODULES:
-            module = _command_modules()[COMMAND_MODULES.index(args.command)]
-            return int(module.run(args, env))
-        if args.command == "chat":
-            return cmd_chat(args, env)
-        return cmd_bench(args)
+        log_config = log_config_from(args, env)
     except StrataError as e:
         print(f"strata {args.command}: error: {e}", file=sys.stderr)
         return 1
+    with configured(log_config):
+        try:
+            return _run(args, env)
+        except StrataError as e:
+            if log_config.is_json:  # every line a JSON object, this one too
+                log.error("strata %s: error: %s", args.command, e)
+            else:
+                print(f"strata {args.command}: error: {e}", file=sys.stderr)
+            return 1
 
 
 if __name__ == "__main__":

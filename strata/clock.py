@@ -30,6 +30,10 @@ class ManualClock:
         self.now += seconds
         return self.now
 
+    def set(self, now: float) -> float:
+        """Move forward to `now` (never back); returns it."""
+        return self.advance(now - self.now)
+
     def __repr__(self) -> str:
         return f"ManualClock(now={self.now})"
 

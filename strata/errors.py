@@ -25,6 +25,7 @@
     ├── EngineDeadError                 the engine loop died; the instance is unhealthy
     ├── RankFailedError                 a parallel rank died or a collective timed out: fatal,
     │                                   the instance restarts whole (its ranks no longer agree)
+    ├── RequestFailedError              500: the executor failed on this request alone
     └── ChatError                       `strata chat`: the server refused or is unreachable
 
 Each HTTP-facing class says how it is answered (`status_code`, OpenAI `error_type`, and
@@ -197,6 +198,14 @@ class RankFailedError(StrataError):
         self.rank = rank
 
 
+class RequestFailedError(StrataError):
+    """The executor failed on this request's sequence alone (strata/engine/isolation.py); the
+    request ended with finish_reason "error" and the instance goes on."""
+
+    status_code = 500
+    error_type = "internal_server_error"
+
+
 class ChatError(StrataError):
     """`strata chat`: the server refused a message or could not be reached; says why."""
 
@@ -221,6 +230,7 @@ __all__ = [
     "RegistryError",
     "ReleaseSupersededError",
     "RequestError",
+    "RequestFailedError",
     "ResponseCacheError",
     "SessionConflictError",
     "SessionNotFoundError",

@@ -1,4 +1,5 @@
-"""Identifiers shared by every layer, and the one function that names a KV block.
+"""Identifiers and small vocabularies shared by every layer, and the one function that names a
+KV block.
 
 A block's identity is a hash chain over full blocks, namespaced by model, version and cache salt:
 
@@ -11,6 +12,7 @@ explains the chain; the gateway may not import the engine).
 
 from __future__ import annotations
 
+import enum
 import hashlib
 from array import array
 from collections.abc import Sequence
@@ -22,6 +24,30 @@ InstanceId = NewType("InstanceId", str)
 ModelVersion = NewType("ModelVersion", str)
 BlockHash = NewType("BlockHash", bytes)
 TokenIds = list[int]
+
+
+
+class PriorityClass(enum.IntEnum):
+    """Request priority classes and their integer values: higher = more important, at the API,
+    in the gateway and in the engine (GIE's polarity). An integer priority falls in the class
+    of the highest value it reaches; anything below BATCH is SHEDDABLE."""
+
+    SHEDDABLE = -20
+    BATCH = -10
+    STANDARD = 0
+    INTERACTIVE = 10
+
+    @classmethod
+    def of(cls, priority: int) -> PriorityClass:
+        for klass in (cls.INTERACTIVE, cls.STANDARD, cls.BATCH):
+            if priority >= klass:
+                return klass
+        return cls.SHEDDABLE
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
 
 _ROOT = BlockHash(b"\x00" * 16)
 
@@ -52,5 +78,5 @@ def hash_blocks(
     return hashes
 
 
-__all__ = ["BlockHash", "InstanceId", "ModelVersion", "RequestId", "SessionId", "TokenIds",
-           "hash_block", "hash_blocks"]
+__all__ = ["BlockHash", "InstanceId", "ModelVersion", "PriorityClass", "RequestId", "SessionId",
+           "TokenIds", "hash_block", "hash_blocks"]

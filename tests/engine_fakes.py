@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from strata.engine.config import CacheConfig, SchedulerConfig
@@ -272,6 +273,8 @@ def make_engine(
     max_waiting: int = 1024,
     namespace: str = "m@1",
     executor: FakeExecutor | None = None,
+    max_queue_wait_s: float | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> tuple[Engine, FakeExecutor]:
     executor = executor if executor is not None else FakeExecutor()
     engine = Engine(
@@ -280,9 +283,10 @@ def make_engine(
                     enable_prefix_caching=enable_prefix_caching, namespace=namespace),
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
-                        max_waiting=max_waiting),
+                        max_waiting=max_waiting, max_queue_wait_s=max_queue_wait_s),
         FakeDecoder(),
         vocab_size=VOCAB,
+        clock=clock,
     )
     return engine, executor
 

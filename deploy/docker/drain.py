@@ -7,7 +7,8 @@ another instance) and, with a registry, report DRAINING and deregister once idle
 then polls GET /load until no request is in flight, or until --timeout-s. It always exits 0
 when the instance answered the drain, so that the SIGTERM that follows (uvicorn's graceful
 shutdown) still runs; it exits 1 only when the drain itself failed. The key for /admin/drain is
-the first of STRATA_API_KEYS, or the first line of --api-key-file, when the instance has keys.
+the first line of --api-key-file, else the first of STRATA_ADMIN_KEYS, else of STRATA_API_KEYS
+(an instance with an admin key takes only that on /admin/drain).
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ def api_key(key_file: str | None) -> str | None:
         with open(key_file) as f:
             keys = [line.strip() for line in f if line.strip()]
             return keys[0] if keys else None
-    keys = [k.strip() for k in os.environ.get("STRATA_API_KEYS", "").split(",") if k.strip()]
-    return keys[0] if keys else None
+    for name in ("STRATA_ADMIN_KEYS", "STRATA_API_KEYS"):
+        keys = [k.strip() for k in os.environ.get(name, "").split(",") if k.strip()]
+        if keys:
+            return keys[0]
+    return None
 
 
 def call(url: str, method: str, key: str | None, timeout_s: float = 5.0) -> dict:

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
-from tqdm import tqdm
 
 from strata.bench.report import RequestResult, summarize
 from strata.bench.workloads import (
@@ -31,6 +29,7 @@ from strata.bench.workloads import (
 )
 from strata.clients.sse import chunk_text, error_message, iter_json_events
 from strata.errors import ConfigError
+from strata.progress import progress
 
 Job = Callable[[], Awaitable[None]]
 
@@ -90,8 +89,8 @@ async def run_benchmark(
             raise ConfigError(f"cannot reach {config.url} ({e}); is a server running there? "
                               "(--url)") from None
         results: list[RequestResult] = []
-        with tqdm(total=config.num_expected, file=sys.stderr, unit="req",
-                  disable=not config.show_progress) as bar:
+        with progress(config.num_expected, "requests", unit="req",
+                      enabled=config.show_progress) as bar:
             def record(result: RequestResult) -> None:
                 results.append(result)
                 bar.update(1)

@@ -17,9 +17,8 @@ between, or while a crashed child is down. Before a restart the supervisor check
 whose port was taken moves to a fresh one (and registers its new URL); the gateway's port is
 the user's, so losing it stops `strata up` with an error that says so.
 
-The registry across restarts of `strata up`: the model catalogue (versions) is kept; instance
-records, deployments and routing are re-seeded from the flags by `strata up`
-(strata/cluster/seed.py), and releases left unfinished are marked failed.
+Across restarts of `strata up` the model catalogue is kept; instances, deployments and routing
+are re-seeded from the flags (strata/cluster/seed.py); unfinished releases are marked failed.
 """
 
 from __future__ import annotations
@@ -63,14 +62,26 @@ class LocalClusterConfig:
     threads_per_instance: int | None = None
     registry: str | None = None  # default: SQLite in run_dir (one machine)
     reconcile_interval_s: float = 0.5
+    is_autoscaled: bool = False  # the gateway's autoscaler sizes it: it may start with none
+    num_prefill: int = 0  # `--prefill N`: instances 0..N-1 of a deployment prefill, others decode
 
     def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ConfigError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.replicas < (0 if self.is_autoscaled else 1):
+            raise ConfigError(f"--replicas must be >= 1 (0 only with --autoscale "
+                              f"--min-replicas 0), got {self.replicas}")
         if self.restart_backoff_s <= 0 or self.max_backoff_s < self.restart_backoff_s:
             raise ConfigError("restart backoff must be > 0 and <= the maximum backoff")
         if self.reconcile_interval_s <= 0:
-            raise ConfigError(f"reconcile_interval_s must be > 0, got {self.reconcile_interval_s}")
+            raise ConfigError(f"reconcile_interval_s must be > 0: {self.reconcile_interval_s}")
+        if self.num_prefill and not 0 < self.num_prefill < self.replicas:
+            raise ConfigError(f"a prefill/decode cluster needs a decode instance too: "
+                              f"{self.num_prefill} prefill of {self.replicas} instances")
+
+    def role_of(self, index: int) -> str:
+        """The `--role` of instance `index` of a deployment."""
+        if not self.num_prefill:
+            return "mixed"
+        return "prefill" if index < self.num_prefill else "decode"
 
     @property
     def registry_url(self) -> str:
@@ -111,12 +122,13 @@ def local_registry_url(run_dir: Path) -> str:
 
 
 def instance_argv(config: LocalClusterConfig, version: ModelVersion, instance_id: str,
-                  port: int, python: str) -> list[str]:
-    """The `strata serve` command line of one instance of `version` in the cluster."""
+                  port: int, python: str, index: int = 0) -> list[str]:
+    """The `strata serve` command line of instance `index` of `version` in the cluster."""
     c = config
     argv = [python, "-m", "strata.cli", "serve", *serve_model_args(version, c.serve_args),
             "--host", c.host, "--port", str(port), "--registry", c.registry_url,
             "--instance-id", instance_id, "--advertise-url", f"http://{c.host}:{port}"]
+    argv += ["--role", c.role_of(index)] if c.num_prefill else []
     if c.threads_per_instance and not version.is_simulated:
         argv += ["--threads", str(c.threads_per_instance)]
     return argv
@@ -207,7 +219,7 @@ class Supervisor:
     def _start_instance(self, version: ModelVersion, index: int) -> None:
         instance_id = instance_id_of(version.name, version.version, index)
         port = free_port(self.config.host)
-        argv = instance_argv(self.config, version, instance_id, port, self.python)
+        argv = instance_argv(self.config, version, instance_id, port, self.python, index)
         child = Child(instance_id, argv, self.config.log_dir / f"{instance_id}.log",
                       deployment=version.key, index=index, port=port, version=version)
         self.instances[instance_id] = child

@@ -152,7 +152,7 @@ class RayLauncher:
 
         c = self.config.cluster
         instance_id = instance_id_of(version.name, version.version, index)
-        argv = instance_argv(c, version, instance_id, free_port(c.host), sys.executable)
+        argv = instance_argv(c, version, instance_id, free_port(c.host), sys.executable, index)
         options: dict[str, Any] = {"num_cpus": self.config.num_cpus_per_instance}
         group = None
         if self.config.ranks_per_instance > 1 and not version.is_simulated:

@@ -41,8 +41,8 @@ class ClusterSeed:
     replicas: int
 
     def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ConfigError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.replicas < 0:  # 0: an autoscaler starts the first one when a request comes
+            raise ConfigError(f"--replicas must be >= 0, got {self.replicas}")
 
 
 async def seed_registry(models: ModelRegistry, instances: Registry, seed: ClusterSeed, *,

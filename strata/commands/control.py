@@ -27,7 +27,8 @@ def add_control_flags(p: argparse.ArgumentParser) -> None:
                    help="the cluster's gateway (default: the local `strata up` cluster, else "
                         f"{DEFAULT_GATEWAY})")
     p.add_argument("--api-key", default=None,
-                   help="admin API key (default: the first of STRATA_API_KEYS)")
+                   help="admin API key (default: the first of STRATA_ADMIN_KEYS, else of "
+                        "STRATA_API_KEYS)")
 
 
 def gateway_url(args: argparse.Namespace, env: CliEnv) -> str:
@@ -50,7 +51,8 @@ class ControlClient:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, env: CliEnv) -> ControlClient:
-        key = args.api_key or (env.api_keys[0] if env.api_keys else None)
+        keys = env.admin_keys or env.api_keys
+        key = args.api_key or (keys[0] if keys else None)
         return cls(gateway_url(args, env), key)
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:

@@ -23,18 +23,31 @@ from strata.commands.argtypes import (
     positive_float,
     positive_int,
 )
-from strata.commands.env import CliEnv, add_auth_flags, read_api_keys
+from strata.commands.autoscale_flags import add_autoscale_flags, build_autoscaler
+from strata.commands.class_flags import add_class_flags, class_config
+from strata.commands.env import (
+    CliEnv,
+    add_auth_flags,
+    read_admin_keys,
+    read_api_keys,
+    read_key_max_priority,
+)
 from strata.errors import ConfigError
 from strata.gateway.config import (
+    PD_MODES,
     SESSION_ROUTING_MODES,
     AdmissionConfig,
+    DisaggConfig,
     GatewayConfig,
+    ResumeConfig,
     RetryConfig,
     SessionRoutingConfig,
     VersionConfig,
 )
 from strata.gateway.policies import policy_names
 from strata.gateway.sources import InstanceSource, RegistrySource, StaticSource
+from strata.logs import announce
+from strata.protocol.auth import check_exposure
 from strata.registry.models import ModelRegistry
 from strata.registry.release_policy import ReleaseConfig
 from strata.state.urls import schemes_help
@@ -57,6 +70,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=non_negative_int, default=512)
     p.add_argument("--queue-timeout-s", type=positive_float, default=10.0)
     p.add_argument("--max-retries", type=non_negative_int, default=2)
+    p.add_argument("--max-resumes", type=non_negative_int, default=2,
+                   help="a stream cut after its first byte goes on on another instance at most "
+                        "this many times (0: never; the client gets an error event)")
+    p.add_argument("--stall-s", type=positive_float, default=0.5,
+                   help="an instance silent this long while a request waits on it is probed; "
+                        "if the probe fails, its requests are resumed or retried elsewhere")
+    p.add_argument("--stall-probe-timeout-s", type=positive_float, default=0.5)
     p.add_argument("--health-check-interval-s", type=positive_float, default=1.0)
     add_auth_flags(p)
     p.add_argument("--shutdown-timeout-s", type=positive_float, default=30.0)
@@ -96,7 +116,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="opt-in cache of deterministic answers (temperature 0 or a seed), keyed "
                         f"by model version: {schemes_help('response_cache')}")
     p.add_argument("--response-cache-ttl-s", type=positive_float, default=600.0)
+    _add_pd_flags(p)
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    add_class_flags(p)
+    add_autoscale_flags(p)
+
+
+def _add_pd_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pd", choices=PD_MODES, default="auto",
+                   help="prefill/decode disaggregation: auto (whenever prefill instances are "
+                        "registered) or off")
+    p.add_argument("--pd-min-uncached-tokens", type=non_negative_int,
+                   default=DisaggConfig().min_uncached_tokens,
+                   help="prefill remotely only prompts with at least this many uncached tokens "
+                        "(estimated as bytes / 4); the default is fitted from the smollm2-cpu "
+                        "profile and the measured hand-off overhead (docs/benchmarks.md)")
+    p.add_argument("--pd-max-prefill-queue", type=positive_int, default=2,
+                   help="prefill locally when the least loaded prefill instance has this many "
+                        "requests queued or running")
+    p.add_argument("--pd-prefill-timeout-s", type=positive_float, default=60.0,
+                   help="a prefill instance slower than this: the decode instance prefills")
 
 
 def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
@@ -105,20 +144,31 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
     if not registry and not args.instances:
         raise ConfigError("give --registry URL or --instances URL [URL ...] "
                           "(or set STRATA_REGISTRY)")
+    api_keys = read_api_keys(args.api_key_file, env.api_keys)
+    admin_keys = read_admin_keys(args.admin_key_file, env.admin_keys)
+    check_exposure("strata gateway", args.host, api_keys, admin_keys, insecure=args.insecure)
     return GatewayConfig(
         host=args.host, port=args.port, policy=args.policy,
         instance_urls=tuple(args.instances or ()), registry_url=registry,
         health_check_interval_s=args.health_check_interval_s,
         retry=RetryConfig(max_retries=args.max_retries),
+        resume=ResumeConfig(max_resumes=args.max_resumes, stall_s=args.stall_s,
+                            stall_probe_timeout_s=args.stall_probe_timeout_s),
         admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue,
-                                  queue_timeout_s=args.queue_timeout_s),
-        api_keys=read_api_keys(args.api_key_file, env.api_keys),
+                                  queue_timeout_s=args.queue_timeout_s,
+                                  batch_max_queue=args.batch_max_queue),
+        classes=class_config(args),
+        api_keys=api_keys, admin_keys=admin_keys,
+        key_max_priority=read_key_max_priority(args.api_key_file, env),
         rate_limit_per_s=args.rate_limit_per_s, shutdown_timeout_s=args.shutdown_timeout_s,
         sessions=_session_config(args),
         versions=VersionConfig(routing_poll_s=args.routing_poll_s,
                                pin_store_url=args.version_pin_store,
                                release=_release_config(args)),
-        response_cache_url=args.response_cache, response_cache_ttl_s=args.response_cache_ttl_s)
+        response_cache_url=args.response_cache, response_cache_ttl_s=args.response_cache_ttl_s,
+        pd=DisaggConfig(mode=args.pd, min_uncached_tokens=args.pd_min_uncached_tokens,
+                        max_prefill_queue=args.pd_max_prefill_queue,
+                        prefill_timeout_s=args.pd_prefill_timeout_s))
 
 
 def _session_config(args: argparse.Namespace) -> SessionRoutingConfig:
@@ -162,21 +212,29 @@ def build_model_registry(config: GatewayConfig) -> ModelRegistry | None:
 def run(args: argparse.Namespace, env: CliEnv) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit code."""
     config = build_config(args, env)
-    return aio.run(_serve(config, args.log_level, time.perf_counter()))
+    return aio.run(_serve(config, args, time.perf_counter()))
 
 
-async def _serve(config: GatewayConfig, log_level: str, started: float) -> int:
+async def _serve(config: GatewayConfig, args: argparse.Namespace, started: float) -> int:
     import uvicorn
 
     from strata.gateway.app import create_gateway_app
+    from strata.gateway.releases import controller_owner
 
-    control = httpx.AsyncClient(timeout=httpx.Timeout(config.health_timeout_s))
+    # the control plane's calls to instances (model and load of static ones, drains) carry the
+    # key their admin API takes: the admin key, else the first client key
+    keys = config.admin_keys or config.api_keys
+    control = httpx.AsyncClient(timeout=httpx.Timeout(config.health_timeout_s),
+                                headers={"Authorization": f"Bearer {keys[0]}"} if keys else {})
+    log_level = args.log_level
     source, registry = build_source(config, control)
     models = build_model_registry(config)
+    autoscaler = build_autoscaler(args, models, controller_owner(config.port))
     app = create_gateway_app(config, source, control_client=control, models=models,
-                             instance_registry=registry)
+                             instance_registry=registry, autoscaler=autoscaler)
     server = uvicorn.Server(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=log_level, access_log=False,
+        app, host=config.host, port=config.port, log_level=log_level,
+        access_log=log_level == "debug", log_config=None,  # through strata/logs.py's handler
         timeout_graceful_shutdown=math.ceil(config.shutdown_timeout_s)))
     # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown; absorb it: exit 0
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -198,7 +256,7 @@ async def _announce(server: Any, config: GatewayConfig, started: float) -> None:
         await asyncio.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1] if server.servers else config.port
     ready_s = time.perf_counter() - started
-    print(f"Strata gateway on http://{config.host}:{port} (ready in {ready_s:.1f}s)", flush=True)
+    announce(f"Strata gateway on http://{config.host}:{port} (ready in {ready_s:.1f}s)")
 
 
 __all__ = ["add_parser", "build_config", "read_api_keys", "run"]

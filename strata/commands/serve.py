@@ -8,7 +8,6 @@ This module holds the flags and `run`; serve_stack.py composes the instance.
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 
 from strata.commands import aio
@@ -56,6 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--max-waiting", type=positive_int, default=1024,
                    help="queued requests beyond which new ones get 429")
+    p.add_argument("--max-queue-wait-s", type=non_negative_float, default=30.0,
+                   help="aging: a request (not sheddable) that has waited this long in the "
+                        "engine's queue ranks with the interactive class; 0: no aging")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--shutdown-timeout-s", type=non_negative_float, default=30.0,
                    help="on SIGTERM/SIGINT, how long in-flight requests may finish")
@@ -81,9 +83,13 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-redis-appendfsync", choices=("always", "everysec", "no"),
                    default=None, help="set Redis AOF fsync for the session store (CONFIG SET)")
     _add_kv_flags(p)
+    _add_pd_flags(p)
     p.add_argument("--simulate", default=None, metavar="PROFILE",
                    help="answer from a latency model instead of the maths (a profile JSON or a "
                         "bundled name such as smollm2-cpu); labelled simulated everywhere")
+    p.add_argument("--sim-start-s", type=non_negative_float, default=0.0,
+                   help="with --simulate: take this long from launch to serving, as loading "
+                        "a real model would (autoscaling benchmarks use 5)")
     p.add_argument("--s3-endpoint-url", default=None,
                    help="S3-compatible endpoint for s3:// model URIs")
     add_auth_flags(p)
@@ -106,9 +112,22 @@ def _add_kv_flags(p: argparse.ArgumentParser) -> None:
                    help="CONFIG SET maxmemory and maxmemory-policy allkeys-lru on the KV Redis")
 
 
+def _add_pd_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pd-lease-s", type=positive_float, default=10.0,
+                   help="prefill/decode hand-off: how long this instance holds a prompt's blocks "
+                        "for a decode instance that has not acknowledged them")
+    p.add_argument("--sim-kv-bandwidth-gbps", type=positive_float, default=0.5,
+                   help="with --simulate: the modeled KV transfer rate of a hand-off (GB/s; "
+                        "the default is the measured loopback pull rate)")
+    p.add_argument("--fault-config", default=None, metavar="FILE",
+                   help="tests only: kill points and damaged blocks of the hand-off (JSON, see "
+                        "strata/server/pd_faults.py)")
+
+
 def run(args: argparse.Namespace, env: CliEnv) -> int:
     """Load the model, build the engine stack and serve until SIGTERM/SIGINT."""
     started = time.perf_counter()
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     built = build_simulated(args) if args.simulate else build_engine(args, env)
+    if args.simulate and args.sim_start_s:  # the model "loads" for the rest of the start time
+        time.sleep(max(0.0, args.sim_start_s - (time.perf_counter() - started)))
     return aio.run(serve_http(args, env, built, started))

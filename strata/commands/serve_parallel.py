@@ -15,7 +15,6 @@ requests get 503), the instance deregisters and `strata serve` exits 1, so that 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import atexit
 import os
 from dataclasses import dataclass
@@ -147,36 +146,16 @@ def parallel_identity(async_engine: AsyncEngine) -> dict[str, Any]:
     return {"layout": executor.layout.name, "ranks": ranks}
 
 
-@dataclass
-class FatalExit:
-    """Set when a parallel engine died: `strata serve` then exits 1, not 0."""
-
-    failed: bool = False
-
-    @property
-    def exit_code(self) -> int:
-        return 1 if self.failed else 0
-
-
-def watch_ranks(app: Any, async_engine: AsyncEngine, server: Any) -> FatalExit:
+def watch_ranks(app: Any, async_engine: AsyncEngine) -> None:
     """With a parallel executor: per-rank memory on /metrics; a rank's exit (even while idle)
-    stops the engine, and the engine's death stops the HTTP server (after the streams in flight
-    got their error)."""
+    kills the engine, whose death stops the HTTP server like any engine death
+    (serve_stack.exit_when_engine_dies: after the streams in flight got their error)."""
     from strata.model.parallel.executor import ParallelExecutor
 
-    state = FatalExit()
     executor = getattr(async_engine.engine, "executor", None)
     if not isinstance(executor, ParallelExecutor):
-        return state
+        return
     app.state.instance.metrics.watch_ranks(
         lambda: [(m.rank, m.weight_bytes, m.kv_bytes) for m in executor.rank_memory()],
         pipeline=executor.pipeline_stats)
-    loop = asyncio.get_running_loop()
-
-    def stop_server(exc: Exception) -> None:
-        state.failed = True
-        loop.call_soon_threadsafe(setattr, server, "should_exit", True)
-
-    async_engine.on_death = stop_server
     executor.on_failure = async_engine.kill
-    return state

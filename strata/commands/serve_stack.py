@@ -13,13 +13,18 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from strata.commands.env import CliEnv, read_api_keys
+from strata.commands.env import (
+    CliEnv,
+    read_admin_keys,
+    read_api_keys,
+    read_key_max_priority,
+)
 from strata.commands.serve_parallel import (
     load_for_serving,
     make_executor,
@@ -28,6 +33,8 @@ from strata.commands.serve_parallel import (
     watch_ranks,
 )
 from strata.errors import ConfigError
+from strata.logs import announce
+from strata.protocol.auth import check_exposure
 
 if TYPE_CHECKING:
     from strata.commands.serve_parallel import ParallelModel
@@ -37,6 +44,7 @@ if TYPE_CHECKING:
     from strata.server.registration import Registration
 
 DEFAULT_MAX_MODEL_LEN = 2048
+ENGINE_DIED_EXIT_STATUS = 3  # the engine could not go on: the launcher restarts the instance
 log = logging.getLogger("strata")
 
 
@@ -87,7 +95,8 @@ def build_simulated(args: argparse.Namespace) -> BuiltEngine:
         block_size=args.block_size, max_model_len=args.max_model_len or DEFAULT_MAX_MODEL_LEN,
         max_num_batched_tokens=args.max_num_batched_tokens or 512,
         enable_prefix_caching=not args.no_prefix_cache, max_waiting=args.max_waiting,
-        namespace=f"{name}@{args.model_version}",
+        max_queue_wait_s=args.max_queue_wait_s or None, namespace=f"{name}@{args.model_version}",
+        kv_bandwidth_gbps=args.sim_kv_bandwidth_gbps,
     ))
     return BuiltEngine(async_engine, tokenizer, name, simulated=True)
 
@@ -149,7 +158,7 @@ def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str,
     log.info("device %s, dtype %s, %d KV blocks of %d tokens, max_model_len %d", device,
              args.dtype, cache_config.num_blocks, cache_config.block_size, max_model_len)
     engine = Engine(executor, cache_config, scheduler_config, loaded.tokenizer,
-                    vocab_size=loaded.config.vocab_size)
+                    vocab_size=loaded.config.vocab_size, clock=time.monotonic)
     return AsyncEngine(engine, max_model_len=max_model_len)
 
 
@@ -161,6 +170,7 @@ def scheduler_config_from(args: argparse.Namespace, max_model_len: int) -> Sched
     return SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
         max_model_len=max_model_len, enable_chunked_prefill=chunked, max_waiting=args.max_waiting,
+        max_queue_wait_s=args.max_queue_wait_s or None,
     )
 
 
@@ -174,33 +184,66 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
     from strata.server.config import ServerConfig
 
     name, simulated = built.name, built.simulated
+    api_keys = read_api_keys(args.api_key_file, env.api_keys)
+    admin_keys = read_admin_keys(args.admin_key_file, env.admin_keys)
+    check_exposure("strata serve", args.host, api_keys, admin_keys, insecure=args.insecure)
     sock = _bind(args.host, args.port)
     port = sock.getsockname()[1]
     registration = _registration(args, env, built.async_engine, name, port, simulated)
     server_config = ServerConfig(served_model_name=name, host=args.host, port=port,
                                  shutdown_timeout_s=args.shutdown_timeout_s,
-                                 api_keys=read_api_keys(args.api_key_file, env.api_keys),
+                                 api_keys=api_keys, admin_keys=admin_keys,
+                                 key_max_priority=read_key_max_priority(args.api_key_file, env),
                                  rate_limit_per_s=args.rate_limit_per_s, simulated=simulated,
                                  model_version=args.model_version,
                                  session_store_url=args.session_store,
                                  session_ttl_s=args.session_ttl_s,
                                  session_redis_appendfsync=args.session_redis_appendfsync,
-                                 **_kv_options(args))
+                                 pd=_pd_config(args), **_kv_options(args))
     app = create_app(built.async_engine, built.tokenizer, server_config,
                      registration=registration)
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=args.log_level, access_log=args.log_level == "debug",
+        log_config=None,  # its loggers go through strata/logs.py's handler
         timeout_graceful_shutdown=args.shutdown_timeout_s,
     ))
     # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown; these handlers
     # absorb it so that a requested stop exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    exit_status = exit_when_engine_dies(server, built.async_engine)
     announce = asyncio.create_task(_announce_when_started(server, args.host, port, name, started))
-    fatal = watch_ranks(app, built.async_engine, server)
+    watch_ranks(app, built.async_engine)
     await server.serve(sockets=[sock])  # the lifespan shutdown drains, deregisters, stops
     announce.cancel()
-    return fatal.exit_code
+    return exit_status()
+
+
+def exit_when_engine_dies(server: Any, async_engine: AsyncEngine) -> Callable[[], int]:
+    """Once the engine dies (it failed every stream with "error"), stop serving as a SIGTERM
+    would; the returned function gives the exit status: 0, or ENGINE_DIED_EXIT_STATUS."""
+    loop = asyncio.get_running_loop()
+    died: list[str] = []
+
+    def stop(reason: str) -> None:
+        log.error("the engine died (%s); stopping, exit status %d, so that the launcher "
+                  "restarts this instance", reason, ENGINE_DIED_EXIT_STATUS)
+        server.should_exit = True
+
+    def on_death(reason: str) -> None:  # on the engine thread
+        died.append(reason)
+        loop.call_soon_threadsafe(stop, reason)
+
+    async_engine.on_death(on_death)
+    return lambda: ENGINE_DIED_EXIT_STATUS if died else 0
+
+
+def _pd_config(args: argparse.Namespace) -> Any:
+    from strata.server.pd_config import PDConfig
+    from strata.server.pd_faults import FaultConfig
+
+    faults = FaultConfig.load(Path(args.fault_config)) if args.fault_config else FaultConfig()
+    return PDConfig(lease_s=args.pd_lease_s, faults=faults)
 
 
 def _kv_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -242,4 +285,4 @@ async def _announce_when_started(server: Any, host: str, port: int, name: str,
     while not server.started:
         await asyncio.sleep(0.05)
     ready_s = time.perf_counter() - started
-    print(f"Strata serving {name} on http://{host}:{port} (ready in {ready_s:.1f}s)", flush=True)
+    announce(f"Strata serving {name} on http://{host}:{port} (ready in {ready_s:.1f}s)")

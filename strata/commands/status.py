@@ -1,4 +1,5 @@
-"""`strata status`: the instances in the registry, their states and load, as a table.
+"""`strata status`: the instances in the registry, their states and load, as a table; for a
+prefill/decode fleet, then each pool's roles.
 
 A parallel instance (tensor / pipeline parallel) is one row, its layout beside its model
 (`tiny@default (tp2)`), followed by one indented line per rank: host, pid, weight and KV bytes.
@@ -39,6 +40,8 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
         print(f"no instances registered in {url}")
         return 0
     print(format_table(records, now=time.time()))
+    if any(r.role.value == "prefill" for r in records):
+        print(pools_summary(records))
     return 0
 
 
@@ -77,4 +80,17 @@ def _rank_line(rank: RankInfo) -> str:
             f"{rank.weight_bytes / mib:.1f} MiB  KV {rank.kv_bytes / mib:.1f} MiB")
 
 
-__all__ = ["add_parser", "default_registry_url", "format_table", "run"]
+def pools_summary(records: Sequence[InstanceRecord]) -> str:
+    """One line per pool of a prefill/decode fleet: how many of each role, how many ready."""
+    counts: dict[str, dict[str, list[int]]] = {}
+    for record in records:
+        ready_total = counts.setdefault(record.pool, {}).setdefault(record.role.value, [0, 0])
+        ready_total[0] += record.state.value == "ready"
+        ready_total[1] += 1
+    return "\n".join(
+        f"pool {pool}: " + ", ".join(f"{total} {role} ({ready} ready)"
+                                     for role, (ready, total) in sorted(roles.items()))
+        for pool, roles in sorted(counts.items()))
+
+
+__all__ = ["add_parser", "default_registry_url", "format_table", "pools_summary", "run"]

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import importlib.util
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -23,9 +22,27 @@ from typing import Any, Protocol
 from strata.cluster.deployments import VERSION_FLAGS
 from strata.cluster.local import LocalClusterConfig, Supervisor
 from strata.cluster.seed import ClusterSeed, seed_registry
-from strata.commands.argtypes import port_number, positive_float, positive_int
-from strata.commands.env import CliEnv
+from strata.commands import up_parallel
+from strata.commands.argtypes import (
+    non_negative_float,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
+from strata.commands.autoscale_flags import add_autoscale_flags, gateway_args
+from strata.commands.cluster_file import check_not_running, cluster_file, write_cluster_file
+from strata.commands.env import CliEnv, read_admin_keys, read_api_keys
+from strata.commands.up_roles import (
+    PD_SERVE_FLAGS,
+    add_role_flags,
+    describe_roles,
+    initial_replicas,
+    role_split,
+)
 from strata.errors import ConfigError, StrataError
+from strata.logs import announce
+from strata.protocol.auth import check_exposure
 from strata.registry.models import ModelVersion
 from strata.store.manifest import local_manifest_sha256
 
@@ -49,16 +66,18 @@ _SERVE_FLAGS: tuple[tuple[str, Any], ...] = (
     ("--served-model-name", str), ("--model-version", str), ("--dtype", str),
     ("--max-model-len", positive_int), ("--kv-cache-gb", positive_float),
     ("--block-size", positive_int), ("--max-num-seqs", positive_int), ("--simulate", str),
-    ("--session-store", str), ("--tensor-parallel-size", positive_int),
-    ("--pipeline-parallel-size", positive_int), ("--pipeline-layers", str),
+    ("--session-store", str), ("--sim-start-s", non_negative_float),
+    ("--max-queue-wait-s", non_negative_float), *PD_SERVE_FLAGS, *up_parallel.SERVE_FLAGS,
 )
-_SHORT = {"--tensor-parallel-size": ("-tp",), "--pipeline-parallel-size": ("-pp",)}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start N instances behind the gateway on one machine")
     p.add_argument("model", nargs="?", default=None, help="as for `strata serve`")
-    p.add_argument("--replicas", type=positive_int, default=2)
+    p.add_argument("--replicas", type=non_negative_int, default=None,
+                   help="instances to start with (default 2; with --autoscale, "
+                        "--min-replicas, and 0 only then)")
+    add_role_flags(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000, help="the gateway's port")
     p.add_argument("--policy", default=None, help="gateway routing policy")
@@ -66,8 +85,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="one more `strata gateway` flag, repeatable "
                         "(e.g. --gateway-arg=--max-in-flight=64)")
     p.add_argument("--threads-per-instance", type=positive_int, default=None,
-                   help="torch threads per instance, shared by its ranks (default: cores / "
-                        "replicas, at least 1)")
+                   help="torch threads per instance, shared by its ranks (default: cores/replicas)")
     p.add_argument("--ready-timeout-s", type=positive_float, default=600.0)
     p.add_argument("--log-level", default="info")
     p.add_argument("--registry", default=None,
@@ -76,20 +94,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ray", action="store_true", help="run the instances as Ray actors")
     p.add_argument("--address", default=None, help="Ray cluster address (default: local Ray)")
     p.add_argument("--num-cpus-per-instance", type=positive_float, default=0.5,
-                   help="Ray CPUs reserved per instance, shared by its ranks (fractions "
-                        "allowed)")
+                   help="Ray CPUs per instance, shared by its ranks (fractions allowed)")
     for flag, kind in _SERVE_FLAGS:
-        p.add_argument(flag, *_SHORT.get(flag, ()), type=kind, default=None,
+        p.add_argument(flag, *up_parallel.SHORT_FLAGS.get(flag, ()), type=kind, default=None,
                        help="passed to every instance")
+    p.add_argument("--api-key-file", type=Path, default=None,
+                   help="client API keys, one per line: passed to the gateway and every instance "
+                        "(STRATA_API_KEYS, inherited, adds more)")
+    p.add_argument("--admin-key-file", type=Path, default=None,
+                   help="admin key(s) for /admin/*: passed to the gateway and every instance "
+                        "(STRATA_ADMIN_KEYS, inherited, adds more)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow --host beyond the loopback without keys (passed through)")
+    add_autoscale_flags(p)
 
 
 def run(args: argparse.Namespace, env: CliEnv) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    check_exposure("strata up", args.host, read_api_keys(args.api_key_file, env.api_keys),
+                   read_admin_keys(args.admin_key_file, env.admin_keys), insecure=args.insecure)
     config = _config(args, env)
-    _check_not_running(config.run_dir)
+    check_not_running(config.run_dir)
     config.run_dir.mkdir(parents=True, exist_ok=True)
     _prefetch(args, env)
-    seed = ClusterSeed(seed_version(args), replicas=args.replicas)
+    seed = ClusterSeed(seed_version(args), replicas=config.replicas)
     asyncio.run(_seed(config.registry_url, seed))
     supervisor = _launcher(args, config)
     stop = {"now": False}
@@ -103,33 +130,41 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
     try:
         _wait_ready(supervisor, config, args.ready_timeout_s, lambda: stop["now"])
         if not stop["now"]:
-            _write_cluster_file(config)
-            print(f"Strata cluster: {config.replicas} instances behind "
-                  f"http://{config.host}:{config.port} serving {seed.version.key} "
-                  f"(logs in {config.log_dir})", flush=True)
-            print(f"Dashboard: http://{config.host}:{config.port}/dashboard", flush=True)
+            write_cluster_file(config)
+            roles = describe_roles(config.replicas, config.num_prefill)
+            announce(f"Strata cluster: {config.replicas} instances{roles} behind "
+                     f"http://{config.host}:{config.port} serving {seed.version.key} "
+                     f"(logs in {config.log_dir})")
+            announce(f"Dashboard: http://{config.host}:{config.port}/dashboard")
         supervisor.run_forever(lambda: stop["now"])
     finally:
-        print("stopping the cluster...", flush=True)
-        _cluster_file(config.run_dir).unlink(missing_ok=True)
+        announce("stopping the cluster...")
+        cluster_file(config.run_dir).unlink(missing_ok=True)
         supervisor.stop()
     return 0
 
 
 def seed_version(args: argparse.Namespace) -> ModelVersion:
     """The catalogue entry of the flags' model: NAME is what `strata serve` would call it."""
-    version = args.model_version or "default"
+    version, name = args.model_version or "default", _model_name(args)
     if args.simulate:
-        from strata.sim import load_profile
-
-        name = args.served_model_name or load_profile(args.simulate).model
         return ModelVersion(name, version, f"sim:{_absolute_if_local(args.simulate)}")
     from strata.model.fetch import DEFAULT_MODEL
 
-    model = args.model or DEFAULT_MODEL
-    uri = _absolute_if_local(model)
-    name = args.served_model_name or _served_name(model)
+    uri = _absolute_if_local(args.model or DEFAULT_MODEL)
     return ModelVersion(name, version, uri, manifest_sha256=local_manifest_sha256(uri))
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return str(args.served_model_name)
+    if args.simulate:
+        from strata.sim import load_profile
+
+        return load_profile(args.simulate).model
+    from strata.model.fetch import DEFAULT_MODEL
+
+    return _served_name(args.model or DEFAULT_MODEL)
 
 
 def _absolute_if_local(model: str) -> str:
@@ -165,64 +200,55 @@ async def _seed(registry_url: str, seed: ClusterSeed) -> None:
         await instances.close()
 
 
-def _cluster_file(run_dir: Path) -> Path:
-    return run_dir / "cluster.json"
-
-
-def _check_not_running(run_dir: Path) -> None:
-    """Two clusters on one run dir would reset each other's registry."""
-    try:
-        pid = int(json.loads(_cluster_file(run_dir).read_text())["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return  # a stale file: that cluster died without removing it
-    except PermissionError:
-        pass
-    raise ConfigError(f"a cluster (pid {pid}) is already running with run dir {run_dir}; stop "
-                      "it first, or set STRATA_RUN_DIR to another directory")
-
-
-def _write_cluster_file(config: LocalClusterConfig) -> None:
-    data = {"gateway_url": f"http://{config.host}:{config.port}",
-            "registry_url": config.registry_url, "pid": os.getpid()}
-    path = _cluster_file(config.run_dir)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)  # readers never see half a file
-
-
 def _launcher(args: argparse.Namespace, config: LocalClusterConfig) -> Launcher:
     if not args.ray:
         return Supervisor(config)
-    from strata.cluster.ray_launcher import RayClusterConfig, RayLauncher
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("--ray needs Ray, which is not installed: pip install 'strata[ray]' "
+                          "(`strata doctor` says which optional parts are usable)")
+    from strata.cluster.ray_launcher import RayLauncher
 
-    return RayLauncher(RayClusterConfig(config, address=args.address,
-                                        num_cpus_per_instance=args.num_cpus_per_instance,
-                                        tensor_parallel_size=args.tensor_parallel_size or 1,
-                                        pipeline_parallel_size=args.pipeline_parallel_size or 1))
+    return RayLauncher(up_parallel.ray_config(args, config))
 
 
 def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
-    serve_args: list[str] = ["--log-level", "warning"]
+    log_flags = _log_flags(args, env)
+    serve_args: list[str] = ["--log-level", "warning", *log_flags]
     for flag, _ in _SERVE_FLAGS:
         if flag in VERSION_FLAGS:
             continue  # each instance gets these from its model version
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             serve_args += [flag, str(value)]
-    ranks = (args.tensor_parallel_size or 1) * (args.pipeline_parallel_size or 1)
-    threads = args.threads_per_instance or max(1, (os.cpu_count() or 1) // args.replicas)
-    threads = max(1, threads // ranks)  # `strata serve --threads` is per rank
-    gateway_args = [*(["--policy", args.policy] if args.policy else []), *args.gateway_arg]
+    serve_args += _auth_args(args)
+    replicas, num_prefill = role_split(args, initial_replicas(args))
+    threads = up_parallel.rank_threads(args, replicas)  # `strata serve --threads` is per rank
+    autoscale = gateway_args(args, _model_name(args), args.simulate) if args.autoscale else []
+    gateway = [*(["--policy", args.policy] if args.policy else []), *autoscale,
+               *_auth_args(args), *log_flags, *args.gateway_arg]
     return LocalClusterConfig(
-        replicas=args.replicas, run_dir=env.run_dir, model=args.model, host=args.host,
-        port=args.port, serve_args=tuple(serve_args), gateway_args=tuple(gateway_args),
+        replicas=replicas, num_prefill=num_prefill, run_dir=env.run_dir, model=args.model,
+        host=args.host, port=args.port, serve_args=tuple(serve_args),
+        gateway_args=tuple(gateway),
         threads_per_instance=None if args.simulate else threads,
-        registry=args.registry or env.registry_url,
+        registry=args.registry or env.registry_url, is_autoscaled=args.autoscale,
     )
+
+
+def _auth_args(args: argparse.Namespace) -> list[str]:
+    """The key flags every child gets (files by absolute path: children may run elsewhere)."""
+    out: list[str] = []
+    for flag, path in (("--api-key-file", args.api_key_file),
+                       ("--admin-key-file", args.admin_key_file)):
+        if path is not None:
+            out += [flag, str(Path(path).resolve())]
+    return out + (["--insecure"] if args.insecure else [])
+
+
+def _log_flags(args: argparse.Namespace, env: CliEnv) -> list[str]:
+    """`--log-format` for the children, unless text is both chosen and their default."""
+    chosen = getattr(args, "log_format", None) or env.log_format
+    return [] if chosen == env.log_format == "text" else ["--log-format", chosen]
 
 
 def _prefetch(args: argparse.Namespace, env: CliEnv) -> None:
@@ -240,6 +266,8 @@ def _gateway_routes_all(config: LocalClusterConfig) -> bool:
     import httpx
 
     try:
+        if config.replicas == 0:  # an autoscaler starts the first instance on demand
+            return httpx.get(f"http://{config.host}:{config.port}/health", timeout=2).is_success
         resp = httpx.get(f"http://{config.host}:{config.port}/ready", timeout=2)
         num_routable = int(resp.json()["num_routable"]) if resp.status_code == 200 else 0
     except (httpx.HTTPError, ValueError, KeyError, TypeError):

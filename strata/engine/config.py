@@ -44,10 +44,15 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     max_waiting: int = 1024  # beyond this new requests are refused (OverloadedError)
+    # aging: a request (not sheddable) waiting this long ranks with the top class; None: off
+    max_queue_wait_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_queue_wait_s is not None and self.max_queue_wait_s <= 0:
+            raise ConfigError(f"max_queue_wait_s must be positive (or None: no aging), got "
+                              f"{self.max_queue_wait_s}")
         if self.max_model_len <= 1:
             raise ConfigError(f"max_model_len must be > 1, got {self.max_model_len}")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -2,6 +2,11 @@
 
 Text is released only when it is final: never in the middle of a multi-byte character, and
 never a tail that could still grow into a stop string (held back until decided).
+
+A resumed request (one that arrives with tokens generated elsewhere, `Request.output_token_ids`,
+see strata/gateway/resume.py) is replayed token by token through the same steps, so the text
+already released and the text held back are exactly what the first engine had: a stop string
+that straddles the hand-over is found, and no character is sent twice or lost.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ class IncrementalDetokenizer:
         self.text = ""
         self.matched_stop: str | None = None
         self._num_emitted = 0
+        for token_id in request.output_token_ids:  # a resumed request: replay what was sent
+            if self.add_token(token_id) is not None:
+                break
+            self.take_new_text(finished=False)
 
     def add_token(self, token_id: int) -> str | None:
         """Append a token; returns the stop string if the text now contains one."""
@@ -45,6 +54,11 @@ class IncrementalDetokenizer:
                 return stop
         return None
 
+    @property
+    def released(self) -> str:
+        """The text `take_new_text` has returned so far."""
+        return self.text[: self._num_emitted]
+
     def flush(self) -> None:
         """At the end, release a trailing partial character as the replacement char."""
         tail = self._decoder.decode(self._tokens[self._prefix_offset :])
@@ -61,6 +75,30 @@ class IncrementalDetokenizer:
         new = self.text[self._num_emitted : end]
         self._num_emitted = end
         return new
+
+
+def released_text(decoder: TokenDecoder, request: Request) -> str:
+    """The text a stream has released for `request.output_token_ids` (the tokens a resumed
+    request arrives with): what the engine that generated them sent, token by token."""
+    return IncrementalDetokenizer(decoder, request).released
+
+
+def final_text(decoder: TokenDecoder, request: Request, *, stopped_by_token: bool) -> str:
+    """The whole text of a request that finished with `request.output_token_ids`: a stop token's
+    text (EOS, `stop_token_ids`) is not shown, a stop string cuts the text, the last partial
+    character is flushed."""
+    token_ids = request.output_token_ids
+    detok = IncrementalDetokenizer(decoder, _without_outputs(request))
+    for token_id in token_ids[:-1] if stopped_by_token else token_ids:
+        if detok.add_token(token_id) is not None:
+            return detok.text
+    detok.flush()
+    return detok.text
+
+
+def _without_outputs(request: Request) -> Request:
+    return Request(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                   sampling_params=request.sampling_params)
 
 
 def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:

@@ -12,9 +12,15 @@ KV offload stays I/O-free here: a request may arrive with fetched KV payloads
 (`Request.external_kv`), imported by the executor when the request is admitted, and a request
 with `kv_export` leaves with the payloads of its full blocks on its final output; the server
 does the fetching and publishing.
+
+So does the prefill/decode hand-off: a request with `hold_blocks` leaves its blocks held when it
+finishes (`RequestOutput.held`) until `release_held`; one with a `handoff` gets the prefill
+instance's first token instead of a sample and, its whole prompt imported, computes none of it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from strata.engine.batch_queue import BatchQueue
 from strata.engine.config import CacheConfig, SchedulerConfig
@@ -24,14 +30,16 @@ from strata.engine.executor import (
     ModelExecutor,
     ModelInput,
     ModelOutput,
+    SampledToken,
     ScheduledSequence,
     TokenDecoder,
 )
 from strata.engine.kv_cache_manager import KVCacheManager
-from strata.engine.outputs import EngineStats, RequestOutput
+from strata.engine.outputs import EngineStats, HeldBlocks, RequestOutput
 from strata.engine.request import Logprob, Request, RequestStatus
 from strata.engine.scheduler import KVImport, Scheduler, SchedulerOutput
-from strata.errors import ContextLengthError, InvalidRequestError, OverloadedError
+from strata.engine.validation import check_request
+from strata.errors import InvalidRequestError
 from strata.types import BlockHash, RequestId
 
 
@@ -44,7 +52,10 @@ class Engine:
         decoder: TokenDecoder,
         *,
         vocab_size: int | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        """`clock`: the clock of `Request.arrival_time`, which aging reads (the engine never
+        reads the time itself)."""
         self.executor = executor
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
@@ -54,54 +65,26 @@ class Engine:
         self.kv = KVCacheManager(cache_config)
         self._batches = BatchQueue(executor)
         self.scheduler = Scheduler(scheduler_config, self.kv,
-                                   max_concurrent_batches=self._batches.max_batches)
+                                   max_concurrent_batches=self._batches.max_batches, clock=clock)
         self._detok: dict[RequestId, IncrementalDetokenizer] = {}
+        self._handed: list[RequestOutput] = []  # first tokens handed over, for this step
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
 
     def validate_request(self, request: Request) -> None:
         """Refuse what can never run; safe from any thread."""
-        num_prompt = request.num_prompt_tokens
-        max_len = self.scheduler_config.max_model_len
-        if num_prompt == 0:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if self.vocab_size is not None and not all(
-            0 <= t < self.vocab_size for t in request.prompt_token_ids
-        ):
-            raise InvalidRequestError(
-                f"prompt token ids must be in [0, {self.vocab_size})", param="prompt"
-            )
-        if num_prompt >= max_len:
-            raise ContextLengthError(
-                f"This model's maximum context length is {max_len} tokens, but the prompt has "
-                f"{num_prompt} tokens (leave room for at least one generated token)",
-                param="messages",
-            )
-        if num_prompt + request.sampling_params.max_tokens > max_len:
-            raise ContextLengthError(
-                f"This model's maximum context length is {max_len} tokens; the prompt has "
-                f"{num_prompt} tokens and max_tokens is {request.sampling_params.max_tokens} "
-                f"({num_prompt + request.sampling_params.max_tokens} in total). Lower max_tokens "
-                "or shorten the prompt.",
-                param="max_tokens",
-            )
-        num_blocks_needed = -(-(num_prompt + 1) // self.cache_config.block_size)
-        if num_blocks_needed > self.cache_config.num_blocks:
-            raise ContextLengthError(
-                f"the prompt needs {num_blocks_needed} KV blocks but the cache holds only "
-                f"{self.cache_config.num_blocks}; raise --kv-cache-gb",
-                param="prompt",
-            )
-        if self.scheduler.num_waiting >= self.scheduler_config.max_waiting:
-            raise OverloadedError(
-                f"the waiting queue is full ({self.scheduler_config.max_waiting} requests)"
-            )
+        check_request(request, self.scheduler_config, self.cache_config, self.vocab_size,
+                      num_waiting=self.scheduler.num_waiting)
 
     def add_request(self, request: Request) -> None:
         self.validate_request(request)
+        detok = IncrementalDetokenizer(self.decoder, request)
+        if detok.matched_stop is not None:
+            raise InvalidRequestError("the generated tokens of a resumed request already hold "
+                                      "a stop string", param="output_token_ids")
         request.status = RequestStatus.WAITING
         self.scheduler.add(request)
-        self._detok[request.request_id] = IncrementalDetokenizer(self.decoder, request)
+        self._detok[request.request_id] = detok
 
     def abort_request(self, request_id: RequestId) -> None:
         request = self.scheduler.get(request_id)
@@ -113,38 +96,53 @@ class Engine:
         """True while a request is unfinished or a batch is in flight (`step` collects it)."""
         return self.scheduler.has_unfinished() or len(self._batches) > 0
 
-    def block_hashes(self, token_ids: list[int], cache_salt: str = "") -> list[BlockHash]:
-        """The identities of the full blocks of `token_ids` (model, version and salt included);
-        safe from any thread."""
-        return self.kv.hash_tokens(token_ids, cache_salt)
+    def block_hashes(self, token_ids: list[int], cache_salt: str = "",
+                     num_public_tokens: int = 0, *, partial: bool = False) -> list[BlockHash]:
+        """The identities of the full blocks of `token_ids` (model, version and salt included;
+        see `Request.num_public_tokens`), with `partial` the partial last one's; any thread."""
+        return self.kv.hash_tokens(token_ids, cache_salt, num_public_tokens, partial=partial)
 
     def num_cached_blocks(self, hashes: list[BlockHash]) -> int:
         """How many leading blocks of `hashes` the prefix cache holds: a hint, safe from any
         thread (it may change before the request is admitted)."""
         return self.kv.num_cached_blocks(hashes)
 
+    def release_held(self, request_id: RequestId) -> int:
+        """Return the blocks a finished request left held to the free pool; how many."""
+        return self.kv.release_finished(request_id)
+
     def step(self) -> list[RequestOutput]:
         """Submit batches while the executor has room and a request can run, then wait for the
-        oldest batch in flight and return its news ([] when none was in flight)."""
+        oldest batch in flight and return its news, after the first tokens handed over."""
         while self._batches.has_room and self._submit_next():
             pass
+        handed, self._handed = self._handed, []
         collected = self._batches.collect_oldest()
         if collected is None:
-            return []
-        scheduled, model_output = collected
-        return self._update(self.scheduler.on_collected(scheduled), model_output)
+            return handed
+        applied = self.scheduler.on_collected(collected.scheduled)
+        failed = [self._fail(r) for r, _ in applied if r.request_id in collected.failed]
+        return handed + failed + self._update([(r, n) for r, n in applied
+                                              if r.status == RequestStatus.RUNNING],
+                                              collected.output)
 
     def _submit_next(self) -> bool:
         """Schedule a batch and submit it; False when no request can run now."""
         scheduled = self.scheduler.schedule()
         for kv_import in scheduled.kv_imports:
             self.scheduler.on_kv_imported(scheduled, kv_import, self._import_kv(kv_import))
+        self._handed += self._hand_over(scheduled.handed)
         if scheduled.is_empty:
             return False
         model_input = self._model_input(scheduled)
         self.scheduler.on_submitted(scheduled)
         self._batches.submit(scheduled, model_input)
         return True
+
+    def _hand_over(self, handed: list[Request]) -> list[RequestOutput]:
+        """P's first token for each request whose whole prompt was imported (see `_update`)."""
+        return [self._append_token(r, r.handoff.token_id, r.handoff.logprob) for r in handed
+                if r.handoff is not None and r.num_tokens_to_compute == 0]
 
     def _import_kv(self, kv_import: KVImport) -> int:
         """Write fetched KV into its blocks; how many leading payloads the executor took."""
@@ -179,7 +177,9 @@ class Engine:
                 self.num_prompt_tokens += num_new
             request.num_computed_tokens += num_new
             self.kv.cache_full_blocks(request)
-            sampled = model_output.get(request.request_id)
+            sampled, handoff = model_output.get(request.request_id), request.pending_handoff
+            if sampled is not None and handoff is not None:  # P's token: never re-sampled
+                sampled = SampledToken(handoff.token_id, handoff.logprob)
             if sampled is not None:
                 outputs.append(self._append_token(request, sampled.token_id, sampled.logprob))
         return outputs
@@ -194,9 +194,11 @@ class Engine:
         detok = self._detok[request.request_id]
         status = self._finish_status(request, token_id, detok)
         kv_blocks: list[tuple[BlockHash, bytes]] = []
+        held: HeldBlocks | None = None
         if status is not None:
             if request.kv_export:
                 kv_blocks = self._export_kv(request)
+            held = self.kv.hold_finished(request) if request.hold_blocks else None
             self.scheduler.finish(request, status)
             del self._detok[request.request_id]
         return RequestOutput(
@@ -208,10 +210,21 @@ class Engine:
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
+            num_cached_tokens=request.num_reported_cached_tokens,
             num_output_tokens=request.num_output_tokens,
             kv_blocks=kv_blocks,
+            held=held,
         )
+
+    def _fail(self, request: Request) -> RequestOutput:
+        """The executor failed on this request alone (isolation.py): it ends with "error"."""
+        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        self._detok.pop(request.request_id, None)
+        return RequestOutput(request_id=request.request_id, new_token_ids=[], new_text="",
+                             finished=True, finish_reason=request.finish_reason,
+                             num_prompt_tokens=request.num_prompt_tokens,
+                             num_cached_tokens=request.num_cached_tokens,
+                             num_output_tokens=request.num_output_tokens)
 
     def _export_kv(self, request: Request) -> list[tuple[BlockHash, bytes]]:
         """(hash, payload) of the request's computed full blocks not known to be stored."""
@@ -247,11 +260,13 @@ class Engine:
             prefix_cache_queries=self.kv.num_queried_tokens,
             prefix_cache_hits=self.kv.num_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            num_priority_preemptions=self.scheduler.num_priority_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generated_tokens=self.num_generated_tokens,
             num_external_hit_tokens=self.kv.num_external_hit_tokens,
             num_kv_import_failures=self.scheduler.num_kv_import_failures,
             num_batches_in_flight=len(self._batches),
+            num_held_blocks=self.kv.num_held_blocks,
         )
 
     def reset_prefix_cache(self) -> int:

@@ -8,6 +8,19 @@ from strata.engine.request import FinishReason, Logprob
 from strata.types import BlockHash, RequestId
 
 
+@dataclass(frozen=True, slots=True)
+class HeldBlocks:
+    """The blocks a finished request left held (`Request.hold_blocks`): those of its computed
+    tokens, the partial last one included, in order, with their chain hashes; they stay out of
+    the free pool until `Engine.release_held(request_id)`."""
+
+    block_ids: tuple[int, ...] = ()
+    block_hashes: tuple[BlockHash, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """The news of one request after one step.
@@ -28,6 +41,8 @@ class RequestOutput:
     num_output_tokens: int = 0
     # with `Request.kv_export`, on the final output: (block hash, KV payload) to publish
     kv_blocks: list[tuple[BlockHash, bytes]] = field(default_factory=list, repr=False)
+    # with `Request.hold_blocks`, on the final output of a normal finish: the blocks held
+    held: HeldBlocks | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +62,8 @@ class EngineStats:
     num_external_hit_tokens: int = 0  # prompt tokens imported from fetched KV, cumulative
     num_kv_import_failures: int = 0  # fetched payloads the executor refused (recomputed)
     num_batches_in_flight: int = 0  # submitted to the executor, not yet collected
+    num_priority_preemptions: int = 0  # of num_preemptions: room made for a higher priority
+    num_held_blocks: int = 0  # held for finished requests (`Request.hold_blocks`)
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from strata.errors import InvalidRequestError
 from strata.types import BlockHash, RequestId
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # OpenAI's `seed` is an int64
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered: every status after RUNNING is finished."""
@@ -71,6 +73,8 @@ class SamplingParams:
                f"must be in [-2, 2], got {self.presence_penalty}")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
                f"must be in [-2, 2], got {self.frequency_penalty}")
+        _check(self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, "seed",
+               f"must be a 64-bit signed integer (-2**63 .. 2**63-1), got {self.seed}")
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs",
                f"must be >= 0, got {self.logprobs}")
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
@@ -98,6 +102,18 @@ class Logprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """What a prefill instance computed for this request (prefill/decode hand-off): the first
+    token it sampled (with its logprob when asked) and how many prompt tokens its prefix cache
+    served. The engine appends this token when the prompt is computed instead of the one it
+    samples itself (never re-sampled), and reports `num_cached_tokens` as the request's."""
+
+    token_id: int
+    logprob: Logprob | None = None
+    num_cached_tokens: int = 0
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """One sequence in the engine.
@@ -113,8 +129,11 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = 0.0
-    priority: int = 0  # lower runs first; FCFS within a priority
+    priority: int = 0  # higher runs first (strata.types.PriorityClass); FCFS within one
     cache_salt: str = ""
+    # leading prompt tokens that are public (a shared system prompt): their full blocks are
+    # named without `cache_salt`, in the namespace every tenant shares (kv_cache_manager.py)
+    num_public_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Logprob] = field(default_factory=list)
@@ -122,6 +141,11 @@ class Request:
     num_in_flight_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first schedule)
     num_preemptions: int = 0
+    # aging (strata/engine/priority.py): seconds waited before the current wait, when the
+    # current wait began (None: at arrival), and whether it ranks with the top class for good
+    waited_s: float = 0.0
+    queued_at: float | None = None
+    is_aged: bool = False
     stop_reason: str | int | None = None
     output_text: str = ""
     # KV offload. `external_kv`: fetched KV payloads by block hash, used at admission only for
@@ -131,6 +155,11 @@ class Request:
     external_kv: dict[BlockHash, bytes] = field(default_factory=dict, repr=False)
     kv_export: bool = False
     kv_export_start_block: int = 0
+    # Prefill/decode hand-off. `hold_blocks`: when the request finishes normally its full
+    # computed blocks stay referenced (out of the free pool) until `Engine.release_held`.
+    # `handoff`: the first token comes from the prefill instance (see `Handoff`).
+    hold_blocks: bool = False
+    handoff: Handoff | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -155,6 +184,17 @@ class Request:
     @property
     def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self.status)
+
+    @property
+    def pending_handoff(self) -> Handoff | None:
+        """The hand-off whose first token is still to be appended."""
+        return self.handoff if self.num_output_tokens == 0 else None
+
+    @property
+    def num_reported_cached_tokens(self) -> int:
+        """`cached_tokens` as a client sees it: with a hand-off, what the prefill instance's
+        prefix cache served (tokens pulled from it were computed for this request)."""
+        return self.handoff.num_cached_tokens if self.handoff else self.num_cached_tokens
 
     @property
     def num_tokens_to_compute(self) -> int:

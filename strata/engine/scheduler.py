@@ -4,10 +4,16 @@ The scheduler speaks in token counts, not phases: a decode is 1 token, a prefill
 remaining budget, a prefix hit simply starts a request with `num_computed_tokens > 0`.
 Running requests are served first (in priority order); when blocks run out the lowest-priority,
 latest-arriving running request is preempted (its blocks freed, recomputed later). Waiting
-requests are admitted by (priority, arrival) while budget, sequence slots and blocks last.
+requests are admitted in priority order (strata/engine/priority.py: higher priority first, FCFS
+within one, aging) while budget, sequence slots and blocks last. A waiting request ranked
+strictly above running ones takes what it lacks from the lowest of them: their token budget this
+step (they sit the step out), then a running slot or blocks (they are preempted, and go back to
+the waiting queue under their original arrival time).
 A request admitted with fetched KV blocks (see kv_cache_manager) lists them in `kv_imports`:
 the engine has the executor import them before the step's forward pass and reports how many it
-wrote (`on_kv_imported`); the scheduler turns a refused payload into a miss.
+wrote (`on_kv_imported`); the scheduler turns a refused payload into a miss. A request whose
+whole prompt is imported and whose first token a prefill instance handed over is admitted with
+nothing to compute (`handed`): the engine appends that token, and it decodes from the next batch.
 
 Batches in flight (pipeline parallel): the engine reports each batch it submits and collects
 (`on_submitted`, `on_collected`). A request's next batch starts after its tokens in flight, so a
@@ -20,15 +26,15 @@ its batches write stay held until they are back, and a preempted one is re-admit
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from strata.engine.block_pool import KVBlock
 from strata.engine.config import SchedulerConfig
 from strata.engine.kv_cache_manager import ComputedBlocks, KVCacheManager
+from strata.engine.priority import WaitingQueue, order_key, to_defer, victims
 from strata.engine.request import Request, RequestStatus
+from strata.errors import ConfigError
 from strata.types import RequestId
 
 
@@ -39,6 +45,7 @@ class KVImport:
     request: Request
     block_ids: list[int]
     payloads: list[bytes]
+    num_tokens: int  # the tokens these blocks hold (the last block may be partial)
 
 
 @dataclass(slots=True)
@@ -50,6 +57,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     kv_imports: list[KVImport] = field(default_factory=list)
     held_blocks: list[KVBlock] = field(default_factory=list)
+    handed: list[Request] = field(default_factory=list)  # admitted, nothing to compute
 
     @property
     def num_tokens(self) -> int:
@@ -62,16 +70,21 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, *, max_concurrent_batches: int = 1
+        self, config: SchedulerConfig, kv: KVCacheManager, *, max_concurrent_batches: int = 1,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        """`clock` gives the time on the clock of `Request.arrival_time`; aging needs it."""
+        if config.max_queue_wait_s is not None and clock is None:
+            raise ConfigError("max_queue_wait_s (aging) needs the scheduler's clock")
         self.config = config
         self.kv = kv
         self.max_concurrent_batches = max_concurrent_batches
+        self.clock = clock
         self.running: list[Request] = []
-        self._waiting: list[tuple[int, float, int, Request]] = []
-        self._counter = itertools.count()
+        self._waiting = WaitingQueue(config.max_queue_wait_s)
         self._requests: dict[RequestId, Request] = {}
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0  # of them, to make room for a higher priority
         self.num_kv_import_failures = 0
 
     @property
@@ -87,7 +100,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self._requests[request.request_id] = request
-        self._push_waiting(request)
+        self._waiting.push(request, request.arrival_time)
 
     def get(self, request_id: RequestId) -> Request | None:
         return self._requests.get(request_id)
@@ -101,11 +114,12 @@ class Scheduler:
         self.kv.free(request)  # waiting requests are skipped lazily when popped
 
     def schedule(self) -> SchedulerOutput:
+        now = self.clock() if self.clock is not None else 0.0
         out = SchedulerOutput()
         max_seqs = self._max_seqs_per_batch()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens, max_seqs)
+        self._schedule_running(out, self.config.max_num_batched_tokens, max_seqs, now)
         if not out.preempted:
-            self._schedule_waiting(out, budget, max_seqs)
+            self._schedule_waiting(out, max_seqs, now)
         return out
 
     def on_submitted(self, out: SchedulerOutput) -> None:
@@ -134,7 +148,7 @@ class Scheduler:
             return
         self.num_kv_import_failures += 1
         request = kv_import.request
-        num_lost = num_refused * self.kv.block_size
+        num_lost = kv_import.num_tokens - num_imported * self.kv.block_size
         request.num_computed_tokens -= num_lost
         request.num_cached_tokens -= num_lost
         self.kv.record_refused_import(num_lost)
@@ -145,7 +159,8 @@ class Scheduler:
         num_live = min(len(self._requests), self.config.max_num_seqs)
         return max(1, -(-num_live // self.max_concurrent_batches))
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, max_seqs: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, max_seqs: int,
+                          now: float) -> None:
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < max_seqs:
             request = self.running[i]
@@ -157,36 +172,76 @@ class Scheduler:
                 break
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running[-1]
-                self._preempt(victim, out)
+                self._preempt(victim, out, now)
                 if victim is request:
                     break
             else:
                 out.scheduled.append((request, num_new))
                 budget -= num_new
                 i += 1
-        return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int, max_seqs: int) -> None:
-        while (self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
-               and len(out.scheduled) < max_seqs):
-            request = self._waiting[0][3]
+    def _schedule_waiting(self, out: SchedulerOutput, max_seqs: int, now: float) -> None:
+        while True:
+            request = self._waiting.peek(now)
+            if request is None:
+                break
             if self._requests.get(request.request_id) is not request:
-                heapq.heappop(self._waiting)  # finished (aborted) while waiting
+                self._waiting.pop(request, now)  # finished (aborted) while waiting
                 continue
             if request.num_in_flight_tokens:  # preempted in flight: waits for its batch
                 break
-            computed = self.kv.get_computed_blocks(request)
-            request.num_computed_tokens = computed.num_tokens
-            num_new = self._num_to_schedule(request, budget)
-            if num_new == 0 or not self.kv.allocate_slots(request, num_new, computed):
-                request.num_computed_tokens = 0
+            if not self._try_admit(request, out, max_seqs, now):
                 break
-            heapq.heappop(self._waiting)
-            self._admit(request, computed)
-            if computed.external:
-                out.kv_imports.append(self._kv_import(request, computed))
+
+    def _try_admit(self, request: Request, out: SchedulerOutput, max_seqs: int,
+                   now: float) -> bool:
+        """Admit `request` if it can run this step (making room below it); else change nothing."""
+        computed = self.kv.get_computed_blocks(request)
+        request.num_computed_tokens = computed.num_tokens
+        is_handed = request.num_tokens_to_compute == 0  # see the module docstring
+        before = list(out.scheduled)
+        if not is_handed:  # a handed request takes a running slot, not a seat in this batch
+            self._defer_lower(request, out, max_seqs)
+        budget = self.config.max_num_batched_tokens - out.num_tokens
+        num_new = self._num_to_schedule(request, budget) if budget > 0 else 0
+        if (not is_handed and (num_new == 0 or len(out.scheduled) >= max_seqs)) \
+                or not self._make_room(request, num_new, computed, out, now) \
+                or not self.kv.allocate_slots(request, num_new, computed):
+            request.num_computed_tokens = 0
+            out.scheduled = [(r, n) for r, n in before if r.status == RequestStatus.RUNNING]
+            return False
+        self._waiting.pop(request, now)
+        self._admit(request, computed)
+        if computed.external:
+            out.kv_imports.append(self._kv_import(request, computed))
+        if is_handed:
+            out.handed.append(request)
+        else:
             out.scheduled.append((request, num_new))
-            budget -= num_new
+        return True
+
+    def _defer_lower(self, request: Request, out: SchedulerOutput, max_seqs: int) -> None:
+        """Take this step's seats and budget back from entries ranked below `request`
+        (priority.to_defer) so that it has a seat in the batch and budget for its tokens."""
+        num_short = out.num_tokens + request.num_tokens_to_compute \
+            - self.config.max_num_batched_tokens
+        taken = to_defer(request, out.scheduled, num_tokens_short=num_short,
+                         num_seats_short=len(out.scheduled) + 1 - max_seqs,
+                         may_split=self.config.enable_chunked_prefill)
+        out.scheduled = [(r, n - taken.get(r, 0)) for r, n in out.scheduled
+                         if n > taken.get(r, 0)]
+
+    def _make_room(self, request: Request, num_new: int, computed: ComputedBlocks,
+                   out: SchedulerOutput, now: float) -> bool:
+        """Preempt what `request` needs for a slot and `num_new` tokens (priority.victims)."""
+        chosen = victims(request, self.running,
+                         needs_slot=len(self.running) >= self.config.max_num_seqs,
+                         num_blocks_short=self.kv.num_blocks_short(request, num_new, computed),
+                         num_freeable=self.kv.num_freeable)
+        for victim in chosen or ():
+            self._preempt(victim, out, now)
+            self.num_priority_preemptions += 1
+        return chosen is not None
 
     def _num_to_schedule(self, request: Request, budget: int) -> int:
         num_new = min(request.num_tokens_to_compute, budget)
@@ -195,36 +250,31 @@ class Scheduler:
         return num_new
 
     def _admit(self, request: Request, computed: ComputedBlocks) -> None:
-        if request.status == RequestStatus.WAITING:
-            request.num_cached_tokens = computed.num_tokens
-            num_external = len(computed.external) * self.kv.block_size
-            self.kv.record_lookup(request.num_prompt_tokens, computed.num_tokens - num_external,
-                                  num_external)
+        if request.status == RequestStatus.WAITING:  # a resumed request looks up its outputs too
+            request.num_cached_tokens = min(computed.num_tokens, request.num_prompt_tokens)
+            num_local = len(computed.blocks) * self.kv.block_size
+            self.kv.record_lookup(request.num_tokens, num_local, computed.num_tokens - num_local)
         request.external_kv = {}  # used once: a preempted request recomputes (or hits locally)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        self.running.sort(key=_priority_key)
+        self.running.sort(key=order_key)
 
     def _kv_import(self, request: Request, computed: ComputedBlocks) -> KVImport:
         first = len(computed.blocks)
         block_ids = self.kv.block_ids(request.request_id)[first : first + len(computed.external)]
-        return KVImport(request, block_ids, computed.external)
+        num_tokens = computed.num_tokens - first * self.kv.block_size
+        return KVImport(request, block_ids, computed.external, num_tokens)
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput, now: float) -> None:
         self.running.remove(request)
+        out.scheduled = [(r, n) for r, n in out.scheduled if r is not request]
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(request)
-        self._push_waiting(request)
-
-    def _push_waiting(self, request: Request) -> None:
-        heapq.heappush(
-            self._waiting,
-            (request.priority, request.arrival_time, next(self._counter), request),
-        )
+        self._waiting.push(request, now)  # under its original arrival: it keeps its place
 
     def check_integrity(self, in_flight: Iterable[SchedulerOutput]) -> None:
         """The running set is running, and each request's tokens in flight are those of the
@@ -244,7 +294,3 @@ class Scheduler:
                 )
             if request.num_computed_tokens + request.num_in_flight_tokens > request.num_tokens:
                 raise RuntimeError(f"in_flight_within_known_tokens: {request.request_id}")
-
-
-def _priority_key(request: Request) -> tuple[int, float]:
-    return (request.priority, request.arrival_time)

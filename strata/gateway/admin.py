@@ -14,7 +14,6 @@ the same against a local `strata up` cluster and a remote one given its gateway 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -27,6 +26,7 @@ from strata.errors import ConfigError, ConflictError, RequestError, StrataError
 from strata.gateway.releases import ReleaseService
 from strata.gateway.upstream import error_response
 from strata.gateway.wiring import Gateway
+from strata.protocol.json_body import parse_json_object
 from strata.registry.models import ModelRegistry, ModelVersion, Strategy, split_model_version
 
 
@@ -36,13 +36,7 @@ def _gateway(request: Request) -> Gateway:
 
 
 async def _body(request: Request) -> dict[str, Any]:
-    try:
-        data = json.loads(await request.body() or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError("request body must be a JSON object")
-    return data
+    return parse_json_object(await request.body() or b"{}")
 
 
 def _failure(exc: Exception) -> Response:

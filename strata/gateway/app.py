@@ -17,7 +17,9 @@ Only what routing needs is read from a body (model, stream, max_tokens); the byt
 untouched. `X-Model-Version` (or `model: "name@version"`) names a version, `X-Strata-Pool` a
 pool; with a model registry the gateway otherwise picks the version (strata/gateway/versions.py).
 Every proxied answer carries `X-Strata-Instance: <instance id>`. `--session-routing` decides
-where requests with a session id go (strata/gateway/sessions.py).
+where requests with a session id go (strata/gateway/sessions.py). Every answer carries
+`X-Request-Id`: the client's when sane, else a new one, forwarded to the instance too
+(strata/protocol/request_id.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
 
 import httpx
 from starlette.applications import Starlette
@@ -35,15 +38,31 @@ from starlette.applications import Starlette
 from strata.gateway.admin import admin_routes
 from strata.gateway.config import GatewayConfig
 from strata.gateway.dashboard import DASHBOARD_PATHS, dashboard_routes
+from strata.gateway.dashboard_data import AutoscalerStatus
+from strata.gateway.error_handlers import EXCEPTION_HANDLERS
+from strata.gateway.openapi_routes import openapi_route
 from strata.gateway.routes import build_routes
 from strata.gateway.sources import InstanceSource
 from strata.gateway.wiring import Gateway, build_gateway
 from strata.protocol.auth import EXEMPT_PATHS, ApiKeyAuth
+from strata.protocol.request_id import RequestIdMiddleware
 from strata.registry.base import Registry
 from strata.registry.models import ModelRegistry
 from strata.state.pins import PinStore
 
 logger = logging.getLogger("strata.gateway")
+
+
+class Companion(Protocol):
+    """Runs beside the gateway with access to its parts (the autoscaler,
+    strata/autoscale/gateway_link.py): attached once the gateway is built, run in its lifespan,
+    asked for its status by the dashboard."""
+
+    def attach(self, gateway: Gateway) -> None: ...
+
+    async def run(self) -> None: ...
+
+    async def status(self) -> AutoscalerStatus | None: ...
 
 
 def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
@@ -54,14 +73,16 @@ def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
                        run_background: bool = True,
                        pin_store: PinStore | None = None,
                        models: ModelRegistry | None = None,
-                       instance_registry: Registry | None = None) -> Starlette:
+                       instance_registry: Registry | None = None,
+                       autoscaler: Companion | None = None) -> Starlette:
     """The gateway ASGI app over `source`'s instances. With `run_background`, its lifespan
     refreshes the set every `poll_interval_s` and health-checks every
     `health_check_interval_s`; tests of single steps turn that off and call them directly.
     `pin_store` replaces the one `config.sessions.store_url` names (sticky/hybrid routing).
     With `models` (the model registry), requests are routed by version and the routing records
     are re-read every `config.versions.routing_poll_s`; with `instance_registry` too, the
-    gateway drives releases (strata/gateway/releases.py)."""
+    gateway drives releases (strata/gateway/releases.py). An `autoscaler` is attached to the
+    built gateway, runs in the background and reports to the dashboard."""
     gateway = build_gateway(config, source, transport=transport, control_client=control_client,
                             clock=clock, rng=rng, pin_store=pin_store, models=models,
                             instance_registry=instance_registry)
@@ -69,6 +90,8 @@ def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         tasks = await _start_background(gateway) if run_background else []
+        if run_background and autoscaler is not None:
+            tasks.append(asyncio.create_task(autoscaler.run()))
         try:
             yield
         finally:
@@ -77,13 +100,21 @@ def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
             await asyncio.gather(*tasks, return_exceptions=True)
             await gateway.close()
 
-    app = Starlette(routes=[*build_routes(), *admin_routes(), *dashboard_routes(gateway)],
-                    lifespan=lifespan)
+    if autoscaler is not None:
+        autoscaler.attach(gateway)
+    status = autoscaler.status if autoscaler is not None else None
+    app = Starlette(routes=[*build_routes(), *admin_routes(),
+                            *dashboard_routes(gateway, autoscaler=status), openapi_route()],
+                    lifespan=lifespan, exception_handlers=dict(EXCEPTION_HANDLERS))
     app.state.gateway = gateway
-    if config.api_keys:
+    if config.api_keys or config.admin_keys:
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
+                           admin_keys=list(config.admin_keys),
                            rate_limit_per_s=config.rate_limit_per_s,
-                           exempt_paths=EXEMPT_PATHS | DASHBOARD_PATHS)
+                           exempt_paths=EXEMPT_PATHS | DASHBOARD_PATHS,
+                           max_priority=dict(config.key_max_priority))
+    # outermost: the id (the client's, else a new one) is in the headers the proxy forwards
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 
@@ -92,7 +123,8 @@ async def _start_background(gateway: Gateway) -> list[asyncio.Task[None]]:
     await gateway.source.refresh()
     tasks = [asyncio.create_task(every(config.poll_interval_s, gateway.source.refresh)),
              asyncio.create_task(every(config.health_check_interval_s,
-                                       gateway.health.check_once))]
+                                       gateway.health.check_once)),
+             asyncio.create_task(every(config.resume.stall_sweep_s, gateway.proxy.stalls.sweep))]
     if gateway.versions is not None:
         with contextlib.suppress(Exception):  # logged by `every` from then on
             await gateway.versions.refresh()

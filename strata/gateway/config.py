@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from strata.errors import ConfigError
 from strata.registry.release_policy import ReleaseConfig
+from strata.types import PriorityClass
 
 SESSION_ROUTING_MODES = ("none", "external", "sticky", "hybrid")
 
@@ -59,19 +60,69 @@ class RetryConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ResumeConfig:
+    """Streams that outlive their instance (strata/gateway/resume.py, stalls.py). A stream cut
+    after its first byte goes on on another instance at most `max_resumes` times (0: never; the
+    client gets an error event). An attempt whose instance has sent nothing for `stall_s` while
+    the gateway waits is checked: a `/health` probe that fails within `stall_probe_timeout_s`
+    ends it (resumed, or retried when nothing was sent yet); stalls are looked for every
+    `stall_sweep_s`."""
+
+    max_resumes: int = 2
+    stall_s: float = 0.5
+    stall_probe_timeout_s: float = 0.5
+    stall_sweep_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.max_resumes < 0:
+            raise ConfigError(f"max_resumes must be >= 0, got {self.max_resumes}")
+        _positive(self, "stall_s", "stall_probe_timeout_s", "stall_sweep_s")
+
+
+@dataclass(frozen=True, slots=True)
 class AdmissionConfig:
-    """At most `max_in_flight` proxied requests; up to `max_queue` more wait (FIFO) for at most
-    `queue_timeout_s`. A full queue answers 429, a timeout 503, both with Retry-After."""
+    """At most `max_in_flight` proxied requests; up to `max_queue` more wait (by class, FIFO in
+    a class) for at most `queue_timeout_s`, of them at most `batch_max_queue` batch requests
+    (sheddable ones never wait). A full queue answers 429, a timeout 503, with Retry-After."""
 
     max_in_flight: int = 256
     max_queue: int = 512
     queue_timeout_s: float = 10.0
     retry_after_s: float = 1.0
+    batch_max_queue: int = 128
 
     def __post_init__(self) -> None:
         _positive(self, "max_in_flight", "queue_timeout_s", "retry_after_s")
-        if self.max_queue < 0:
-            raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.max_queue < 0 or self.batch_max_queue < 0:
+            raise ConfigError(f"max_queue and batch_max_queue must be >= 0, got "
+                              f"{self.max_queue} and {self.batch_max_queue}")
+
+
+@dataclass(frozen=True, slots=True)
+class ClassConfig:
+    """Priority classes routed to pools, with flow control (strata/gateway/classes.py).
+    `class_pools`: (class, pool) pairs; `instance_slots`: requests one routable instance takes
+    at once (0: no cap); `hold_without_instances`: requests wait (up to the queue timeout)
+    while no instance can take them, as when an autoscaler starts the first one."""
+
+    class_pools: tuple[tuple[str, str], ...] = ()
+    instance_slots: int = 0
+    hold_without_instances: bool = False
+    recheck_s: float = 0.05  # how often waiters look for room that did not come from a release
+
+    def __post_init__(self) -> None:
+        names = [klass.label for klass in PriorityClass]
+        for klass, pool in self.class_pools:
+            if klass not in names or not pool:
+                raise ConfigError(f"--class-pool wants CLASS=POOL with CLASS one of "
+                                  f"{', '.join(names)}; got {klass}={pool}")
+        if self.instance_slots < 0:
+            raise ConfigError(f"instance_slots must be >= 0, got {self.instance_slots}")
+        _positive(self, "recheck_s")
+
+    @property
+    def is_on(self) -> bool:
+        return bool(self.class_pools or self.instance_slots or self.hold_without_instances)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +177,32 @@ class VersionConfig:
         _positive(self, "routing_poll_s", "pin_ttl_s", "stats_window_s", "warm_timeout_s")
 
 
+PD_MODES = ("auto", "off")
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggConfig:
+    """Prefill/decode disaggregation (strata/gateway/disagg.py). `mode` auto: the step is on the
+    path and disaggregates whenever the fleet has routable prefill instances (`strata gateway`'s
+    default); off: no step (the default of a gateway built in code: only the steps it asks
+    for). A request is prefilled remotely when its estimated uncached prompt tokens reach
+    `min_uncached_tokens` and the chosen (else the least loaded) prefill instance has fewer than
+    `max_prefill_queue` requests queued or running; P must answer within `prefill_timeout_s`,
+    else D prefills locally."""
+
+    mode: str = "off"
+    min_uncached_tokens: int = 368  # sim.transfer.fit_min_uncached_tokens: smollm2-cpu, 15 ms
+    max_prefill_queue: int = 2
+    prefill_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in PD_MODES:
+            raise ConfigError(f"unknown --pd mode {self.mode!r}; valid: {', '.join(PD_MODES)}")
+        if self.min_uncached_tokens < 0 or self.max_prefill_queue < 1:
+            raise ConfigError("min_uncached_tokens must be >= 0 and max_prefill_queue >= 1")
+        _positive(self, "prefill_timeout_s")
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """Everything `strata gateway` needs; instances come from `registry_url` or
@@ -146,14 +223,19 @@ class GatewayConfig:
     max_connections: int = 1000
     ejection: EjectionConfig = field(default_factory=EjectionConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
+    resume: ResumeConfig = field(default_factory=ResumeConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
-    api_keys: tuple[str, ...] = ()
+    classes: ClassConfig = field(default_factory=ClassConfig)
+    api_keys: tuple[str, ...] = ()  # client keys
+    admin_keys: tuple[str, ...] = ()  # for /admin/* (and sent to instances' /admin/drain)
     rate_limit_per_s: float | None = None
+    key_max_priority: tuple[tuple[str, int], ...] = ()  # (key, priority ceiling) pairs
     shutdown_timeout_s: float = 30.0
     sessions: SessionRoutingConfig = field(default_factory=SessionRoutingConfig)
     versions: VersionConfig = field(default_factory=VersionConfig)
     response_cache_url: str | None = None  # opt-in: deterministic answers, keyed by version
     response_cache_ttl_s: float = 600.0
+    pd: DisaggConfig = field(default_factory=DisaggConfig)  # prefill/decode disaggregation
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -168,9 +250,10 @@ class GatewayConfig:
         if self.rate_limit_per_s is not None and self.rate_limit_per_s <= 0:
             raise ConfigError(f"rate_limit_per_s must be positive, got {self.rate_limit_per_s}")
         _positive(self, "response_cache_ttl_s")
-        if any(not key for key in self.api_keys):
+        if any(not key for key in (*self.api_keys, *self.admin_keys)):
             raise ConfigError("api keys must not be empty strings")
 
 
-__all__ = ["SESSION_ROUTING_MODES", "AdmissionConfig", "EjectionConfig",
-           "GatewayConfig", "RetryConfig", "SessionRoutingConfig", "VersionConfig"]
+__all__ = ["PD_MODES", "SESSION_ROUTING_MODES", "AdmissionConfig", "ClassConfig", "DisaggConfig",
+           "EjectionConfig", "GatewayConfig", "ResumeConfig", "RetryConfig",
+           "SessionRoutingConfig", "VersionConfig"]

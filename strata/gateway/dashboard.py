@@ -34,7 +34,7 @@ from strata.gateway.dashboard_scrape import CounterReader
 from strata.gateway.dashboard_series import LiveSeries
 from strata.gateway.upstream import error_response
 from strata.gateway.wiring import Gateway
-from strata.protocol.auth import match_key
+from strata.protocol.auth import bearer_key, match_key
 
 CONTENT_SECURITY_POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
@@ -54,14 +54,14 @@ DASHBOARD_PATHS = frozenset({PAGE, DATA, *(f"{STATIC}/{name}" for name in ASSETS
 
 
 def is_admin(request: Request) -> bool:
-    """Whether the page offers this caller its buttons: today, when the request carries one of
-    the gateway's API keys (`Authorization: Bearer KEY`), or the gateway has none (its admin
-    API is then open to every caller). A separate admin key changes this function only."""
-    keys = _gateway(request).config.api_keys
+    """Whether the page offers this caller its buttons: when the request carries what the admin
+    API takes (strata/protocol/auth.py): an admin key, or with no admin key set one of the
+    client keys, or anything when the gateway has no key at all (its admin API is open)."""
+    config = _gateway(request).config
+    keys = config.admin_keys or config.api_keys
     if not keys:
         return True
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    presented = token.strip().encode() if scheme.lower() == "bearer" else b""
+    presented = bearer_key(request.headers.get("authorization", "")).encode()
     return match_key(presented, [key.encode() for key in keys], hmac.compare_digest) is not None
 
 
@@ -82,7 +82,8 @@ def dashboard_routes(gateway: Gateway, *, autoscaler: AutoscalerSource | None = 
 
     async def snapshot(request: Request) -> Response:
         body = await data.snapshot()
-        access = {"admin": is_admin(request), "keyed": bool(gateway.config.api_keys)}
+        keyed = bool(gateway.config.api_keys or gateway.config.admin_keys)
+        access = {"admin": is_admin(request), "keyed": keyed}
         return JSONResponse(body | {"access": access},
                             headers=_HEADERS | {"cache-control": "no-store"})
 

@@ -3,8 +3,11 @@
 `routes.py` parses what routing needs (a `RouteRequest`) into a `ProxyRequest`, then hands it to
 the chain of `path_steps`, which ends in the proxy; each step below wraps the next one:
 
+    RouteByClass    with priority classes on: the request's pool by class (spill-over only to
+                    pools with room), held while no pool has room, sheddable and then batch
+                    refused first (strata/gateway/classes.py)
     Admit           an admission slot, held until the answer is fully sent (streams: until
-                    they end); a full queue is answered 429/503 at once
+                    they end), by class; a full queue is answered 429/503 at once
     ChooseVersion   with a model registry: the model version (explicit, session, canary, live;
                     strata/gateway/versions.py), chosen once more when that version is gone
     CacheAnswers    with a response cache too: a deterministic answer asked again comes from
@@ -13,6 +16,9 @@ the chain of `path_steps`, which ends in the proxy; each step below wraps the ne
                     or written) before routing (strata/gateway/sessions.py)
     KeyPrefix       with --policy cache_aware: the prompt's block keys for each candidate ride
                     on the route (strata/gateway/prefix_index_feed.py)
+    Disaggregate    with prefill/decode disaggregation: a long prompt is prefilled on a prefill
+                    instance, then sent to a decode instance with the handle
+                    (strata/gateway/disagg.py)
     Proxy.forward   filters -> policy -> send; retries on another instance until the first byte
                     reaches the client (strata/gateway/proxy.py, pipeline.py, policies/)
 
@@ -34,6 +40,8 @@ from starlette.responses import Response
 
 from strata.errors import OverloadedError
 from strata.gateway.admission import Admission
+from strata.gateway.classes import ClassFlow, RouteByClass
+from strata.gateway.disagg import PDRouter
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.pipeline import RoutingPipeline
 from strata.gateway.policies.base import RouteRequest
@@ -45,6 +53,7 @@ from strata.gateway.sessions import ROUTING_HEADER, SessionRouter
 from strata.gateway.upstream import INSTANCE_HEADER, RelayResponse, error_response
 from strata.gateway.versions import CANARY, LIVE, SESSION, VersionChoice, VersionRouter
 from strata.gateway.versions import MOVED_HEADER as VERSION_MOVED_HEADER
+from strata.protocol.auth import bearer_key, tenant_of_key
 
 Handler = Callable[[ProxyRequest], Awaitable[Response]]
 
@@ -58,10 +67,12 @@ class Step(Protocol):
 def path_steps(*, admission: Admission, metrics: GatewayMetrics, proxy: Proxy,
                versions: VersionRouter | None = None, cache: ResponseCacheLayer | None = None,
                sessions: SessionRouter | None = None,
-               prefix: PrefixRouting | None = None) -> list[Step]:
+               prefix: PrefixRouting | None = None,
+               classes: ClassFlow | None = None, pd: PDRouter | None = None) -> list[Step]:
     """The steps before the proxy, outermost first: one per feature that is on. The gateway's
     path is `chain(path_steps(...), proxy.forward)`."""
-    steps: list[Step] = [Admit(admission, metrics)]
+    steps: list[Step] = [RouteByClass(classes, metrics)] if classes is not None else []
+    steps.append(Admit(admission, metrics))
     if versions is not None:
         steps.append(ChooseVersion(versions, metrics))
         if cache is not None:  # a cache key carries the chosen version
@@ -70,6 +81,8 @@ def path_steps(*, admission: Admission, metrics: GatewayMetrics, proxy: Proxy,
         steps.append(PlaceSession(sessions, proxy.pipeline))
     if prefix is not None:
         steps.append(KeyPrefix(prefix, proxy.pipeline))
+    if pd is not None:
+        steps.append(Disaggregate(pd))
     return steps
 
 
@@ -91,7 +104,7 @@ class Admit:
 
     async def __call__(self, request: ProxyRequest, call_next: Handler) -> Response:
         try:
-            await self.admission.acquire()
+            await self.admission.acquire(request.route.priority)
         except OverloadedError as exc:
             self.metrics.errors.labels(f"admission_{exc.status_code}").inc()
             return error_response(exc.status_code, exc.message, retry_after_s=exc.retry_after_s)
@@ -195,7 +208,10 @@ class CacheAnswers:
             return None
         if not isinstance(body, dict):
             return None
-        return cache_key(request.path, body, model=model, version=route.version)
+        tenant = ""
+        if self.cache.is_per_tenant:
+            tenant = tenant_of_key(bearer_key(dict(request.headers).get("authorization", "")))
+        return cache_key(request.path, body, model=model, version=route.version, tenant=tenant)
 
 
 class PlaceSession:
@@ -242,11 +258,28 @@ class KeyPrefix:
 
     async def __call__(self, request: ProxyRequest, call_next: Handler) -> Response:
         route = request.route
-        keys = self.prefix.keys(request.body, route.session_id, self.pipeline.candidates(route))
+        tenant = ""
+        if self.prefix.is_per_tenant:
+            tenant = tenant_of_key(bearer_key(dict(request.headers).get("authorization", "")))
+        keys = self.prefix.keys(request.body, route.session_id, self.pipeline.candidates(route),
+                                tenant)
         if keys is not None:
             request = dataclasses.replace(request, route=dataclasses.replace(route, prefix=keys))
         return await call_next(request)
 
 
-__all__ = ["Admit", "CacheAnswers", "ChooseVersion", "Handler", "KeyPrefix", "PlaceSession",
+class Disaggregate:
+    """Prefills a long prompt on a prefill instance when the prefill pool keeps up, then sends
+    the request to a decode instance with the handle; otherwise (and whenever the prefill
+    instance fails) the decode instance prefills it. The answer is the decode instance's."""
+
+    def __init__(self, pd: PDRouter) -> None:
+        self.pd = pd
+
+    async def __call__(self, request: ProxyRequest, call_next: Handler) -> Response:
+        return await self.pd.forward(request, call_next)
+
+
+__all__ = ["Admit", "CacheAnswers", "ChooseVersion", "Disaggregate", "Handler", "KeyPrefix",
+           "PlaceSession",
            "Step", "chain", "path_steps"]

@@ -104,7 +104,7 @@ class HealthChecker:
     async def _probe(self, view: InstanceView) -> bool:
         try:
             response = await self.client.get(f"{view.url}/health", timeout=self.timeout_s)
-        except httpx.HTTPError:
+        except Exception:  # httpx's errors, and what a connection reset as it opens may raise
             return False
         return response.status_code == 200
 

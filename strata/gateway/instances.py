@@ -136,22 +136,31 @@ class InstanceSet:
     def remove(self, instance_id: str) -> None:
         self._views.pop(instance_id, None)
 
-    def apply_records(self, records: Sequence[RecordLike]) -> None:
+    def apply_records(self, records: Sequence[RecordLike], *,
+                      is_after_outage: bool = False) -> None:
         """Make the set mirror `records`: new ids added, known ones updated (keeping the
-        gateway's accounting and health), missing ones removed."""
+        gateway's accounting and health), missing ones removed.
+
+        `is_after_outage` (the registry was unreachable a moment ago): every heartbeat is stale
+        at once, so a record reported `dead` does not take a ready instance out of routing while
+        that instance passes the gateway's own health checks; the gateway goes on routing on
+        what it sees until the heartbeats resume."""
         seen = set()
         for record in records:
             seen.add(record.instance_id)
-            self._apply(record)
+            self._apply(record, is_after_outage)
         for gone in set(self._views) - seen:
             del self._views[gone]
 
-    def _apply(self, record: RecordLike) -> None:
+    def _apply(self, record: RecordLike, is_after_outage: bool) -> None:
         view = self._views.get(record.instance_id)
+        is_alive = view is not None and view.state == READY and view.is_healthy
         if view is None:
             view = self.add(InstanceView(record.instance_id, record.url, record.model))
+        state = str(record.state)
         view.url, view.model, view.version = record.url, record.model, str(record.version)
-        view.role, view.pool, view.state = str(record.role), record.pool, str(record.state)
+        view.role, view.pool = str(record.role), record.pool
+        view.state = READY if state == DEAD and is_alive and is_after_outage else state
         view.reported = load_from_record(record.load)
 
 

@@ -37,6 +37,13 @@ class GatewayMetrics:
         self.broken_streams = Counter("strata:gateway_broken_streams_total",
                                       "Streams cut by an instance failure after they started.",
                                       registry=reg)
+        self.resumes = Counter("strata:gateway_stream_resumes_total",
+                               "Broken streams: resumed on another instance, impossible to "
+                               "resume, or every resume attempt failed.", ["outcome"],
+                               registry=reg)
+        self.stalls = Counter("strata:gateway_stalled_attempts_total",
+                              "Attempts ended because their instance went silent and failed a "
+                              "probe.", ["instance"], registry=reg)
         self.in_flight = Gauge("strata:gateway_requests_in_flight", "Requests admitted.",
                                registry=reg)
         self.queued = Gauge("strata:gateway_requests_queued", "Requests waiting for admission.",

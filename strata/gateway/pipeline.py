@@ -26,8 +26,11 @@ def serves_version(request: RouteRequest, view: InstanceView) -> bool:
 
 
 def has_role(request: RouteRequest, view: InstanceView) -> bool:
-    """Without a requested role, only `mixed` instances take whole requests."""
-    return view.role == (request.role or "mixed")
+    """A requested role keeps that role only. Without one, the instances that take whole
+    requests: `mixed` and `decode` (which prefills itself what is not handed over)."""
+    if request.role is not None:
+        return view.role == request.role
+    return view.role != "prefill"
 
 
 def in_pool(request: RouteRequest, view: InstanceView) -> bool:

@@ -20,6 +20,7 @@ at once (it died or restarted) and the next poll asks for a snapshot. An instanc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import Sequence
@@ -69,8 +70,11 @@ class PrefixRouting:
     """Keeps the index fed and keys requests (see the module docstring)."""
 
     def __init__(self, index: PrefixIndex, instances: InstanceSet, client: httpx.AsyncClient, *,
-                 api_key: str | None = None, config: FeedConfig | None = None) -> None:
+                 api_key: str | None = None, config: FeedConfig | None = None,
+                 is_per_tenant: bool = False) -> None:
         self.index = index
+        # the instances put the caller's tenant in the cache salt (client keys on): so do keys
+        self.is_per_tenant = is_per_tenant
         self.instances = instances
         self.client = client
         self.config = config or FeedConfig()
@@ -84,10 +88,11 @@ class PrefixRouting:
 
     # --- keys ---------------------------------------------------------------------------------
 
-    def keys(self, body: bytes, session_id: str | None,
-             candidates: Sequence[InstanceView]) -> PrefixKeys | None:
+    def keys(self, body: bytes, session_id: str | None, candidates: Sequence[InstanceView],
+             tenant: str = "") -> PrefixKeys | None:
         """The request's keys per candidate; None without a prompt to key (or for a session
-        turn, whose history the instance prepends)."""
+        turn, whose history the instance prepends). `tenant` ("": none) salts them as the
+        instance salts the caller's blocks (strata/server/translate.py `tenant_scoped`)."""
         if session_id is not None or not candidates:
             return None
         try:
@@ -97,6 +102,8 @@ class PrefixRouting:
         prompt = prompt_of(data) if isinstance(data, dict) else None
         if prompt is None:
             return None
+        if tenant:
+            prompt = dataclasses.replace(prompt, cache_salt=f"{tenant}:{prompt.cache_salt}")
         sets: dict[CacheIdentity | None, KeySet] = {}
         by_instance = {}
         for view in candidates:

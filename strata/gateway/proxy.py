@@ -4,28 +4,40 @@ client, then relay the answer.
 An attempt fails (and counts toward outlier ejection) on a connect error, a timeout, a broken
 connection or a 5xx before the first SSE frame (streams) or the whole body (non-streaming
 answers, which are read fully before anything is sent). A 429 from an instance is retried without
-counting as a failure. After the first frame has gone out, a failure ends the stream with an error
-event and [DONE]. When every attempt failed, the client gets the last instance's 5xx answer, or a
-502 with an OpenAI error body.
+counting as a failure. After the first frame has gone out, a failure is resumed on another
+instance when the stream is resumable (strata/gateway/resume.py), else it ends the stream with an
+error event and [DONE]. When every attempt failed, the client gets the last instance's 5xx
+answer, or a 502 with an OpenAI error body. Every wait on an instance is watched for stalls
+(strata/gateway/stalls.py): a dead socket fails its attempt within about a second.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import httpx
 from starlette.responses import Response
 
+from strata.gateway.attempt import (
+    UPSTREAM_ERRORS,
+    Attempt,
+    Failure,
+    Segment,
+    StreamFailedError,
+    describe,
+    frames_of,
+    is_sse,
+)
 from strata.gateway.health import OutlierDetector
 from strata.gateway.instances import InstanceView
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.pipeline import RouteDecision, RoutingPipeline
-from strata.gateway.policies.base import RouteRequest
+from strata.gateway.requests import ProxyRequest
+from strata.gateway.resume import Resumer, StreamRecord
 from strata.gateway.retry import RetryBudget
+from strata.gateway.stalls import StallWatch
 from strata.gateway.upstream import (
     RelayResponse,
     UpstreamPools,
@@ -35,43 +47,7 @@ from strata.gateway.upstream import (
     forwarded_headers,
     read_frames,
     response_headers,
-    split_frames,
 )
-
-log = logging.getLogger("strata.gateway")
-# What an attempt on an instance may raise besides httpx's errors (a transport closed under it,
-# a socket error httpx did not wrap): all of them are the instance's failure, answered by a
-# retry or a 502, never a 500.
-UPSTREAM_ERRORS = (httpx.HTTPError, OSError, RuntimeError)
-
-
-@dataclass(frozen=True, slots=True)
-class ProxyRequest:
-    """A client request to forward: the body bytes go to the instance untouched."""
-
-    method: str
-    path: str
-    body: bytes
-    headers: list[tuple[str, str]]
-    route: RouteRequest
-    received_at: float
-
-
-@dataclass(slots=True)
-class Failure:
-    """A failed attempt: the instance's own answer when it gave one (5xx, 429)."""
-
-    message: str
-    response: Response | None = None
-    counts_as_failure: bool = True
-
-
-@dataclass(slots=True)
-class Attempt:
-    view: InstanceView
-    request: ProxyRequest
-    sent_at: float = 0.0
-    is_finished: bool = field(default=False)
 
 
 class Proxy:
@@ -79,7 +55,8 @@ class Proxy:
 
     def __init__(self, pipeline: RoutingPipeline, upstreams: UpstreamPools,
                  detector: OutlierDetector, budget: RetryBudget, metrics: GatewayMetrics,
-                 max_retries: int, clock: Callable[[], float] = time.perf_counter,
+                 max_retries: int, resumer: Resumer, stalls: StallWatch,
+                 clock: Callable[[], float] = time.perf_counter,
                  prune_interval_s: float = 1.0) -> None:
         self.pipeline = pipeline
         self.upstreams = upstreams
@@ -87,6 +64,8 @@ class Proxy:
         self.budget = budget
         self.metrics = metrics
         self.max_retries = max_retries
+        self.resumer = resumer
+        self.stalls = stalls
         self.clock = clock
         self.prune_interval_s = prune_interval_s  # how often pools of departed instances go
         self._pruned_at = clock()
@@ -134,23 +113,31 @@ class Proxy:
         return error_response(502, message)
 
     async def _attempt(self, attempt: Attempt) -> Response | Failure:
+        response = await self._send(attempt)
+        if isinstance(response, Failure):
+            return response
+        if attempt.request.route.is_stream and is_sse(response):
+            return await self._open_stream(attempt, response)
+        return await self._whole_body(attempt, response)
+
+    async def _send(self, attempt: Attempt) -> httpx.Response | Failure:
+        """The instance's answer, unread; a failure for an error, a 5xx or a 429."""
         self._begin(attempt)
-        request = attempt.request
-        headers = forwarded_headers(request.headers)
+        request, watched = attempt.request, attempt.watched
+        headers = self.resumer.headers(request, forwarded_headers(request.headers))
         attempt.sent_at = self.clock()
         if attempt.sent_at - self._pruned_at >= self.prune_interval_s:
             self._pruned_at = attempt.sent_at
             self.upstreams.prune(self.pipeline.instances)
         try:
-            response = await self.upstreams.send(attempt.view, request.method, request.path,
-                                                 request.body, headers)
+            assert watched is not None
+            response = await watched.wait(self.upstreams.send(
+                attempt.view, request.method, request.path, request.body, headers))
         except UPSTREAM_ERRORS as exc:
-            return self._failed(attempt, Failure(_describe(attempt.view, exc)))
+            return self._failed(attempt, Failure(describe(attempt, exc)))
         if response.status_code >= 500 or response.status_code == 429:
             return self._failed(attempt, await self._error_answer(attempt, response))
-        if request.route.is_stream and _is_sse(response):
-            return await self._open_stream(attempt, response)
-        return await self._whole_body(attempt, response)
+        return response
 
     async def _error_answer(self, attempt: Attempt, response: httpx.Response) -> Failure:
         try:
@@ -166,9 +153,9 @@ class Proxy:
 
     async def _whole_body(self, attempt: Attempt, response: httpx.Response) -> Response | Failure:
         try:
-            body = b"".join([chunk async for chunk in response.aiter_raw()])
+            body = b"".join([chunk async for chunk in self._chunks(attempt, response)])
         except UPSTREAM_ERRORS as exc:
-            return self._failed(attempt, Failure(_describe(attempt.view, exc)))
+            return self._failed(attempt, Failure(describe(attempt, exc)))
         finally:
             await close_quietly(response)
         headers = response_headers(response, attempt.view.instance_id)
@@ -179,44 +166,99 @@ class Proxy:
         return Response(body, response.status_code, headers=headers)
 
     async def _open_stream(self, attempt: Attempt, response: httpx.Response) -> Response | Failure:
-        chunks = response.aiter_raw()
+        segment = await self._first_frames(attempt, response)
+        if isinstance(segment, Failure):
+            return segment
+        record = self.resumer.record(attempt.request, response, attempt.view.instance_id)
+        relay = RelayResponse(self._relay(segment, record), response.status_code,
+                              response_headers(response, attempt.view.instance_id))
+        self._observe_overhead(attempt, self.clock())
+        return relay
+
+    async def _first_frames(self, attempt: Attempt,
+                            response: httpx.Response) -> Segment | Failure:
+        chunks = self._chunks(attempt, response)
         try:
             first, rest, is_eof = await read_frames(chunks)
         except UPSTREAM_ERRORS as exc:
             await close_quietly(response)
-            return self._failed(attempt, Failure(_describe(attempt.view, exc)))
-        first_at = self.clock()
-        self._notify(attempt.view, False, first_at - attempt.sent_at)
-        relay = RelayResponse(self._relay(attempt, response, chunks, first, rest, is_eof),
-                              response.status_code,
-                              response_headers(response, attempt.view.instance_id))
-        self._observe_overhead(attempt, first_at)
-        return relay
+            return self._failed(attempt, Failure(describe(attempt, exc)))
+        self._notify(attempt.view, False, self.clock() - attempt.sent_at)
+        return Segment(attempt, response, chunks, first, rest, is_eof)
 
-    async def _relay(self, attempt: Attempt, response: httpx.Response,
-                     chunks: AsyncIterator[bytes], first: bytes, rest: bytes,
-                     is_eof: bool) -> AsyncIterator[bytes]:
-        is_success = False
+    async def _relay(self, segment: Segment | None,
+                     record: StreamRecord | None) -> AsyncIterator[bytes]:
+        """The frames of `segment`, then of each resume after a break (marks removed)."""
+        message = ""
+        while segment is not None:
+            try:
+                async for frames in frames_of(segment):
+                    out = record.take(frames) if record is not None else frames
+                    if out:
+                        yield out
+                    if record is not None and record.has_failed:
+                        record.has_failed = False
+                        raise StreamFailedError("its engine failed on this stream")
+                self._finish(segment.attempt, is_success=True)
+                return
+            except UPSTREAM_ERRORS as exc:
+                message = f"the stream broke: {describe(segment.attempt, exc)}"
+                self.metrics.broken_streams.inc()
+                self.detector.record_failure(segment.attempt.view)
+                self._notify(segment.attempt.view, True, None)
+            finally:
+                await close_quietly(segment.response)
+                self._finish(segment.attempt, is_success=False)
+            segment = await self._resume(record) if record is not None else None
+        yield broken_stream_frames(message)
+
+    async def _resume(self, record: StreamRecord) -> Segment | None:
+        """The continuation of a broken stream on an instance it has not tried, or None."""
+        request = self.resumer.next_request(record, self.clock())
+        for _ in range(self.max_retries + 1 if request is not None else 0):
+            assert request is not None
+            decision = self.pipeline.route(request.route, exclude=record.tried)
+            if decision.instance is None:
+                break
+            record.tried.append(decision.instance.instance_id)
+            attempt = Attempt(decision.instance, request)
+            try:
+                segment = await self._open_resumed(attempt)
+            except BaseException:  # the client left meanwhile: the attempt ends with it
+                self._finish(attempt, is_success=False)
+                raise
+            if isinstance(segment, Segment):
+                self.metrics.resumes.labels("resumed").inc()
+                return segment
+            if segment is None:  # refused (another version, a conflict): no other try
+                break
+        if request is not None:
+            self.metrics.resumes.labels("failed").inc()
+        return None
+
+    async def _open_resumed(self, attempt: Attempt) -> Segment | Failure | None:
+        """The resumed stream's first frames; a failure (try another instance) or None when
+        the instance refused the resume."""
+        response = await self._send(attempt)
+        if isinstance(response, Failure):
+            return response
         try:
-            yield first
-            async for chunk in chunks if not is_eof else _empty():
-                frames, rest = split_frames(rest + chunk)
-                if frames:
-                    yield frames
-            if rest:
-                yield rest
-            is_success = True
-        except UPSTREAM_ERRORS as exc:
-            self.metrics.broken_streams.inc()
-            self.detector.record_failure(attempt.view)
-            self._notify(attempt.view, True, None)
-            yield broken_stream_frames(f"the stream broke: {_describe(attempt.view, exc)}")
-        finally:
+            if is_sse(response):
+                return await self._first_frames(attempt, response)
+        except BaseException:
             await close_quietly(response)
-            self._finish(attempt, is_success=is_success)
+            raise
+        await close_quietly(response)
+        self._finish(attempt, is_success=True)
+        return None
+
+    def _chunks(self, attempt: Attempt, response: httpx.Response) -> AsyncIterator[bytes]:
+        chunks = response.aiter_raw()
+        return attempt.watched.chunks(chunks) if attempt.watched is not None else chunks
 
     def _begin(self, attempt: Attempt) -> None:
         view, route = attempt.view, attempt.request.route
+        attempt.watched = self.stalls.open(view)
         view.num_in_flight += 1
         view.num_in_flight_tokens += route.num_tokens
         self.pipeline.policy.on_request_routed(route, view)
@@ -226,6 +268,8 @@ class Proxy:
         if attempt.is_finished:
             return
         attempt.is_finished = True
+        if attempt.watched is not None:
+            self.stalls.close(attempt.watched)
         view, route = attempt.view, attempt.request.route
         view.num_in_flight -= 1
         view.num_in_flight_tokens -= route.num_tokens
@@ -249,21 +293,6 @@ class Proxy:
         before = attempt.sent_at - attempt.request.received_at
         after = self.clock() - answer_at
         self.metrics.added_latency.observe(max(0.0, before + after))
-
-
-def _is_sse(response: httpx.Response) -> bool:
-    return response.headers.get("content-type", "").startswith("text/event-stream")
-
-
-def _describe(view: InstanceView, exc: Exception) -> str:
-    if not isinstance(exc, httpx.HTTPError):  # not the usual network error: keep its trace
-        log.warning("instance %s: unexpected upstream error", view.instance_id, exc_info=exc)
-    return f"instance {view.instance_id} failed: {type(exc).__name__}: {exc}"
-
-
-async def _empty() -> AsyncIterator[bytes]:
-    return
-    yield b""  # pragma: no cover
 
 
 __all__ = ["Failure", "Proxy", "ProxyRequest"]

@@ -18,6 +18,8 @@ of the path and the body, minus the fields that cannot change the output (`strea
 the key and in the hash, so nothing computed by v1 is ever looked up for v2; as a second guard,
 an answer is stored only if its `system_fingerprint` says the key's `name@version` computed it.
 `cache_salt` stays in the key: tenants that salt their prefix cache do not share answers either.
+On a gateway with client keys the caller's tenant (the sha256 of its key, as the instances name
+it) is hashed too: one tenant's answer, which shows its prompt was asked, never serves another.
 Numbers are hashed as written: `"temperature": 0` and `0.0` are two keys (a miss, never wrong).
 """
 
@@ -44,10 +46,11 @@ KEY_PREFIX = "infer"
 CACHE_HEADER = "x-strata-cache"  # on answers: hit, or miss (and stored if storable)
 
 
-def cache_key(path: str, body: dict[str, Any], *, model: str, version: str) -> str | None:
-    """The cache key of a request to `model` at `version`, or None when it must not be cached
-    (see the module docstring). `model` and `version` are the resolved ones the request is
-    routed to; without a version there is no key."""
+def cache_key(path: str, body: dict[str, Any], *, model: str, version: str,
+              tenant: str = "") -> str | None:
+    """The cache key of a request to `model` at `version` from `tenant` ("": a gateway without
+    keys), or None when it must not be cached (see the module docstring). `model` and `version`
+    are the resolved ones the request is routed to; without a version there is no key."""
     if not model or not version or path not in CACHEABLE_PATHS or not isinstance(body, dict):
         return None
     if body.get("stream", False) is not False or "session_id" in body:
@@ -57,8 +60,8 @@ def cache_key(path: str, body: dict[str, Any], *, model: str, version: str) -> s
     kept = {name: value for name, value in body.items() if name not in OUTPUT_NEUTRAL_FIELDS}
     kept["model"] = f"{model}@{version}"
     try:
-        canonical = json.dumps([path, kept], sort_keys=True, separators=(",", ":"),
-                               allow_nan=False)
+        canonical = json.dumps([path, kept, tenant] if tenant else [path, kept],
+                               sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError):  # NaN or a value JSON cannot hold: leave it to the instance
         return None
     digest = hashlib.sha256(canonical.encode()).hexdigest()
@@ -82,10 +85,11 @@ class ResponseCacheLayer:
     counted in `errors`, and the request goes on uncached)."""
 
     def __init__(self, cache: ResponseCache, *, ttl_s: float | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, is_per_tenant: bool = False) -> None:
         if ttl_s is not None and ttl_s <= 0:
             raise ConfigError(f"response cache ttl_s must be positive, got {ttl_s}")
         self.cache = cache
+        self.is_per_tenant = is_per_tenant  # keys carry the caller's tenant (client keys on)
         self.ttl_s = ttl_s  # None: the cache's own TTL
         self.clock = clock
         # plain counters for /metrics

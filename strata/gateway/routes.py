@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
@@ -17,6 +18,7 @@ from strata.gateway.proxy import ProxyRequest
 from strata.gateway.requests import route_request
 from strata.gateway.upstream import error_response
 from strata.gateway.wiring import Gateway
+from strata.protocol.priority import MAX_PRIORITY_STATE, PRIORITY_HEADER
 
 
 def _gateway(request: Request) -> Gateway:
@@ -42,12 +44,14 @@ async def _proxied(request: Request, gateway: Gateway, forward: Handler) -> Resp
     gateway.metrics.requests.labels(request.url.path).inc()
     body = await request.body()
     try:
-        route = route_request(body, request.headers)
+        route = route_request(body, request.headers,
+                              max_priority=request.scope.get("state", {}).get(MAX_PRIORITY_STATE))
     except InvalidRequestError as exc:
         gateway.metrics.errors.labels("bad_request").inc()
         return error_response(400, str(exc))
-    preq = ProxyRequest(request.method, request.url.path, body, list(request.headers.items()),
-                        route, received_at)
+    headers = [(k, v) for k, v in request.headers.items() if k != PRIORITY_HEADER]
+    headers.append((PRIORITY_HEADER, str(route.priority)))  # the instance gets it clamped
+    preq = ProxyRequest(request.method, request.url.path, body, headers, route, received_at)
     return await forward(preq)
 
 
@@ -55,7 +59,10 @@ async def session_call(request: Request) -> Response:
     """GET /v1/sessions[/{id}] and DELETE /v1/sessions/{id}: passed to any routable instance
     (every instance reads the same session store); a successful DELETE also unpins the session."""
     gateway = _gateway(request)
-    path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    # forwarded as received: re-quoted, so that an id with control or odd characters is
+    # the same id on the instance (a decoded one made an invalid URL: a 500)
+    path = quote(request.url.path, safe="/") + (f"?{request.url.query}" if request.url.query
+                                                else "")
     preq = ProxyRequest(request.method, path, await request.body(),
                         list(request.headers.items()), RouteRequest(), gateway.proxy.clock())
     response = await gateway.proxy.forward(preq)
@@ -116,11 +123,18 @@ async def drain_instance(request: Request) -> Response:
     view.is_draining = True
     result: dict[str, Any] = {"instance_id": instance_id, "draining": True}
     try:
-        answer = await gateway.control.post(f"{view.url}/admin/drain")
+        answer = await gateway.control.post(f"{view.url}/admin/drain",
+                                            headers=_admin_auth(gateway))
         result["instance_status"] = answer.status_code
     except Exception as exc:  # the instance may be gone; we stop routing there regardless
         result["instance_error"] = f"{type(exc).__name__}: {exc}"
     return JSONResponse(result, status_code=202)
+
+
+def _admin_auth(gateway: Gateway) -> dict[str, str]:
+    """What the instances' admin API takes: the gateway's admin key, else its client key."""
+    keys = gateway.config.admin_keys or gateway.config.api_keys
+    return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
 
 
 def build_routes() -> list[Route]:

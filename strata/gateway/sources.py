@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Callable, Sequence
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -43,19 +45,37 @@ class RegistryLike(Protocol):
 
 
 class RegistrySource:
-    """Mirrors `registry.list_instances()` (records past their TTL come back as `dead`)."""
+    """Mirrors `registry.list_instances()` (records past their TTL come back as `dead`).
 
-    def __init__(self, registry: RegistryLike, instances: InstanceSet | None = None) -> None:
+    While the registry cannot be read, the set stays as it was. For `outage_grace_s` after it
+    can be read again, a ready instance that passes its health checks stays ready even if its
+    record is `dead` (its heartbeats were lost in the outage and resume within a few seconds;
+    `InstanceSet.apply_records`)."""
+
+    def __init__(self, registry: RegistryLike, instances: InstanceSet | None = None, *,
+                 outage_grace_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = registry
         self.instances = instances if instances is not None else InstanceSet()
+        self.outage_grace_s = outage_grace_s
+        self.clock = clock
+        self.is_failing = False
+        self.recovered_at = -math.inf
 
     async def refresh(self) -> None:
         try:
             records = await self.registry.list_instances()
         except Exception as exc:  # a registry hiccup must not stop routing on the last view
             logger.warning("registry refresh failed: %s", exc)
+            self.is_failing = True
             return
-        self.instances.apply_records(records)
+        now = self.clock()
+        if self.is_failing:
+            self.is_failing, self.recovered_at = False, now
+            logger.info("registry readable again; stale heartbeats are forgiven for %.0fs",
+                        self.outage_grace_s)
+        is_after_outage = now - self.recovered_at < self.outage_grace_s
+        self.instances.apply_records(records, is_after_outage=is_after_outage)
 
 
 def instance_id_for(url: str) -> str:

@@ -52,8 +52,13 @@ class _CountedStream(httpx.AsyncByteStream):
         self.pool: _Pool | None = pool
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self.inner:
-            yield chunk
+        try:
+            async for chunk in self.inner:
+                yield chunk
+        except (httpx.HTTPError, OSError, RuntimeError):
+            raise
+        except Exception as exc:  # a connection reset under the transport: see `send`
+            raise httpx.ReadError(f"{type(exc).__name__}: {exc}") from exc
 
     async def aclose(self) -> None:
         if self.pool is not None:
@@ -98,6 +103,15 @@ class UpstreamPools:
         pool.num_open += 1
         try:
             response = await pool.transport.handle_async_request(request)
+        except (httpx.HTTPError, OSError, RuntimeError):
+            pool.num_open -= 1
+            raise
+        except Exception as exc:
+            # A connection reset as it opens can surface as another error from the transport
+            # (anyio asks a socket already closed for its peer name: AttributeError): it is the
+            # connection's failure, never a 500.
+            pool.num_open -= 1
+            raise httpx.ConnectError(f"{type(exc).__name__}: {exc}", request=request) from exc
         except BaseException:
             pool.num_open -= 1
             raise

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import httpx
 
 from strata.gateway.admission import Admission
+from strata.gateway.classes import ClassFlow
 from strata.gateway.config import GatewayConfig
+from strata.gateway.disagg import PDRouter
 from strata.gateway.forward import Handler, chain, path_steps
 from strata.gateway.health import HealthChecker, OutlierDetector
 from strata.gateway.instances import InstanceSet
@@ -29,9 +31,11 @@ from strata.gateway.prefix_index_feed import PrefixRouting
 from strata.gateway.proxy import Proxy
 from strata.gateway.releases import ReleaseService, build_release_service, controller_owner
 from strata.gateway.response_cache import ResponseCacheLayer
+from strata.gateway.resume import Resumer
 from strata.gateway.retry import RetryBudget
 from strata.gateway.sessions import PinnedSessionPolicy, SessionRouter
 from strata.gateway.sources import InstanceSource
+from strata.gateway.stalls import StallWatch
 from strata.gateway.upstream import UpstreamPools
 from strata.gateway.versions import VersionRouter, VersionStats
 from strata.registry.base import Registry
@@ -59,6 +63,7 @@ class Gateway:
     releases: ReleaseService | None = None  # with a model registry and an instance registry
     cache: ResponseCacheLayer | None = None  # opt-in; deterministic answers keyed by version
     prefix: PrefixRouting | None = None  # --policy cache_aware: feeds its index (in background)
+    classes: ClassFlow | None = None  # priority classes: pools, flow control, shedding
 
     async def close(self) -> None:
         await self.exits.aclose()
@@ -86,10 +91,10 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
     prefix = _prefix_routing(config, policy, instances, exits)
     if sessions is not None:
         policy = PinnedSessionPolicy(sessions, policy)
-    proxy = _proxy(config, instances, policy, transport, clock, metrics, exits)
     control = control_client or httpx.AsyncClient(
         transport=transport, timeout=httpx.Timeout(config.health_timeout_s))
     _close_with(exits, control.aclose)
+    proxy = _proxy(config, instances, policy, transport, clock, metrics, control, exits)
     health = HealthChecker(instances, proxy.detector, control, config.health_timeout_s)
     admission = Admission(config.admission)
     cache = _response_cache(config, exits)
@@ -100,22 +105,33 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
         proxy.observers.append(stats.observe)
         if instance_registry is not None:
             releases = _release_service(config, models, instance_registry, stats, control, exits)
+    classes = None
+    if config.classes.is_on:
+        classes = ClassFlow(config.classes, config.admission, instances)
+        _close_with(exits, classes.close)
+    pd = None if config.pd.mode == "off" else PDRouter(
+        config.pd, proxy.pipeline, proxy.upstreams, proxy.detector, metrics.registry)
     steps = path_steps(admission=admission, metrics=metrics, proxy=proxy, versions=versions,
-                       cache=cache, sessions=sessions, prefix=prefix)
+                       cache=cache, sessions=sessions, prefix=prefix, classes=classes, pd=pd)
     forward = chain(steps, proxy.forward)
     return Gateway(config, source, proxy, admission, health, control, metrics, forward, exits,
-                   sessions, versions, models, releases, cache, prefix)
+                   sessions, versions, models, releases, cache, prefix, classes)
 
 
 def _proxy(config: GatewayConfig, instances: InstanceSet, policy: RoutingPolicy,
            transport: httpx.AsyncBaseTransport | None, clock: Callable[[], float],
-           metrics: GatewayMetrics, exits: contextlib.AsyncExitStack) -> Proxy:
+           metrics: GatewayMetrics, control: httpx.AsyncClient,
+           exits: contextlib.AsyncExitStack) -> Proxy:
     detector = OutlierDetector(instances, config.ejection, clock,
                                on_eject=lambda v: metrics.ejections.labels(v.instance_id).inc())
     upstreams = UpstreamPools(config, transport)
     _close_with(exits, upstreams.aclose)
+    stalls = StallWatch(config.resume, control, on_dead=lambda view, num_ended: (
+        metrics.stalls.labels(view.instance_id).inc(num_ended)))
+    _close_with(exits, stalls.aclose)
     return Proxy(RoutingPipeline(instances, policy), upstreams, detector,
-                 RetryBudget(config.retry, clock), metrics, config.retry.max_retries)
+                 RetryBudget(config.retry, clock), metrics, config.retry.max_retries,
+                 Resumer(config.resume, metrics), stalls)
 
 
 def _response_cache(config: GatewayConfig,
@@ -123,7 +139,8 @@ def _response_cache(config: GatewayConfig,
     if config.response_cache_url is None:
         return None
     cache = ResponseCacheLayer(create_response_cache(config.response_cache_url,
-                                                     ttl_s=config.response_cache_ttl_s))
+                                                     ttl_s=config.response_cache_ttl_s),
+                               is_per_tenant=bool(config.api_keys))
     _close_with(exits, cache.close)
     return cache
 
@@ -177,7 +194,8 @@ def _prefix_routing(config: GatewayConfig, policy: RoutingPolicy, instances: Ins
         return None
     client = httpx.AsyncClient(timeout=httpx.Timeout(config.health_timeout_s))
     prefix = PrefixRouting(policy.index, instances, client,
-                           api_key=config.api_keys[0] if config.api_keys else None)
+                           api_key=config.api_keys[0] if config.api_keys else None,
+                           is_per_tenant=bool(config.api_keys))
     _close_with(exits, client.aclose)
     _close_with(exits, prefix.close)
     return prefix

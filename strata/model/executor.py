@@ -12,7 +12,9 @@ cache as `kv_codec` payloads (KV offload to an external store).
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from itertools import accumulate
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,7 +25,7 @@ from strata.errors import ConfigError, KVPayloadError
 from strata.model import cpu_kernels
 from strata.model.attention import PagedKVCache, PrefillChunk, StepBatch
 from strata.model.config import ModelConfig
-from strata.model.kv_codec import KVCodec, KVLayout
+from strata.model.kv_codec import FORMAT_VERSION, KVCodec, KVLayout
 from strata.model.llama import LlamaModel
 from strata.model.sampler import Sampler
 from strata.model.shard import RankShard, ShardComm
@@ -81,6 +83,12 @@ class TorchExecutor:
                                      self.device, num_layers=num_layers, kv_heads=kv_heads)
         self.kv_codec = KVCodec(KVLayout(*self._identity, self.dtype, num_layers, block_size,
                                          kv_heads, self.config.head_dim))
+
+    def kv_layout(self) -> dict[str, Any]:
+        """What an exported block's bytes depend on; a P/D hand-off compares it with the peer's
+        before the first transfer."""
+        _, codec = self._kv_transfer()
+        return {**asdict(codec.layout), "codec_format": FORMAT_VERSION, "parallel": "tp1-pp1"}
 
     def export_blocks(self, block_ids: list[int]) -> list[bytes]:
         """One `kv_codec` payload per block: K and V of every layer (see `ModelExecutor`)."""

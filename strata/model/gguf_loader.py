@@ -24,6 +24,7 @@ from tokenizers import processors
 from strata.errors import ModelLoadError
 from strata.model.config import ModelConfig
 from strata.model.tokenizer import Tokenizer, byte_level_bpe
+from strata.progress import progress
 
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _LAYER_NAMES = {
@@ -90,11 +91,15 @@ def open_gguf(path: Path) -> GGUFHeader:
 
 
 def gguf_tensors(header: GGUFHeader, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor in `dtype`), one at a time, in file order."""
-    for t in header.reader.tensors:
-        if t.name not in _SKIPPED:
-            tensor = _tensor(t, header.config, header.source)
-            yield _hf_name(t.name, header.source), tensor.to(dtype)
+    """(HF name, tensor in `dtype`), one at a time, in file order; shows its progress
+    (strata/progress.py): the first load of a GGUF dequantizes every tensor."""
+    tensors = header.reader.tensors
+    with progress(len(tensors), f"dequantizing {header.source.name}", unit="tensors") as bar:
+        for t in tensors:
+            if t.name not in _SKIPPED:
+                tensor = _tensor(t, header.config, header.source)
+                yield _hf_name(t.name, header.source), tensor.to(dtype)
+            bar.update(1)
 
 
 class _Meta:

@@ -20,6 +20,7 @@ from strata.errors import OverloadedError, RequestError, StrataError
 DEFAULT_TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     409: "conflict_error",

@@ -69,7 +69,7 @@ class _SamplingFields(_Request):
     frequency_penalty: float | None = None
     ignore_eos: bool = False
     user: str | None = None
-    priority: int = 0
+    priority: int | str | None = None  # a class name or an integer (strata/protocol/priority.py)
     cache_salt: str | None = None
 
     @model_validator(mode="before")
@@ -118,6 +118,7 @@ class CompletionRequest(_SamplingFields):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    share_system_prompt: bool = False  # cache the leading system message for every tenant
     logprobs: bool = False
     top_logprobs: int | None = None
 

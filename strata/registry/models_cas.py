@@ -14,9 +14,10 @@ from dataclasses import replace
 from typing import TypeVar
 
 from strata.errors import ConfigError, ConflictError
+from strata.registry.leases import Lease
 from strata.registry.models import Deployment, ModelRouting, ModelVersion, Release
 
-Revisioned = TypeVar("Revisioned", ModelRouting, Deployment, Release)
+Revisioned = TypeVar("Revisioned", ModelRouting, Deployment, Release, Lease)
 
 
 def stamp_version(version: ModelVersion, now: float) -> ModelVersion:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from strata.registry.leases import Lease
 from strata.registry.models import Deployment, ModelRouting, ModelVersion, Release
 from strata.registry.models_cas import (
     next_revision,
@@ -33,6 +34,7 @@ class MemoryModelRegistry:
         self._routing: dict[str, str] = {}  # name -> JSON
         self._deployments: dict[str, str] = {}  # name@version -> JSON
         self._releases: dict[str, str] = {}  # release_id -> JSON
+        self._leases: dict[str, str] = {}  # name -> JSON
 
     # --- versions ---------------------------------------------------------------------------
 
@@ -113,6 +115,18 @@ class MemoryModelRegistry:
 
     async def list_releases(self, name: str | None = None) -> list[Release]:
         return self._releases_of(name)
+
+    # --- leases (strata/registry/leases.py) ----------------------------------------------------
+
+    async def get_lease(self, name: str) -> Lease | None:
+        stored = self._leases.get(name)
+        return None if stored is None else Lease.from_json(json.loads(stored))
+
+    async def put_lease(self, lease: Lease, *, expected_revision: int) -> Lease:
+        new = next_revision(lease, expected_revision, self.clock())
+        self._check("lease", self._leases, lease.name, expected_revision)
+        self._leases[lease.name] = _dump(new)
+        return new
 
     async def close(self) -> None:
         return None

@@ -4,6 +4,7 @@
     {prefix}:routing:{name}             HASH    revision, record (JSON)
     {prefix}:deployment:{name}@{ver}    HASH    revision, record (JSON)
     {prefix}:release:{release_id}       HASH    revision, record (JSON)
+    {prefix}:lease:{name}               HASH    revision, record (JSON)
     {prefix}:in_progress:{name}         STRING  the release_id of the model's non-terminal release
     {prefix}:versions, :routings, :deployments, :releases     SETs of the keys' last parts
     {prefix}:releases:{name}            SET     release ids of one model
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from strata.errors import RegistryError
+from strata.registry.leases import Lease
 from strata.registry.models import Deployment, ModelRouting, ModelVersion, Release
 from strata.registry.models_cas import (
     next_revision,
@@ -186,6 +188,17 @@ class RedisModelRegistry:
                     for t in await self._records(index, "release")]
         return sorted(releases, key=lambda r: (r.created_at, r.release_id))
 
+    # --- leases (strata/registry/leases.py) ----------------------------------------------------
+
+    async def get_lease(self, name: str) -> Lease | None:
+        text = await self._record(self._key("lease", name))
+        return None if text is None else Lease.from_json(json.loads(text))
+
+    async def put_lease(self, lease: Lease, *, expected_revision: int) -> Lease:
+        new = next_revision(lease, expected_revision, self.clock())
+        await self._compare_and_set("lease", new.name, expected_revision, new)
+        return new
+
     async def close(self) -> None:
         await self._db.aclose()
 
@@ -195,7 +208,7 @@ class RedisModelRegistry:
         return ":".join((self.prefix, *parts))
 
     async def _compare_and_set(self, kind: str, key: str, expected_revision: int,
-                               new: ModelRouting | Deployment) -> None:
+                               new: ModelRouting | Deployment | Lease) -> None:
         keys = [self._key(kind, key), self._key(f"{kind}s")]
         args = [expected_revision, _dump(new), key]
         stored = await self._db.call(lambda: self._cas(keys=keys, args=args))
@@ -227,7 +240,7 @@ class RedisModelRegistry:
         return texts
 
 
-def _dump(record: ModelVersion | ModelRouting | Deployment | Release) -> str:
+def _dump(record: ModelVersion | ModelRouting | Deployment | Release | Lease) -> str:
     return json.dumps(record.to_json())
 
 

@@ -1,12 +1,13 @@
 """The SQLite ModelRegistry: one file, many processes on one machine (`strata up`).
 
-Four tables, one JSON document per row plus the columns the writes test. It may share the
+Five tables, one JSON document per row plus the columns the writes test. It may share the
 instance registry's file (whose table is `instances`), so a cluster keeps one registry.db.
 
     model_versions  (name, version) -> created_at, record        INSERT only: immutable
     model_routing   name -> revision, record                     compare-and-set
     deployments     key (name@version) -> revision, record       compare-and-set; deleted
     releases        release_id -> name, revision, created_at, is_terminal, record
+    leases          name -> revision, record                     compare-and-set
 
 A compare-and-set is one statement: `UPDATE ... WHERE key = ? AND revision = ?`, or for
 revision 0 an INSERT that does nothing on an existing row. "One release in progress per
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from strata.errors import ConflictError, RegistryError
+from strata.registry.leases import Lease
 from strata.registry.models import Deployment, ModelRouting, ModelVersion, Release
 from strata.registry.models_cas import (
     next_revision,
@@ -52,6 +54,8 @@ _SCHEMA = (
     "record TEXT NOT NULL)",
     "CREATE UNIQUE INDEX IF NOT EXISTS releases_one_in_progress ON releases (name) "
     "WHERE is_terminal = 0",
+    "CREATE TABLE IF NOT EXISTS leases (name TEXT PRIMARY KEY, revision INTEGER NOT NULL, "
+    "record TEXT NOT NULL)",
 )
 
 
@@ -165,13 +169,24 @@ class SqliteModelRegistry:
                                   "ORDER BY created_at, release_id", params)
         return [Release.from_json(json.loads(r)) for r in rows]
 
+    # --- leases (strata/registry/leases.py) ----------------------------------------------------
+
+    async def get_lease(self, name: str) -> Lease | None:
+        rows = await self._select("SELECT record FROM leases WHERE name = ?", (name,))
+        return Lease.from_json(json.loads(rows[0])) if rows else None
+
+    async def put_lease(self, lease: Lease, *, expected_revision: int) -> Lease:
+        new = next_revision(lease, expected_revision, self.clock())
+        await self._cas("leases", "name", "lease", new.name, expected_revision, new)
+        return new
+
     async def close(self) -> None:
         await self._db.aclose()
 
     # --- internals ----------------------------------------------------------------------------
 
     async def _cas(self, table: str, key_column: str, kind: str, key: str,
-                   expected_revision: int, new: ModelRouting | Deployment) -> None:
+                   expected_revision: int, new: ModelRouting | Deployment | Lease) -> None:
         """Write `new` under `key` if the stored revision is `expected_revision` (0: absent)."""
         if expected_revision == 0:
             sql = (f"INSERT INTO {table} (revision, record, {key_column}) VALUES (?, ?, ?) "
@@ -211,7 +226,7 @@ def _one(conn: Conn, sql: str, params: tuple[Any, ...]) -> Any:
     return None if row is None else row[0]
 
 
-def _dump(record: ModelVersion | ModelRouting | Deployment | Release) -> str:
+def _dump(record: ModelVersion | ModelRouting | Deployment | Release | Lease) -> str:
     return json.dumps(record.to_json())
 
 

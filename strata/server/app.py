@@ -5,10 +5,14 @@
     GET  /v1/models, /health, /ready, /metrics, /load   info_routes.py
     GET  /v1/strata/kv-events, /v1/strata/tokenizer     prefix_routes.py (cache-aware gateways)
     POST /tokenize, /detokenize, /admin/drain           info_routes.py
+    /internal/prefill/..., /internal/decode/..., /internal/kv/...   pd_routes.py (hand-off)
+    POST /v1/strata/resume                        resume.py: go on with a stream another
+                                                  instance began (strata/protocol/resume.py)
 
 Every route reaches the instance's parts through one typed object (`Instance`, instance.py);
-every error leaves through one table (errors.py). Middleware, outermost first: API keys
-(`strata.protocol.auth`), `X-Model-Version`, the body limit (body_limit.py).
+every error leaves through one table (errors.py). Middleware, outermost first: `X-Request-Id`
+(`strata.protocol.request_id`), API keys (`strata.protocol.auth`), `X-Model-Version`, the body
+limit (body_limit.py).
 
 Draining (`Instance.is_draining`, set by POST /admin/drain or the lifespan shutdown): new
 requests get 503 with Retry-After while in-flight ones finish. uvicorn's graceful shutdown waits
@@ -26,6 +30,7 @@ from fastapi import FastAPI
 from starlette.routing import BaseRoute
 
 from strata.protocol.auth import ApiKeyAuth
+from strata.protocol.request_id import RequestIdMiddleware
 from strata.server.async_engine import AsyncEngine
 from strata.server.body_limit import BodyLimitMiddleware, ModelVersionHeader
 from strata.server.config import ServerConfig
@@ -36,8 +41,12 @@ from strata.server.instance import Instance
 from strata.server.kv_events import open_prefix_serving
 from strata.server.kv_offload import open_kv_offload
 from strata.server.metrics import ServerMetrics
+from strata.server.openapi_routes import instance_openapi
+from strata.server.pd_routes import pd_routes
+from strata.server.pd_state import PD
 from strata.server.prefix_routes import prefix_routes
 from strata.server.registration import Registration
+from strata.server.resume import resume_routes
 from strata.server.serving import ServingContext
 from strata.server.session_routes import session_routes
 from strata.server.sessions import Sessions
@@ -65,24 +74,33 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
+            pd.start()
+            stack.push_async_callback(pd.close)
             _open_parts(instance, stack, session_store, kv_store)
             yield
 
     app = FastAPI(title="Strata", routes=build_routes(), lifespan=lifespan, docs_url=None,
                   redoc_url=None)
     app.state.instance = instance
+    app.state.pd = pd = PD(instance, config.pd)
+    document = instance_openapi()  # GET /openapi.json serves it (openapi_routes.py)
+    app.openapi = lambda: document  # type: ignore[method-assign]
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
     app.add_middleware(ModelVersionHeader,
                        value=f"{config.served_model_name}@{config.model_version}")
-    if config.api_keys:
+    if config.api_keys or config.admin_keys:
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
-                           rate_limit_per_s=config.rate_limit_per_s)
+                           admin_keys=list(config.admin_keys),
+                           rate_limit_per_s=config.rate_limit_per_s,
+                           max_priority=dict(config.key_max_priority))
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer and log line has the id
     install_error_handlers(app)
     return app
 
 
 def build_routes() -> list[BaseRoute]:
-    return [*generation_routes(), *session_routes(), *info_routes(), *prefix_routes()]
+    return [*generation_routes(), *session_routes(), *info_routes(), *prefix_routes(),
+            *pd_routes(), *resume_routes()]
 
 
 def _open_parts(instance: Instance, stack: AsyncExitStack, session_store: SessionStore | None,

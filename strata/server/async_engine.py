@@ -5,11 +5,14 @@ thread-safe). Coroutines hand it commands through a thread-safe queue and receiv
 per-request `asyncio.Queue`, fed with `loop.call_soon_threadsafe`. When there is no work the
 thread sleeps on an Event; every command sets it.
 
-If `step()` raises, every in-flight request ends with finish_reason "error", the engine is marked
-dead (`is_healthy` turns false, new requests raise `EngineDeadError`) and the error is logged.
+Failures. A request whose sequence the executor cannot run fails alone inside `step()`
+(strata/engine/isolation.py: finish_reason "error", the others go on). If `step()` itself raises
+(the executor can run nothing, or an invariant broke), every in-flight
+request ends with finish_reason "error", the engine is marked dead (`is_healthy` turns false, new
+requests raise `EngineDeadError`), the error is logged and the death hooks run (`on_death`:
+`strata serve` exits non-zero so that its launcher restarts it).
 `kill(exc)` makes the engine thread die of `exc` as if a step raised it (a parallel executor's
-watcher calls it when a rank exits while the engine is idle); `on_death`, when set, hears of
-the death after the streams did.
+watcher calls it when a rank exits while the engine is idle).
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ class EngineCore(Protocol):
 
     cache_config: CacheConfig
 
-    def block_hashes(self, token_ids: list[int], cache_salt: str = "") -> list[BlockHash]: ...
+    def block_hashes(self, token_ids: list[int], cache_salt: str = "",
+                     num_public_tokens: int = 0, *, partial: bool = False
+                     ) -> list[BlockHash]: ...
 
     def num_cached_blocks(self, hashes: list[BlockHash]) -> int: ...
 
@@ -52,6 +57,8 @@ class EngineCore(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def stats(self) -> EngineStats: ...
+
+    def release_held(self, request_id: RequestId) -> int: ...
 
 
 @dataclass(slots=True)
@@ -83,7 +90,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead_reason: str | None = None
-        self.on_death: Callable[[Exception], None] | None = None
+        self._death_hooks: list[Callable[[str], None]] = []
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -121,6 +128,11 @@ class AsyncEngine:
     def kill(self, exc: Exception) -> None:
         """Make the engine thread die of `exc` (thread-safe)."""
         self._post(("fail", exc))
+
+    def on_death(self, hook: Callable[[str], None]) -> None:
+        """Call `hook(reason)` on the engine thread once the engine has died, after every stream
+        got its final "error" output."""
+        self._death_hooks.append(hook)
 
     def stats(self) -> EngineStats:
         """The snapshot taken by the engine thread after its last step or command."""
@@ -163,6 +175,11 @@ class AsyncEngine:
             if not finished:
                 self._post(("abort", request.request_id))
 
+    def release_held(self, request_id: RequestId) -> None:
+        """Return the blocks a finished request left held to the free pool (on the engine
+        thread, at its next command pass)."""
+        self._post(("release", request_id))
+
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -200,6 +217,8 @@ class AsyncEngine:
                 self._stopping = True
             elif kind == "abort":
                 self.engine.abort_request(RequestId(str(arg)))
+            elif kind == "release":
+                self.engine.release_held(RequestId(str(arg)))
             elif kind == "fail" and isinstance(arg, Exception):
                 raise arg
             elif isinstance(arg, Request):
@@ -235,8 +254,8 @@ class AsyncEngine:
         for request_id, stream in streams.items():
             stream.put(RequestOutput(request_id=request_id, new_token_ids=[], new_text="",
                                      finished=True, finish_reason=FinishReason.ERROR))
-        if self.on_death is not None:
-            self.on_death(exc)
+        for hook in self._death_hooks:
+            hook(self.dead_reason)
 
 
 __all__ = ["AsyncEngine", "EngineCore"]

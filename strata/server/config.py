@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from strata.errors import ConfigError
+from strata.server.pd_config import PDConfig
 from strata.state.kv_store import KVStoreLimits
 
 
@@ -27,8 +28,10 @@ class ServerConfig:
     retry_after_s: float = 1.0
     drain_poll_s: float = 0.05  # how often a drain checks whether in-flight requests are done
     simulated: bool = False  # a latency model stands in for the maths: always labelled
-    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    api_keys: tuple[str, ...] = ()  # client keys; empty (and no admin key): no authentication
+    admin_keys: tuple[str, ...] = ()  # for /admin/*; empty: the client keys open it too
     rate_limit_per_s: float | None = None  # per API key
+    key_max_priority: tuple[tuple[str, int], ...] = ()  # (key, priority ceiling) pairs
     model_version: str = "default"  # stored with each session
     session_store_url: str | None = None  # memory://, sqlite:///PATH, redis://...; None: off
     session_ttl_s: float | None = 86_400.0  # sliding: each stored turn restarts it; None: never
@@ -42,6 +45,7 @@ class ServerConfig:
     kv_max_put_bytes: int = 256 << 20
     kv_min_fetch_tokens: int = 256
     kv_redis_maxmemory_bytes: int | None = None  # set: CONFIG SET maxmemory + allkeys-lru
+    pd: PDConfig = field(default_factory=PDConfig)  # prefill/decode hand-off (pd_state.py)
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

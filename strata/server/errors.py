@@ -2,8 +2,9 @@
 
     StrataError with a status      -> what its class says (strata/errors.py): RequestError 400 /
                                       404 / 413, ConflictError 409, StoreUnavailableError 503,
-                                      OverloadedError 429 or 503, EngineDeadError 503; a 503
-                                      carries Retry-After
+                                      OverloadedError 429 or 503, EngineDeadError 503,
+                                      RequestFailedError 500 (the executor failed on this
+                                      request alone); a 503 carries Retry-After
     pydantic / JSON validation     -> 400 invalid_request_error (never 422)
     Starlette HTTPException        -> its status (404 unknown route, 405 wrong method)
     ClientDisconnect               -> 499 (nobody reads it; the engine requests were aborted)
@@ -29,13 +30,15 @@ from strata.errors import (
     EngineDeadError,
     OverloadedError,
     RequestError,
+    RequestFailedError,
     StoreUnavailableError,
     StrataError,
 )
 from strata.protocol.errors import ErrorMapping, describe
 
 logger = logging.getLogger("strata.server")
-_ANSWERED = (RequestError, ConflictError, StoreUnavailableError, OverloadedError, EngineDeadError)
+_ANSWERED = (RequestError, ConflictError, StoreUnavailableError, OverloadedError, EngineDeadError,
+             RequestFailedError)
 
 
 def _validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:

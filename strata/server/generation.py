@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from strata.engine.outputs import RequestOutput
@@ -20,6 +20,7 @@ from strata.server.kv_offload import KVOffload, publishing
 from strata.server.metrics import ServerMetrics, track
 
 Outputs = AsyncGenerator[RequestOutput, None]
+Prepare = Callable[[list[Request]], Awaitable[None]]
 
 
 @dataclass(slots=True)
@@ -112,13 +113,18 @@ async def _pump(index: int, stream: Outputs,
 
 async def start(engine: AsyncEngine, requests: list[Request], prompt_indices: list[int],
                 metrics: ServerMetrics, clock: Callable[[], float],
-                kv_offload: KVOffload | None = None) -> Generation:
+                kv_offload: KVOffload | None = None, prepare: Prepare | None = None
+                ) -> Generation:
     """Queue `requests` (validated synchronously by the engine) and await their first outputs.
-    With `kv_offload`, missing prefixes are fetched first and finished KV is published."""
-    if kv_offload is not None:
+    With `kv_offload`, missing prefixes are fetched first and finished KV is published;
+    `prepare` (a prefill/decode hand-off) sees the validated requests last before the engine."""
+    if kv_offload is not None or prepare is not None:
         for request in requests:
             engine.engine.validate_request(request)  # nothing is fetched for a refused request
+    if kv_offload is not None:
         await kv_offload.prepare(requests)
+    if prepare is not None:
+        await prepare(requests)
     streams: list[Outputs] = []
     for request in requests:
         stream = track(engine.generate(request), metrics, request.arrival_time, clock)
@@ -134,4 +140,4 @@ async def start(engine: AsyncEngine, requests: list[Request], prompt_indices: li
     return generation
 
 
-__all__ = ["ChoiceState", "Generation", "start", "usage"]
+__all__ = ["ChoiceState", "Generation", "Prepare", "start", "usage"]

@@ -1,7 +1,10 @@
 """The generation routes: POST /v1/completions and /v1/chat/completions (SSE when stream=true).
 
-Each handler parses the body (request_io.py), has the instance admit it (instance.py: refused
-while draining, when the engine is dead or for another model), starts the generation
+Each handler parses the body (request_io.py), puts the caller's tenant into its cache salt
+(translate.tenant_scoped: no prefix-cache or KV-store block is shared across tenants, except a
+leading system message sent with `share_system_prompt`), has the instance admit it
+(instance.py: refused while draining, when the engine is dead or for another model), starts the
+generation
 (serving.py) and answers with JSON or an SSE stream. A chat request with a session id runs as a
 session turn (sessions.py): the history is prepended and the answer stored.
 """
@@ -16,18 +19,29 @@ from strata.protocol.openai import ChatCompletionRequest, CompletionRequest
 from strata.server import serving
 from strata.server import sessions as sess
 from strata.server.instance import instance_of
-from strata.server.request_io import SSEResponse, parse_body, unless_disconnected
+from strata.server.request_io import (
+    SSEResponse,
+    parse_body,
+    request_priority,
+    unless_disconnected,
+)
+from strata.server.resume import marks_for
+from strata.server.sessions import cache_tenant
+from strata.server.translate import tenant_scoped
 
 
 async def completions(request: Request) -> Response:
     instance = instance_of(request)
-    req = await parse_body(request, CompletionRequest)
+    req = tenant_scoped(await parse_body(request, CompletionRequest),
+                        cache_tenant(request, instance.config))
+    req.priority = request_priority(request, req.priority)
     instance.admit(req.model)
     ctx = instance.serving
     started = await unless_disconnected(request, serving.start_completion(ctx, req))
     with_lps = req.logprobs is not None
     if req.stream:
-        frames = serving.completion_stream(ctx, started, with_lps, req.include_usage)
+        frames = serving.completion_stream(ctx, started, with_lps, req.include_usage,
+                                           marks_for(request, ctx, started))
         return SSEResponse(frames, started.generation.close)
     body = await unless_disconnected(request, serving.completion_response(ctx, started, with_lps))
     return JSONResponse(body.model_dump())
@@ -35,7 +49,9 @@ async def completions(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     instance = instance_of(request)
-    req = await parse_body(request, ChatCompletionRequest)
+    req = tenant_scoped(await parse_body(request, ChatCompletionRequest),
+                        cache_tenant(request, instance.config))
+    req.priority = request_priority(request, req.priority)
     instance.admit(req.model)
     session_id = sess.session_id_of(request, await request.body())
     if session_id is None:
@@ -56,7 +72,8 @@ async def _chat(request: Request, ctx: serving.ServingContext, req: ChatCompleti
     """Generate; with a session `turn`, store the turn after the last token (see sessions.py)."""
     started = await unless_disconnected(request, serving.start_chat(ctx, req))
     if req.stream:
-        frames = serving.chat_stream(ctx, started, req.logprobs, req.include_usage)
+        frames = serving.chat_stream(ctx, started, req.logprobs, req.include_usage,
+                                     marks_for(request, ctx, started))
         if turn is None:
             return SSEResponse(frames, started.generation.close)
 

@@ -56,9 +56,10 @@ class KVOffload:
 
     async def prepare(self, requests: list[Request]) -> None:
         """Attach fetched KV to each request; the first request of each prompt exports."""
-        plans: dict[tuple[str, tuple[int, ...]], _Plan] = {}
+        plans: dict[tuple[str, int, tuple[int, ...]], _Plan] = {}
         for request in requests:
-            key = (request.cache_salt, tuple(request.prompt_token_ids))
+            key = (request.cache_salt, request.num_public_tokens,
+                   tuple(request.prompt_token_ids))
             plan = plans.get(key)
             if plan is None:
                 plan = plans[key] = await self._plan(request)
@@ -67,7 +68,8 @@ class KVOffload:
             request.external_kv = plan.external_kv
 
     async def _plan(self, request: Request) -> _Plan:
-        hashes = self.engine.block_hashes(request.prompt_token_ids, request.cache_salt)
+        hashes = self.engine.block_hashes(request.prompt_token_ids, request.cache_salt,
+                                          request.num_public_tokens)
         if not hashes:
             return _Plan()
         num_local = self.engine.num_cached_blocks(hashes)

@@ -8,7 +8,6 @@ leaves; `SSEResponse` streams frames and runs a close hook however the stream en
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
 
@@ -17,22 +16,24 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
-from strata.errors import InvalidRequestError
+from strata.protocol.json_body import parse_json_object
+from strata.protocol.priority import MAX_PRIORITY_STATE, PRIORITY_HEADER, effective_priority
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
-    """JSON body -> model; malformed JSON and wrong types raise (mapped to 400)."""
-    body = await request.body()
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise InvalidRequestError("request body must be a JSON object")
-    return model.model_validate(data)
+    """JSON body -> model; a body that is not a JSON object (strata/protocol/json_body.py) and
+    wrong types raise (mapped to 400)."""
+    return model.model_validate(parse_json_object(await request.body()))
+
+
+def request_priority(request: Request, body_priority: object) -> int:
+    """`X-Priority`, else the body's `priority`, else standard; clamped to the API key's
+    ceiling (strata/protocol/priority.py)."""
+    ceiling = request.scope.get("state", {}).get(MAX_PRIORITY_STATE)
+    return effective_priority(request.headers.get(PRIORITY_HEADER), body_priority, ceiling)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

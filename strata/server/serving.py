@@ -1,4 +1,10 @@
-"""Completions and chat completions: wire request -> engine requests -> wire responses / SSE."""
+"""Completions and chat completions: wire request -> engine requests -> wire responses / SSE.
+
+A choice that ended with finish_reason "error" (the executor failed on it alone, or the engine
+died) is never passed off as an answer: a JSON response becomes the error's status and body
+(`failure`: 500 `RequestFailedError`, or 503 `EngineDeadError`, which a gateway retries on
+another instance), and a stream sends its finish chunk, then an error event, then [DONE].
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,8 @@ from dataclasses import dataclass, field
 
 from strata import __version__
 from strata.engine.outputs import RequestOutput
-from strata.engine.request import Request
+from strata.engine.request import FinishReason, Request, SamplingParams
+from strata.errors import EngineDeadError, RequestFailedError, StrataError
 from strata.protocol.openai import (
     ChatChoice,
     ChatCompletionRequest,
@@ -27,9 +34,11 @@ from strata.protocol.sse import DONE_FRAME, encode_event
 from strata.server import translate as tr
 from strata.server.async_engine import AsyncEngine
 from strata.server.config import ServerConfig
-from strata.server.generation import ChoiceState, Generation, start, usage
+from strata.server.errors import map_exception
+from strata.server.generation import ChoiceState, Generation, Prepare, start, usage
 from strata.server.kv_offload import KVOffload
 from strata.server.metrics import ServerMetrics
+from strata.server.stream_marks import Marks
 
 
 def fingerprint(config: ServerConfig) -> str:
@@ -53,68 +62,105 @@ class ServingContext:
 
 @dataclass(slots=True)
 class Started:
-    """A generation and the envelope fields of its response."""
+    """A generation and the envelope fields of its response. A resumed one (strata/server/
+    resume.py) continues a stream another instance began: no role chunk, no echo, logprob text
+    offsets from `offsets`."""
 
     id: str
     model: str
     generation: Generation
     echo_texts: list[str]
     created: int
+    prompt_token_ids: list[int] = field(default_factory=list)  # the first prompt's
+    is_resumed: bool = False
+    offsets: list[int] | None = None
 
 
-async def start_completion(ctx: ServingContext, req: CompletionRequest) -> Started:
-    tr.check_common_limits(req, ctx.config)
+def completion_params(ctx: ServingContext, req: CompletionRequest, num_prompt_tokens: int,
+                      choice: int) -> SamplingParams:
+    """The sampling of one choice of a completion (a resumed one gets the same)."""
     num_logprobs = tr.completion_num_logprobs(req, ctx.config)
+    max_tokens = tr.resolve_max_tokens(req.max_tokens, tr.COMPLETIONS_DEFAULT_MAX_TOKENS,
+                                       num_prompt_tokens, ctx.engine.max_model_len)
+    return tr.sampling_params(req, max_tokens=max_tokens, num_logprobs=num_logprobs,
+                              choice=choice)
+
+
+def chat_params(ctx: ServingContext, req: ChatCompletionRequest, num_prompt_tokens: int,
+                choice: int) -> SamplingParams:
+    """The sampling of one choice of a chat completion (a resumed one gets the same)."""
+    num_logprobs = tr.chat_num_logprobs(req, ctx.config)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None \
+        else req.max_tokens
+    max_tokens = tr.resolve_max_tokens(requested, None, num_prompt_tokens,
+                                       ctx.engine.max_model_len)
+    return tr.sampling_params(req, max_tokens=max_tokens, num_logprobs=num_logprobs,
+                              choice=choice)
+
+
+async def start_completion(ctx: ServingContext, req: CompletionRequest,
+                           prepare: Prepare | None = None) -> Started:
+    tr.check_common_limits(req, ctx.config)
     prompts = tr.completion_prompts(req, ctx.tokenizer)
     requests: list[Request] = []
     indices: list[int] = []
     rid = tr.new_id("cmpl")
     arrival = ctx.clock()
     for p, prompt in enumerate(prompts):
-        max_tokens = tr.resolve_max_tokens(req.max_tokens, tr.COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                           len(prompt), ctx.engine.max_model_len)
         for j in range(req.n):
-            params = tr.sampling_params(req, max_tokens=max_tokens, num_logprobs=num_logprobs,
-                                        choice=j)
+            params = completion_params(ctx, req, len(prompt), j)
             requests.append(tr.engine_request(f"{rid}-{len(requests)}", prompt, params, req,
                                               ctx.tokenizer, arrival))
             indices.append(p)
     echo = [ctx.tokenizer.decode(prompts[p]) if req.echo else "" for p in indices]
     generation = await start(ctx.engine, requests, indices, ctx.metrics, ctx.clock,
-                             ctx.kv_offload)
+                             ctx.kv_offload, prepare)
     return Started(rid, req.model or ctx.config.served_model_name, generation, echo,
-                   int(time.time()))
+                   int(time.time()), prompts[0])
 
 
-async def start_chat(ctx: ServingContext, req: ChatCompletionRequest) -> Started:
+async def start_chat(ctx: ServingContext, req: ChatCompletionRequest,
+                     prepare: Prepare | None = None) -> Started:
     tr.check_common_limits(req, ctx.config)
-    num_logprobs = tr.chat_num_logprobs(req, ctx.config)
     prompt = tr.chat_prompt(req.messages, ctx.tokenizer)
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None \
-        else req.max_tokens
-    max_tokens = tr.resolve_max_tokens(requested, None, len(prompt), ctx.engine.max_model_len)
     rid, arrival = tr.new_id("chatcmpl"), ctx.clock()
-    requests = [
-        tr.engine_request(f"{rid}-{j}", prompt, tr.sampling_params(
-            req, max_tokens=max_tokens, num_logprobs=num_logprobs, choice=j),
-            req, ctx.tokenizer, arrival)
-        for j in range(req.n)
-    ]
+    num_public = tr.public_prefix_tokens(req, prompt, ctx.tokenizer)
+    requests = [tr.engine_request(f"{rid}-{j}", prompt, chat_params(ctx, req, len(prompt), j),
+                                  req, ctx.tokenizer, arrival, num_public)
+                for j in range(req.n)]
     generation = await start(ctx.engine, requests, [0] * req.n, ctx.metrics, ctx.clock,
-                             ctx.kv_offload)
+                             ctx.kv_offload, prepare)
     return Started(rid, req.model or ctx.config.served_model_name, generation,
-                   [""] * req.n, int(time.time()))
+                   [""] * req.n, int(time.time()), prompt)
 
 
-async def _collect(started: Started) -> list[ChoiceState]:
+async def _collect(ctx: ServingContext, started: Started) -> list[ChoiceState]:
     async for i, output in started.generation.outputs():
         started.generation.choices[i].update(output)
+    error = failure(ctx, started.generation.choices)
+    if error is not None:
+        raise error
     return started.generation.choices
+
+
+def failure(ctx: ServingContext, choices: list[ChoiceState]) -> StrataError | None:
+    """The error a generation ended with, if a choice finished with "error"."""
+    if not any(c.finish_reason == FinishReason.ERROR for c in choices):
+        return None
+    if ctx.engine.dead_reason is not None:
+        return EngineDeadError(ctx.engine.dead_reason)
+    return RequestFailedError("the model failed while generating this request; it failed "
+                              "alone and the instance goes on")
+
+
+def _error_frame(ctx: ServingContext, choices: list[ChoiceState]) -> bytes:
+    error = failure(ctx, choices)
+    return b"" if error is None else encode_event(map_exception(error).payload())
 
 
 async def completion_response(ctx: ServingContext, started: Started,
                               with_logprobs: bool) -> CompletionResponse:
-    choices = await _collect(started)
+    choices = await _collect(ctx, started)
     out = []
     for c in choices:
         echo = started.echo_texts[c.index]
@@ -129,7 +175,7 @@ async def completion_response(ctx: ServingContext, started: Started,
 
 async def chat_response(ctx: ServingContext, started: Started,
                         with_logprobs: bool) -> ChatCompletionResponse:
-    choices = await _collect(started)
+    choices = await _collect(ctx, started)
     out = []
     for c in choices:
         lps = ChatLogprobs(content=tr.chat_logprobs(c.logprobs, ctx.tokenizer)) \
@@ -143,10 +189,11 @@ async def chat_response(ctx: ServingContext, started: Started,
 
 
 async def completion_stream(ctx: ServingContext, started: Started, with_logprobs: bool,
-                            include_usage: bool) -> AsyncGenerator[bytes, None]:
+                            include_usage: bool,
+                            marks: Marks | None = None) -> AsyncGenerator[bytes, None]:
     """SSE frames of a streamed completion; the echo rides on each choice's first chunk."""
     choices = started.generation.choices
-    offsets = [len(e) for e in started.echo_texts]
+    offsets = started.offsets or [len(e) for e in started.echo_texts]
 
     def chunk(items: list[CompletionChoice]) -> bytes:
         return encode_event(CompletionStreamResponse(
@@ -160,10 +207,15 @@ async def completion_stream(ctx: ServingContext, started: Started, with_logprobs
         if with_logprobs:
             lps = tr.completion_logprobs(output.new_logprobs, ctx.tokenizer, offsets[i])
             offsets[i] += sum(len(t) for t in lps.tokens)
+        frame = b""
         if echo or output.new_text or output.finished or lps is not None:
-            yield chunk([CompletionChoice(index=i, text=echo + output.new_text, logprobs=lps,
-                                          finish_reason=_reason(output),
-                                          stop_reason=output.stop_reason)])
+            frame = chunk([CompletionChoice(index=i, text=echo + output.new_text, logprobs=lps,
+                                            finish_reason=_reason(output),
+                                            stop_reason=output.stop_reason)])
+        if frame := marks.on(output, frame) if marks is not None else frame:
+            yield frame
+    if error_frame := _error_frame(ctx, choices):
+        yield error_frame
     if include_usage:
         yield encode_event(CompletionStreamResponse(
             id=started.id, created=started.created, model=started.model, choices=[],
@@ -172,7 +224,8 @@ async def completion_stream(ctx: ServingContext, started: Started, with_logprobs
 
 
 async def chat_stream(ctx: ServingContext, started: Started, with_logprobs: bool,
-                      include_usage: bool) -> AsyncGenerator[bytes, None]:
+                      include_usage: bool,
+                      marks: Marks | None = None) -> AsyncGenerator[bytes, None]:
     """SSE frames of a streamed chat completion: a role chunk per choice, deltas, finish."""
     choices = started.generation.choices
 
@@ -181,17 +234,23 @@ async def chat_stream(ctx: ServingContext, started: Started, with_logprobs: bool
             id=started.id, created=started.created, model=started.model, choices=items,
             system_fingerprint=ctx.fingerprint))
 
-    for c in choices:
-        yield chunk([ChatStreamChoice(index=c.index,
-                                      delta=DeltaMessage(role="assistant", content=""))])
+    for c in choices if not started.is_resumed else []:
+        role = chunk([ChatStreamChoice(index=c.index,
+                                       delta=DeltaMessage(role="assistant", content=""))])
+        yield marks.first_frame(role) if marks is not None else role
     async for i, output in started.generation.outputs():
         choices[i].update(output)
         lps = ChatLogprobs(content=tr.chat_logprobs(output.new_logprobs, ctx.tokenizer)) \
             if with_logprobs else None
+        frame = b""
         if output.new_text or output.finished or lps is not None:
             delta = DeltaMessage(content=output.new_text or None)
-            yield chunk([ChatStreamChoice(index=i, delta=delta, logprobs=lps,
-                                          finish_reason=_reason(output))])
+            frame = chunk([ChatStreamChoice(index=i, delta=delta, logprobs=lps,
+                                            finish_reason=_reason(output))])
+        if frame := marks.on(output, frame) if marks is not None else frame:
+            yield frame
+    if error_frame := _error_frame(ctx, choices):
+        yield error_frame
     if include_usage:
         yield encode_event(ChatCompletionStreamResponse(
             id=started.id, created=started.created, model=started.model, choices=[],
@@ -205,5 +264,6 @@ def _reason(output: RequestOutput) -> str | None:
     return output.finish_reason.value
 
 
-__all__ = ["ServingContext", "Started", "chat_response", "chat_stream", "completion_response",
-           "completion_stream", "start_chat", "start_completion"]
+__all__ = ["ServingContext", "Started", "chat_params", "chat_response", "chat_stream",
+           "completion_params", "completion_response", "completion_stream", "start_chat",
+           "start_completion"]

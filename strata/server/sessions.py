@@ -31,7 +31,6 @@ another tenant's session is a 404 exactly like an unknown one.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from strata.errors import (
     ContextLengthError,
     InvalidRequestError,
 )
+from strata.protocol.auth import tenant_of_key
 from strata.protocol.openai import ChatCompletionRequest, ChatMessage
 from strata.protocol.sse import DONE_FRAME, encode_event
 from strata.server import translate as tr
@@ -94,7 +94,13 @@ def tenant_of(request: Request, config: ServerConfig) -> str:
     if not config.api_keys:
         return ANONYMOUS
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    return hashlib.sha256(key.strip().encode()).hexdigest()[:32]
+    return tenant_of_key(key.strip())
+
+
+def cache_tenant(request: Request, config: ServerConfig) -> str | None:
+    """The tenant whose cache namespace a request uses; None on a server without client keys
+    (one tenant: the namespace is the request's own `cache_salt` alone)."""
+    return tenant_of(request, config) if config.api_keys else None
 
 
 def session_id_of(request: Request, body: bytes) -> str | None:

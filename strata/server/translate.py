@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from typing import Protocol
+from itertools import takewhile
+from typing import Protocol, TypeVar
 
-from strata.engine.request import Logprob, Request, SamplingParams
+from strata.engine.request import INT64_MAX, INT64_MIN, Logprob, Request, SamplingParams
 from strata.errors import InvalidRequestError
 from strata.protocol.openai import (
     ChatCompletionRequest,
@@ -20,6 +21,7 @@ from strata.protocol.openai import (
     CompletionLogprobs,
     CompletionRequest,
 )
+from strata.protocol.priority import effective_priority
 from strata.server.config import ServerConfig
 from strata.types import RequestId
 
@@ -123,7 +125,7 @@ def resolve_max_tokens(requested: int | None, default: int | None, num_prompt: i
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
                     num_logprobs: int | None, choice: int) -> SamplingParams:
     """SamplingParams validates the ranges itself (InvalidRequestError naming the param)."""
-    seed = None if req.seed is None else req.seed + choice  # choices differ, runs reproduce
+    seed = None if req.seed is None else _choice_seed(req.seed, choice)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -139,12 +141,51 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
     )
 
 
+def _choice_seed(seed: int, choice: int) -> int:
+    """seed + choice (choices differ, runs reproduce), wrapped to stay an int64."""
+    if not INT64_MIN <= seed <= INT64_MAX:
+        raise _fail("seed", f"must be a 64-bit signed integer (-2**63 .. 2**63-1), got {seed}")
+    return (seed + choice - INT64_MIN) % (1 << 64) + INT64_MIN
+
+
 def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
                    req: CompletionRequest | ChatCompletionRequest,
-                   tokenizer: ServerTokenizer, arrival_s: float) -> Request:
+                   tokenizer: ServerTokenizer, arrival_s: float,
+                   num_public_tokens: int = 0) -> Request:
     return Request(request_id=RequestId(request_id), prompt_token_ids=prompt,
                    sampling_params=params, eos_token_ids=tuple(tokenizer.eos_token_ids),
-                   arrival_time=arrival_s, priority=req.priority, cache_salt=req.cache_salt or "")
+                   arrival_time=arrival_s, priority=effective_priority(None, req.priority, None),
+                   cache_salt=req.cache_salt or "", num_public_tokens=num_public_tokens)
+
+
+R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
+
+
+def tenant_scoped(req: R, tenant: str | None) -> R:
+    """The request with its tenant in `cache_salt` (None: a server without keys, one tenant), so
+    that no tenant's prompt is ever served from, or probed through, another's KV blocks."""
+    if tenant is None:
+        return req
+    return req.model_copy(update={"cache_salt": f"{tenant}:{req.cache_salt or ''}"})
+
+
+def public_prefix_tokens(req: ChatCompletionRequest, prompt: list[int],
+                         tokenizer: ServerTokenizer) -> int:
+    """With `share_system_prompt`, how many leading tokens of `prompt` are the leading system
+    (or developer) messages: their full blocks are cached for every tenant to share."""
+    lead = list(takewhile(lambda m: m.role in ("system", "developer"), req.messages))
+    if not req.share_system_prompt or not lead:
+        return 0
+    try:
+        public = chat_prompt(lead, tokenizer, add_generation_prompt=False)
+    except Exception:  # a template that refuses a conversation of system messages only
+        return 0
+    num = 0
+    for a, b in zip(public, prompt, strict=False):
+        if a != b:
+            break
+        num += 1
+    return num
 
 
 def completion_logprobs(logprobs: list[Logprob], tokenizer: ServerTokenizer,
@@ -191,5 +232,7 @@ __all__ = [
     "engine_request",
     "new_id",
     "resolve_max_tokens",
+    "public_prefix_tokens",
     "sampling_params",
+    "tenant_scoped",
 ]

@@ -1,5 +1,6 @@
 """`SimulatedExecutor`: a `ModelExecutor` that sleeps for the modelled step time and returns
-deterministic pseudo-random tokens. No torch: 64 of these fit on one machine.
+deterministic pseudo-random tokens. No torch: 64 of these fit on one machine. For a hand-off it
+exports and imports stand-ins of KV blocks (strata/sim/transfer.py).
 
 A sequence of the step is *decode* when it computes exactly one token past its prompt; every
 other sequence is *prefill* and all its scheduled tokens count (tokens served by the prefix cache
@@ -17,6 +18,9 @@ from dataclasses import dataclass
 from strata.engine.executor import ModelInput, ModelOutput, SampledToken, ScheduledSequence
 from strata.engine.request import Logprob
 from strata.sim.profile import LatencyProfile
+from strata.sim.transfer import DEFAULT_BANDWIDTH_GBPS, modeled_bytes, stand_in, transfer_s
+
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +54,11 @@ class SimulatedExecutor:
 
     def __init__(self, profile: LatencyProfile, vocab_size: int, *,
                  sleep: Callable[[float], None] = time.sleep, seed: int = 0,
-                 token_ids: Sequence[int] | None = None) -> None:
+                 token_ids: Sequence[int] | None = None,
+                 kv_bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS) -> None:
         self.profile = profile
+        self.kv_bandwidth_gbps = kv_bandwidth_gbps
+        self.block_size = 0
         self.vocab_size = vocab_size
         self.sleep = sleep
         self.seed = seed
@@ -63,13 +70,36 @@ class SimulatedExecutor:
         return self.profile.kv_bytes_per_token or 1
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        pass  # the block tables are the engine's; there is no tensor to hold
+        self.block_size = block_size  # the block tables are the engine's: no tensor to hold
+
+    # --- the prefill/decode hand-off: stand-ins for KV blocks (strata/sim/transfer.py) -------
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv_bytes_per_token() * self.block_size
+
+    def kv_layout(self) -> dict[str, object]:
+        return {"dtype": "simulated", "kv_bytes_per_token": self.kv_bytes_per_token(),
+                "parallel": "tp1-pp1", "codec_format": "simulated-1"}
+
+    def export_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Stand-ins, after the time their modeled bytes take over the modeled link (this runs
+        off the engine thread: the stream waits, not the engine)."""
+        self.sleep(transfer_s(self.block_bytes * len(block_ids), self.kv_bandwidth_gbps))
+        return [stand_in(self.block_bytes) for _ in block_ids]
+
+    def import_blocks(self, block_ids: list[int], payloads: list[bytes]) -> int:
+        for i, payload in enumerate(payloads):
+            if modeled_bytes(payload) != self.block_bytes:
+                return i  # not a stand-in of this profile's blocks: recomputed
+        return len(payloads)
 
     def execute(self, model_input: ModelInput) -> ModelOutput:
         shape = step_shape(model_input)
         duration_s = self.profile.step_time_s(shape.num_prefill_tokens, shape.num_decode_seqs,
                                               shape.num_context_tokens)
         self.num_steps += 1
+        self.profile.faults.check(self.num_steps, model_input)
         self.busy_s += duration_s
         if duration_s > 0:
             self.sleep(duration_s)
@@ -88,8 +118,8 @@ class SimulatedExecutor:
         params = seq.sampling_params
         h = hashlib.blake2b(struct.pack("<qq", self.seed, len(seq.output_token_ids)),
                             digest_size=16)
-        if params.seed is not None:
-            h.update(b"s" + struct.pack("<q", params.seed))
+        if params.seed is not None:  # as "<q" for an int64; any int hashes (mod 2**64)
+            h.update(b"s" + struct.pack("<Q", params.seed & _MASK64))
         elif params.is_greedy:
             h.update(b"g" + struct.pack(f"<{len(seq.prompt_token_ids)}q", *seq.prompt_token_ids))
         else:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from strata.errors import ConfigError
+from strata.sim.faults import SimFaults
 
 PROFILE_FORMAT = 1
 
@@ -47,6 +48,7 @@ class LatencyProfile:
     decode_ms_per_context_token: float = 0.0
     kv_bytes_per_token: int = 0  # of the real model, so --kv-cache-gb means the same
     points: tuple[ProfilePoint, ...] = field(default=(), compare=False)
+    faults: SimFaults = SimFaults()  # injected faults (sim/faults.py); none unless the JSON says
 
     def __post_init__(self) -> None:
         for name in ("prefill_ms_base", "prefill_ms_per_token", "decode_ms_base",
@@ -74,6 +76,8 @@ class LatencyProfile:
     def to_json(self) -> str:
         data: dict[str, Any] = {"format": PROFILE_FORMAT, **asdict(self)}
         data["points"] = [asdict(p) for p in self.points]
+        if self.faults.is_none:
+            del data["faults"]
         return json.dumps(data, indent=2) + "\n"
 
     @classmethod
@@ -83,6 +87,7 @@ class LatencyProfile:
             if data.pop("format", None) != PROFILE_FORMAT:
                 raise ValueError(f"format must be {PROFILE_FORMAT}")
             data["points"] = tuple(ProfilePoint(**p) for p in data.get("points", ()))
+            data["faults"] = SimFaults(**data.get("faults", {}))
             return cls(**data)
         except (ValueError, TypeError, AttributeError) as e:
             raise ConfigError(f"{source}: not a valid latency profile: {e}") from None

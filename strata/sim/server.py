@@ -18,6 +18,7 @@ from strata.server.async_engine import AsyncEngine
 from strata.sim.executor import SimulatedExecutor
 from strata.sim.profile import LatencyProfile
 from strata.sim.tokenizer import build_sim_tokenizer, word_token_ids
+from strata.sim.transfer import DEFAULT_BANDWIDTH_GBPS
 
 DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_KV_BYTES_PER_TOKEN = 23040  # SmolLM2-135M in bfloat16: 30 layers x 2 x 3 heads x 64 x 2
@@ -43,20 +44,24 @@ def build_simulated_engine(
     block_size: int = 16, max_model_len: int = DEFAULT_MAX_MODEL_LEN,
     max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
     max_waiting: int = 1024, namespace: str = "", seed: int = 0,
-    sleep: Callable[[float], None] = time.sleep,
+    sleep: Callable[[float], None] = time.sleep, max_queue_wait_s: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    kv_bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS,
 ) -> SimulatedEngineParts:
-    """A real `Engine` whose executor sleeps for the profile's step times."""
+    """A real `Engine` whose executor sleeps for the profile's step times (and for a hand-off's
+    transfer at `kv_bandwidth_gbps`)."""
     tokenizer = build_sim_tokenizer()
     executor = SimulatedExecutor(profile, tokenizer.vocab_size, sleep=sleep, seed=seed,
-                                 token_ids=word_token_ids(tokenizer))
+                                 token_ids=word_token_ids(tokenizer),
+                                 kv_bandwidth_gbps=kv_bandwidth_gbps)
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len, max_waiting=max_waiting)
+        max_model_len=max_model_len, max_waiting=max_waiting, max_queue_wait_s=max_queue_wait_s)
     cache_config = CacheConfig(block_size=block_size, num_blocks=kv_blocks,
                                enable_prefix_caching=enable_prefix_caching,
                                namespace=namespace or f"{profile.model}@simulated")
     engine = Engine(executor, cache_config, scheduler_config, tokenizer,
-                    vocab_size=tokenizer.vocab_size)
+                    vocab_size=tokenizer.vocab_size, clock=clock)
     return SimulatedEngineParts(engine, executor, tokenizer)
 
 

@@ -12,16 +12,14 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from strata.errors import ConfigError, ModelLoadError
+from strata.progress import Progress, progress
 from strata.store.manifest import (
     MANIFEST_NAME,
     VERIFIED_MARKER,
@@ -210,6 +208,5 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _bar(total: int, desc: str, enabled: bool) -> Any:
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr,
-                disable=not enabled, leave=False)
+def _bar(total: int, desc: str, enabled: bool) -> Progress:
+    return progress(total, desc, unit="B", enabled=enabled)

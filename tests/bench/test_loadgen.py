@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import logging
 import math
 from typing import Any
 
@@ -208,3 +210,15 @@ def test_multi_turn_resends_the_history_and_skips_a_session_after_a_failure() ->
     assert server.bodies[1]["messages"][1] == {"role": "assistant", "content": "w w "}
     assert (report["num_completed"], report["num_failures"]) == (3, 3)
     assert report["errors"]["not sent: an earlier turn of its session failed"] == 2
+
+
+def test_a_run_reports_requests_done_of_total(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="strata.progress")
+    config = BenchConfig(url="http://fake", num_requests=3, input_len=2, output_len=1,
+                         concurrency=1, show_progress=True)
+    _run(config, FakeServer(fail={2}))  # a failed request is done too
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and messages[0].startswith("requests: done, 3/3 req (100%) in ")
+    caplog.clear()
+    _run(dataclasses.replace(config, show_progress=False), FakeServer())
+    assert caplog.records == []

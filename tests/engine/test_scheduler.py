@@ -71,10 +71,11 @@ def test_max_num_seqs_caps_the_running_set() -> None:
 
 
 def test_priority_then_fcfs_admission() -> None:
+    """Higher priority first (the API's polarity, strata.types.PriorityClass), FCFS within."""
     sched = make_scheduler(max_num_seqs=4)
-    sched.add(make_request(prompt_of(2), request_id="late-low", priority=5))
+    sched.add(make_request(prompt_of(2), request_id="late-low", priority=-5))
     sched.add(make_request(prompt_of(2), request_id="first"))
-    sched.add(make_request(prompt_of(2), request_id="urgent", priority=-1))
+    sched.add(make_request(prompt_of(2), request_id="urgent", priority=1))
     sched.add(make_request(prompt_of(2), request_id="second"))
     assert [r for r, _ in counts(sched.schedule())] == ["urgent", "first", "second", "late-low"]
 

@@ -189,3 +189,28 @@ def test_an_unexpected_transport_error_is_the_instance_failing_not_a_500() -> No
     assert _metric(gateway, "strata:gateway_retries_total") == 1.0
     only_a, _ = call(Upstreams(a=closed), [view("a")], [("POST", "/v1/completions", {"m": 1})])
     assert only_a[0].status_code == 502 and "RuntimeError" in only_a[0].json()["error"]["message"]
+
+
+def test_an_odd_error_of_a_connection_reset_as_it_opens_is_retried_never_a_500() -> None:
+    """anyio asks a socket the peer already reset for its name: AttributeError, not an
+    httpx error (seen under the chaos suite's resets)."""
+
+    def reset(request: httpx.Request) -> httpx.Response:
+        raise AttributeError("'NoneType' object has no attribute 'getpeername'")
+
+    upstreams = Upstreams(a=reset, b=completion)
+    responses, gateway = call(upstreams, [view("a"), view("b")],
+                              [("POST", "/v1/completions", {"model": "m"})])
+    assert responses[0].status_code == 200
+    assert responses[0].headers["x-strata-instance"] == "b"
+    assert gateway.source.instances.get("a").consecutive_failures == 1  # type: ignore[union-attr]
+
+    async def probe() -> bool:
+        await gateway.health.check_once()
+        return gateway.source.instances.get("a").is_healthy  # type: ignore[union-attr]
+
+    health_app = create_gateway_app(CONFIG, FixedSource(view("a")),
+                                    transport=Upstreams(a=reset).transport(),
+                                    run_background=False)
+    gateway = health_app.state.gateway
+    assert asyncio.run(probe()) is False

@@ -43,6 +43,54 @@ def test_registry_source_mirrors_records_and_keeps_the_gateways_own_state() -> N
     asyncio.run(story())
 
 
+class FlakyRegistry:
+    """A registry whose reads fail while `is_down`."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.is_down = False
+
+    async def list_instances(self) -> list[InstanceRecord]:
+        if self.is_down:
+            raise ConnectionError("registry unreachable")
+        return await self.inner.list_instances()  # type: ignore[attr-defined,no-any-return]
+
+
+def test_after_a_registry_outage_stale_heartbeats_of_healthy_instances_are_forgiven() -> None:
+    clock = FakeClock()
+    registry = create_registry("memory://", ttl_s=5.0, clock=clock)
+    flaky = FlakyRegistry(registry)
+    source = RegistrySource(flaky, InstanceSet(), outage_grace_s=10.0, clock=clock)
+
+    async def story() -> None:
+        for name in ("up", "gone"):
+            await registry.register(InstanceRecord(name, f"http://{name}", "m",
+                                                   state=InstanceState.READY))
+        await source.refresh()
+        up, gone = source.instances.get("up"), source.instances.get("gone")
+        assert up is not None and gone is not None
+        flaky.is_down = True
+        clock.advance(10.0)  # ten seconds without the registry: the views stay as they were
+        await source.refresh()
+        assert up.is_routable and gone.is_routable
+        gone.is_healthy = False  # the gateway's health checks found it dead meanwhile
+        flaky.is_down = False
+        await source.refresh()  # every heartbeat is stale at once
+        assert (up.state, gone.state) == ("ready", "dead")
+        clock.advance(9.0)
+        await source.refresh()
+        assert up.state == "ready"
+        clock.advance(2.0)  # the grace is over: a heartbeat that did not resume counts
+        await source.refresh()
+        assert up.state == "dead"
+        await registry.heartbeat("up")
+        await source.refresh()
+        assert up.state == "ready"
+        await registry.close()
+
+    asyncio.run(story())
+
+
 def test_static_source_learns_models_and_load_and_waits_for_silent_instances() -> None:
     load = {"num_running": 1, "num_waiting": 2, "kv_usage": 0.5, "num_in_flight": 3,
             "draining": False}

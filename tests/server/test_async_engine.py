@@ -8,6 +8,7 @@ import threading
 import pytest
 from engine_fakes import make_engine, make_request, prompt_of, reference_tokens
 
+from strata.bench.procs import wait_until
 from strata.engine.executor import ModelInput, ModelOutput
 from strata.errors import EngineDeadError, InvalidRequestError
 from strata.server.async_engine import AsyncEngine
@@ -113,12 +114,14 @@ def test_a_failing_step_ends_every_request_with_error_and_kills_the_engine() -> 
 
     def execute(model_input: ModelInput) -> ModelOutput:
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] >= 3:  # from then on: one failing step of one request is survived
             raise Boom("the GPU fell off")
         return real_execute(model_input)
 
     executor.execute = execute  # type: ignore[method-assign]
     async_engine = AsyncEngine(engine, max_model_len=256)
+    deaths: list[str] = []
+    async_engine.on_death(deaths.append)
     async_engine.start()
 
     tokens: dict[int, list[int]] = {3: [], 4: []}
@@ -141,3 +144,40 @@ def test_a_failing_step_ends_every_request_with_error_and_kills_the_engine() -> 
     for n, streamed in tokens.items():  # what streamed before the failure was right, and short
         assert streamed == reference_tokens(prompt_of(n), 50)[:len(streamed)] and \
             len(streamed) < 50
+    # the hook `strata serve` exits by runs on the engine thread right after the streams ended
+    wait_until(lambda: bool(deaths), 5, "the death hook")
+    assert deaths == ["Boom: the GPU fell off"]
+
+
+def test_a_request_the_executor_cannot_run_fails_alone_and_the_engine_lives() -> None:
+    engine, executor = make_engine()
+    real_execute = executor.execute
+
+    def execute(model_input: ModelInput) -> ModelOutput:
+        if any(s.request_id == "poison" for s in model_input.sequences):
+            raise Boom("cannot run poison")
+        return real_execute(model_input)
+
+    executor.execute = execute  # type: ignore[method-assign]
+    async_engine = AsyncEngine(engine, max_model_len=256)
+    deaths: list[str] = []
+    async_engine.on_death(deaths.append)
+    async_engine.start()
+
+    async def run(request_id: str | None) -> tuple[str | None, list[int]]:
+        reason, tokens = None, []
+        request = make_request(prompt_of(5), 12, request_id=request_id)
+        async for out in async_engine.generate(request):
+            reason = out.finish_reason.value if out.finish_reason else None
+            tokens += out.new_token_ids
+        return reason, tokens
+
+    async def story() -> list[tuple[str | None, list[int]]]:
+        results = list(await asyncio.gather(run("poison"), run(None), run(None)))
+        await async_engine.shutdown(timeout_s=5)
+        return results
+
+    assert asyncio.run(story()) == [("error", []),
+                                    ("length", reference_tokens(prompt_of(5), 12)),
+                                    ("length", reference_tokens(prompt_of(5), 12))]
+    assert deaths == [] and async_engine.dead_reason is None

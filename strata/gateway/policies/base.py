@@ -43,6 +43,7 @@ class RouteRequest:
     is_stream: bool = False
     num_tokens: int = 0  # estimate: prompt bytes / 4 + max_tokens
     prefix: PrefixKeys | None = None  # the prompt's keys per candidate (cache_aware only)
+    priority: int = 0  # higher = more important (strata/protocol/priority.py), key-clamped
 
 
 class RoutingPolicy(Protocol):

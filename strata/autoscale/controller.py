@@ -1,0 +1,152 @@
+"""The autoscaler's controller: one decision per interval, written as desired state.
+
+    round   take or renew the lease `autoscaler:{model}` in the registry (leases.py); without it,
+            do nothing (another autoscaler leads: two can never fight); read the deployment of
+            the model's live version; read the signals; ask the law; write the deployment's
+            `replicas` with one compare-and-set when the law changes it. The launchers (local
+            supervisor, Ray) reconcile deployments toward it and drain what they remove.
+    skip    no live version or no deployment yet, or a release of the model in progress (the
+            release controller owns the replicas until it is done)
+
+Every decision is logged (changes at INFO, holds at DEBUG) and counted by direction and reason;
+`metrics()` exposes desired and ready replicas, the signals and the counts; `status()` feeds the
+dashboard (its AutoscalerSource).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from strata.autoscale.law import HOLD, Decision, LawState, ScalingLaw, Signals
+from strata.errors import ConflictError, StrataError
+from strata.registry import leases
+from strata.registry.leases import LeaseStore
+from strata.registry.models import Deployment, DeploymentState, ModelRegistry
+
+log = logging.getLogger("strata.autoscale")
+SignalReader = Callable[[float, Deployment], Signals]
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """What one round saw and did."""
+
+    at: float  # wall clock
+    deployment: Deployment
+    signals: Signals
+    decision: Decision
+    is_written: bool
+
+
+class Autoscaler:
+    """Sizes the live deployment of `model`; `run()` until cancelled (one per gateway)."""
+
+    def __init__(self, law: ScalingLaw, models: ModelRegistry, *, model: str, owner: str,
+                 read_signals: SignalReader | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        if not isinstance(models, LeaseStore):
+            raise StrataError("the autoscaler needs a registry that keeps leases")
+        self.law = law
+        self.config = law.config
+        self.models = models
+        self.model = model
+        self.owner = owner
+        self.read_signals = read_signals
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.state = LawState()
+        self.is_leader = False
+        self.last: Round | None = None
+        self.num_decisions: dict[tuple[str, str], int] = {}  # (direction, reason) -> count
+        self.skipped = ""  # why the last round did nothing ("" when it decided)
+
+    @property
+    def lease_name(self) -> str:
+        return f"autoscaler:{self.model}"
+
+    async def run(self) -> None:
+        try:
+            while True:
+                try:
+                    await self.round()
+                except (StrataError, OSError) as exc:  # the registry is down: retry next round
+                    log.warning("autoscaler round failed (%s); retrying", exc)
+                await asyncio.sleep(self.config.interval_s)
+        finally:
+            if self.is_leader:
+                await asyncio.shield(leases.release(self.models, self.lease_name, self.owner))
+
+    async def round(self) -> Round | None:
+        if not await self._lead():
+            self._skip("another autoscaler holds the lease")
+            return None
+        deployment, why_not = await self._deployment()
+        if deployment is None:
+            self._skip(why_not)
+            return None
+        if self.read_signals is None:
+            self._skip("no signals attached")
+            return None
+        signals = self.read_signals(self.clock(), deployment)
+        decision = self.law.decide(signals, self.state)
+        is_written = False
+        if decision.desired != deployment.replicas:
+            is_written = await self._write(deployment, decision.desired)
+        self._record(decision, deployment, is_written)
+        self.skipped = ""
+        self.last = Round(self.wall_clock(), deployment, signals, decision, is_written)
+        return self.last
+
+    async def _lead(self) -> bool:
+        lease = await leases.hold(self.models, self.lease_name, self.owner,
+                                  lease_s=self.config.lease_s, now=self.wall_clock())
+        if (lease is not None) != self.is_leader:
+            log.info("autoscaler %s %s the lease of %s", self.owner,
+                     "took" if lease is not None else "lost", self.model)
+        self.is_leader = lease is not None
+        return self.is_leader
+
+    async def _deployment(self) -> tuple[Deployment | None, str]:
+        routing = await self.models.get_routing(self.model)
+        if routing is None or routing.live is None:
+            return None, f"{self.model} has no live version"
+        releases = await self.models.list_releases(self.model)
+        if any(not r.is_terminal for r in releases):
+            return None, f"a release of {self.model} is in progress"
+        for d in await self.models.list_deployments():
+            if (d.name, d.version, d.state) == (self.model, routing.live, DeploymentState.ACTIVE):
+                return d, ""
+        return None, f"{self.model}@{routing.live} has no active deployment"
+
+    async def _write(self, deployment: Deployment, replicas: int) -> bool:
+        try:
+            await self.models.put_deployment(replace(deployment, replicas=replicas),
+                                             expected_revision=deployment.revision)
+        except ConflictError:  # written by someone else since we read it: next round decides
+            return False
+        return True
+
+    def _record(self, decision: Decision, deployment: Deployment, is_written: bool) -> None:
+        key = (decision.direction, decision.reason)
+        self.num_decisions[key] = self.num_decisions.get(key, 0) + 1
+        if decision.direction == HOLD:
+            log.debug("autoscaler: hold %s at %d (%s)", deployment.key, deployment.replicas,
+                      decision.reason)
+            return
+        log.info("autoscaler: %s %s %d -> %d (%s; needed %.2f, correction %.2f)%s",
+                 decision.direction, deployment.key, deployment.replicas, decision.desired,
+                 decision.reason, decision.needed, decision.correction,
+                 "" if is_written else " not written: the deployment changed meanwhile")
+
+    def _skip(self, why: str) -> None:
+        if why != self.skipped:
+            log.info("autoscaler: %s; waiting", why)
+        self.skipped = why
+
+
+__all__ = ["Autoscaler", "Round", "SignalReader"]

@@ -1,0 +1,52 @@
+"""The prefill/decode side of `strata up`: `--prefill N --decode M` instead of `--replicas`, and
+the hand-off flags every instance gets (strata/server/pd_*.py)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from strata.commands.argtypes import positive_float, positive_int
+from strata.errors import ConfigError
+
+PD_SERVE_FLAGS: tuple[tuple[str, Any], ...] = (
+    ("--pd-lease-s", positive_float), ("--fault-config", str),
+    ("--sim-kv-bandwidth-gbps", positive_float),
+)
+
+
+def add_role_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", type=positive_int, default=None, metavar="N",
+                   help="a prefill/decode cluster: N prefill instances (with --decode M)")
+    p.add_argument("--decode", type=positive_int, default=None, metavar="M",
+                   help="... and M decode instances, instead of --replicas")
+
+
+def initial_replicas(args: argparse.Namespace) -> int:
+    """--replicas, else --min-replicas with --autoscale, else 2; 0 only with an autoscaler."""
+    replicas = args.replicas if args.replicas is not None else (
+        args.min_replicas if args.autoscale else 2)
+    if replicas == 0 and not (args.autoscale and args.min_replicas == 0):
+        raise ConfigError("--replicas 0 needs --autoscale --min-replicas 0 (an autoscaler to "
+                          "start the first instance when a request comes)")
+    return int(replicas)
+
+
+def role_split(args: argparse.Namespace, mixed: int) -> tuple[int, int]:
+    """(instances, of which prefill) from --prefill/--decode, else `mixed` (from --replicas)."""
+    if args.prefill is None and args.decode is None:
+        return mixed, 0
+    if args.replicas is not None or args.prefill is None or args.decode is None:
+        raise ConfigError("a prefill/decode cluster takes --prefill N and --decode M (both at "
+                          "least 1) instead of --replicas")
+    if getattr(args, "autoscale", False):
+        raise ConfigError("--autoscale sizes mixed instances; it does not take --prefill/--decode")
+    return args.prefill + args.decode, args.prefill
+
+
+def describe_roles(replicas: int, num_prefill: int) -> str:
+    """" (1 prefill, 2 decode)" for the announcement; "" for mixed instances."""
+    return f" ({num_prefill} prefill, {replicas - num_prefill} decode)" if num_prefill else ""
+
+
+__all__ = ["PD_SERVE_FLAGS", "add_role_flags", "describe_roles", "initial_replicas", "role_split"]

@@ -1,0 +1,29 @@
+"""The instance's OpenAPI document (GET /openapi.json): the OpenAI operations of
+strata/protocol/openapi.py and the instance's own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from strata.protocol.openapi import OPENAI_OPERATIONS, Operation, openapi_document
+from strata.protocol.resume import RESUME_PATH, ResumeRequest
+from strata.server.pd_routes import PD_OPERATIONS
+
+INSTANCE_OPERATIONS: tuple[Operation, ...] = (
+    *OPENAI_OPERATIONS,
+    Operation("GET", "/load", "The load the registry heartbeats carry", access="open"),
+    Operation("POST", "/admin/drain", "Refuse new requests; deregister once idle", status=202,
+              access="admin"),
+    Operation("GET", "/v1/strata/kv-events", "Prefix-cache events for cache-aware gateways"),
+    Operation("GET", "/v1/strata/tokenizer", "The tokenizer, for cache-aware gateways"),
+    *PD_OPERATIONS,
+    Operation("POST", RESUME_PATH, "Go on with a stream another instance began (gateways)",
+              ResumeRequest, streams=True),
+)
+
+
+def instance_openapi() -> dict[str, Any]:
+    return openapi_document("Strata instance", INSTANCE_OPERATIONS)
+
+
+__all__ = ["INSTANCE_OPERATIONS", "instance_openapi"]

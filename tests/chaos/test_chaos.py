@@ -1,0 +1,76 @@
+"""The chaos suite: real processes (`strata up`, `strata serve`, `strata gateway`, redis-server),
+closed-loop multi-turn and streaming load (strata/bench/chaos_load.py), one fault each
+(strata/bench/fault_scenarios.py), every test bounded well under a minute. The long versions,
+and the figures in docs/reliability.md, come from bench/chaos.py.
+
+Each test checks what the fault may cost: no acknowledged session turn is ever lost; where the
+system can hide the fault (a frozen instance, a registry outage) no request fails, and under
+latency and resets between gateway and instances no stream fails; where it cannot (the
+session store or the gateway itself down), requests fail only while the fault lasts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from redis_server import redis_server_binary
+
+from strata.bench import fault_scenarios as scenarios
+from strata.bench.faults import FaultReport, LoadSize, Place, Timing
+
+SIZE = LoadSize(num_conversations=4, num_streams=4, max_tokens=24)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def place(root: Path, with_redis: bool = False) -> Place:
+    return Place(root, dict(os.environ), redis_server_binary() if with_redis else None)
+
+
+def show(report: FaultReport) -> FaultReport:
+    print(report.row(), report.extra, report.errors)
+    assert report.turns_acked > 0 and report.sent > report.failed
+    assert report.turns_lost == 0
+    return report
+
+
+def test_redis_sigkilled_under_multi_turn_load_loses_no_turn(tmp_path: Path) -> None:
+    timing = Timing(before_s=2.0, fault_s=3.0, after_s=3.0)
+    report = show(scenarios.redis_kill(place(tmp_path, True), timing, SIZE))
+    # turns fail while Redis is down, and only then
+    assert report.recovery_s < timing.fault_s + 2.0, report.recovery_s
+
+
+def test_a_registry_down_for_10s_fails_no_request(tmp_path: Path) -> None:
+    timing = Timing(before_s=2.0, fault_s=10.0, after_s=2.0)
+    report = show(scenarios.registry_outage(place(tmp_path, True), timing, SIZE))
+    assert report.failed == 0, report.errors
+    assert report.extra["heartbeats_resumed_s"] < 10.0
+
+
+def test_a_frozen_instance_fails_no_request_and_stalls_no_stream_2s(tmp_path: Path) -> None:
+    timing = Timing(before_s=2.0, fault_s=3.0, after_s=3.0)
+    report = show(scenarios.instance_freeze(place(tmp_path), timing, SIZE))
+    assert report.failed == 0, report.errors
+    assert report.max_stream_gap_s < 2.0
+
+
+def test_latency_and_resets_between_gateway_and_instances_fail_no_request(
+        tmp_path: Path) -> None:
+    timing = Timing(before_s=2.0, fault_s=6.0, after_s=2.0)
+    report = show(scenarios.network_faults(place(tmp_path), timing, SIZE))
+    assert report.extra["connections_reset"] > 0
+    # no stream fails: a reset is resumed or retried. A non-streamed session turn is not
+    # idempotent (docs/reliability.md): its answer lost to a reset after it was stored, it is
+    # sent again and may meet its own stored copy (409): rare, and never a lost turn
+    failed = report.extra["failed_by_kind"]
+    assert not [kind for kind in failed if "streamed" in kind], report.errors
+    assert sum(failed.values()) <= report.sent // 20, report.errors
+
+
+def test_a_gateway_sigkilled_under_load_is_back_within_seconds(tmp_path: Path) -> None:
+    timing = Timing(before_s=2.0, fault_s=0.5, after_s=5.0)
+    report = show(scenarios.gateway_restart(place(tmp_path), timing, SIZE))
+    assert report.recovery_s < 5.0, report.recovery_s

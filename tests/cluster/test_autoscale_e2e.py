@@ -1,0 +1,86 @@
+"""`strata up --autoscale` end to end: real processes (supervisor, gateway with the autoscaler,
+simulated instances that take 2 s to start), an open-loop load that steps up and back down.
+The fleet goes 1 -> 3 -> 1 and not one request fails."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from cluster_process import start_cluster
+
+from strata.sim.profile import LatencyProfile
+
+MODEL = "sim-model"
+# 8 running slots; a 20-token answer takes about 0.5 s: one instance serves about 16 requests/s
+PROFILE = LatencyProfile(model=MODEL, source="synthetic", prefill_ms_base=1.0,
+                         prefill_ms_per_token=0.05, decode_ms_base=20.0, decode_ms_per_seq=0.5)
+PHASES = ((10.0, 4.0), (35.0, 36.0), (45.0, 4.0))  # (seconds, requests/s)
+
+
+async def drive(url: str) -> tuple[list[int], list[tuple[float, int]]]:
+    """Send the phases' load (open loop); returns every status and (time, desired replicas)."""
+    statuses: list[int] = []
+    desired: list[tuple[float, int]] = []
+    async with httpx.AsyncClient(base_url=url, timeout=60,
+                                 limits=httpx.Limits(max_connections=200)) as client:
+
+        async def one() -> None:
+            try:
+                answer = await client.post("/v1/completions", json={
+                    "model": MODEL, "prompt": "the world of", "max_tokens": 20,
+                    "ignore_eos": True})
+                statuses.append(answer.status_code)
+            except httpx.HTTPError:
+                statuses.append(0)
+
+        async def watch(until: float) -> None:
+            while time.monotonic() < until:
+                text = (await client.get("/metrics")).text
+                found = re.search(r"^strata:autoscaler_desired_replicas (\S+)$", text, re.M)
+                if found:
+                    desired.append((time.monotonic(), int(float(found.group(1)))))
+                await asyncio.sleep(0.5)
+
+        started = time.monotonic()
+        watcher = asyncio.create_task(watch(started + sum(s for s, _ in PHASES) + 5))
+        tasks: list[asyncio.Task[None]] = []
+        at = started
+        for seconds, rate in PHASES:
+            end = at + seconds
+            while at < end:
+                await asyncio.sleep(max(0.0, at - time.monotonic()))
+                tasks.append(asyncio.create_task(one()))
+                at += 1.0 / rate
+        await asyncio.gather(*tasks)
+        await watcher
+    return statuses, desired
+
+
+@pytest.mark.timeout(400)
+def test_the_fleet_grows_and_shrinks_with_a_load_step_and_loses_no_request(
+        tmp_path: Path) -> None:
+    PROFILE.save(tmp_path / "profile.json")
+    cluster = start_cluster([
+        "--simulate", str(tmp_path / "profile.json"), "--served-model-name", MODEL,
+        "--max-num-seqs", "8", "--sim-start-s", "2", "--autoscale",
+        "--min-replicas", "1", "--max-replicas", "3", "--autoscale-profile",
+        str(tmp_path / "profile.json"), "--autoscale-prompt-tokens", "10",
+        "--autoscale-output-tokens", "20", "--autoscale-window-s", "5",
+        "--scale-down-dwell-s", "5", "--scale-down-after-up-s", "10"], tmp_path, replicas=1)
+    try:
+        statuses, desired = asyncio.run(drive(cluster.url))
+        counts = [n for _, n in desired]
+        assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in statuses}
+        assert counts[0] == 1 and max(counts) == 3, counts
+        assert counts[-1] == 1, counts  # back to one once the load fell
+        peak = counts.index(3)
+        assert all(n == 1 for n in counts[:3]) and max(counts[peak:]) == 3
+        ready = [i for i in cluster.instances().values() if i["routable"]]
+        assert len(ready) == 1
+    finally:
+        assert cluster.stop() == 0

@@ -1,0 +1,187 @@
+"""Every kill point of a hand-off, with the killed instance a real `strata serve` process that
+SIGKILLs itself where its fault config says (tests/pd_faults.py names the points), behind a real
+gateway: the client gets the mixed instance's answer, never an error, while nothing had reached
+it; P's blocks go back to its free pool (at once when another D acknowledged them, else within
+the lease + 1 s)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from live_server import wait_until
+from pd_fleet import MODEL, Instance, comparable, mixed, start_gateway, start_instance
+from pd_fleet import stream_mixed as mixed_stream
+from serve_process import ServeProcess, start_serve
+from test_pd_live import LONG, body_of
+
+from strata.gateway.instances import InstanceView
+from strata.gateway.policies import StatelessPolicy, policy_names, register_policy
+from strata.gateway.policies.base import RouteRequest
+from strata.model.loader import LoadedModel
+
+CHAT = "/v1/chat/completions"
+
+
+class FirstCandidate(StatelessPolicy):
+    """Always the first candidate by id: the instance named to die is tried first."""
+
+    name = "first_candidate"
+
+    def choose(self, request: RouteRequest, candidates: Sequence[InstanceView]) -> InstanceView:
+        return candidates[0]
+
+
+if "first_candidate" not in policy_names():
+    register_policy("first_candidate", lambda config, rng: FirstCandidate())
+
+
+def serve(tiny_dir: Path, tmp_path: Path, role: str, **fault: Any) -> ServeProcess:
+    config = tmp_path / f"faults-{role}.json"
+    config.write_text(json.dumps(fault))
+    return start_serve([str(tiny_dir), "--served-model-name", MODEL, "--model-version", "v1",
+                        "--dtype", "float32", "--block-size", "8", "--max-model-len", "256",
+                        "--threads", "1", "--registry", "none", "--role", role,
+                        "--pd-lease-s", "3", "--fault-config", str(config),
+                        "--log-level", "warning"], cache_dir=tmp_path)
+
+
+@pytest.fixture(scope="module")
+def helpers(tiny_model: LoadedModel) -> Iterator[dict[str, Instance]]:
+    """An in-process prefill and decode instance that never fail, and the mixed reference."""
+    instances = {"p": start_instance(tiny_model, lease_s=3),
+                 "d": start_instance(tiny_model), "m": start_instance(tiny_model)}
+    yield instances
+    for instance in instances.values():
+        instance.stop()
+
+
+def died(process: ServeProcess) -> float:
+    """Waits for the process to be SIGKILLed by its fault point; when that was seen."""
+    assert process.proc.wait(timeout=60) == -9
+    return time.monotonic()
+
+
+def events(response: httpx.Response) -> list[dict[str, Any]]:
+    assert response.status_code == 200, response.text
+    return [json.loads(f.removeprefix("data: ")) for f in response.text.split("\n\n")
+            if f.startswith("data: ") and f != "data: [DONE]"]
+
+
+@pytest.mark.parametrize("point", ["decode_before_pull", "decode_during_pull",
+                                   "decode_after_pull"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_decode_instance_killed_around_the_pull_costs_the_client_nothing(
+        tiny_dir: Path, tmp_path: Path, helpers: dict[str, Instance], point: str,
+        stream: bool) -> None:
+    p, d, m = helpers["p"], helpers["d"], helpers["m"]
+    doomed = serve(tiny_dir, tmp_path, "decode", kill_at=point)
+    gateway = start_gateway({"p": (p.url, "prefill"), "d0": (doomed.url, "decode"),
+                             "d1": (d.url, "decode")}, policy="first_candidate")
+    try:
+        body = body_of(LONG, n=len(point) + 100 * stream, temperature=0)
+        if stream:
+            body = {**body, "stream": True}
+            answer = httpx.post(f"{gateway.url}{CHAT}", json=body, timeout=60)
+            assert [comparable(e) for e in events(answer)] == [
+                comparable(e) for e in mixed_stream(m, body)]
+        else:
+            answer = httpx.post(f"{gateway.url}{CHAT}", json=body, timeout=60)
+            assert answer.status_code == 200, answer.text
+            assert comparable(answer.json()) == comparable(mixed(m, body).json())
+        assert answer.headers["x-strata-instance"] == "d1"  # the survivor finished it
+        died(doomed)
+        assert wait_until(lambda: p.num_held_blocks == 0, timeout_s=3 + 1)
+    finally:
+        gateway.stop()
+        doomed.stop()
+
+
+def test_a_decode_instance_killed_mid_stream(tiny_dir: Path, tmp_path: Path,
+                                             helpers: dict[str, Instance]) -> None:
+    p, d, m = helpers["p"], helpers["d"], helpers["m"]
+    doomed = serve(tiny_dir, tmp_path, "decode", kill_at="decode_mid_stream", after=1)
+    gateway = start_gateway({"p": (p.url, "prefill"), "d0": (doomed.url, "decode"),
+                             "d1": (d.url, "decode")}, policy="first_candidate")
+    try:
+        body = body_of(LONG, n=31, temperature=0)
+        # not streamed: nothing reached the client, so the survivor answers it (1st kill point
+        # visit is survived: `after` 1)
+        first = httpx.post(f"{gateway.url}{CHAT}", json=body, timeout=60)
+        assert first.status_code == 200 and first.headers["x-strata-instance"] == "d0"
+        second = body_of(LONG, n=34, temperature=0)
+        again = httpx.post(f"{gateway.url}{CHAT}", json=second, timeout=60)
+        assert again.status_code == 200, again.text
+        assert comparable(again.json()) == comparable(mixed(m, second).json())
+        assert again.headers["x-strata-instance"] == "d1"
+        died(doomed)
+        assert wait_until(lambda: p.num_held_blocks == 0)
+    finally:
+        gateway.stop()
+        doomed.stop()
+
+
+def test_a_stream_cut_after_its_first_frame_ends_with_an_error_event(
+        tiny_dir: Path, tmp_path: Path, helpers: dict[str, Instance]) -> None:
+    p = helpers["p"]
+    doomed = serve(tiny_dir, tmp_path, "decode", kill_at="decode_mid_stream")
+    gateway = start_gateway({"p": (p.url, "prefill"), "d0": (doomed.url, "decode")},
+                            policy="first_candidate")
+    try:
+        body = {**body_of(LONG, n=32, temperature=0), "stream": True}
+        answer = httpx.post(f"{gateway.url}{CHAT}", json=body, timeout=60)
+        assert answer.status_code == 200  # bytes had reached the client (resume: issue 15)
+        assert '"error"' in answer.text and answer.text.endswith("data: [DONE]\n\n")
+        died(doomed)
+        assert wait_until(lambda: p.num_held_blocks == 0)  # acknowledged before the kill
+    finally:
+        gateway.stop()
+        doomed.stop()
+
+
+def test_blocks_of_a_dead_decode_peer_come_back_within_the_lease(
+        tiny_dir: Path, tmp_path: Path, helpers: dict[str, Instance]) -> None:
+    p = helpers["p"]
+    doomed = serve(tiny_dir, tmp_path, "decode", kill_at="decode_after_pull")
+    gateway = start_gateway({"p": (p.url, "prefill"), "d0": (doomed.url, "decode")},
+                            policy="first_candidate")
+    try:
+        body = body_of(LONG, n=33, temperature=0)
+        answer = httpx.post(f"{gateway.url}{CHAT}", json=body, timeout=60)
+        assert answer.status_code == 502  # no decode instance left to finish it
+        dead_at = died(doomed)
+        assert p.num_held_blocks > 0  # pulled, never acknowledged: the lease holds them
+        assert wait_until(lambda: p.num_held_blocks == 0, timeout_s=3 + 1)
+        assert time.monotonic() - dead_at <= 3 + 1
+        assert p.metric("pd_lease_releases_total", reason="expired") >= 1
+    finally:
+        gateway.stop()
+        doomed.stop()
+
+
+@pytest.mark.parametrize("point", ["prefill_before_answer", "prefill_during_pull"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_prefill_instance_killed_costs_the_client_nothing(
+        tiny_dir: Path, tmp_path: Path, helpers: dict[str, Instance], point: str,
+        stream: bool) -> None:
+    d, m = helpers["d"], helpers["m"]
+    doomed = serve(tiny_dir, tmp_path, "prefill", kill_at=point)
+    gateway = start_gateway({"p": (doomed.url, "prefill"), "d": (d.url, "decode")})
+    try:
+        body = {**body_of(LONG, n=len(point) + 7 * stream, temperature=0), "stream": stream}
+        answer = httpx.post(f"{gateway.url}{CHAT}", json=body, timeout=60)
+        if stream:
+            assert [comparable(e) for e in events(answer)] == [
+                comparable(e) for e in mixed_stream(m, body)]
+        else:
+            assert answer.status_code == 200, answer.text
+            assert comparable(answer.json()) == comparable(mixed(m, body).json())
+        died(doomed)
+    finally:
+        gateway.stop()
+        doomed.stop()
