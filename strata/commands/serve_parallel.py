@@ -8,7 +8,7 @@ prepares the model (config, tokenizer; a GGUF is converted into the cache) and e
 its own slices. `--threads` is per rank (default: this host's cores / ranks, at least 1).
 
 A rank that dies is fatal: the engine stops (streams in flight end with an error, other
-requests get 503), the instance deregisters and `strata serve` exits 1, so that its launcher
+requests get 503), the instance deregisters and `strata serve` exits 3, so that its launcher
 (the local supervisor, Ray) restarts the whole instance.
 """
 
