@@ -41,7 +41,7 @@ log = logging.getLogger("strata")
 # modules of strata.commands, one subcommand each (add_parser + run)
 COMMAND_MODULES: tuple[str, ...] = (
     "serve", "gateway", "up", "status", "sessions", "store", "profile", "models", "release",
-    "rollback", "doctor",
+    "rollback", "doctor", "plan",
 )
 
 

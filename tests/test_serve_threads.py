@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from strata.commands.serve_stack import openmp_free_main_thread
+from strata.commands.serve_parallel import openmp_free_main_thread
 
 
 def seen_by_a_new_thread() -> int:

@@ -9,7 +9,8 @@ convert_hf_to_gguf.py does. Nothing is downloaded.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,8 @@ CHATML_TEMPLATE = (
 )
 TINY_VOCAB_SIZE = 300
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "mistral": "MistralForCausalLM"}
+               "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "phi3": "Phi3ForCausalLM"}
 
 
 def make_tiny_tokenizer_json() -> str:
@@ -129,16 +131,25 @@ def write_tiny_gguf(
     omit_keys: Sequence[str] = (),
     omit_tensors: Sequence[str] = (),
     add_bos_token: bool = False,
+    sampling: dict[str, float] | None = None,
+    extra_keys: Mapping[str, str | int | float] | None = None,
+    extra_tensors: Mapping[str, np.ndarray] | None = None,
 ) -> Path:
-    """Convert a tiny llama HF directory to GGUF at `out`, as convert_hf_to_gguf.py does.
+    """Convert a tiny llama HF directory to GGUF at `out`, as convert_hf_to_gguf.py does
+    (Llama-3 rope scaling becomes the `rope_freqs` tensor of per-frequency divisors).
 
-    `omit_keys` / `omit_tensors` (GGUF names) leave metadata or tensors out, to test errors.
+    `omit_keys` / `omit_tensors` (GGUF names) leave metadata or tensors out, `extra_keys` /
+    `extra_tensors` add some (a str, int or float key is written as a string, uint32 or float32),
+    to test errors; `sampling` adds `general.sampling.<key>` float fields (temp, top_p,
+    penalty_repeat).
     """
     cfg = json.loads((hf_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(out, "llama")
     _write_hparams(writer, cfg, hf_dir.name, tensor_type)
     _write_vocab(writer, hf_dir, cfg["vocab_size"])
     writer.add_add_bos_token(add_bos_token)
+    for key, value in (sampling or {}).items():
+        writer.add_float32(f"general.sampling.{key}", value)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
         data = tensor.float().numpy()
@@ -150,6 +161,13 @@ def write_tiny_gguf(
         if gguf_name(name) in omit_tensors:
             continue
         writer.add_tensor(gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    factors = llama3_rope_factors(cfg)
+    if factors is not None and "rope_freqs.weight" not in omit_tensors:
+        writer.add_tensor("rope_freqs.weight", factors)
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, array)
+    for key, value in (extra_keys or {}).items():
+        writer.add_key_value(key, value, _GGUF_TYPES[type(value)])
     for key in omit_keys:
         del writer.kv_data[0][key]
     writer.write_header_to_file()
@@ -157,6 +175,34 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+_GGUF_TYPES = {str: gguf.GGUFValueType.STRING, int: gguf.GGUFValueType.UINT32,
+               float: gguf.GGUFValueType.FLOAT32}
+
+
+def llama3_rope_factors(cfg: Mapping[str, Any]) -> np.ndarray | None:
+    """What convert_hf_to_gguf.py writes as `rope_freqs` for a Llama-3 scaled config: for each
+    frequency, the number llama.cpp divides it by (float32, head_dim / 2 of them)."""
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if rope.get("rope_type") != "llama3":
+        return None
+    theta = cfg.get("rope_theta") or rope["rope_theta"]
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    factor, old_context = rope["factor"], rope["original_max_position_embeddings"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _write_hparams(w: gguf.GGUFWriter, cfg: dict[str, Any], name: str, qtype: Any) -> None:

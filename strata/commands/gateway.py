@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import math
 import signal
 import time
@@ -106,6 +107,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "by another gateway (or this one, restarted)")
     p.add_argument("--release-ready-timeout-s", type=positive_float, default=600.0,
                    help="a release rolls back when its new instances are not ready by then")
+    p.add_argument("--release-propagation-s", type=non_negative_float, default=1.0,
+                   help="after a flip, how long before the old version retires (every gateway "
+                        "re-reads the routing meanwhile; pinned sessions stay on it until then)")
     p.add_argument("--canary-window-s", type=positive_float, default=30.0,
                    help="how long a canary is watched before it is promoted")
     p.add_argument("--canary-min-requests", type=positive_int, default=20)
@@ -184,7 +188,8 @@ def _release_config(args: argparse.Namespace) -> ReleaseConfig:
                          lease_s=args.release_lease_s, canary_window_s=args.canary_window_s,
                          canary_min_requests=args.canary_min_requests,
                          canary_max_error_rate=args.canary_max_error_rate,
-                         canary_max_ttft_p99_ratio=args.canary_max_ttft_ratio)
+                         canary_max_ttft_p99_ratio=args.canary_max_ttft_ratio,
+                         propagation_s=args.release_propagation_s)
 
 
 def build_source(config: GatewayConfig,
@@ -232,6 +237,7 @@ async def _serve(config: GatewayConfig, args: argparse.Namespace, started: float
     autoscaler = build_autoscaler(args, models, controller_owner(config.port))
     app = create_gateway_app(config, source, control_client=control, models=models,
                              instance_registry=registry, autoscaler=autoscaler)
+    tune_gc()
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=log_level,
         access_log=log_level == "debug", log_config=None,  # through strata/logs.py's handler
@@ -251,6 +257,17 @@ async def _serve(config: GatewayConfig, args: argparse.Namespace, started: float
     return 0
 
 
+def tune_gc() -> None:
+    """Keeps the collector off the request path: what start-up built lives as long as the
+    process, so it is moved out of the collector's sight (`gc.freeze`), and the young generation
+    is collected every 20,000 net allocations instead of 700. A request allocates few objects
+    that outlive it, so collections become rare: at 64 streams, GC time fell from ~0.7 s (two
+    full collections of ~0.25 s each, on the request path) to ~0.05 s per 1,280 requests."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
+
+
 async def _announce(server: Any, config: GatewayConfig, started: float) -> None:
     while not server.started:
         await asyncio.sleep(0.05)
@@ -259,4 +276,4 @@ async def _announce(server: Any, config: GatewayConfig, started: float) -> None:
     announce(f"Strata gateway on http://{config.host}:{port} (ready in {ready_s:.1f}s)")
 
 
-__all__ = ["add_parser", "build_config", "read_api_keys", "run"]
+__all__ = ["add_parser", "build_config", "read_api_keys", "run", "tune_gc"]

@@ -1,8 +1,10 @@
 """`strata rollback NAME`: undo the model's last release.
 
-A release in progress that has not flipped yet is rolled back (its new instances retire; live
-never moved). Otherwise the previous version is released again, blue-green: its instances start,
-are warmed, and the live pointer flips back in one atomic write. Exit 0 once it is back.
+A release in progress is rolled back: before its flip, its new instances retire (live never
+moved); after it (flipping, retiring), the old version serves again (its instances, or new ones
+where they had drained, ready and warmed), live flips back in one atomic write, and the new
+version retires. A finished release is undone by releasing the previous version again,
+blue-green. Exit 0 once it is back.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
         client.close()
     if final["state"] == "rolled_back" and final["name"] == args.name:
         print(f"{args.name}: the release of {final['to_version']} was rolled back; "
-              f"{final['from_version']} stays live")
+              f"{final['from_version']} is live")
         return 0
     return release_outcome(final)
 

@@ -59,6 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="aging: a request (not sheddable) that has waited this long in the "
                         "engine's queue ranks with the interactive class; 0: no aging")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+                   help="auto: the model's sampling defaults (generation_config.json or GGUF "
+                        "general.sampling.*) fill fields a request leaves out; none: Strata's")
     p.add_argument("--shutdown-timeout-s", type=non_negative_float, default=30.0,
                    help="on SIGTERM/SIGINT, how long in-flight requests may finish")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")

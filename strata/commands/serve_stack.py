@@ -13,8 +13,7 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,12 +27,14 @@ from strata.commands.env import (
 from strata.commands.serve_parallel import (
     load_for_serving,
     make_executor,
+    openmp_free_main_thread,
     parallel_identity,
     rank_threads,
     watch_ranks,
 )
 from strata.errors import ConfigError
 from strata.logs import announce
+from strata.model.generation_defaults import GenerationDefaults, generation_defaults_of
 from strata.protocol.auth import check_exposure
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class BuiltEngine:
     tokenizer: Any
     name: str
     simulated: bool = False
+    generation_defaults: GenerationDefaults = GenerationDefaults()  # --generation-config
 
 
 def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
@@ -70,7 +72,11 @@ def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
         name = args.served_model_name or (alias.served_name if alias else loaded.name)
         async_engine = build_async_engine(args, loaded, name, parallel)
         loaded.weights.clear()  # the executor holds its own (packed) copies
-    return BuiltEngine(async_engine, loaded.tokenizer, name)
+    defaults = generation_defaults_of(args.generation_config, loaded.generation_defaults,
+                                      alias.generation_defaults if alias else None)
+    log.info("sampling defaults (--generation-config %s): %s", args.generation_config,
+             defaults.as_dict() or "none")
+    return BuiltEngine(async_engine, loaded.tokenizer, name, generation_defaults=defaults)
 
 
 def build_simulated(args: argparse.Namespace) -> BuiltEngine:
@@ -99,28 +105,6 @@ def build_simulated(args: argparse.Namespace) -> BuiltEngine:
         kv_bandwidth_gbps=args.sim_kv_bandwidth_gbps,
     ))
     return BuiltEngine(async_engine, tokenizer, name, simulated=True)
-
-
-@contextmanager
-def openmp_free_main_thread(threads: int | None) -> Iterator[None]:
-    """Load and build on one thread; afterwards torch uses `threads` (default: its own).
-
-    The engine steps on its own thread. libgomp gives every thread that starts a parallel region
-    a team of its own, and once a process holds more OpenMP threads than CPUs it stops spinning
-    between regions: a futex wake per region, +60 us each, which made every decode step behind
-    the HTTP server ~25 % slower than offline. Built on one thread, the main thread never gets
-    a team, so the engine thread's is the only one. `torch.set_num_threads` is a process-wide
-    setting that each thread applies at its first parallel op, so the engine thread sees the
-    value restored here.
-    """
-    import torch
-
-    threads = threads or torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _model_path(args: argparse.Namespace, env: CliEnv) -> Path:
@@ -199,14 +183,15 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
                                  session_store_url=args.session_store,
                                  session_ttl_s=args.session_ttl_s,
                                  session_redis_appendfsync=args.session_redis_appendfsync,
-                                 pd=_pd_config(args), **_kv_options(args))
+                                 generation_defaults=built.generation_defaults, pd=_pd_config(args),
+                                 **_kv_options(args))
     app = create_app(built.async_engine, built.tokenizer, server_config,
                      registration=registration)
-    server = uvicorn.Server(uvicorn.Config(
+    server = _server_draining_first(uvicorn.Config(
         app, log_level=args.log_level, access_log=args.log_level == "debug",
         log_config=None,  # its loggers go through strata/logs.py's handler
         timeout_graceful_shutdown=args.shutdown_timeout_s,
-    ))
+    ), app.state.instance.begin_drain)
     # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown; these handlers
     # absorb it so that a requested stop exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -217,6 +202,19 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
     await server.serve(sockets=[sock])  # the lifespan shutdown drains, deregisters, stops
     announce.cancel()
     return exit_status()
+
+
+def _server_draining_first(config: Any, begin_drain: Callable[[], None]) -> Any:
+    """A uvicorn server that calls `begin_drain` (DRAINING in the registry) when asked to stop,
+    before it waits for open connections: no router takes a stopping instance for a READY one."""
+    import uvicorn
+
+    class DrainFirst(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            begin_drain()
+            await super().shutdown(sockets)
+
+    return DrainFirst(config)
 
 
 def exit_when_engine_dies(server: Any, async_engine: AsyncEngine) -> Callable[[], int]:

@@ -28,13 +28,16 @@ class IncrementalDetokenizer:
         self.text = ""
         self.matched_stop: str | None = None
         self._num_emitted = 0
-        for token_id in request.output_token_ids:  # a resumed request: replay what was sent
-            if self.add_token(token_id) is not None:
+        self._searched = 0  # text before this offset is never searched for stop strings
+        min_tokens = request.sampling_params.min_tokens
+        for i, token_id in enumerate(request.output_token_ids):  # resumed: replay what was sent
+            if self.add_token(token_id, match_stops=i + 1 >= min_tokens) is not None:
                 break
             self.take_new_text(finished=False)
 
-    def add_token(self, token_id: int) -> str | None:
-        """Append a token; returns the stop string if the text now contains one."""
+    def add_token(self, token_id: int, *, match_stops: bool = True) -> str | None:
+        """Append a token; returns the stop string if the text now contains one (text added
+        while `match_stops` is false is never searched: min_tokens)."""
         self._tokens.append(token_id)
         prefix = self._decoder.decode(self._tokens[self._prefix_offset : self._read_offset])
         full = self._decoder.decode(self._tokens[self._prefix_offset :])
@@ -43,7 +46,10 @@ class IncrementalDetokenizer:
         search_from = max(len(self.text) - self._holdback, 0)
         self.text += full[len(prefix) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
-        return self._find_stop(search_from)
+        if not match_stops:
+            self._searched = len(self.text)
+            return None
+        return self._find_stop(max(search_from, self._searched))
 
     def _find_stop(self, search_from: int) -> str | None:
         for stop in self._stops:
@@ -104,11 +110,18 @@ def _without_outputs(request: Request) -> Request:
 def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
     """Token-level stop conditions, checked after the token was appended."""
     params = request.sampling_params
+    if request.num_output_tokens < params.min_tokens:
+        return _length_stop(request, max_model_len)
     if not params.ignore_eos and token_id in request.eos_token_ids:
         return RequestStatus.FINISHED_STOPPED
     if token_id in params.stop_token_ids:
         request.stop_reason = token_id
         return RequestStatus.FINISHED_STOPPED
-    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
+    return _length_stop(request, max_model_len)
+
+
+def _length_stop(request: Request, max_model_len: int) -> RequestStatus | None:
+    if (request.num_output_tokens >= request.sampling_params.max_tokens
+            or request.num_tokens >= max_model_len):
         return RequestStatus.FINISHED_LENGTH
     return None

@@ -82,6 +82,10 @@ class Engine:
         if detok.matched_stop is not None:
             raise InvalidRequestError("the generated tokens of a resumed request already hold "
                                       "a stop string", param="output_token_ids")
+        constraint = request.sampling_params.constraint  # resumed: advance past what was sent
+        if constraint is not None and not all(map(constraint.accept, request.output_token_ids)):
+            raise InvalidRequestError("the generated tokens of a resumed request break its "
+                                      "structured output", param="output_token_ids")
         request.status = RequestStatus.WAITING
         self.scheduler.add(request)
         self._detok[request.request_id] = detok
@@ -164,6 +168,7 @@ class Engine:
                     sampling_params=request.sampling_params,
                     output_token_ids=request.output_token_ids,
                     prompt_token_ids=request.prompt_token_ids,
+                    eos_token_ids=request.eos_token_ids,
                 )
             )
         return ModelInput(sequences, self.cache_config.block_size)
@@ -238,13 +243,22 @@ class Engine:
     def _finish_status(
         self, request: Request, token_id: int, detok: IncrementalDetokenizer
     ) -> RequestStatus | None:
-        """Token stops first (their text is never shown), then stop strings, then length."""
+        """A token the constraint refuses is an error; then token stops (their text is never
+        shown), then stop strings, then a completed constraint, then length. Before
+        `min_tokens` only length stops."""
+        constraint = request.sampling_params.constraint
+        if constraint is not None and not constraint.accept(token_id):
+            request.stop_reason = "the structured output constraint refused a token"
+            return RequestStatus.FINISHED_ERROR
         status = check_stop(request, token_id, self.scheduler_config.max_model_len)
         if status == RequestStatus.FINISHED_STOPPED:
             return status
-        if detok.add_token(token_id) is not None:
+        early = request.num_output_tokens < request.sampling_params.min_tokens
+        if detok.add_token(token_id, match_stops=not early) is not None:
             request.stop_reason = detok.matched_stop
             return RequestStatus.FINISHED_STOPPED
+        if constraint is not None and constraint.is_terminated:  # complete: only EOS may follow
+            status = RequestStatus.FINISHED_STOPPED
         if status is not None:
             detok.flush()
         return status

@@ -32,7 +32,8 @@ class ScheduledSequence:
     needs_sample: bool
     sampling_params: SamplingParams
     output_token_ids: list[int]  # tokens generated so far (penalties, seeded RNG position)
-    prompt_token_ids: list[int]  # for presence penalties that OpenAI applies to outputs only
+    prompt_token_ids: list[int]  # the repetition penalty's history (with the outputs)
+    eos_token_ids: tuple[int, ...] = ()  # held back, with stop token ids, before min_tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from strata.engine.constraint import TokenConstraint
 from strata.errors import InvalidRequestError
 from strata.types import BlockHash, RequestId
 
@@ -48,6 +49,10 @@ class SamplingParams:
 
     temperature 0 means greedy. `seed` makes sampling reproducible whatever else is in the batch.
     `logprobs` is the number of top alternatives returned per token (0 = only the chosen one).
+    `logit_bias` adds (token id, bias) to the logits; `repetition_penalty` scales the logits of
+    every token seen so far (prompt included, as Hugging Face does); `min_tokens` holds back EOS
+    and `stop_token_ids` (and stop strings) until that many tokens exist. `constraint` is the
+    request's own structured-output state (see `constraint.py`): never shared between requests.
     """
 
     max_tokens: int = 16
@@ -61,6 +66,10 @@ class SamplingParams:
     logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    constraint: TokenConstraint | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
@@ -78,6 +87,12 @@ class SamplingParams:
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs",
                f"must be >= 0, got {self.logprobs}")
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
+        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
+               f"must be in (0, 2], got {self.repetition_penalty}")
+        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        _check(all(-100.0 <= b <= 100.0 for _, b in self.logit_bias), "logit_bias",
+               "values must be in [-100, 100]")
 
     @property
     def is_greedy(self) -> bool:
@@ -85,7 +100,14 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether anything changes the logits before the choice (else greedy is an argmax)."""
+        return (self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+                or self.constraint is not None)
 
 
 def _check(ok: bool, param: str, message: str) -> None:

@@ -23,6 +23,12 @@ def check_request(request: Request, scheduler_config: SchedulerConfig, cache_con
         raise InvalidRequestError(
             f"prompt token ids must be in [0, {vocab_size})", param="prompt"
         )
+    if vocab_size is not None and not all(
+        0 <= t < vocab_size for t, _ in request.sampling_params.logit_bias
+    ):
+        raise InvalidRequestError(
+            f"logit_bias token ids must be in [0, {vocab_size})", param="logit_bias"
+        )
     if num_prompt >= max_len:
         raise ContextLengthError(
             f"This model's maximum context length is {max_len} tokens, but the prompt has "

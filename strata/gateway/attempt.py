@@ -19,7 +19,7 @@ from starlette.responses import Response
 from strata.gateway.instances import InstanceView
 from strata.gateway.requests import ProxyRequest
 from strata.gateway.stalls import Watched
-from strata.gateway.upstream import split_frames
+from strata.gateway.upstream import UpstreamAnswer, split_frames
 
 log = logging.getLogger("strata.gateway")
 UPSTREAM_ERRORS = (httpx.HTTPError, OSError, RuntimeError)
@@ -52,15 +52,15 @@ class Segment:
     """One instance's part of a relayed stream, its first frames read."""
 
     attempt: Attempt
-    response: httpx.Response
+    response: UpstreamAnswer
     chunks: AsyncIterator[bytes]
     first: bytes
     rest: bytes
     is_eof: bool
 
 
-def is_sse(response: httpx.Response) -> bool:
-    return response.headers.get("content-type", "").startswith("text/event-stream")
+def is_sse(response: UpstreamAnswer) -> bool:
+    return (response.headers.get("content-type") or "").startswith("text/event-stream")
 
 
 def describe(attempt: Attempt, exc: Exception) -> str:

@@ -169,12 +169,21 @@ class VersionConfig:
     routing_poll_s: float = 0.2
     pin_store_url: str | None = None
     pin_ttl_s: float = 86_400.0
-    stats_window_s: float = 60.0
+    stats_window_s: float = 60.0  # at most; see `health_window_s`
+    health_publish_s: float = 1.0  # while a canary runs: this gateway's window to the registry
     warm_timeout_s: float = 120.0
     release: ReleaseConfig = field(default_factory=ReleaseConfig)  # timeouts, lease, canary
 
     def __post_init__(self) -> None:
-        _positive(self, "routing_poll_s", "pin_ttl_s", "stats_window_s", "warm_timeout_s")
+        _positive(self, "routing_poll_s", "pin_ttl_s", "stats_window_s", "health_publish_s",
+                  "warm_timeout_s")
+
+    @property
+    def health_window_s(self) -> float:
+        """How far back a version's requests count: never longer than a canary's window, so
+        that the canary is compared with live over the same recent period (not with a live p99
+        inflated before the canary began, e.g. while the canary's instances started)."""
+        return min(self.stats_window_s, self.release.canary_window_s)
 
 
 PD_MODES = ("auto", "off")

@@ -15,6 +15,21 @@ _OVERHEAD_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02
                        0.25, 1.0)
 
 
+class CountByLabel:
+    """A one-label counter's children, each looked up once (prometheus_client's `labels()`
+    checks its arguments, takes a lock and builds a tuple on every call)."""
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter = counter
+        self.children: dict[str, Counter] = {}
+
+    def inc(self, label: str) -> None:
+        child = self.children.get(label)
+        if child is None:
+            child = self.children[label] = self.counter.labels(label)
+        child.inc()
+
+
 class GatewayMetrics:
     """The `strata:gateway_*` metrics."""
 
@@ -53,6 +68,8 @@ class GatewayMetrics:
         self.response_cache = Gauge("strata:gateway_response_cache",
                                     "Response cache counters (hits, misses, stores, skipped, "
                                     "errors) since start.", ["event"], registry=reg)
+        self.requests_by_endpoint = CountByLabel(self.requests)
+        self.routed_by_instance = CountByLabel(self.routed)
         self.added_latency = Histogram("strata:gateway_added_latency_seconds",
                                        "Time the gateway adds to a request.",
                                        buckets=_OVERHEAD_BUCKETS_S, registry=reg)
@@ -64,4 +81,4 @@ class GatewayMetrics:
         return generate_latest(self.registry)
 
 
-__all__ = ["GatewayMetrics"]
+__all__ = ["CountByLabel", "GatewayMetrics"]

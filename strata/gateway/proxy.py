@@ -40,6 +40,7 @@ from strata.gateway.retry import RetryBudget
 from strata.gateway.stalls import StallWatch
 from strata.gateway.upstream import (
     RelayResponse,
+    UpstreamAnswer,
     UpstreamPools,
     broken_stream_frames,
     close_quietly,
@@ -120,7 +121,7 @@ class Proxy:
             return await self._open_stream(attempt, response)
         return await self._whole_body(attempt, response)
 
-    async def _send(self, attempt: Attempt) -> httpx.Response | Failure:
+    async def _send(self, attempt: Attempt) -> UpstreamAnswer | Failure:
         """The instance's answer, unread; a failure for an error, a 5xx or a 429."""
         self._begin(attempt)
         request, watched = attempt.request, attempt.watched
@@ -139,7 +140,7 @@ class Proxy:
             return self._failed(attempt, await self._error_answer(attempt, response))
         return response
 
-    async def _error_answer(self, attempt: Attempt, response: httpx.Response) -> Failure:
+    async def _error_answer(self, attempt: Attempt, response: UpstreamAnswer) -> Failure:
         try:
             body = await response.aread()
         except httpx.HTTPError:
@@ -151,7 +152,7 @@ class Proxy:
         return Failure(f"instance {attempt.view.instance_id} answered {response.status_code}",
                        passthrough, counts_as_failure=response.status_code >= 500)
 
-    async def _whole_body(self, attempt: Attempt, response: httpx.Response) -> Response | Failure:
+    async def _whole_body(self, attempt: Attempt, response: UpstreamAnswer) -> Response | Failure:
         try:
             body = b"".join([chunk async for chunk in self._chunks(attempt, response)])
         except UPSTREAM_ERRORS as exc:
@@ -165,7 +166,7 @@ class Proxy:
         self._observe_overhead(attempt, answered_at)
         return Response(body, response.status_code, headers=headers)
 
-    async def _open_stream(self, attempt: Attempt, response: httpx.Response) -> Response | Failure:
+    async def _open_stream(self, attempt: Attempt, response: UpstreamAnswer) -> Response | Failure:
         segment = await self._first_frames(attempt, response)
         if isinstance(segment, Failure):
             return segment
@@ -176,7 +177,7 @@ class Proxy:
         return relay
 
     async def _first_frames(self, attempt: Attempt,
-                            response: httpx.Response) -> Segment | Failure:
+                            response: UpstreamAnswer) -> Segment | Failure:
         chunks = self._chunks(attempt, response)
         try:
             first, rest, is_eof = await read_frames(chunks)
@@ -252,7 +253,7 @@ class Proxy:
         self._finish(attempt, is_success=True)
         return None
 
-    def _chunks(self, attempt: Attempt, response: httpx.Response) -> AsyncIterator[bytes]:
+    def _chunks(self, attempt: Attempt, response: UpstreamAnswer) -> AsyncIterator[bytes]:
         chunks = response.aiter_raw()
         return attempt.watched.chunks(chunks) if attempt.watched is not None else chunks
 
@@ -262,7 +263,7 @@ class Proxy:
         view.num_in_flight += 1
         view.num_in_flight_tokens += route.num_tokens
         self.pipeline.policy.on_request_routed(route, view)
-        self.metrics.routed.labels(view.instance_id).inc()
+        self.metrics.routed_by_instance.inc(view.instance_id)
 
     def _finish(self, attempt: Attempt, *, is_success: bool) -> None:
         if attempt.is_finished:

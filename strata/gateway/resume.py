@@ -32,11 +32,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
 from strata.gateway.config import ResumeConfig
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.requests import ProxyRequest
+from strata.gateway.upstream import UpstreamAnswer
 from strata.protocol.resume import (
     MARK,
     RESUMABLE_HEADER,
@@ -121,7 +120,7 @@ class Resumer:
         kept = [(k, v) for k, v in headers if k.lower() != RESUMABLE_HEADER]
         return [*kept, (RESUMABLE_HEADER, "1")] if self.is_resumable(request) else kept
 
-    def record(self, request: ProxyRequest, response: httpx.Response,
+    def record(self, request: ProxyRequest, response: UpstreamAnswer,
                instance_id: str) -> StreamRecord | None:
         """A record of the stream `response` starts, when it may be resumed."""
         if not self.is_resumable(request) or request.path == RESUME_PATH:

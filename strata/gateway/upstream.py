@@ -1,12 +1,13 @@
 """HTTP to instances: one connection pool per instance (`UpstreamPools`), header filtering, error
 bodies, and the streaming response that relays an instance's SSE stream to the client.
 
-Pools are per instance because httpcore scans every connection of a pool when a request starts
-and when a response closes: one pool shared by the fleet made each request O(all connections).
-Requests go straight to the pool's transport (no client-level auth, redirect or cookie layers);
-`max_connections` bounds each instance's pool. A pool is created at an instance's first request
-and closed once the instance has left the set (or changed URL) and every response it gave is
-closed.
+Pools are per instance, so a request's work does not grow with the fleet's connections. An
+`http://` instance gets a `ConnectionPool` (strata/gateway/upstream_http.py: one write per
+request, the head parsed by httptools, no scan of the pool's connections); an injected httpx
+`transport` (tests) or an `https://` instance gets an httpx transport, called directly (no
+client-level auth, redirect or cookie layers). `max_connections` bounds each instance's pool.
+A pool is created at an instance's first request and closed once the instance has left the set
+(or changed URL) and every response it gave is closed.
 
 The relay forwards whole SSE frames only (a chunk is cut after its last blank line; the rest waits
 for the next chunk), so when the instance dies mid-stream the client receives well-formed frames
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import anyio
 import httpx
@@ -26,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from strata.gateway.config import GatewayConfig
 from strata.gateway.instances import InstanceSet, InstanceView
+from strata.gateway.upstream_http import ConnectionPool
 from strata.protocol.errors import error_json, error_payload, retry_after
 from strata.protocol.sse import DONE_FRAME, encode_event
 
@@ -36,12 +39,38 @@ INSTANCE_HEADER = "x-strata-instance"
 FRAME_END = b"\n\n"
 
 
+class UpstreamAnswer(Protocol):
+    """What the proxy reads from an instance's answer: an `httpx.Response` or the lean
+    client's `UpstreamResponse`."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    @property
+    def headers(self) -> HeaderLookup: ...
+
+    def aiter_raw(self) -> AsyncIterator[bytes]: ...
+
+    async def aread(self) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
+class HeaderLookup(Protocol):
+    def get(self, name: str, default: str | None = None) -> str | None: ...
+
+    def items(self) -> Iterable[tuple[str, str]]: ...
+
+
 @dataclass(slots=True)
 class _Pool:
     view: InstanceView  # the view it was made for (a new view of that id gets a new pool)
     url: str
-    transport: httpx.AsyncBaseTransport
+    transport: httpx.AsyncBaseTransport | ConnectionPool
     num_open: int = 0  # requests sent whose response is not closed yet
+
+    def closed_one(self) -> None:
+        self.num_open -= 1
 
 
 class _CountedStream(httpx.AsyncByteStream):
@@ -79,6 +108,8 @@ class UpstreamPools:
                                      pool=config.connect_timeout_s).as_dict()
         self.limits = httpx.Limits(max_connections=config.max_connections,
                                    max_keepalive_connections=config.max_connections)
+        self.connect_timeout_s = config.connect_timeout_s
+        self.read_timeout_s = config.read_timeout_s
         self.shared = transport
         self.pools: dict[str, _Pool] = {}
         self.retired: list[_Pool] = []  # left the set; closed once nothing is in flight
@@ -90,17 +121,33 @@ class UpstreamPools:
             return pool
         if pool is not None:
             self.retired.append(pool)
-        transport = self.shared or httpx.AsyncHTTPTransport(limits=self.limits)
+        transport: httpx.AsyncBaseTransport | ConnectionPool
+        if self.shared is not None:
+            transport = self.shared
+        elif view.url.startswith("http://"):
+            transport = ConnectionPool(view.url, max_connections=self.limits.max_connections or 1,
+                                       connect_timeout_s=self.connect_timeout_s,
+                                       read_timeout_s=self.read_timeout_s)
+        else:
+            transport = httpx.AsyncHTTPTransport(limits=self.limits)
         pool = self.pools[view.instance_id] = _Pool(view, view.url, transport)
         return pool
 
     async def send(self, view: InstanceView, method: str, path: str, body: bytes,
-                   headers: list[tuple[str, str]]) -> httpx.Response:
+                   headers: list[tuple[str, str]]) -> UpstreamAnswer:
         """The instance's response, its body unread (the caller closes it)."""
-        request = httpx.Request(method, view.url + path, content=body, headers=headers,
-                                extensions={"timeout": self.timeout})
         pool = self.pool_for(view)
         pool.num_open += 1
+        if isinstance(pool.transport, ConnectionPool):
+            try:
+                answer = await pool.transport.request(method, path, body, headers)
+            except BaseException:
+                pool.num_open -= 1
+                raise
+            answer.on_close = pool.closed_one
+            return answer
+        request = httpx.Request(method, view.url + path, content=body, headers=headers,
+                                extensions={"timeout": self.timeout})
         try:
             response = await pool.transport.handle_async_request(request)
         except (httpx.HTTPError, OSError, RuntimeError):
@@ -177,7 +224,10 @@ def broken_stream_frames(message: str) -> bytes:
 
 class RelayResponse(StreamingResponse):
     """A streamed response that runs `on_close` callbacks once, however the stream ends
-    (finished, instance failed, client gone, never sent)."""
+    (finished, instance failed, client gone, never sent). A client that disconnects stops the
+    stream at once (its upstream answer is closed, so the instance stops too): the frames are
+    sent from the request's own task while a second task waits for the disconnect, as
+    Starlette does, without the anyio task group it builds around both for every response."""
 
     def __init__(self, frames: AsyncIterator[bytes], status_code: int,
                  headers: dict[str, str]) -> None:
@@ -187,7 +237,7 @@ class RelayResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await self._stream_until_disconnect(receive, send)
         finally:
             with anyio.CancelScope(shield=True):
                 aclose = getattr(self._frames, "aclose", None)
@@ -195,6 +245,29 @@ class RelayResponse(StreamingResponse):
                     await aclose()
             for callback in self.on_close:
                 callback()
+
+
+    async def _stream_until_disconnect(self, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        disconnected = False
+
+        async def listen() -> None:
+            nonlocal disconnected
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected = True
+            task.cancel()  # surfaces where the stream awaits, inside the `try` below
+
+        listener = asyncio.get_running_loop().create_task(listen())
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not disconnected or task.cancelling() > 1:  # cancelled from outside too
+                raise
+            task.uncancel()
+        finally:
+            listener.cancel()
 
 
 async def read_frames(chunks: AsyncIterator[bytes]) -> tuple[bytes, bytes, bool]:
@@ -208,7 +281,7 @@ async def read_frames(chunks: AsyncIterator[bytes]) -> tuple[bytes, bytes, bool]
     return buffer, b"", True
 
 
-async def close_quietly(response: httpx.Response) -> None:
+async def close_quietly(response: UpstreamAnswer) -> None:
     with anyio.CancelScope(shield=True):
         try:
             await response.aclose()
@@ -216,12 +289,12 @@ async def close_quietly(response: httpx.Response) -> None:
             pass
 
 
-def response_headers(response: httpx.Response, instance_id: str) -> dict[str, str]:
+def response_headers(response: UpstreamAnswer, instance_id: str) -> dict[str, str]:
     headers = dict(forwarded_headers(response.headers.items()))
     headers[INSTANCE_HEADER] = instance_id
     return headers
 
 
 __all__ = ["HOP_BY_HOP", "INSTANCE_HEADER", "RelayResponse", "broken_stream_frames",
-           "UpstreamPools", "close_quietly", "error_response",
+           "UpstreamAnswer", "UpstreamPools", "close_quietly", "error_response",
            "forwarded_headers", "read_frames", "response_headers", "split_frames"]

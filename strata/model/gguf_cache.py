@@ -27,7 +27,7 @@ from strata.model.config import ModelConfig
 from strata.model.gguf_loader import GGUFHeader, GGUFModel, gguf_tensors, open_gguf
 from strata.model.tokenizer import Tokenizer
 
-CACHE_FORMAT = "strata-gguf-1"
+CACHE_FORMAT = "strata-gguf-2"  # 2: the config holds rope_freq_factors
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
@@ -131,6 +131,8 @@ def cached_header(cache_file: Path, source: Path) -> tuple[ModelConfig, Tokenize
     if meta.get("format") != CACHE_FORMAT:
         return None
     cfg = dict(meta["config"], eos_token_ids=tuple(meta["config"]["eos_token_ids"]))
+    if cfg.get("rope_freq_factors") is not None:
+        cfg["rope_freq_factors"] = tuple(cfg["rope_freq_factors"])
     tokenizer = Tokenizer(
         HFTokenizer.from_str(meta["tokenizer"]),
         chat_template=meta["chat_template"],

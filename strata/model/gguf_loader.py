@@ -5,6 +5,10 @@ llama's attn_q / attn_k are un-permuted back to the HF rotary layout. `open_gguf
 header (config, tokenizer, tensor list); `gguf_tensors` dequantizes one tensor at a time, so a
 converter never holds more than one in float32 (gguf_cache.py writes them to the safetensors
 cache as they come).
+
+Every `{arch}.*` hyperparameter is held to what Strata computes (model_fields.py). The one tensor
+that is not a weight, `rope_freqs` (Llama-3 rope scaling as per-frequency divisors, how
+llama.cpp's converter stores it), goes into the config.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from tokenizers import processors
 
 from strata.errors import ModelLoadError
 from strata.model.config import ModelConfig
+from strata.model.model_fields import check_gguf_fields
 from strata.model.tokenizer import Tokenizer, byte_level_bpe
 from strata.progress import progress
 
@@ -43,7 +48,9 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_SKIPPED = {"rope_freqs.weight"}
+_ROPE_FREQS = "rope_freqs.weight"
+_SKIPPED = {_ROPE_FREQS}  # read into the config, not a weight
+_BIASED = {"qwen2": ("attn_q", "attn_k", "attn_v")}  # the only biases Strata's layers have
 
 
 @dataclass
@@ -86,7 +93,9 @@ def open_gguf(path: Path) -> GGUFHeader:
             f"{path}: field 'general.architecture' = {arch!r} is not supported (llama, qwen2)"
         )
     tokenizer = _tokenizer(meta)
-    config = _config(meta, arch, reader, tokenizer)
+    config = _config(meta, arch, reader, tokenizer)  # first: it names missing fields
+    check_gguf_fields(meta.under(arch), arch, source=str(path))
+    _check_biases([t.name for t in reader.tensors], arch, path)
     return GGUFHeader(reader, config, tokenizer, str(meta.get("general.name", path.stem)), path)
 
 
@@ -121,11 +130,17 @@ class _Meta:
                 f"{self.path}: GGUF metadata field {key!r} is corrupt: {e}"
             ) from None
 
+    def under(self, prefix: str) -> dict[str, Any]:
+        """Every field named `prefix.*`, by the rest of its name."""
+        return {name[len(prefix) + 1:]: self.get(name) for name in self._reader.fields
+                if name.startswith(prefix + ".")}
+
 
 def _config(meta: _Meta, arch: str, reader: GGUFReader, tok: Tokenizer) -> ModelConfig:
     hidden = int(meta.get(f"{arch}.embedding_length"))
     heads = int(meta.get(f"{arch}.attention.head_count"))
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    names = {t.name for t in reader.tensors}
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
     return ModelConfig(
         architecture=arch,
         vocab_size=int(meta.get(f"{arch}.vocab_size", tok.vocab_size)),
@@ -134,15 +149,38 @@ def _config(meta: _Meta, arch: str, reader: GGUFReader, tok: Tokenizer) -> Model
         num_hidden_layers=int(meta.get(f"{arch}.block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         max_position_embeddings=int(meta.get(f"{arch}.context_length")),
         rms_norm_eps=_f32(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=_f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        tie_word_embeddings=not has_output,
+        rope_freq_factors=_rope_freq_factors(reader, head_dim, meta.path),
+        tie_word_embeddings="output.weight" not in names,
         attention_bias=arch == "qwen2",
         bos_token_id=tok.bos_token_id,
         eos_token_ids=tok.eos_token_ids,
     )
+
+
+def _check_biases(names: list[str], arch: str, path: Path) -> None:
+    biased = _BIASED.get(arch, ())
+    for name in names:
+        m = _LAYER.fullmatch(name)
+        if m is not None and m.group(3) == "bias" and m.group(2) not in biased:
+            has = f"biases only on {', '.join(biased)}" if biased else "no biases"
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} is not implemented by Strata ({arch} layers have {has})"
+            )
+
+
+def _rope_freq_factors(reader: GGUFReader, head_dim: int, path: Path) -> tuple[float, ...] | None:
+    tensor = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    if tensor is None:
+        return None
+    factors = dequantize(tensor.data, tensor.tensor_type).reshape(-1)
+    if factors.shape != (head_dim // 2,) or not np.all(factors > 0):
+        raise ModelLoadError(f"{path}: tensor {_ROPE_FREQS!r} must hold head_dim / 2 = "
+                             f"{head_dim // 2} positive factors, got shape {list(factors.shape)}")
+    return tuple(float(f) for f in factors)
 
 
 def _f32(value: float) -> float:

@@ -6,18 +6,23 @@ from typing import Any
 
 from strata.errors import ModelLoadError
 from strata.model.config import ModelConfig, RopeScaling
+from strata.model.model_fields import check_hf_fields
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
 
 
 def model_config_from_hf(cfg: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
     """Build a ModelConfig; errors name `source` and the field at fault."""
     arch = _architecture(cfg, source)
+    _refuse_unsupported_variants(cfg, arch, source)
     try:
+        check_hf_fields(cfg, source=source)  # a field Strata does not compute is refused
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         eos = cfg.get("eos_token_id")
@@ -37,6 +42,7 @@ def model_config_from_hf(cfg: dict[str, Any], *, source: str = "config.json") ->
             rope_scaling=_rope_scaling(cfg, source),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
         )
@@ -52,12 +58,24 @@ def _architecture(cfg: dict[str, Any], source: str) -> str:
         if name in _ARCHITECTURES:
             return _ARCHITECTURES[name]
     model_type = cfg.get("model_type")
-    if model_type in ("llama", "qwen2", "mistral"):
+    if model_type in _ARCHITECTURES.values():
         return str(model_type)
     raise ModelLoadError(
         f"{source}: field 'architectures' = {names!r} (model_type {model_type!r}) is not "
         f"supported; Strata serves {sorted(_ARCHITECTURES)}"
     )
+
+
+def _refuse_unsupported_variants(cfg: dict[str, Any], arch: str, source: str) -> None:
+    """Options of the new families that Strata does not implement: a load error naming them,
+    never a model that silently computes something else."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    partial = cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1.0):
+        raise ModelLoadError(f"{source}: field 'partial_rotary_factor' = {partial!r} is not "
+                             "supported (only 1.0)")
+    if cfg.get("use_sliding_window"):
+        raise ModelLoadError(f"{source}: field 'use_sliding_window' = true is not supported")
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:

@@ -1,4 +1,4 @@
-"""Llama-family forward pass (Llama, Qwen2, Mistral) over a paged KV cache.
+"""Llama-family forward pass (Llama, Qwen2, Qwen3, Mistral, Phi-3) over a paged KV cache.
 
 One `LlamaModel.forward` runs one engine step: the linear layers see every new token of every
 sequence concatenated (bf16 weights prepacked for oneDNN); attention (strata.model.attention)
@@ -36,6 +36,7 @@ class _Layer:
     input_norm: Tensor
     qkv: Tensor  # q, k and v projections stacked on the output dimension
     qkv_bias: Tensor | None
+    qk_norm: Tensor | None  # (q heads + kv heads, head_dim): q_norm's rows, then k_norm's
     o: Tensor
     post_norm: Tensor
     gate_up: Tensor  # gate and up projections stacked on the output dimension
@@ -69,12 +70,15 @@ class _WeightReader:
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
-    """Inverse frequencies (head_dim / 2,), float32, with Llama-3 scaling when configured."""
+    """Inverse frequencies (head_dim / 2,), float32, with Llama-3 scaling when configured: from
+    an HF config's parameters, or as a GGUF file's per-frequency divisors (llama.cpp's form)."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (config.rope_theta ** exponents)
     if config.rope_scaling is not None:
         inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
     return inv_freq
 
 
@@ -161,6 +165,12 @@ class LlamaModel:
                for n, d in shapes.items()]
         bias = ([reader.take(f"{p}self_attn.{n}_proj.bias", (d,)) for n, d in shapes.items()]
                 if c.attention_bias else None)
+        qk_norm = None
+        if c.qk_norm:
+            norms = [reader.take(f"{p}self_attn.{n}_norm.weight", (c.head_dim,))
+                     for n in ("q", "k")]
+            qk_norm = torch.cat([norms[0].expand(len(s.q_heads), -1),
+                                 norms[1].expand(len(s.kv_heads), -1)])
         rows = len(s.intermediate)
         mlp = [reader.take(f"{p}mlp.{n}_proj.weight", (rows, c.hidden_size))
                for n in ("gate", "up")]
@@ -168,6 +178,7 @@ class LlamaModel:
             input_norm=reader.take(f"{p}input_layernorm.weight", (c.hidden_size,)),
             qkv=pack_linear_weight(torch.cat(qkv)),
             qkv_bias=torch.cat(bias) if bias is not None else None,
+            qk_norm=qk_norm,
             o=pack_linear_weight(
                 reader.take(f"{p}self_attn.o_proj.weight", (c.hidden_size, q_dim))),
             post_norm=reader.take(f"{p}post_attention_layernorm.weight", (c.hidden_size,)),
@@ -227,6 +238,8 @@ class LlamaModel:
         q_dim, kv_dim = heads * hd, kv_heads * hd
         # q and k rotate together: one rope over (T, heads + kv_heads, head_dim).
         qk = qkv[:, : q_dim + kv_dim].view(-1, heads + kv_heads, hd)
+        if layer.qk_norm is not None:
+            qk = _rms_norm(qk, layer.qk_norm, self.config.rms_norm_eps)
         qk = torch.addcmul(qk * cos, qk.roll(hd // 2, dims=-1), sin)
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, q_dim + kv_dim :].view(-1, kv_heads, hd)

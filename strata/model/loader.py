@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from strata.errors import ConfigError, ModelLoadError
 from strata.model.config import ModelConfig
+from strata.model.generation_defaults import GenerationDefaults, read_generation_defaults
 from strata.model.gguf_cache import load_gguf
 from strata.model.hf_config import model_config_from_hf
 from strata.model.tokenizer import Tokenizer
@@ -36,6 +37,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str  # default served name: the directory name or the GGUF `general.name`
     source: Path
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 def load_model(
@@ -56,6 +58,7 @@ def load_model(
     else:
         raise ModelLoadError(f"{src}: no such model directory or .gguf file")
     check_weights(model.weights, model.config, source=str(src))
+    model.generation_defaults = read_generation_defaults(src)
     return model
 
 
@@ -91,8 +94,26 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.attention_bias:
             layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,)}
             layer |= {"self_attn.v_proj.bias": (kv,)}
+        if cfg.qk_norm:
+            layer |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
         shapes |= {p + k: v for k, v in layer.items()}
     return shapes
+
+
+def split_fused(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """Phi-3 keeps q/k/v in one `qkv_proj` and gate/up in one `gate_up_proj`: split them
+    (views, no copy) into the Llama names the model reads."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        qkv = weights.pop(p + "self_attn.qkv_proj.weight", None)
+        if qkv is not None:
+            for name, part in zip("qkv", qkv.split([q, kv, kv]), strict=True):
+                weights[f"{p}self_attn.{name}_proj.weight"] = part
+        gate_up = weights.pop(p + "mlp.gate_up_proj.weight", None)
+        if gate_up is not None:
+            gate, up = gate_up.split(cfg.intermediate_size)
+            weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"] = gate, up
 
 
 def check_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, *, source: str) -> None:
@@ -113,6 +134,8 @@ def check_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, *, source:
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
     config = _hf_config(path)
     weights = _load_safetensors(path, dtype)
+    if config.architecture == "phi3":
+        split_fused(weights, config)
     config, tokenizer = _with_tokenizer(path, config)
     return LoadedModel(config, weights, tokenizer, name=path.resolve().name, source=path)
 

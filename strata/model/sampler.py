@@ -1,8 +1,9 @@
 """Batched next-token sampling in torch.
 
-Order of operations per row: penalties (OpenAI presence/frequency over the tokens generated so
-far) -> greedy argmax when temperature is 0, else temperature -> top-k -> top-p -> draw. Logprobs
-are always those of the raw model logits, before penalties and temperature.
+Order of operations per row: the logits processors of `logits.py` (logit_bias, repetition,
+presence and frequency penalties, a constraint's allowed tokens, min_tokens) -> greedy argmax
+when temperature is 0, else temperature -> top-k -> top-p -> draw. Logprobs are always those of
+the raw model logits, before processors and temperature.
 
 Reproducibility: a seeded row draws its noise from a generator seeded with a mix of (seed, number
 of tokens generated so far) and nothing else, so its tokens do not depend on its batch neighbours
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from strata.engine.executor import SampledToken
 from strata.engine.request import Logprob, SamplingParams
+from strata.model.logits import TokenMask, process_logits
 
 _MASK63 = (1 << 63) - 1
 
@@ -40,15 +42,28 @@ class Sampler:
             self._generator.manual_seed(seed)
 
     def sample(self, logits: Tensor, params: list[SamplingParams],
-               output_token_ids: list[list[int]]) -> list[SampledToken]:
-        """One `SampledToken` per row; `output_token_ids[i]` are row i's generated tokens."""
-        raw = logits.float()
-        if all(p.is_greedy and not p.has_penalties for p in params):
-            token_ids = raw.argmax(dim=-1)
+               output_token_ids: list[list[int]], *,
+               prompt_token_ids: list[list[int]] | None = None,
+               eos_token_ids: list[tuple[int, ...]] | None = None,
+               mask: TokenMask | None = None,
+               may_modify_logits: bool = False) -> list[SampledToken]:
+        """One `SampledToken` per row; `output_token_ids[i]` are row i's generated tokens,
+        `prompt_token_ids[i]` its prompt (repetition penalty), `eos_token_ids[i]` what
+        min_tokens holds back besides its stop token ids; `mask` the constraints' masks.
+        With `may_modify_logits` the processors work on `logits` itself, not on a copy."""
+        logits = logits.float()
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw = logits[torch.tensor(lp_rows, device=logits.device)] if lp_rows else None
+        if mask is None and all(p.is_greedy and not p.has_processors for p in params):
+            token_ids = logits.argmax(dim=-1)
         else:
-            adjusted = _apply_penalties(raw, params, output_token_ids)
-            token_ids = self._choose(adjusted, params, output_token_ids)
-        logprobs = _logprobs(raw, token_ids, params)
+            no_ids: list[list[int]] = [[] for _ in params]
+            if not may_modify_logits:
+                logits = logits.clone()
+            process_logits(logits, params, output_token_ids, prompt_token_ids or no_ids,
+                           eos_token_ids or no_ids, mask)
+            token_ids = self._choose(logits, params, output_token_ids)
+        logprobs = _logprobs(raw, lp_rows, token_ids, params)
         return [SampledToken(t, lp) for t, lp in zip(token_ids.tolist(), logprobs, strict=True)]
 
     def _choose(self, logits: Tensor, params: list[SamplingParams],
@@ -77,24 +92,6 @@ class Sampler:
         return noise.clamp_min_(1e-20)
 
 
-def _apply_penalties(logits: Tensor, params: list[SamplingParams],
-                     outputs: list[list[int]]) -> Tensor:
-    rows = [i for i, p in enumerate(params) if p.has_penalties and outputs[i]]
-    if not rows:
-        return logits
-    vocab = logits.shape[-1]
-    flat = [r * vocab + t for r, i in enumerate(rows) for t in outputs[i]]
-    flat_index = torch.tensor(flat, device=logits.device)
-    counts = torch.bincount(flat_index, minlength=len(rows) * vocab).view(len(rows), vocab)
-    freq = torch.tensor([params[i].frequency_penalty for i in rows], device=logits.device)
-    presence = torch.tensor([params[i].presence_penalty for i in rows], device=logits.device)
-    penalty = freq[:, None] * counts + presence[:, None] * (counts > 0)
-    adjusted = logits.clone()
-    index = torch.tensor(rows, device=logits.device)
-    adjusted[index] -= penalty.to(logits.dtype)
-    return adjusted
-
-
 def _filter_top_k_top_p(logits: Tensor, params: list[SamplingParams]) -> Tensor:
     """Set to -inf what top-k (0 or -1 = off), then top-p over what remains, excludes."""
     if all(p.top_k <= 0 and p.top_p >= 1.0 for p in params):
@@ -114,13 +111,14 @@ def _filter_top_k_top_p(logits: Tensor, params: list[SamplingParams]) -> Tensor:
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def _logprobs(raw: Tensor, token_ids: Tensor, params: list[SamplingParams]) -> list[Logprob | None]:
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+def _logprobs(raw: Tensor | None, rows: list[int], token_ids: Tensor,
+              params: list[SamplingParams]) -> list[Logprob | None]:
+    """`raw`: the unprocessed logits of `rows`, the rows that asked for logprobs."""
     result: list[Logprob | None] = [None] * len(params)
-    if not rows:
+    if raw is None:
         return result
     index = torch.tensor(rows, device=raw.device)
-    log_probs = torch.log_softmax(raw[index], dim=-1)
+    log_probs = torch.log_softmax(raw, dim=-1)
     chosen_ids = token_ids[index]
     chosen = log_probs.gather(1, chosen_ids[:, None])[:, 0].tolist()
     chosen_list = chosen_ids.tolist()

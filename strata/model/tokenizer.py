@@ -104,9 +104,10 @@ class Tokenizer:
         return self._template is not None
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render `messages` into prompt text with the model's chat template."""
+        """Render `messages` (and `tools`) into prompt text with the model's chat template."""
         if self._template is None:
             raise InvalidRequestError(
                 "this model has no chat template; use /v1/completions with a raw prompt",
@@ -114,7 +115,7 @@ class Tokenizer:
             )
         return render_chat(self._template, messages,
                            add_generation_prompt=add_generation_prompt,
-                           bos_token=self.bos_token, eos_token=self.eos_token)
+                           bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
 
 
 def byte_level_bpe(

@@ -48,11 +48,13 @@ def compile_chat_template(source_text: str, source: str) -> jinja2.Template:
 
 def render_chat(template: jinja2.Template, messages: list[dict[str, Any]], *,
                 add_generation_prompt: bool, bos_token: str | None,
-                eos_token: str | None) -> str:
-    """`messages` rendered into prompt text; errors caused by the messages are 400s."""
+                eos_token: str | None, tools: list[dict[str, Any]] | None = None) -> str:
+    """`messages` rendered into prompt text; errors caused by the messages are 400s. `tools`
+    (OpenAI's tool definitions) reach the template as transformers passes them."""
+    extra = {} if tools is None else {"tools": tools}
     try:
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=bos_token or "", eos_token=eos_token or "")
+                               bos_token=bos_token or "", eos_token=eos_token or "", **extra)
     except InvalidRequestError:
         raise
     except (jinja2.TemplateError, TypeError, KeyError, AttributeError, ValueError) as e:

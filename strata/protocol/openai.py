@@ -2,8 +2,9 @@
 
 Requests ignore unknown fields (OpenAI clients send some we do not use) but are strict about types:
 `"n": "2"` or `"stream": 1` is a 400, not a silent coercion. OpenAI features that Strata does not
-implement (tools, logit_bias, structured output, best_of, suffix) are refused with a 400 that names
-them, never silently ignored: a caller relying on them would get wrong answers.
+implement (legacy functions, best_of, suffix, tools on completions) are refused with a 400 that
+names them, never silently ignored: a caller relying on them would get wrong answers. Structured
+output and vLLM's sampling fields live in extensions.py, tool calling in tools.py.
 """
 
 from __future__ import annotations
@@ -12,6 +13,13 @@ import time
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from strata.protocol.extensions import (
+    SamplingExtensions,
+    StructuredOutputFields,
+    unsupported_field,
+)
+from strata.protocol.tools import MessageToolFields, ToolCall, ToolCallDelta, ToolRequestFields
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -36,7 +44,7 @@ class TextPart(_Request):
     text: str
 
 
-class ChatMessage(_Request):
+class ChatMessage(_Request, MessageToolFields):
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -51,7 +59,7 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(_Request, SamplingExtensions, StructuredOutputFields):
     """Fields shared by completions and chat completions (None means the default)."""
 
     model: str | None = None
@@ -75,10 +83,9 @@ class _SamplingFields(_Request):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: object) -> object:
-        if isinstance(data, dict):
-            for name, is_used in _UNSUPPORTED.items():
-                if name in data and is_used(data[name]):
-                    raise ValueError(f"{name} is not supported by Strata; remove it")
+        name = unsupported_field(data, cls.model_fields)
+        if name is not None:
+            raise ValueError(f"{name} is not supported by Strata; remove it")
         return data
 
     @property
@@ -92,30 +99,13 @@ class _SamplingFields(_Request):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-def _is_set(value: object) -> bool:
-    return value not in (None, False, "", [], {})
-
-
-_UNSUPPORTED = {
-    "logit_bias": _is_set,
-    "tools": _is_set,
-    "functions": _is_set,
-    "tool_choice": lambda v: _is_set(v) and v != "none",
-    "function_call": lambda v: _is_set(v) and v != "none",
-    "response_format": lambda v: _is_set(v) and not (isinstance(v, dict)
-                                                      and v.get("type") == "text"),
-    "best_of": lambda v: _is_set(v) and v != 1,
-    "suffix": _is_set,
-}
-
-
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ToolRequestFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     share_system_prompt: bool = False  # cache the leading system message for every tenant
@@ -198,6 +188,7 @@ class ChatLogprobs(_Response):
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(_Response):
@@ -217,6 +208,7 @@ class ChatCompletionResponse(_Envelope):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatStreamChoice(_Response):

@@ -17,8 +17,10 @@ Records cross process boundaries as JSON only (`to_json` / `from_json`); never p
 Release states (a release is driven by exactly one controller at a time, the lease holder):
 
     pending -> starting -> warming -> [canary ->] flipping -> retiring -> done
-                   \\          \\          \\                    (any failure before the flip)
-                    +----------+----------+--> rolling_back -> rolled_back
+                   \\          \\          \\              \\          \\
+                    +----------+----------+--------------+----------+--> rolling_back
+                    (any failure before the flip; a rollback asked for at any step) |
+                                                                         rolled_back <+
     `failed` is terminal for a release that could not even roll back cleanly (reason says why).
 """
 
@@ -29,6 +31,7 @@ from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
 from strata.errors import ConfigError, ConflictError
+from strata.registry.version_health import HealthBoard
 
 
 def split_model_version(text: str) -> tuple[str, str | None]:
@@ -238,8 +241,9 @@ class Release:
 
 
 @runtime_checkable
-class ModelRegistry(Protocol):
-    """Models, versions, routing pointers, deployments and releases.
+class ModelRegistry(HealthBoard, Protocol):
+    """Models, versions, routing pointers, deployments, releases and the gateways' health
+    windows (HealthBoard, registry/version_health.py).
 
     Contract (tests/registry/test_models_contract.py runs it on every backend):
     - `add_version` stores an immutable version; adding an identical record again is a no-op,
@@ -249,6 +253,9 @@ class ModelRegistry(Protocol):
       and raise ConflictError when the stored revision differs. Racing writers: exactly one wins.
     - `put_release` with expected_revision=0 also raises ConflictError while another release of
       the same model is not terminal (one release per model at a time).
+    - `prune_releases(name, keep=N)` deletes the terminal releases of `name` but the newest N
+      (by created_at, release_id) and returns how many it deleted; it never touches one in
+      progress.
     - Lists are sorted: versions by (name, created_at, version), routings by name, deployments
       by key, releases by (created_at, release_id).
     """
@@ -282,6 +289,8 @@ class ModelRegistry(Protocol):
     async def get_release(self, release_id: str) -> Release | None: ...
 
     async def list_releases(self, name: str | None = None) -> list[Release]: ...
+
+    async def prune_releases(self, name: str, *, keep: int) -> int: ...
 
     async def close(self) -> None: ...
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from strata.registry.leases import Lease
@@ -23,6 +24,7 @@ from strata.registry.models_cas import (
     stamp_version,
     version_conflict,
 )
+from strata.registry.version_health import HEALTH_RETENTION_S, HealthWindow
 
 
 class MemoryModelRegistry:
@@ -34,6 +36,7 @@ class MemoryModelRegistry:
         self._routing: dict[str, str] = {}  # name -> JSON
         self._deployments: dict[str, str] = {}  # name@version -> JSON
         self._releases: dict[str, str] = {}  # release_id -> JSON
+        self._health: dict[tuple[str, str], str] = {}  # (name@version, gateway) -> JSON
         self._leases: dict[str, str] = {}  # name -> JSON
 
     # --- versions ---------------------------------------------------------------------------
@@ -115,6 +118,30 @@ class MemoryModelRegistry:
 
     async def list_releases(self, name: str | None = None) -> list[Release]:
         return self._releases_of(name)
+
+    async def prune_releases(self, name: str, *, keep: int) -> int:
+        finished = [r for r in self._releases_of(name) if r.is_terminal]
+        doomed = finished[:max(0, len(finished) - keep)]
+        for release in doomed:
+            del self._releases[release.release_id]
+        return len(doomed)
+
+    # --- health windows -------------------------------------------------------------------------
+
+    async def put_health(self, window: HealthWindow) -> HealthWindow:
+        now = self.clock()
+        stored = replace(window, published_at=now)
+        for key, text in list(self._health.items()):
+            if json.loads(text)["published_at"] < now - HEALTH_RETENTION_S:
+                del self._health[key]
+        self._health[(stored.key, stored.gateway)] = _dump(stored)
+        return stored
+
+    async def list_health(self, name: str, version: str) -> list[HealthWindow]:
+        key, since = f"{name}@{version}", self.clock() - HEALTH_RETENTION_S
+        windows = [HealthWindow.from_json(json.loads(text))
+                   for (k, _), text in sorted(self._health.items()) if k == key]
+        return [w for w in windows if w.published_at >= since]
 
     # --- leases (strata/registry/leases.py) ----------------------------------------------------
 

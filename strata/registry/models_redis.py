@@ -8,12 +8,13 @@
     {prefix}:in_progress:{name}         STRING  the release_id of the model's non-terminal release
     {prefix}:versions, :routings, :deployments, :releases     SETs of the keys' last parts
     {prefix}:releases:{name}            SET     release ids of one model
+    {prefix}:health:{name}@{version}    HASH    gateway -> its health window (JSON)
+    {prefix}:health_at:{name}@{version} ZSET    gateway by published_at (to age windows out)
 
 Every write is one Lua script, so it is atomic on the server: a compare-and-set reads the stored
 revision and writes only when it is the expected one. The release script also keeps
-`in_progress:{name}` (set while a release is not terminal, cleared when it becomes terminal), so
-"one release in progress per model" is checked and taken in the same step. Listing reads the
-index sets, never KEYS.
+`in_progress:{name}` (set while a release is not terminal, cleared once terminal), so "one
+release in progress per model" is checked and taken at once. Listing reads index sets, never KEYS.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from strata.errors import RegistryError
@@ -34,6 +36,7 @@ from strata.registry.models_cas import (
     stamp_version,
     version_conflict,
 )
+from strata.registry.version_health import HEALTH_RETENTION_S, HealthWindow
 from strata.state.redis_db import RedisDatabase
 
 # KEYS: record, index.  ARGV: json, index member.  -> nil when added, else the stored JSON
@@ -82,6 +85,27 @@ redis.call('SREM', KEYS[2], ARGV[2])
 return 1
 """
 
+# KEYS: release, releases, releases of the model, in_progress of the model.  ARGV: release_id.
+# -> 1 when deleted (never the release in progress)
+_DELETE_RELEASE = """
+if redis.call('GET', KEYS[4]) == ARGV[1] then return 0 end
+redis.call('SREM', KEYS[2], ARGV[1])
+redis.call('SREM', KEYS[3], ARGV[1])
+return redis.call('DEL', KEYS[1])
+"""
+# KEYS: health, health_at.  ARGV: gateway, json, published_at, drop before, retention seconds.
+_PUT_HEALTH = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+for _, gateway in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[4])) do
+    redis.call('HDEL', KEYS[1], gateway)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+redis.call('EXPIRE', KEYS[2], ARGV[5])
+return 0
+"""
+
 
 class RedisModelRegistry:
     """A ModelRegistry in a Redis server shared by every process using the same URL and prefix."""
@@ -98,6 +122,8 @@ class RedisModelRegistry:
         self._cas: Any = self._db.script(_CAS)
         self._put_release: Any = self._db.script(_PUT_RELEASE)
         self._delete_if: Any = self._db.script(_DELETE_IF)
+        self._delete_release: Any = self._db.script(_DELETE_RELEASE)
+        self._put_health: Any = self._db.script(_PUT_HEALTH)
 
     # --- versions ---------------------------------------------------------------------------
 
@@ -188,6 +214,27 @@ class RedisModelRegistry:
                     for t in await self._records(index, "release")]
         return sorted(releases, key=lambda r: (r.created_at, r.release_id))
 
+    async def prune_releases(self, name: str, *, keep: int) -> int:
+        finished = [r.release_id for r in await self.list_releases(name) if r.is_terminal]
+        return sum([await self._delete_finished(name, release_id)
+                    for release_id in finished[:max(0, len(finished) - keep)]])
+
+    # --- health windows -------------------------------------------------------------------------
+
+    async def put_health(self, window: HealthWindow) -> HealthWindow:
+        stored = replace(window, published_at=self.clock())
+        keys = [self._key("health", stored.key), self._key("health_at", stored.key)]
+        args = [stored.gateway, _dump(stored), repr(stored.published_at),
+                repr(stored.published_at - HEALTH_RETENTION_S), int(HEALTH_RETENTION_S)]
+        await self._db.call(lambda: self._put_health(keys=keys, args=args))
+        return stored
+
+    async def list_health(self, name: str, version: str) -> list[HealthWindow]:
+        key = self._key("health", f"{name}@{version}")
+        texts: dict[str, str] = await self._db.call(lambda: self._client.hgetall(key))
+        windows = [HealthWindow.from_json(json.loads(texts[g])) for g in sorted(texts)]
+        return [w for w in windows if w.published_at >= self.clock() - HEALTH_RETENTION_S]
+
     # --- leases (strata/registry/leases.py) ----------------------------------------------------
 
     async def get_lease(self, name: str) -> Lease | None:
@@ -215,6 +262,12 @@ class RedisModelRegistry:
         if int(stored) != -1:
             raise stale(kind, key, expected_revision, int(stored))
 
+    async def _delete_finished(self, name: str, release_id: str) -> int:
+        keys = [self._key("release", release_id), self._key("releases"),
+                self._key("releases", name), self._key("in_progress", name)]
+        return int(await self._db.call(lambda: self._delete_release(keys=keys,
+                                                                    args=[release_id])))
+
     async def _record(self, key: str) -> str | None:
         text: str | None = await self._db.call(lambda: self._client.hget(key, "record"))
         return text
@@ -240,7 +293,7 @@ class RedisModelRegistry:
         return texts
 
 
-def _dump(record: ModelVersion | ModelRouting | Deployment | Release | Lease) -> str:
+def _dump(record: ModelVersion | ModelRouting | Deployment | Release | HealthWindow | Lease) -> str:
     return json.dumps(record.to_json())
 
 

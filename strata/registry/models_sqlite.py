@@ -1,12 +1,13 @@
 """The SQLite ModelRegistry: one file, many processes on one machine (`strata up`).
 
-Five tables, one JSON document per row plus the columns the writes test. It may share the
+Six tables, one JSON document per row plus the columns the writes test. It may share the
 instance registry's file (whose table is `instances`), so a cluster keeps one registry.db.
 
     model_versions  (name, version) -> created_at, record        INSERT only: immutable
     model_routing   name -> revision, record                     compare-and-set
     deployments     key (name@version) -> revision, record       compare-and-set; deleted
     releases        release_id -> name, revision, created_at, is_terminal, record
+    version_health  (key name@version, gateway) -> published_at, record     upserted; aged out
     leases          name -> revision, record                     compare-and-set
 
 A compare-and-set is one statement: `UPDATE ... WHERE key = ? AND revision = ?`, or for
@@ -23,6 +24,7 @@ import json
 import sqlite3
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,6 +39,7 @@ from strata.registry.models_cas import (
     stamp_version,
     version_conflict,
 )
+from strata.registry.version_health import HEALTH_RETENTION_S, HealthWindow
 from strata.state.sqlite_db import SqliteDatabase
 
 T = TypeVar("T")
@@ -54,8 +57,15 @@ _SCHEMA = (
     "record TEXT NOT NULL)",
     "CREATE UNIQUE INDEX IF NOT EXISTS releases_one_in_progress ON releases (name) "
     "WHERE is_terminal = 0",
+    "CREATE TABLE IF NOT EXISTS version_health (key TEXT NOT NULL, gateway TEXT NOT NULL, "
+    "published_at REAL NOT NULL, record TEXT NOT NULL, PRIMARY KEY (key, gateway))",
     "CREATE TABLE IF NOT EXISTS leases (name TEXT PRIMARY KEY, revision INTEGER NOT NULL, "
     "record TEXT NOT NULL)",
+)
+_PRUNE_RELEASES = (
+    "DELETE FROM releases WHERE name = ?1 AND is_terminal = 1 AND release_id NOT IN "
+    "(SELECT release_id FROM releases WHERE name = ?1 AND is_terminal = 1 "
+    "ORDER BY created_at DESC, release_id DESC LIMIT ?2)"
 )
 
 
@@ -169,6 +179,31 @@ class SqliteModelRegistry:
                                   "ORDER BY created_at, release_id", params)
         return [Release.from_json(json.loads(r)) for r in rows]
 
+    async def prune_releases(self, name: str, *, keep: int) -> int:
+        return int(await self._db.call(
+            lambda c: c.execute(_PRUNE_RELEASES, (name, max(0, keep))).rowcount))
+
+    # --- health windows -------------------------------------------------------------------------
+
+    async def put_health(self, window: HealthWindow) -> HealthWindow:
+        stored = replace(window, published_at=self.clock())
+
+        def write(conn: Conn) -> None:
+            conn.execute("DELETE FROM version_health WHERE published_at < ?",
+                         (stored.published_at - HEALTH_RETENTION_S,))
+            conn.execute("INSERT OR REPLACE INTO version_health (key, gateway, published_at, "
+                         "record) VALUES (?, ?, ?, ?)",
+                         (stored.key, stored.gateway, stored.published_at, _dump(stored)))
+
+        await self._db.transaction(write)
+        return stored
+
+    async def list_health(self, name: str, version: str) -> list[HealthWindow]:
+        rows = await self._select("SELECT record FROM version_health WHERE key = ? AND "
+                                  "published_at >= ? ORDER BY gateway",
+                                  (f"{name}@{version}", self.clock() - HEALTH_RETENTION_S))
+        return [HealthWindow.from_json(json.loads(r)) for r in rows]
+
     # --- leases (strata/registry/leases.py) ----------------------------------------------------
 
     async def get_lease(self, name: str) -> Lease | None:
@@ -226,7 +261,7 @@ def _one(conn: Conn, sql: str, params: tuple[Any, ...]) -> Any:
     return None if row is None else row[0]
 
 
-def _dump(record: ModelVersion | ModelRouting | Deployment | Release | Lease) -> str:
+def _dump(record: ModelVersion | ModelRouting | Deployment | Release | HealthWindow | Lease) -> str:
     return json.dumps(record.to_json())
 
 

@@ -26,6 +26,7 @@ class ReleaseConfig:
     canary_max_error_rate: float = 0.05
     canary_max_ttft_p99_ratio: float = 2.0  # canary TTFT p99 / live TTFT p99
     propagation_s: float = 1.0  # after a flip, before the old version is retired
+    keep_releases: int = 20  # finished releases kept per model (older ones are deleted)
 
     def __post_init__(self) -> None:
         for name in ("ready_timeout_s", "retire_timeout_s", "poll_s", "lease_s",
@@ -37,6 +38,8 @@ class ReleaseConfig:
         if self.lease_s < 2 * self.poll_s:
             raise ConfigError(f"release lease_s ({self.lease_s}) must be at least 2 x poll_s "
                               f"({self.poll_s}) so that the lease is renewed before it lapses")
+        if self.keep_releases < 1:
+            raise ConfigError(f"release keep_releases must be >= 1, got {self.keep_releases}")
         if self.canary_min_requests < 1:
             raise ConfigError("release canary_min_requests must be >= 1, "
                               f"got {self.canary_min_requests}")
@@ -53,7 +56,7 @@ class VersionHealth:
 
 
 Warm = Callable[[InstanceRecord], Awaitable[None]]  # one real request; raises on failure
-HealthOf = Callable[[str, str], VersionHealth]  # (name, version) -> recent health
+HealthOf = Callable[[str, str], Awaitable[VersionHealth]]  # (name, version) -> recent health
 
 
 def judge_canary(name: str, version: str, canary: VersionHealth, live: VersionHealth,

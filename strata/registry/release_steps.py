@@ -13,15 +13,14 @@ from dataclasses import replace
 from strata.errors import ConflictError, ReleaseSupersededError, StrataError
 from strata.registry.base import Registry
 from strata.registry.models import (
-    Deployment,
     DeploymentState,
     ModelRegistry,
-    ModelRouting,
     Release,
     ReleaseState,
     Strategy,
 )
 from strata.registry.records import InstanceRecord, InstanceState
+from strata.registry.release_effects import ReleaseEffects
 from strata.registry.release_policy import HealthOf, ReleaseConfig, Warm, judge_canary
 
 S = ReleaseState
@@ -35,7 +34,8 @@ class ReleaseSteps:
     def __init__(self, models: ModelRegistry, instances: Registry, *, owner: str, warm: Warm,
                  health: HealthOf | None, config: ReleaseConfig, clock: Callable[[], float],
                  sleep: Callable[[float], Awaitable[None]]) -> None:
-        self.models, self.instances, self.owner = models, instances, owner
+        self.models, self.owner = models, owner
+        self.effects = ReleaseEffects(models, instances)
         self.warm, self.health, self.config = warm, health, config
         self.clock, self.sleep = clock, sleep
 
@@ -61,21 +61,22 @@ class ReleaseSteps:
     # --- the handlers, one per state ------------------------------------------------------------
 
     async def _deploy(self, release: Release) -> Release:
-        await self._put_deployment(release.name, release.to_version, DeploymentState.ACTIVE,
+        await self.effects.put_deployment(release.name, release.to_version, DeploymentState.ACTIVE,
                                    release.replicas)
         return await self._move(release, S.STARTING)
 
     async def _await_ready(self, release: Release) -> Release:
-        release, is_ready = await self._wait_ready(release)
-        if not is_ready:
-            return await self._move(release, S.ROLLING_BACK, await self._not_ready(release))
+        release, not_ready = await self._wait_new_ready(release)
+        if not_ready:
+            return await self._move(release, S.ROLLING_BACK, not_ready)
         return await self._move(release, S.WARMING)
 
     async def _warm_up(self, release: Release) -> Release:
-        release, is_ready = await self._wait_ready(release)  # again: one may have died since
-        if not is_ready:
-            return await self._move(release, S.ROLLING_BACK, await self._not_ready(release))
-        ready = await self._instances(release.name, release.to_version, InstanceState.READY)
+        release, not_ready = await self._wait_new_ready(release)  # again: one may have died
+        if not_ready:
+            return await self._move(release, S.ROLLING_BACK, not_ready)
+        ready = await self.effects.instances(release.name, release.to_version,
+                                             InstanceState.READY)
         release, failure = await self._warm_all(release, ready)
         if failure:
             return await self._move(release, S.ROLLING_BACK, failure)
@@ -84,12 +85,12 @@ class ReleaseSteps:
 
     async def _watch_canary(self, release: Release) -> Release:
         to, weight = release.to_version, release.canary_weight
-        await self._update_routing(release.name, lambda r: None if (
+        await self.effects.update_routing(release.name, lambda r: None if (
             r.canary == to and r.canary_weight == weight) else replace(
             r, canary=to, canary_weight=weight))
         window_end = self._entered(release, S.CANARY) + self.config.canary_window_s
         while True:
-            verdict = self._judge(release)
+            verdict = await self._canary_lost(release) or await self._judge(release)
             if verdict:
                 return await self._move(release, S.ROLLING_BACK, verdict)
             if self.clock() >= window_end:
@@ -98,7 +99,7 @@ class ReleaseSteps:
 
     async def _flip(self, release: Release) -> Release:
         to = release.to_version
-        routing, wrote = await self._update_routing(
+        routing, wrote = await self.effects.update_routing(
             release.name, lambda r: None if r.live == to else r.flipped_to(to))
         flipped_at = self.clock() if wrote else routing.updated_at
         stats = {"flipped_at": flipped_at}
@@ -124,18 +125,45 @@ class ReleaseSteps:
         return await self._move(release, S.DONE, note)
 
     async def _roll_back(self, release: Release) -> Release:
-        to = release.to_version
+        to, old = release.to_version, release.from_version
         routing = await self.models.get_routing(release.name)
         if routing is not None and routing.live == to:
-            return await self._move(release, S.FAILED, (
-                f"{release.name}@{to} is live (the routing changed outside this release); "
-                "it was not rolled back"))
-        await self._update_routing(release.name, lambda r: None if r.canary != to else replace(
-            r, canary=None, canary_weight=0.0))
-        deadline = self._entered(release, S.ROLLING_BACK) + self.config.retire_timeout_s
-        release, note = await self._retire(release, to, deadline)
+            if old is None or not _has_flipped(release):
+                return await self._move(release, S.FAILED, (
+                    f"{release.name}@{to} is live (the routing changed outside this release); "
+                    "it was not rolled back"))
+            release, failure = await self._flip_back(release, old)
+            if failure:
+                return await self._move(release, S.FAILED, failure)
+        await self.effects.update_routing(release.name, lambda r: None if r.canary != to else
+                                          replace(r, canary=None, canary_weight=0.0))
+        since = release.stats.get("flipped_back_at", self._entered(release, S.ROLLING_BACK))
+        release, note = await self._retire(release, to, since + self.config.retire_timeout_s)
         return await self._move(release, S.ROLLED_BACK,
                                 f"{release.reason}; {note}" if note else "")
+
+    async def _flip_back(self, release: Release, old: str) -> tuple[Release, str]:
+        """Undo this release's flip: name@old serving again (its deployment ACTIVE, its
+        instances READY, started anew where they had drained, and warmed), then live flipped
+        back to it. "" or why it could not (name@old retires again; name@to stays live)."""
+        name = release.name
+        current = await self.effects.deployment(name, old)
+        replicas = current.replicas if current is not None and current.replicas else (
+            release.replicas)
+        await self.effects.put_deployment(name, old, DeploymentState.ACTIVE, replicas)
+        deadline = self._entered(release, S.ROLLING_BACK) + self.config.ready_timeout_s
+        release, failure = await self._wait_ready(release, old, replicas, deadline)
+        if not failure:
+            ready = await self.effects.instances(name, old, InstanceState.READY)
+            release, failure = await self._warm_all(release, ready)
+        if failure:
+            await self.effects.put_deployment(name, old, DeploymentState.RETIRING, None)
+            return release, (f"rollback failed: {failure}; {name}@{release.to_version} stays "
+                             "live")
+        await self.effects.update_routing(
+            name, lambda r: None if r.live == old else r.flipped_to(old))
+        return await self.write(replace(release, stats={**release.stats,
+                                                        "flipped_back_at": self.clock()})), ""
 
     # --- shared pieces --------------------------------------------------------------------------
 
@@ -167,18 +195,23 @@ class ReleaseSteps:
             release = await self._tick(release)
         return release, True
 
-    async def _wait_ready(self, release: Release) -> tuple[Release, bool]:
-        async def all_ready() -> bool:
-            ready = await self._instances(release.name, release.to_version, InstanceState.READY)
-            return len(ready) >= release.replicas
-
+    async def _wait_new_ready(self, release: Release) -> tuple[Release, str]:
         deadline = self._entered(release, S.STARTING) + self.config.ready_timeout_s
-        return await self._wait(release, all_ready, deadline)
+        return await self._wait_ready(release, release.to_version, release.replicas, deadline)
 
-    async def _not_ready(self, release: Release) -> str:
-        ready = await self._instances(release.name, release.to_version, InstanceState.READY)
-        return (f"{len(ready)} of {release.replicas} instances of {release.name}@"
-                f"{release.to_version} ready after ready_timeout_s={self.config.ready_timeout_s}")
+    async def _wait_ready(self, release: Release, version: str, replicas: int,
+                          deadline: float) -> tuple[Release, str]:
+        """Wait until `replicas` instances of name@version are READY; "" or why not."""
+        async def num_ready() -> int:
+            return len(await self.effects.instances(release.name, version, InstanceState.READY))
+
+        async def all_ready() -> bool:
+            return await num_ready() >= replicas
+
+        release, is_ready = await self._wait(release, all_ready, deadline)
+        return release, "" if is_ready else (
+            f"{await num_ready()} of {replicas} instances of {release.name}@{version} ready "
+            f"after ready_timeout_s={self.config.ready_timeout_s}")
 
     async def _warm_all(self, release: Release,
                         records: list[InstanceRecord]) -> tuple[Release, str]:
@@ -206,78 +239,50 @@ class ReleaseSteps:
         return (f"warming {record.model_version} on instance {record.instance_id} failed "
                 f"{WARM_ATTEMPTS} times; last: {error}")
 
-    def _judge(self, release: Release) -> str:
+    async def _canary_lost(self, release: Release) -> str:
+        """Why the canary must roll back because one of its instances stopped serving (it
+        died, or its launcher restarted it): the gateways count no request of a version that
+        has no instance to take it, so a crashing canary could look merely quiet."""
+        ready = await self.effects.instances(release.name, release.to_version,
+                                             InstanceState.READY)
+        if len(ready) >= release.replicas:
+            return ""
+        return (f"canary {release.name}@{release.to_version}: {len(ready)} of "
+                f"{release.replicas} instances ready during the canary window (an instance "
+                "died or was restarted)")
+
+    async def _judge(self, release: Release) -> str:
         if self.health is None or release.from_version is None:
             return ""  # nothing to compare with: the window alone decides
-        return judge_canary(release.name, release.to_version,
-                            self.health(release.name, release.to_version),
-                            self.health(release.name, release.from_version), self.config)
+        canary = await self.health(release.name, release.to_version)
+        live = await self.health(release.name, release.from_version)
+        return judge_canary(release.name, release.to_version, canary, live, self.config)
 
     async def _retire(self, release: Release, version: str,
                       deadline: float) -> tuple[Release, str]:
         """Mark name@version RETIRING and wait until its instances are gone; "" or a note."""
-        await self._put_deployment(release.name, version, DeploymentState.RETIRING, None)
+        await self.effects.put_deployment(release.name, version, DeploymentState.RETIRING, None)
 
         async def gone() -> bool:
-            return not await self._instances(release.name, version)
+            return not await self.effects.instances(release.name, version)
 
         release, is_gone = await self._wait(release, gone, deadline)
         if is_gone:
             return release, ""
-        left = len(await self._instances(release.name, version))
+        left = len(await self.effects.instances(release.name, version))
         return release, (f"{left} instance(s) of {release.name}@{version} still up after "
                          f"retire_timeout_s={self.config.retire_timeout_s}; the launcher "
                          "retires them")
-
-    async def _instances(self, name: str, version: str,
-                         state: InstanceState | None = None) -> list[InstanceRecord]:
-        """name@version's instances in `state` (None: any but DEAD, whose heartbeat stopped)."""
-        return [r for r in await self.instances.list_instances()
-                if r.model == name and r.version == version
-                and (r.state is state if state is not None else r.state is not InstanceState.DEAD)]
-
-    async def _put_deployment(self, name: str, version: str, state: DeploymentState,
-                              replicas: int | None) -> None:
-        """Make name@version's deployment `state` (replicas None: keep them). Idempotent; a
-        RETIRING one that is already gone (the launcher deletes it) is not brought back."""
-        while True:
-            current = next((d for d in await self.models.list_deployments()
-                            if d.name == name and d.version == version), None)
-            if current is None:
-                if state is DeploymentState.RETIRING and not await self._instances(name, version):
-                    return
-                wanted, expected = Deployment(name, version, replicas or 0, state), 0
-            else:
-                wanted = replace(current, state=state,
-                                 replicas=current.replicas if replicas is None else replicas)
-                if wanted == current:
-                    return
-                expected = current.revision
-            try:
-                await self.models.put_deployment(wanted, expected_revision=expected)
-                return
-            except ConflictError:
-                continue  # a launcher or another controller wrote it: decide again
-
-    async def _update_routing(self, name: str, change: Callable[[ModelRouting],
-                              ModelRouting | None]) -> tuple[ModelRouting, bool]:
-        """Apply `change` (None: nothing to do) by CAS, re-reading on conflict; the routing as
-        stored and whether this call wrote it."""
-        while True:
-            current = await self.models.get_routing(name) or ModelRouting(name=name)
-            wanted = change(current)
-            if wanted is None:
-                return current, False
-            try:
-                return await self.models.set_routing(wanted,
-                                                     expected_revision=current.revision), True
-            except ConflictError:
-                continue
 
     def _entered(self, release: Release, state: ReleaseState) -> float:
         """When `release` last entered `state` (its history survives a controller crash)."""
         times = [at for name, at in release.history if name == state.value]
         return times[-1] if times else release.updated_at
+
+
+def _has_flipped(release: Release) -> bool:
+    """Whether the release reached its flip (the live pointer may be its own doing)."""
+    return any(state == S.FLIPPING.value for state, _ in release.history)
 
 
 __all__ = ["WARM_ATTEMPTS", "ReleaseSteps"]

@@ -5,13 +5,20 @@
     request_rollback(name)  roll back the release in progress, or release `previous` again
     resumable()             releases whose controller stopped renewing its lease
 
+A finished release is kept (its history and reason) among the newest `keep_releases` of its
+model; older ones are deleted when another finishes, so the list every dashboard reads stays
+short.
+
 Each state names the step in progress; its handler does that step idempotently (it first
 checks what is already done), then moves on with one compare-and-set write of the release:
 
     pending ──> starting ──> warming ──┬──────────────────> flipping ──> retiring ──> done
-       │           │            │      └──> canary ──┬──────────^
-       │           │            │                    │
-       └───────────┴────────────┴────────────────────┴──> rolling_back ──> rolled_back
+       │           │            │      └──> canary ──┬──────────^   │          │
+       │           │            │                    │              │          │
+       └───────────┴────────────┴────────────────────┴──────────────┴──────────┘
+                                      │       (after the flip: only on request_rollback)
+                                      v
+                               rolling_back ──> rolled_back
 
     pending       write name@to's deployment ACTIVE with `replicas`
     starting      wait until `replicas` instances of name@to are READY (ready_timeout_s)
@@ -20,10 +27,14 @@ checks what is already done), then moves on with one compare-and-set write of th
     flipping      routing.live := to (previous := from, canary cleared): one atomic write
     retiring      propagation_s after the flip, name@from's deployment RETIRING; wait until
                   its instances are gone (retire_timeout_s, then done with a note)
-    rolling_back  after a ready timeout, a failed warm, a bad canary or request_rollback, all
+    rolling_back  after a ready timeout, a failed warm, a bad canary or request_rollback
                   before the flip: the canary cleared (live stays `from`), name@to RETIRING,
-                  wait until its instances are gone
-    failed        terminal: the routing pointer contradicts the release (changed outside it)
+                  wait until its instances are gone. After the flip (request_rollback while
+                  flipping or retiring): first name@from ACTIVE again, its instances READY
+                  (started anew where they had drained) and warmed, live flipped back to it
+                  (previous := to); then name@to retires the same way
+    failed        terminal: the routing pointer contradicts the release (changed outside it),
+                  or a rollback after the flip could not bring name@from back (to stays live)
 
 A release is driven by one controller at a time, the lease holder (`owner`, `lease_until`):
 every write renews the lease, and a waiting step renews it every poll. A write that loses its
@@ -121,23 +132,25 @@ class ReleaseController:
                     release = changed.release
                     if release.owner != self.owner:
                         return release  # another controller took it over
+            await self.models.prune_releases(release.name, keep=self.config.keep_releases)
             return release
         finally:
             self._driving.discard(release_id)
 
     async def request_rollback(self, name: str) -> Release:
-        """Roll back `name`: the release in progress when it has not flipped yet (its driver
-        continues from ROLLING_BACK), else a new blue-green release of the previous version."""
+        """Roll back `name`: the release in progress (its driver continues from ROLLING_BACK;
+        past the flip, that flips live back once the old version serves again), else a new
+        blue-green release of the previous version."""
         while True:
             current = await self._in_progress(name)
             if current is None:
                 break
             if current.state is S.ROLLING_BACK:
                 return current
-            if current.state not in BEFORE_FLIP:
-                raise ConflictError(
-                    f"release {current.release_id} has already flipped {name} to "
-                    f"{current.to_version} ({current.state}); roll back once it is done")
+            if current.from_version is None and current.state not in BEFORE_FLIP:
+                raise InvalidRequestError(
+                    f"release {current.release_id} is the first of {name}: {current.to_version} "
+                    "is live and there is no earlier version to roll back to")
             moved = current.moved_to(S.ROLLING_BACK, self.clock(), ROLLBACK_REQUESTED)
             try:  # owner and lease stay: the driver (or a resumer) continues from here
                 return await self.models.put_release(moved, expected_revision=current.revision)

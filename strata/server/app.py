@@ -14,11 +14,11 @@ every error leaves through one table (errors.py). Middleware, outermost first: `
 (`strata.protocol.request_id`), API keys (`strata.protocol.auth`), `X-Model-Version`, the body
 limit (body_limit.py).
 
-Draining (`Instance.is_draining`, set by POST /admin/drain or the lifespan shutdown): new
-requests get 503 with Retry-After while in-flight ones finish. uvicorn's graceful shutdown waits
-for open connections before the lifespan shutdown stops the engine, so streams in flight
-complete. With a `Registration`, the lifespan keeps the instance in the registry; a drain
-reports DRAINING and deregisters once no request is in flight.
+Draining (`Instance.is_draining`, set by POST /admin/drain, by `strata serve` as soon as it is
+told to stop, or by the lifespan shutdown): new requests get 503 with Retry-After while in-flight
+ones finish. uvicorn's graceful shutdown waits for open connections before the lifespan shutdown
+stops the engine, so streams in flight complete. With a `Registration`, the lifespan keeps the
+instance in the registry; a drain reports DRAINING and deregisters once no request is in flight.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from strata.errors import ConfigError
+from strata.model.generation_defaults import GenerationDefaults
 from strata.server.pd_config import PDConfig
 from strata.state.kv_store import KVStoreLimits
 
@@ -45,6 +46,8 @@ class ServerConfig:
     kv_max_put_bytes: int = 256 << 20
     kv_min_fetch_tokens: int = 256
     kv_redis_maxmemory_bytes: int | None = None  # set: CONFIG SET maxmemory + allkeys-lru
+    # the model's sampling defaults for fields a request leaves out (--generation-config auto)
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     pd: PDConfig = field(default_factory=PDConfig)  # prefill/decode hand-off (pd_state.py)
 
     def __post_init__(self) -> None:

@@ -33,6 +33,7 @@ from strata.protocol.resume import RESUMABLE_HEADER, RESUME_PATH, ResumeFinish, 
 from strata.server import serving
 from strata.server import sessions as sess
 from strata.server import translate as tr
+from strata.server.constrain import plan_choices
 from strata.server.generation import ChoiceState, Generation, start
 from strata.server.instance import Instance, check_model, instance_of
 from strata.server.request_io import SSEResponse, parse_body, unless_disconnected
@@ -104,10 +105,11 @@ def _frames(ctx: ServingContext, started: Started,
 async def _start(ctx: ServingContext, body: ResumeRequest, req: ClientRequest) -> Started:
     tr.check_common_limits(req, ctx.config)
     prompt, sent = body.prompt_token_ids, body.output_token_ids
+    tools, (constraint,) = await plan_choices(ctx.grammar, req, 1)  # advanced past `sent`
     if isinstance(req, ChatCompletionRequest):
-        params = serving.chat_params(ctx, req, len(prompt), 0)
+        params = serving.chat_params(ctx, req, len(prompt), 0, constraint)
     else:
-        params = serving.completion_params(ctx, req, len(prompt), 0)
+        params = serving.completion_params(ctx, req, len(prompt), 0, constraint)
     num_public = tr.public_prefix_tokens(req, prompt, ctx.tokenizer) \
         if isinstance(req, ChatCompletionRequest) else 0
     request = tr.engine_request(tr.new_id("resume"), prompt, params, req, ctx.tokenizer,
@@ -126,7 +128,7 @@ async def _start(ctx: ServingContext, body: ResumeRequest, req: ClientRequest) -
     echo = ctx.tokenizer.decode(prompt) if isinstance(req, CompletionRequest) and req.echo else ""
     offset = len(echo) + sum(len(ctx.tokenizer.id_to_token_text(t)) for t in sent)
     return Started(body.id, req.model or ctx.config.served_model_name, generation, [""],
-                   body.created, prompt, is_resumed=True, offsets=[offset])
+                   body.created, prompt, is_resumed=True, offsets=[offset], tools=tools)
 
 
 def _finished(ctx: ServingContext, request: EngineRequest, finish: ResumeFinish) -> Generation:

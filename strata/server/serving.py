@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 from strata import __version__
+from strata.engine.constraint import TokenConstraint
 from strata.engine.outputs import RequestOutput
 from strata.engine.request import FinishReason, Request, SamplingParams
 from strata.errors import EngineDeadError, RequestFailedError, StrataError
@@ -22,7 +23,6 @@ from strata.protocol.openai import (
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
     ChatLogprobs,
-    ChatResponseMessage,
     ChatStreamChoice,
     CompletionChoice,
     CompletionRequest,
@@ -34,11 +34,14 @@ from strata.protocol.sse import DONE_FRAME, encode_event
 from strata.server import translate as tr
 from strata.server.async_engine import AsyncEngine
 from strata.server.config import ServerConfig
+from strata.server.constrain import plan_choices
 from strata.server.errors import map_exception
 from strata.server.generation import ChoiceState, Generation, Prepare, start, usage
 from strata.server.kv_offload import KVOffload
 from strata.server.metrics import ServerMetrics
 from strata.server.stream_marks import Marks
+from strata.server.structured import GrammarService
+from strata.server.tools import StreamedAnswer, ToolPlan, answer, with_calls
 
 
 def fingerprint(config: ServerConfig) -> str:
@@ -55,9 +58,13 @@ class ServingContext:
     clock: Callable[[], float] = time.monotonic
     kv_offload: KVOffload | None = None  # set by the app's lifespan when KV offload is on
     fingerprint: str = field(init=False)  # of every response and chunk: computed once
+    grammar: GrammarService = field(init=False)  # structured output and forced tool calls
 
     def __post_init__(self) -> None:
         self.fingerprint = fingerprint(self.config)
+        self.grammar = GrammarService(self.tokenizer, getattr(self.engine.engine, "vocab_size",
+                                                              None),
+                                      simulated=self.config.simulated)
 
 
 @dataclass(slots=True)
@@ -74,28 +81,33 @@ class Started:
     prompt_token_ids: list[int] = field(default_factory=list)  # the first prompt's
     is_resumed: bool = False
     offsets: list[int] | None = None
+    tools: ToolPlan = field(default_factory=ToolPlan)
 
 
 def completion_params(ctx: ServingContext, req: CompletionRequest, num_prompt_tokens: int,
-                      choice: int) -> SamplingParams:
-    """The sampling of one choice of a completion (a resumed one gets the same)."""
+                      choice: int, constraint: TokenConstraint | None = None) -> SamplingParams:
+    """The sampling of one choice of a completion (a resumed one gets the same); fields left
+    out take the model's defaults."""
     num_logprobs = tr.completion_num_logprobs(req, ctx.config)
-    max_tokens = tr.resolve_max_tokens(req.max_tokens, tr.COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                       num_prompt_tokens, ctx.engine.max_model_len)
+    defaults = ctx.config.generation_defaults
+    max_tokens = tr.resolve_max_tokens(
+        req.max_tokens, defaults.max_tokens or tr.COMPLETIONS_DEFAULT_MAX_TOKENS,
+        num_prompt_tokens, ctx.engine.max_model_len)
     return tr.sampling_params(req, max_tokens=max_tokens, num_logprobs=num_logprobs,
-                              choice=choice)
+                              choice=choice, constraint=constraint, defaults=defaults)
 
 
 def chat_params(ctx: ServingContext, req: ChatCompletionRequest, num_prompt_tokens: int,
-                choice: int) -> SamplingParams:
+                choice: int, constraint: TokenConstraint | None = None) -> SamplingParams:
     """The sampling of one choice of a chat completion (a resumed one gets the same)."""
     num_logprobs = tr.chat_num_logprobs(req, ctx.config)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
-    max_tokens = tr.resolve_max_tokens(requested, None, num_prompt_tokens,
+    defaults = ctx.config.generation_defaults
+    max_tokens = tr.resolve_max_tokens(requested, defaults.max_tokens, num_prompt_tokens,
                                        ctx.engine.max_model_len)
     return tr.sampling_params(req, max_tokens=max_tokens, num_logprobs=num_logprobs,
-                              choice=choice)
+                              choice=choice, constraint=constraint, defaults=defaults)
 
 
 async def start_completion(ctx: ServingContext, req: CompletionRequest,
@@ -107,8 +119,8 @@ async def start_completion(ctx: ServingContext, req: CompletionRequest,
     rid = tr.new_id("cmpl")
     arrival = ctx.clock()
     for p, prompt in enumerate(prompts):
-        for j in range(req.n):
-            params = completion_params(ctx, req, len(prompt), j)
+        for j, constraint in enumerate((await plan_choices(ctx.grammar, req, req.n))[1]):
+            params = completion_params(ctx, req, len(prompt), j, constraint)
             requests.append(tr.engine_request(f"{rid}-{len(requests)}", prompt, params, req,
                                               ctx.tokenizer, arrival))
             indices.append(p)
@@ -122,16 +134,17 @@ async def start_completion(ctx: ServingContext, req: CompletionRequest,
 async def start_chat(ctx: ServingContext, req: ChatCompletionRequest,
                      prepare: Prepare | None = None) -> Started:
     tr.check_common_limits(req, ctx.config)
-    prompt = tr.chat_prompt(req.messages, ctx.tokenizer)
+    tools, constraints = await plan_choices(ctx.grammar, req, req.n)
+    prompt = tr.chat_prompt(req.messages, ctx.tokenizer, tools=tools.template_tools)
     rid, arrival = tr.new_id("chatcmpl"), ctx.clock()
     num_public = tr.public_prefix_tokens(req, prompt, ctx.tokenizer)
-    requests = [tr.engine_request(f"{rid}-{j}", prompt, chat_params(ctx, req, len(prompt), j),
+    requests = [tr.engine_request(f"{rid}-{j}", prompt, chat_params(ctx, req, len(prompt), j, c),
                                   req, ctx.tokenizer, arrival, num_public)
-                for j in range(req.n)]
+                for j, c in enumerate(constraints)]
     generation = await start(ctx.engine, requests, [0] * req.n, ctx.metrics, ctx.clock,
                              ctx.kv_offload, prepare)
     return Started(rid, req.model or ctx.config.served_model_name, generation,
-                   [""] * req.n, int(time.time()), prompt)
+                   [""] * req.n, int(time.time()), prompt, tools=tools)
 
 
 async def _collect(ctx: ServingContext, started: Started) -> list[ChoiceState]:
@@ -180,8 +193,9 @@ async def chat_response(ctx: ServingContext, started: Started,
     for c in choices:
         lps = ChatLogprobs(content=tr.chat_logprobs(c.logprobs, ctx.tokenizer)) \
             if with_logprobs else None
-        out.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              logprobs=lps, finish_reason=c.finish_reason,
+        message, called = answer(c.text, started.tools)
+        out.append(ChatChoice(index=c.index, message=message, logprobs=lps,
+                              finish_reason=with_calls(c.finish_reason, called),
                               stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=started.id, created=started.created, model=started.model,
                                   choices=out, usage=usage(choices),
@@ -234,6 +248,9 @@ async def chat_stream(ctx: ServingContext, started: Started, with_logprobs: bool
             id=started.id, created=started.created, model=started.model, choices=items,
             system_fingerprint=ctx.fingerprint))
 
+    answers = [StreamedAnswer(started.tools) for _ in choices]
+    if started.is_resumed:  # the parser reads what the first instance sent, sending nothing
+        answers[0].delta(choices[0].text, finished=False)
     for c in choices if not started.is_resumed else []:
         role = chunk([ChatStreamChoice(index=c.index,
                                        delta=DeltaMessage(role="assistant", content=""))])
@@ -243,10 +260,11 @@ async def chat_stream(ctx: ServingContext, started: Started, with_logprobs: bool
         lps = ChatLogprobs(content=tr.chat_logprobs(output.new_logprobs, ctx.tokenizer)) \
             if with_logprobs else None
         frame = b""
-        if output.new_text or output.finished or lps is not None:
-            delta = DeltaMessage(content=output.new_text or None)
-            frame = chunk([ChatStreamChoice(index=i, delta=delta, logprobs=lps,
-                                            finish_reason=_reason(output))])
+        delta = answers[i].delta(output.new_text, output.finished)
+        if delta is not None or output.finished or lps is not None:
+            frame = chunk([ChatStreamChoice(
+                index=i, delta=delta or DeltaMessage(), logprobs=lps,
+                finish_reason=with_calls(_reason(output), answers[i].called))])
         if frame := marks.on(output, frame) if marks is not None else frame:
             yield frame
     if error_frame := _error_frame(ctx, choices):

@@ -6,13 +6,16 @@ at once. Token texts come from the tokenizer: `id_to_token_text` for logprobs.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from itertools import takewhile
 from typing import Protocol, TypeVar
 
+from strata.engine.constraint import TokenConstraint
 from strata.engine.request import INT64_MAX, INT64_MIN, Logprob, Request, SamplingParams
 from strata.errors import InvalidRequestError
+from strata.model.generation_defaults import GenerationDefaults
 from strata.protocol.openai import (
     ChatCompletionRequest,
     ChatLogprobToken,
@@ -26,6 +29,8 @@ from strata.server.config import ServerConfig
 from strata.types import RequestId
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
+NO_DEFAULTS = GenerationDefaults()
+_T = TypeVar("_T")
 
 
 class ServerTokenizer(Protocol):
@@ -41,7 +46,8 @@ class ServerTokenizer(Protocol):
     def id_to_token_text(self, token_id: int) -> str: ...
 
     def apply_chat_template(self, messages: list[dict[str, object]], *,
-                            add_generation_prompt: bool = True) -> str: ...
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, object]] | None = None) -> str: ...
 
 
 def new_id(prefix: str) -> str:
@@ -101,14 +107,29 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, object]]:
         item: dict[str, object] = {"role": m.role, "content": m.text}
         if m.name is not None:
             item["name"] = m.name
+        if m.tool_call_id is not None:
+            item["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:  # arguments as a dict, as templates expect (a string if not JSON)
+            item["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                for c in m.tool_calls]
         out.append(item)
     return out
 
 
+def _arguments(text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def chat_prompt(messages: Sequence[ChatMessage], tokenizer: ServerTokenizer,
-                add_generation_prompt: bool = True) -> list[int]:
+                add_generation_prompt: bool = True,
+                tools: list[dict[str, object]] | None = None) -> list[int]:
     text = tokenizer.apply_chat_template(chat_messages(messages),
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt,
+                                         tools=tools)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -123,14 +144,17 @@ def resolve_max_tokens(requested: int | None, default: int | None, num_prompt: i
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
-                    num_logprobs: int | None, choice: int) -> SamplingParams:
-    """SamplingParams validates the ranges itself (InvalidRequestError naming the param)."""
+                    num_logprobs: int | None, choice: int,
+                    constraint: TokenConstraint | None = None,
+                    defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingParams:
+    """SamplingParams validates the ranges itself (InvalidRequestError naming the param).
+    A field the request leaves out takes the model's default, else Strata's."""
     seed = None if req.seed is None else _choice_seed(req.seed, choice)
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
+        temperature=_first(req.temperature, defaults.temperature, 1.0),
+        top_p=_first(req.top_p, defaults.top_p, 1.0),
+        top_k=_first(req.top_k, defaults.top_k, 0),
         seed=seed,
         stop=tuple(req.stop_list),
         stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -138,7 +162,26 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
         logprobs=num_logprobs,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=_first(req.repetition_penalty, defaults.repetition_penalty, 1.0),
+        min_tokens=req.min_tokens or 0,
+        logit_bias=logit_bias(req.logit_bias),
+        constraint=constraint,
     )
+
+
+def _first(*values: _T | None) -> _T:
+    return next(v for v in values if v is not None)
+
+
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs; the engine checks ids against the
+    vocabulary, SamplingParams the range of the values."""
+    if not bias:
+        return ()
+    try:
+        return tuple((int(k), float(v)) for k, v in bias.items())
+    except ValueError:
+        raise _fail("logit_bias", "keys must be token ids (integers as strings)") from None
 
 
 def _choice_seed(seed: int, choice: int) -> int:

@@ -8,6 +8,10 @@ Simulated instances (a fast synthetic latency profile) keep the stories short an
   retires, then move once, flagged, with their whole history; the response cache never answers
   for v2 with v1's answer;
 - a canary whose TTFT is far worse than live is rolled back automatically;
+- a canary that is slow only for the requests of a gateway that does not drive the release is
+  rolled back (every gateway publishes its canary health to the registry);
+- `strata rollback` while the release retires the old version (one of its instances still
+  draining a long stream) brings the old version back and flips live back to it;
 - the gateway driving a release is SIGKILLed while the release is not finished; restarted by the
   supervisor, it resumes the release from the registry to a consistent end.
 
@@ -44,6 +48,10 @@ FAST = LatencyProfile(model=MODEL, source="synthetic", prefill_ms_base=2.0,
 # other work on the machine makes live's p99 (the slowest of a few dozen requests) spike
 SLOW = LatencyProfile(model=MODEL, source="synthetic", prefill_ms_base=300.0,
                       prefill_ms_per_token=2.0, decode_ms_base=5.0, decode_ms_per_seq=0.1)
+
+# decodes 4x slower than FAST: 2,000 tokens take about 40 s, longer than a release
+STREAMY = LatencyProfile(model=MODEL, source="synthetic", prefill_ms_base=2.0,
+                         prefill_ms_per_token=0.05, decode_ms_base=20.0, decode_ms_per_seq=0.1)
 
 
 @dataclass
@@ -126,13 +134,23 @@ def entered(release: Release, state: str) -> float:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
+def v1_profile() -> LatencyProfile:
+    """The profile of the cluster's first version (a test parametrizes it to change it)."""
+    return FAST
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, v1_profile: LatencyProfile) -> Iterator[Cluster]:
     FAST.save(tmp_path / "fast.json")
+    v1_profile.save(tmp_path / "v1.json")
     SLOW.save(tmp_path / "slow.json")
+    # 3 s from a flip to the retirement of the old version: sessions pinned to it are seen
+    # staying on it after the flip even when the machine is busy and a turn takes a second
     gateway_flags = ["--canary-window-s=5", "--canary-min-requests=8", "--release-lease-s=2",
+                     "--release-propagation-s=3",
                      f"--response-cache=sqlite:///{tmp_path / 'cache.db'}"]
     started = start_cluster(
-        ["--simulate", str(tmp_path / "fast.json"), "--served-model-name", MODEL,
+        ["--simulate", str(tmp_path / "v1.json"), "--served-model-name", MODEL,
          "--model-version", "v1", "--session-store", f"sqlite:///{tmp_path / 'sessions.db'}",
          *(f"--gateway-arg={flag}" for flag in gateway_flags)], tmp_path, replicas=2)
     yield started
@@ -306,3 +324,85 @@ def test_a_gateway_killed_mid_release_is_resumed_to_a_consistent_end(
     answer = httpx.post(f"{cluster.url}/v1/completions", timeout=30,
                         json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
     assert answer.headers["x-model-version"] == f"{MODEL}@v2"
+
+
+def test_a_canary_slow_only_at_another_gateway_is_rolled_back(cluster: Cluster,
+                                                              tmp_path: Path) -> None:
+    gateway2 = second_gateway(cluster)
+    try:
+        add = strata(cluster, "models", "add", f"{MODEL}@v3", f"sim:{tmp_path / 'slow.json'}")
+        assert add.returncode == 0, add.stderr
+        # every request goes through gateway2; the release is driven by the cluster's gateway,
+        # which sees none of them: it judges the canary (and live) on gateway2's windows alone
+        load = Load([gateway2.url]).start()
+        release = strata(cluster, "release", f"{MODEL}@v3", "--strategy", "canary", "--weight",
+                         "0.5")
+        samples = load.finish()
+    finally:
+        gateway2.stop(timeout_s=30)
+    assert release.returncode == 1, release.stdout + release.stderr
+    final = releases(cluster)[-1]
+    assert [s for s, _ in final.history] == ["pending", "starting", "warming", "canary",
+                                             "rolling_back", "rolled_back"]
+    assert final.reason.startswith(f"canary {MODEL}@v3: TTFT p99"), final.reason
+    driver_port = cluster.url.rpartition(":")[2]
+    assert f"-{driver_port}-" in final.owner  # judged by the gateway that saw none of it
+    assert [s for s in samples if s.failure is not None] == []
+    assert {s.version for s in samples} == {f"{MODEL}@v1", f"{MODEL}@v3"}
+    print(f"pooled canary: {len(samples)} requests through the second gateway, "
+          f"{sum(s.version.endswith('@v3') for s in samples)} on the canary, 0 failed")
+    models = httpx.get(f"{cluster.url}/admin/models", timeout=5).json()["models"][0]
+    assert (models["routing"]["live"], models["routing"]["canary"]) == ("v1", None)
+
+
+@pytest.mark.parametrize("v1_profile", [STREAMY])
+def test_rollback_while_the_old_version_retires_brings_it_back(cluster: Cluster,
+                                                               tmp_path: Path) -> None:
+    add = strata(cluster, "models", "add", f"{MODEL}@v2", f"sim:{tmp_path / 'fast.json'}")
+    assert add.returncode == 0, add.stderr
+    started, outcome = threading.Event(), {}
+
+    def long_stream() -> None:
+        """About 40 s of tokens from v1: one v1 instance drains it after the flip."""
+        body = {"model": f"{MODEL}@v1", "prompt": "long", "max_tokens": 2000,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body,
+                          timeout=120) as r:
+            chunks = []
+            for chunk in r.iter_bytes():
+                started.set()
+                chunks.append(chunk)
+            outcome["failure"] = completion_failure(r.status_code, b"".join(chunks),
+                                                    is_stream=True, finish_reasons={"length"})
+
+    streamer = threading.Thread(target=long_stream, daemon=True)
+    streamer.start()
+    assert started.wait(30), "the long stream never started"
+    load = Load([cluster.url], num_threads=2).start()
+    start = strata(cluster, "release", f"{MODEL}@v2", "--no-wait")
+    assert start.returncode == 0, start.stderr
+    # retiring: the v1 instance without the stream drained and left; the other one drains it
+    wait_until(lambda: releases(cluster)[-1].state == "retiring"
+               and [i["version"] for i in cluster.instances().values()].count("v1") == 1, 90,
+               "one v1 instance left, draining the long stream")
+    back = strata(cluster, "rollback", MODEL)
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert "rolled back; v1 is live" in back.stdout
+    final = releases(cluster)[-1]
+    assert [s for s, _ in final.history] == ["pending", "starting", "warming", "flipping",
+                                             "retiring", "rolling_back", "rolled_back"]
+    streamer.join(timeout=120)
+    assert outcome == {"failure": None}  # the draining instance finished its stream
+    models = httpx.get(f"{cluster.url}/admin/models", timeout=5).json()["models"][0]
+    assert (models["routing"]["live"], models["routing"]["previous"]) == ("v1", "v2")
+    wait_until(lambda: {i["version"] for i in cluster.instances().values()} == {"v1"}, 30,
+               "only v1 instances")
+    samples = load.finish()
+    assert [s for s in samples if s.failure is not None] == []
+    assert {s.version for s in samples} == {f"{MODEL}@v1", f"{MODEL}@v2"}  # flipped, then back
+    assert samples[-1].version == f"{MODEL}@v1"
+    print(f"rollback while retiring: {len(samples)} requests during the release and its "
+          "rollback, 0 failed")
+    answer = httpx.post(f"{cluster.url}/v1/completions", timeout=30,
+                        json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert answer.headers["x-model-version"] == f"{MODEL}@v1"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import re
 import signal
@@ -135,3 +136,14 @@ def _wait_for_url(proc: subprocess.Popen[str]) -> str:
     finally:
         watchdog.cancel()
     raise AssertionError("the gateway did not start:\n" + "".join(lines))
+
+
+def test_the_gateway_process_moves_its_start_up_objects_out_of_the_collectors_sight() -> None:
+    threshold = gc.get_threshold()
+    try:
+        gateway_command.tune_gc()
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold()[0] == 20_000
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)

@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 
-import httpx
 import pytest
 from gateway_fakes import FixedSource
 from live_fleet import ServedApp, serve_app
@@ -24,6 +23,7 @@ from strata.gateway.instances import InstanceView
 from strata.gateway.policies.base import RouteRequest
 from strata.gateway.proxy import ProxyRequest
 from strata.gateway.upstream import RelayResponse, UpstreamPools
+from strata.gateway.upstream_http import ConnectionPool
 from strata.gateway.wiring import Gateway, build_gateway
 
 CONFIG = GatewayConfig(policy="round_robin")
@@ -79,9 +79,13 @@ async def answer(gateway: Gateway) -> dict[str, object]:
 
 
 def connections(pools: UpstreamPools, instance_id: str) -> int:
-    transport = pools.pools[instance_id].transport
-    assert isinstance(transport, httpx.AsyncHTTPTransport)
-    return len(transport._pool.connections)  # httpx keeps the pool private
+    return open_connections(pools.pools[instance_id].transport)
+
+
+def open_connections(transport: object) -> int:
+    """The connections a pool holds (idle or in use)."""
+    assert isinstance(transport, ConnectionPool)
+    return transport.num_connections
 
 
 def test_each_instance_gets_its_own_pool_whose_connection_is_reused(served) -> None:
@@ -123,7 +127,7 @@ def test_a_departed_instance_keeps_its_pool_until_its_stream_ends(served) -> Non
             assert (await answer(gateway))["instance"] == "b"  # prunes: a closed now
             await asyncio.gather(*pools._closing)  # the close runs in the background
             assert pools.retired == [] and connections(pools, "b") == 1
-            assert len(gone.transport._pool.connections) == 0  # type: ignore[attr-defined]
+            assert open_connections(gone.transport) == 0
         finally:
             await gateway.close()
 

@@ -125,10 +125,9 @@ class World:
 
     def controller(self, owner: str, models: Any = None, **kwargs: Any) -> ReleaseController:
         """A controller named `owner` in this world (`models`: a view of the model registry)."""
-        kwargs = {"health": self.health_of, **kwargs}
+        kwargs = {"health": self.health_of, "config": CONFIG, **kwargs}
         return ReleaseController(models or self.models, self.instances, owner=owner,
-                                 warm=self.warm, config=CONFIG, clock=self.clock,
-                                 sleep=self.sleep, **kwargs)
+                                 warm=self.warm, clock=self.clock, sleep=self.sleep, **kwargs)
 
     async def sleep(self, seconds: float) -> None:
         if isinstance(self.clock, ManualClock):
@@ -146,7 +145,7 @@ class World:
         if record.version in self.broken:
             raise RuntimeError(f"{record.version} is broken")
 
-    def health_of(self, name: str, version: str) -> VersionHealth:
+    async def health_of(self, name: str, version: str) -> VersionHealth:
         """What the gateways measured, for a version that has had traffic (live or canary when
         time last moved)."""
         live, canary, _ = self.routings[-1] if self.routings else (None, None, 0.0)

@@ -29,6 +29,7 @@ from strata.registry.models import (
     Release,
     ReleaseState,
 )
+from strata.registry.version_health import HEALTH_RETENTION_S, HealthWindow
 
 # --- versions ---------------------------------------------------------------------------------
 
@@ -207,11 +208,58 @@ def test_racing_release_creators_exactly_one_wins(make: Make) -> None:
     story(make, body)
 
 
+def test_prune_keeps_the_newest_finished_releases_and_the_one_in_progress(make: Make) -> None:
+    async def body(reg: ModelRegistry, clock: ManualClock) -> None:
+        for n in range(5):  # r-0 .. r-4, finished in order
+            clock.now = 1000.0 + n
+            stored = await reg.put_release(release(f"r-{n}"), expected_revision=0)
+            await reg.put_release(stored.moved_to(ReleaseState.DONE, clock.now),
+                                  expected_revision=1)
+        running = await reg.put_release(release("r-5"), expected_revision=0)
+        other = await reg.put_release(release("e-0", name="embed", state=ReleaseState.DONE),
+                                      expected_revision=0)
+        assert await reg.prune_releases("chat", keep=2) == 3
+        assert [r.release_id for r in await reg.list_releases("chat")] == ["r-3", "r-4", "r-5"]
+        assert await reg.prune_releases("chat", keep=2) == 0
+        assert await reg.prune_releases("chat", keep=0) == 2
+        assert await reg.list_releases() == [other, running]  # another model, in progress
+        assert await reg.get_release("r-0") is None
+        with pytest.raises(ConflictError, match="'chat' already has a release in progress"):
+            await reg.put_release(release("r-6"), expected_revision=0)  # r-5 still counts
+
+    story(make, body)
+
+
+# --- health windows ---------------------------------------------------------------------------
+
+
+def test_health_windows_upsert_per_gateway_and_age_out(make: Make) -> None:
+    async def body(reg: ModelRegistry, clock: ManualClock) -> None:
+        b = await reg.put_health(HealthWindow("gw-b", "chat", "v2", 10, 3, ((40, 7),)))
+        assert b == HealthWindow("gw-b", "chat", "v2", 10, 3, ((40, 7),), published_at=1000.0)
+        clock.now = 1001.0
+        a = await reg.put_health(HealthWindow("gw-a", "chat", "v2", 4, 0, ((30, 1), (41, 3))))
+        live = await reg.put_health(HealthWindow("gw-a", "chat", "v1", 50, 0, ((20, 50),)))
+        assert await reg.list_health("chat", "v2") == [a, b]  # by gateway
+        assert await reg.list_health("chat", "v1") == [live]
+        assert await reg.list_health("chat", "v9") == []
+        clock.now = 1002.0
+        b2 = await reg.put_health(HealthWindow("gw-b", "chat", "v2", 12, 3, ((40, 9),)))
+        assert await reg.list_health("chat", "v2") == [a, b2]  # replaced, not added
+        clock.now = 1001.0 + HEALTH_RETENTION_S + 1  # gw-a stopped publishing
+        b3 = await reg.put_health(HealthWindow("gw-b", "chat", "v2", 1, 0, ()))
+        assert await reg.list_health("chat", "v2") == [b3]
+        assert await reg.list_health("chat", "v1") == []
+
+    story(make, body)
+
+
 # --- JSON and lifetime ------------------------------------------------------------------------
 
 
 def test_every_record_round_trips_through_json() -> None:
-    for record in full_records():
+    window = HealthWindow("gw-1", "chat", "v3", 9, 2, ((0, 1), (57, 6)), published_at=3.5)
+    for record in (*full_records(), window):
         text = json.dumps(record.to_json())
         assert type(record).from_json(json.loads(text)) == record
 

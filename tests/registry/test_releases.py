@@ -163,6 +163,24 @@ def test_failing_canary_rolls_back_with_the_numbers(health: dict[str, VersionHea
     story(body)
 
 
+def test_a_canary_whose_instance_dies_rolls_back_though_its_numbers_look_healthy() -> None:
+    async def body(world: World) -> None:
+        world.health.update(HEALTHY)  # the gateways count no request of a canary they cannot reach
+        controller = world.controller("a")
+        release = await controller.start("m", "v2", strategy=Strategy.CANARY, canary_weight=0.25)
+        task = asyncio.create_task(controller.drive(release.release_id))
+        await world.wait_for(release.release_id, S.CANARY)
+        await world.instances.deregister("m-v2-3")  # its process exited; a launcher restarts it
+        final = await task
+        assert states(final) == ["pending", "starting", "warming", "canary", "rolling_back",
+                                 "rolled_back"]
+        assert final.reason == ("canary m@v2: 1 of 2 instances ready during the canary window "
+                                "(an instance died or was restarted)")
+        await assert_rolled_back(world, final)
+
+    story(body)
+
+
 @pytest.mark.parametrize(("canary", "live", "verdict"), [
     (VersionHealth(19, 19, 900.0), VersionHealth(100, 0, 100.0), ""),  # too few to judge
     (VersionHealth(20, 1, 200.0), VersionHealth(100, 0, 100.0), ""),  # 5% and 2.0x: at the line
@@ -228,15 +246,11 @@ def test_rollback_requested_mid_release_is_continued_by_the_driver() -> None:
     story(body)
 
 
-def test_rollback_after_the_flip_waits_then_releases_the_previous_version() -> None:
+def test_rollback_after_done_releases_the_previous_version() -> None:
     async def body(world: World) -> None:
         controller = world.controller("a")
         release = await controller.start("m", "v2")
-        task = asyncio.create_task(controller.drive(release.release_id))
-        await world.wait_for(release.release_id, S.RETIRING)
-        with pytest.raises(ConflictError, match="already flipped m to v2 .*once it is done"):
-            await controller.request_rollback("m")
-        await assert_done(world, await task)
+        await assert_done(world, await controller.drive(release.release_id))
         back = await controller.request_rollback("m")
         assert (back.to_version, back.from_version, back.strategy, back.replicas) == (
             "v1", "v2", Strategy.BLUE_GREEN, 2)
@@ -246,6 +260,138 @@ def test_rollback_after_the_flip_waits_then_releases_the_previous_version() -> N
         assert await world.routing() == ("v1", "v2", None)
         assert await world.ready_ids("v1") == ["m-v1-4", "m-v1-5"]  # new instances, warmed
         assert world.warmed[-2:] == ["m-v1-4", "m-v1-5"]
+
+    story(body)
+
+
+FLIPPED_BACK = ["pending", "starting", "warming", "flipping", "retiring", "rolling_back",
+                "rolled_back"]
+
+
+async def flipped_back(world: World, final: Release, v1_ids: list[str]) -> None:
+    """v1 live again on `v1_ids` (its deployment ACTIVE), v2 previous and gone."""
+    assert (final.state, final.reason) == (S.ROLLED_BACK, "rollback requested")
+    assert states(final) == FLIPPED_BACK
+    assert await world.routing() == ("v1", "v2", None)
+    assert await world.deployments() == [("v1", 2, "active")]
+    assert [r.instance_id for r in await world.instances.list_instances()] == v1_ids
+    assert await world.ready_ids("v1") == v1_ids
+    assert final.stats["flipped_back_at"] >= final.stats["flipped_at"]
+
+
+async def until_event(world: World, event: str) -> None:
+    """Yield to the background driver until the launcher has done `event`."""
+    for _ in range(10_000):
+        if any(what == event for _, what in world.launcher.events):
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"the launcher never did {event!r}")
+
+
+def test_rollback_while_retiring_flips_back_to_the_old_instances_still_up() -> None:
+    async def body(world: World) -> None:
+        driver, other = world.controller("a"), world.controller("b")
+        release = await driver.start("m", "v2")
+        task = asyncio.create_task(driver.drive(release.release_id))
+        await world.wait_for(release.release_id, S.RETIRING)  # flipped; v1 not drained yet
+        requested = await other.request_rollback("m")
+        assert (requested.state, requested.owner) == (S.ROLLING_BACK, "a")
+        final = await task
+        await flipped_back(world, final, ["m-v1-0", "m-v1-1"])  # the same instances, warmed
+        assert world.warmed[-2:] == ["m-v1-0", "m-v1-1"]
+        assert not [e for _, e in world.launcher.events if e.startswith("drain m-v1")]
+        assert [e for _, e in world.launcher.events if "v2" in e][-3:] == [
+            "gone m-v2-2", "gone m-v2-3", "delete m@v2"]
+
+    story(body)
+
+
+def test_rollback_after_the_old_version_drained_starts_it_again() -> None:
+    async def body(world: World) -> None:
+        driver = world.controller("a")
+        release = await driver.start("m", "v2")
+        task = asyncio.create_task(driver.drive(release.release_id))
+        await until_event(world, "drain m-v1-1")
+        await world.controller("b").request_rollback("m")
+        final = await task
+        await flipped_back(world, final, ["m-v1-4", "m-v1-5"])  # started anew, then warmed
+        assert world.warmed[-2:] == ["m-v1-4", "m-v1-5"]
+        events = [e for _, e in world.launcher.events]
+        # live stayed v2 until the new v1 instances were ready and warm
+        assert events.index("ready m-v1-5") < events.index("drain m-v2-2")
+        assert ("v1", "v2", None) not in world.routings[:events.index("ready m-v1-5")]
+
+    story(body)
+
+
+def test_a_rollback_that_cannot_bring_the_old_version_back_fails_and_keeps_the_new() -> None:
+    async def body(world: World) -> None:
+        driver = world.controller("a")
+        release = await driver.start("m", "v2")
+        task = asyncio.create_task(driver.drive(release.release_id))
+        await until_event(world, "drain m-v1-1")
+        world.launcher.never_ready.add("v1")
+        await world.controller("b").request_rollback("m")
+        final = await task
+        assert final.state is S.FAILED
+        assert final.reason == ("rollback failed: 0 of 2 instances of m@v1 ready after "
+                                "ready_timeout_s=10.0; m@v2 stays live")
+        assert await world.routing() == ("v2", "v1", None)
+        for _ in range(3):  # the launcher drains v1's new instances and deletes it
+            await world.sleep(world.launcher.stop_s)
+        assert await world.deployments() == [("v2", 2, "active")]
+        assert await world.ready_ids("v2") == ["m-v2-2", "m-v2-3"]
+
+    story(body)
+
+
+@pytest.mark.parametrize("when", ["entered", "leaving"])
+def test_a_rollback_after_the_flip_is_resumed_by_another_controller(when: str) -> None:
+    """a crashes at its first write while rolling back (entered: a lease renewal or the
+    flip-back's stats) or right before it records rolled_back (leaving, everything done);
+    b resumes to the same end."""
+    async def body(world: World) -> None:
+        crashing = world.controller("a", models=CrashingModels(world.models, S.ROLLING_BACK,
+                                                                when))
+        release = await crashing.start("m", "v2")
+        task = asyncio.create_task(crashing.drive(release.release_id))
+        await world.wait_for(release.release_id, S.RETIRING)
+        await world.controller("b").request_rollback("m")
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await world.sleep(CONFIG.lease_s)
+        resumer = world.controller("b")
+        assert [r.release_id for r in await resumer.resumable()] == [release.release_id]
+        final = await resumer.drive(release.release_id)
+        await flipped_back(world, final, ["m-v1-0", "m-v1-1"])
+
+    story(body)
+
+
+def test_the_first_release_cannot_be_rolled_back_after_its_flip() -> None:
+    async def body(world: World) -> None:
+        await world.models.add_version(ModelVersion("n", "v1", "sim:v1"))
+        crashing = world.controller("a", models=CrashingModels(world.models, S.RETIRING,
+                                                                "entered"))
+        release = await crashing.start("n", "v1")
+        with pytest.raises(asyncio.CancelledError):  # stopped in retiring, after its flip
+            await asyncio.create_task(crashing.drive(release.release_id))
+        with pytest.raises(InvalidRequestError, match="first of n: v1 is live and there is no "
+                                                      "earlier version"):
+            await world.controller("b").request_rollback("n")
+
+    story(body)
+
+
+def test_finished_releases_beyond_keep_releases_are_deleted() -> None:
+    async def body(world: World) -> None:
+        controller = world.controller("a", config=replace(CONFIG, keep_releases=2))
+        ids = []
+        for version in ("v2", "v3", "v2", "v3"):
+            release = await controller.start("m", version)
+            ids.append(release.release_id)
+            assert (await controller.drive(release.release_id)).state is S.DONE
+        assert [r.release_id for r in await world.models.list_releases("m")] == ids[-2:]
 
     story(body)
 

@@ -51,6 +51,7 @@ def load_tiny(model_dir: Path) -> LoadedModel:
 
 def start_server(model: LoadedModel, *, max_waiting: int = 64, max_num_seqs: int = 8,
                  num_blocks: int = 128, wrap: Callable[[Any], Any] | None = None,
+                 max_model_len: int = MAX_MODEL_LEN,
                  **server_options: Any) -> LiveServer:
     """Build engine + app and serve them; returns once the socket accepts connections.
 
@@ -59,10 +60,10 @@ def start_server(model: LoadedModel, *, max_waiting: int = 64, max_num_seqs: int
     if wrap is not None:
         executor = wrap(executor)
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=128,
-                                max_model_len=MAX_MODEL_LEN, max_waiting=max_waiting)
+                                max_model_len=max_model_len, max_waiting=max_waiting)
     engine = Engine(executor, CacheConfig(block_size=8, num_blocks=num_blocks), scheduler,
                     model.tokenizer, vocab_size=model.config.vocab_size)
-    async_engine = AsyncEngine(engine, max_model_len=MAX_MODEL_LEN)
+    async_engine = AsyncEngine(engine, max_model_len=max_model_len)
     config = ServerConfig(served_model_name=MODEL_NAME, **server_options)
     app = create_app(async_engine, model.tokenizer, config)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

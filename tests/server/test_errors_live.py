@@ -58,9 +58,14 @@ def test_invalid_parameters_are_400(live: LiveServer, change: dict[str, Any],
 
 
 @pytest.mark.parametrize("change", [
-    {"logit_bias": {"5": 10}},
-    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-    {"response_format": {"type": "json_object"}},
+    {"functions": [{"name": "f", "parameters": {}}]},
+    {"best_of": 3},
+    {"suffix": "x"},
+    {"min_p": 0.1},
+    {"prediction": {"type": "content", "content": "x"}},
+    {"modalities": ["text", "audio"]},
+    {"use_beam_search": True},
+    {"prompt_logprobs": 2},
 ])
 def test_unsupported_openai_features_are_refused_not_ignored(live: LiveServer,
                                                              change: dict[str, Any]) -> None:

@@ -72,6 +72,9 @@ def prepare_model(path: str | Path, *, dtype: str, cache_dir: Path | None) -> Pr
                                  WeightFiles({"*": str(cache_file)}))
     else:
         raise ModelLoadError(f"{src}: no such model directory or .gguf file")
+    if prepared.config.architecture == "phi3":
+        raise ConfigError(f"{src}: Phi-3 checkpoints keep q/k/v and gate/up fused; serve them "
+                          "in one process (without tensor or pipeline parallel)")
     _check_shapes(prepared.weights, prepared.config, str(src))
     return prepared
 
@@ -119,6 +122,9 @@ def shard_slices(config: ModelConfig, shard: RankShard) -> dict[str, tuple[slice
                    p + "mlp.gate_proj.weight": (mlp, every),
                    p + "mlp.up_proj.weight": (mlp, every),
                    p + "mlp.down_proj.weight": (every, mlp)}
+        if config.qk_norm:
+            slices |= {p + "self_attn.q_norm.weight": (every, every),
+                       p + "self_attn.k_norm.weight": (every, every)}
         if config.attention_bias:
             slices |= {p + "self_attn.q_proj.bias": (q, every),
                        p + "self_attn.k_proj.bias": (kv, every),

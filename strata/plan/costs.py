@@ -1,0 +1,64 @@
+"""The costs outside an engine step that a plan charges, with where each number comes from.
+
+    request_overhead_ms    HTTP, JSON, tokenization and the gateway hop before a request reaches
+                           the engine (docs/benchmarks.md, gateway overhead: a few ms here)
+    session_read_ms        reading a session's history from the store (SQLite/Redis, local)
+    kv_fetch_ms_per_token  KV offload: a fetch from Redis on this host and the import, per token
+                           (bench/kv_offload.py: (fetch - local hit) / tokens, 0.03-0.05 ms for
+                           256-1024 tokens: ~23 KB of SmolLM2 KV per token)
+    kv_min_fetch_tokens    the server's --kv-min-fetch-tokens default: shorter prompts recompute
+    transfer_ms_base       P/D: the hand-off's fixed cost, the extra hops (bench/pd_transfer.py:
+                           +22-27 ms of remote over local TTFT at 32-128 tokens; the gateway's
+                           decider assumes 15 ms)
+    transfer_ms_per_token  P/D: the decode side pulling the prefilled blocks (bench/pd_transfer.py:
+                           43-60 us per token at 512-4,096 tokens over loopback, ~0.5 GB/s)
+    pd_min_uncached_tokens P/D: shorter prompts stay on the decode instance (None: the gateway's
+                           default, `fit_min_uncached_tokens` of the profile)
+    start_s                an autoscaled instance's start until it is ready (bench/autoscale.py)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from strata.errors import ConfigError
+from strata.plan.instance import TensorParallel
+from strata.sim.profile import LatencyProfile
+from strata.sim.transfer import fit_min_uncached_tokens
+
+HANDOFF_OVERHEAD_MS = 15.0  # what the gateway's default --pd-min-uncached-tokens assumes
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    request_overhead_ms: float = 2.0
+    session_read_ms: float = 1.0
+    kv_fetch_ms_base: float = 2.0
+    kv_fetch_ms_per_token: float = 0.04
+    kv_min_fetch_tokens: int = 256
+    transfer_ms_base: float = 15.0
+    transfer_ms_per_token: float = 0.046
+    pd_min_uncached_tokens: int | None = None
+    start_s: float = 5.0
+    tensor_parallel: TensorParallel = field(default_factory=TensorParallel)
+
+    def __post_init__(self) -> None:
+        for name in ("request_overhead_ms", "session_read_ms", "kv_fetch_ms_base",
+                     "kv_fetch_ms_per_token", "transfer_ms_base", "transfer_ms_per_token",
+                     "start_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"plan cost {name} must be >= 0, got {getattr(self, name)}")
+
+    def kv_fetch_ms(self, num_tokens: int) -> float:
+        return self.kv_fetch_ms_base + self.kv_fetch_ms_per_token * num_tokens
+
+    def pd_min_tokens(self, profile: LatencyProfile) -> int:
+        if self.pd_min_uncached_tokens is not None:
+            return self.pd_min_uncached_tokens
+        return fit_min_uncached_tokens(profile, handoff_overhead_ms=HANDOFF_OVERHEAD_MS)
+
+    def transfer_ms(self, num_tokens: int) -> float:
+        return self.transfer_ms_base + self.transfer_ms_per_token * num_tokens
+
+
+__all__ = ["Costs"]

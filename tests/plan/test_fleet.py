@@ -1,0 +1,128 @@
+"""The simulation against times worked out by hand from the round profile (conftest.py)."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from strata.plan import Architecture, Costs, EngineShape, LengthDist, PlanInputs, Slo, Workload
+from strata.plan.fleet import Fleet
+from strata.plan.search import simulate
+from strata.sim.profile import LatencyProfile
+
+NO_OVERHEAD = Costs(request_overhead_ms=0.0)
+ONE = Architecture("one process", policy="round_robin")
+
+
+def fixed(n: int, prompt: int, output: int, **load: float) -> Workload:
+    return Workload(num_requests=n, prompt=LengthDist(prompt, prompt),
+                    output=LengthDist(output, output), **load)  # type: ignore[arg-type]
+
+
+def test_one_request_at_a_time_costs_one_prefill_then_one_decode_step_per_token(
+        round_profile: LatencyProfile) -> None:
+    run = Fleet(ONE, round_profile, fixed(3, 100, 5, concurrency=1), costs=NO_OVERHEAD).run()
+    for turn in run.turns:
+        assert turn.first_token_s - turn.arrival_s == pytest.approx(0.060)  # 10 + 0.5 * 100
+        assert turn.finish_s - turn.first_token_s == pytest.approx(4 * 0.021)  # 20 + 1, x 4
+        assert turn.num_output_tokens == 5
+    assert run.turns[1].arrival_s == pytest.approx(0.060 + 4 * 0.021)  # closed loop
+    assert run.busy_seconds == pytest.approx(3 * (0.060 + 4 * 0.021))
+
+
+def test_the_request_overhead_adds_to_ttft_only(round_profile: LatencyProfile) -> None:
+    run = Fleet(ONE, round_profile, fixed(1, 100, 5, concurrency=1),
+                costs=Costs(request_overhead_ms=7.0)).run()
+    turn = run.turns[0]
+    assert turn.first_token_s - turn.arrival_s == pytest.approx(0.067)
+    assert turn.finish_s - turn.first_token_s == pytest.approx(4 * 0.021)
+
+
+def test_poisson_arrivals_one_at_a_time_wait_as_in_m_d_1(round_profile: LatencyProfile) -> None:
+    """One slot, deterministic service S = 60 ms, Poisson at 10/s (rho 0.6): the mean wait
+    is rho S / (2 (1 - rho)) = 45 ms (Pollaczek-Khinchine), so the mean TTFT is 105 ms."""
+    shape = EngineShape(max_num_seqs=1, max_num_batched_tokens=100)
+    run = Fleet(ONE, round_profile, fixed(4000, 100, 1, rate_per_s=10.0), shape=shape,
+                costs=NO_OVERHEAD).run()
+    ttfts = [t.first_token_s - t.arrival_s for t in run.turns]
+    assert min(ttfts) == pytest.approx(0.060)
+    assert statistics.mean(ttfts) == pytest.approx(0.105, rel=0.1)
+    assert run.busy_seconds / run.duration_s == pytest.approx(0.6, rel=0.05)
+
+
+PD_COSTS = Costs(request_overhead_ms=0.0, transfer_ms_base=2.0, transfer_ms_per_token=0.04,
+                 pd_min_uncached_tokens=64)
+PD = Architecture("P/D", policy="least_load", replicas=1, num_prefill=1)
+
+
+def test_prefill_decode_split_hands_the_blocks_over_instead_of_recomputing(
+        round_profile: LatencyProfile) -> None:
+    """Prefill of 100 tokens (60 ms), then 6 full blocks (96 tokens) move at 2 + 0.04 ms per
+    token; the first token is released when they arrive. The decode side computes only the
+    5 tokens past the blocks (10 + 2.5 ms, the second token), then decodes (21 ms)."""
+    run = Fleet(PD, round_profile, fixed(1, 100, 5, concurrency=1), costs=PD_COSTS).run()
+    turn = run.turns[0]
+    assert turn.first_token_s - turn.arrival_s == pytest.approx(0.060 + 0.002 + 0.04 * 96 / 1000)
+    assert turn.finish_s - turn.first_token_s == pytest.approx(0.0125 + 3 * 0.021)
+    assert turn.num_output_tokens == 5
+
+
+def test_under_p_d_a_prompt_shorter_than_the_threshold_stays_on_the_decode_side(
+        round_profile: LatencyProfile) -> None:
+    run = Fleet(PD, round_profile, fixed(1, 48, 5, concurrency=1), costs=PD_COSTS).run()
+    turn = run.turns[0]
+    assert turn.first_token_s - turn.arrival_s == pytest.approx(0.010 + 0.5 * 48 / 1000)
+    assert run.busy_by_instance[0] == 0.0  # the prefill instance never ran
+
+
+def test_the_default_p_d_threshold_is_the_gateways() -> None:
+    from strata.sim.profile import load_profile
+
+    assert Costs().pd_min_tokens(load_profile("smollm2-cpu")) == 368
+
+
+def test_tensor_parallel_splits_the_token_terms_and_pays_the_all_reduces(
+        round_profile: LatencyProfile) -> None:
+    arch = Architecture("tensor parallel", policy="round_robin", tp=2)
+    run = Fleet(arch, round_profile, fixed(1, 100, 2, concurrency=1), costs=NO_OVERHEAD).run()
+    turn = run.turns[0]
+    comm_s = 60 * 0.03 / 1000
+    assert turn.first_token_s - turn.arrival_s == pytest.approx(0.010 + 0.025 + comm_s)
+    assert turn.finish_s - turn.first_token_s == pytest.approx(0.020 + 0.0005 + comm_s)
+
+
+def test_a_shared_prefix_is_computed_once_per_instance(round_profile: LatencyProfile) -> None:
+    workload = Workload(num_requests=8, concurrency=1, prefix_tokens=160,
+                        prompt=LengthDist(16, 16), output=LengthDist(2, 2))
+    run = Fleet(ONE, round_profile, workload, costs=NO_OVERHEAD).run()
+    cached = [t.num_cached_tokens for t in run.turns]
+    assert cached == [0] + [160] * 7
+    assert run.turns[1].first_token_s - run.turns[1].arrival_s == pytest.approx(0.010 + 0.008)
+
+
+def test_sticky_sessions_and_kv_offload_hit_the_history_round_robin_recomputes(
+        round_profile: LatencyProfile) -> None:
+    """7 sessions of 6 turns over 4 instances: round robin lands a turn where its history is
+    cached only by chance; sticky always (but the new tokens); KV offload fetches it."""
+    workload = Workload(num_requests=42, concurrency=7, num_turns=6, prompt=LengthDist(64, 64),
+                        output=LengthDist(4, 12))
+    inputs = PlanInputs(workload, Slo(1000, 100), round_profile)
+    sticky, _ = simulate(Architecture("sessions", replicas=4, policy="consistent_hash",
+                                      sessions="sticky"), inputs)
+    spread, _ = simulate(Architecture("replicas", replicas=4, policy="round_robin"), inputs)
+    offload, run = simulate(Architecture("KV offload", replicas=4, policy="round_robin",
+                                         kv_offload=True), inputs)
+    assert sticky.prefix_hit_rate > spread.prefix_hit_rate + 0.15
+    assert offload.prefix_hit_rate > spread.prefix_hit_rate + 0.15
+    assert run.num_fetched_tokens > 0
+
+
+def test_an_autoscaled_fleet_grows_under_a_load_one_instance_cannot_serve(
+        round_profile: LatencyProfile) -> None:
+    shape = EngineShape(max_num_seqs=1, max_num_batched_tokens=100)
+    inputs = PlanInputs(fixed(1500, 100, 1, rate_per_s=40.0), Slo(500, 100), round_profile,
+                        max_ranks=8, shape=shape)
+    out, run = simulate(Architecture("autoscaled", replicas=8, autoscale=True), inputs)
+    assert run.max_instances > 2
+    assert 1.0 < out.instances < 8
