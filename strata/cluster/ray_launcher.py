@@ -10,6 +10,13 @@ round exactly as the local supervisor does (strata/cluster/deployments.py): one 
 instance `{name}-{version}-{index}`; an instance to drain gets `actor.stop` (SIGTERM: it drains,
 deregisters, exits) and, once that returns, its actor is killed for good (no restart).
 Ray is imported lazily: it is an optional dependency (`pip install 'strata[ray]'`).
+
+A parallel instance (`--tensor-parallel-size` / `--pipeline-parallel-size`, W = T x P ranks) is
+one placement group of W bundles made here, one per replica: the instance actor holds bundle 0
+(its `strata serve` process is rank 0) and `strata serve --distributed-executor ray` places
+ranks 1 .. W-1 in the other bundles (strata/cluster/ray_ranks.py). The group outlives restarts
+of the actor, which Ray brings back into bundle 0; it is removed when the instance is drained.
+`--num-cpus-per-instance` is shared out over the W bundles.
 """
 
 from __future__ import annotations
@@ -84,6 +91,12 @@ class RayClusterConfig:
     cluster: LocalClusterConfig
     address: str | None = None  # None: start (or join) a local Ray
     num_cpus_per_instance: float = 0.5
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @property
+    def ranks_per_instance(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
         if self.num_cpus_per_instance <= 0:
@@ -102,6 +115,7 @@ class InstanceHandle:
     actor: Any
     slot: Slot
     stopping: Any = field(default=None, repr=False)
+    group: Any = field(default=None, repr=False)  # the placement group of a parallel instance
 
 
 class RayLauncher:
@@ -139,11 +153,33 @@ class RayLauncher:
         c = self.config.cluster
         instance_id = instance_id_of(version.name, version.version, index)
         argv = instance_argv(c, version, instance_id, free_port(c.host), sys.executable, index)
+        options: dict[str, Any] = {"num_cpus": self.config.num_cpus_per_instance}
+        group = None
+        if self.config.ranks_per_instance > 1 and not version.is_simulated:
+            group, options = self._replica_group(argv)
         actor = ray.remote(InstanceActor).options(
-            name=f"strata-{instance_id}", num_cpus=self.config.num_cpus_per_instance,
-            max_restarts=-1, max_task_retries=-1,
+            name=f"strata-{instance_id}", max_restarts=-1, max_task_retries=-1, **options,
         ).remote(argv, str(c.log_dir / f"{instance_id}.log"))
-        self.instances[instance_id] = InstanceHandle(actor, Slot(version.key, index))
+        self.instances[instance_id] = InstanceHandle(actor, Slot(version.key, index),
+                                                     group=group)
+
+    def _replica_group(self, argv: list[str]) -> tuple[Any, dict[str, Any]]:
+        """A placement group for the W ranks of one replica; the instance actor's options put
+        it in bundle 0, and `argv` gets the flags that put ranks 1 .. W-1 in the others."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from strata.cluster.ray_placement import rank_bundles, strategy_of
+
+        num_ranks = self.config.ranks_per_instance
+        cpus = self.config.num_cpus_per_instance / num_ranks
+        group = placement_group(rank_bundles(num_ranks, cpus),
+                                strategy=strategy_of(self.config.pipeline_parallel_size))
+        argv += ["--distributed-executor", "ray", "--ray-placement-group", group.id.hex(),
+                 "--ray-address", ray.get_runtime_context().gcs_address]
+        return group, {"num_cpus": cpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=group, placement_group_bundle_index=0)}
 
     def _drain(self, instance_id: str) -> None:
         handle = self.instances[instance_id]
@@ -164,6 +200,7 @@ class RayLauncher:
             if handle.stopping in done:
                 code = ray.get(handle.stopping)
                 ray.kill(handle.actor, no_restart=True)
+                _remove_group(handle)
                 del self.instances[iid]
                 log.info("%s drained and exited with %s; its actor is gone", iid, code)
 
@@ -190,8 +227,9 @@ class RayLauncher:
             ray.get(stops, timeout=timeout_s + 5)
         except Exception as e:  # an actor that is restarting cannot answer; kill it anyway
             log.warning("some instances did not stop cleanly: %s", e)
-        for actor in self.actors:
-            ray.kill(actor, no_restart=True)
+        for handle in self.instances.values():
+            ray.kill(handle.actor, no_restart=True)
+            _remove_group(handle)
         self.instances.clear()
         if self._reconciler is not None:
             self._reconciler.link.close()
@@ -203,3 +241,11 @@ class RayLauncher:
         while not should_stop():
             self.poll()
             time.sleep(interval_s)
+
+
+def _remove_group(handle: InstanceHandle) -> None:
+    if handle.group is not None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(handle.group)
+        handle.group = None

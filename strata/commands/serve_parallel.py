@@ -1,12 +1,14 @@
 """`strata serve --tensor-parallel-size T --pipeline-parallel-size P`: one model over T x P ranks.
 
 The serving process is rank 0; `--distributed-executor mp` (the default) spawns the others on
-this host (Ray placement is not built yet). The weights never pass through this process: it
+this host, `ray` makes them Ray actors in one placement group (strata/cluster/ray_ranks.py:
+the group `--ray-placement-group` names, as `strata up --ray` passes, or one of its own). The
+weights never pass through this process: it
 prepares the model (config, tokenizer; a GGUF is converted into the cache) and every rank reads
 its own slices. `--threads` is per rank (default: this host's cores / ranks, at least 1).
 
 A rank that dies is fatal: the engine stops (streams in flight end with an error, other
-requests get 503), the instance deregisters and `strata serve` exits 1, so that its launcher
+requests get 503), the instance deregisters and `strata serve` exits 3, so that its launcher
 (the local supervisor, Ray) restarts the whole instance.
 """
 
@@ -42,6 +44,15 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="layers per pipeline stage (default: as even as they go)")
     p.add_argument("--distributed-executor", choices=EXECUTORS, default="mp",
                    help="how the ranks other than 0 start: mp (local processes, default) or ray")
+    p.add_argument("--ray-address", default=None,
+                   help="with --distributed-executor ray: the Ray cluster to join (e.g. auto, "
+                        "HOST:6379; default: Ray's own default)")
+    p.add_argument("--ray-placement-group", default=None, metavar="HEX_ID",
+                   help="with --distributed-executor ray: place rank i in bundle i of this "
+                        "group (strata up --ray makes one per replica; default: make one)")
+    p.add_argument("--ray-cpus-per-rank", type=float, default=None,
+                   help="with --distributed-executor ray: CPUs each rank reserves (fractions "
+                        "allowed; default: the cluster's CPUs shared out, at most 1)")
 
 
 def parallel_layout(args: argparse.Namespace) -> ParallelLayout | None:
@@ -52,10 +63,12 @@ def parallel_layout(args: argparse.Namespace) -> ParallelLayout | None:
     layout = ParallelLayout(args.tensor_parallel_size, args.pipeline_parallel_size, layers)
     if layout.world_size == 1:
         return None
-    if args.distributed_executor == "ray":
-        raise ConfigError("--distributed-executor ray is not built yet; use mp (local ranks)")
     if args.simulate:
         raise ConfigError("--simulate has no ranks: drop --tensor/--pipeline-parallel-size")
+    ray_flags = [args.ray_address, args.ray_placement_group, args.ray_cpus_per_rank]
+    if args.distributed_executor != "ray" and any(f is not None for f in ray_flags):
+        raise ConfigError("--ray-address, --ray-placement-group and --ray-cpus-per-rank need "
+                          "--distributed-executor ray")
     return layout
 
 
@@ -117,9 +130,35 @@ def make_executor(args: argparse.Namespace, loaded: LoadedModel, parallel: Paral
 
     executor = ParallelExecutor(parallel.prepared, parallel.layout, dtype=args.dtype,
                                 device=device, threads=rank_threads(args) or 1,
-                                model_name=name, model_version=args.model_version)
+                                model_name=name, model_version=args.model_version,
+                                launcher=_launcher(args))
     atexit.register(executor.shutdown)
     return executor
+
+
+def _launcher(args: argparse.Namespace) -> Any:
+    """None (the executor's default: local processes) or Ray's."""
+    if args.distributed_executor != "ray":
+        return None
+    from strata.cluster.ray_ranks import RayPlacement, RayRankLauncher
+
+    return RayRankLauncher(RayPlacement(address=args.ray_address,
+                                        placement_group=args.ray_placement_group,
+                                        cpus_per_rank=args.ray_cpus_per_rank))
+
+
+def parallel_identity(async_engine: AsyncEngine) -> dict[str, Any]:
+    """What the registry shows of a parallel instance: its layout and its ranks (host, pid,
+    weight and KV bytes); nothing for one process."""
+    from strata.model.parallel.executor import ParallelExecutor
+    from strata.registry.records import RankInfo
+
+    executor = getattr(async_engine.engine, "executor", None)
+    if not isinstance(executor, ParallelExecutor):
+        return {}
+    ranks = tuple(RankInfo(m.rank, m.host, m.pid, m.weight_bytes, m.kv_bytes)
+                  for m in executor.rank_memory())
+    return {"layout": executor.layout.name, "ranks": ranks}
 
 
 def watch_ranks(app: Any, async_engine: AsyncEngine) -> None:
@@ -132,7 +171,8 @@ def watch_ranks(app: Any, async_engine: AsyncEngine) -> None:
     if not isinstance(executor, ParallelExecutor):
         return
     app.state.instance.metrics.watch_ranks(
-        lambda: [(m.rank, m.weight_bytes, m.kv_bytes) for m in executor.rank_memory()])
+        lambda: [(m.rank, m.weight_bytes, m.kv_bytes) for m in executor.rank_memory()],
+        pipeline=executor.pipeline_stats)
     executor.on_failure = async_engine.kill
 
 

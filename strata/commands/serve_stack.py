@@ -28,6 +28,7 @@ from strata.commands.serve_parallel import (
     load_for_serving,
     make_executor,
     openmp_free_main_thread,
+    parallel_identity,
     rank_threads,
     watch_ranks,
 )
@@ -274,7 +275,7 @@ def _registration(args: argparse.Namespace, env: CliEnv, async_engine: AsyncEngi
         registry_url, instance_id=args.instance_id or f"{socket.gethostname()}-{port}",
         advertise_url=args.advertise_url or f"http://{args.host}:{port}", model=name,
         async_engine=async_engine, version=args.model_version,
-        role=args.role, pool=args.pool, simulated=simulated,
+        role=args.role, pool=args.pool, simulated=simulated, **parallel_identity(async_engine),
     )
 
 

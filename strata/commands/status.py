@@ -1,5 +1,9 @@
 """`strata status`: the instances in the registry, their states and load, as a table; for a
-prefill/decode fleet, then each pool's roles."""
+prefill/decode fleet, then each pool's roles.
+
+A parallel instance (tensor / pipeline parallel) is one row, its layout beside its model
+(`tiny@default (tp2)`), followed by one indented line per rank: host, pid, weight and KV bytes.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from collections.abc import Sequence
 from strata.cluster.local import local_registry_url
 from strata.commands.env import CliEnv
 from strata.registry import InstanceRecord, create_registry
+from strata.registry.records import RankInfo
 
 COLUMNS = ("INSTANCE", "URL", "MODEL", "ROLE", "POOL", "STATE", "RUN/WAIT", "KV", "HEARTBEAT")
 
@@ -51,6 +56,8 @@ async def _list(url: str) -> list[InstanceRecord]:
 def _row(record: InstanceRecord, now: float) -> tuple[str, ...]:
     load = record.load
     model = record.model_version + (" (simulated)" if record.simulated else "")
+    if record.ranks:
+        model += f" ({record.layout})"
     return (record.instance_id, record.url, model, record.role.value, record.pool,
             record.state.value, f"{load.num_running}/{load.num_waiting}",
             f"{load.kv_usage:.0%}", f"{max(0.0, now - record.last_heartbeat):.1f}s ago")
@@ -60,8 +67,17 @@ def format_table(records: Sequence[InstanceRecord], *, now: float) -> str:
     """Aligned columns, one line per instance, in the registry's order (by instance id)."""
     rows = [COLUMNS, *(_row(r, now) for r in records)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
-                     for r in rows)
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+             for r in rows]
+    for at, record in sorted(enumerate(records, start=1), reverse=True):
+        lines[at + 1 : at + 1] = [_rank_line(rank) for rank in record.ranks]
+    return "\n".join(lines)
+
+
+def _rank_line(rank: RankInfo) -> str:
+    mib = 1 << 20
+    return (f"  rank {rank.rank}  {rank.host} pid {rank.pid}  weights "
+            f"{rank.weight_bytes / mib:.1f} MiB  KV {rank.kv_bytes / mib:.1f} MiB")
 
 
 def pools_summary(records: Sequence[InstanceRecord]) -> str:

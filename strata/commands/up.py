@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import importlib.util
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from typing import Any, Protocol
 from strata.cluster.deployments import VERSION_FLAGS
 from strata.cluster.local import LocalClusterConfig, Supervisor
 from strata.cluster.seed import ClusterSeed, seed_registry
+from strata.commands import up_parallel
 from strata.commands.argtypes import (
     non_negative_float,
     non_negative_int,
@@ -67,7 +67,7 @@ _SERVE_FLAGS: tuple[tuple[str, Any], ...] = (
     ("--max-model-len", positive_int), ("--kv-cache-gb", positive_float),
     ("--block-size", positive_int), ("--max-num-seqs", positive_int), ("--simulate", str),
     ("--session-store", str), ("--sim-start-s", non_negative_float),
-    ("--max-queue-wait-s", non_negative_float), *PD_SERVE_FLAGS,
+    ("--max-queue-wait-s", non_negative_float), *PD_SERVE_FLAGS, *up_parallel.SERVE_FLAGS,
 )
 
 
@@ -85,7 +85,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="one more `strata gateway` flag, repeatable "
                         "(e.g. --gateway-arg=--max-in-flight=64)")
     p.add_argument("--threads-per-instance", type=positive_int, default=None,
-                   help="torch threads per instance (default: cores / replicas, at least 1)")
+                   help="torch threads per instance, shared by its ranks (default: cores/replicas)")
     p.add_argument("--ready-timeout-s", type=positive_float, default=600.0)
     p.add_argument("--log-level", default="info")
     p.add_argument("--registry", default=None,
@@ -94,9 +94,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ray", action="store_true", help="run the instances as Ray actors")
     p.add_argument("--address", default=None, help="Ray cluster address (default: local Ray)")
     p.add_argument("--num-cpus-per-instance", type=positive_float, default=0.5,
-                   help="Ray CPUs reserved per instance actor (fractions allowed)")
+                   help="Ray CPUs per instance, shared by its ranks (fractions allowed)")
     for flag, kind in _SERVE_FLAGS:
-        p.add_argument(flag, type=kind, default=None, help="passed to every instance")
+        p.add_argument(flag, *up_parallel.SHORT_FLAGS.get(flag, ()), type=kind, default=None,
+                       help="passed to every instance")
     p.add_argument("--api-key-file", type=Path, default=None,
                    help="client API keys, one per line: passed to the gateway and every instance "
                         "(STRATA_API_KEYS, inherited, adds more)")
@@ -205,10 +206,9 @@ def _launcher(args: argparse.Namespace, config: LocalClusterConfig) -> Launcher:
     if importlib.util.find_spec("ray") is None:
         raise ConfigError("--ray needs Ray, which is not installed: pip install 'strata[ray]' "
                           "(`strata doctor` says which optional parts are usable)")
-    from strata.cluster.ray_launcher import RayClusterConfig, RayLauncher
+    from strata.cluster.ray_launcher import RayLauncher
 
-    return RayLauncher(RayClusterConfig(config, address=args.address,
-                                        num_cpus_per_instance=args.num_cpus_per_instance))
+    return RayLauncher(up_parallel.ray_config(args, config))
 
 
 def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
@@ -222,7 +222,7 @@ def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
             serve_args += [flag, str(value)]
     serve_args += _auth_args(args)
     replicas, num_prefill = role_split(args, initial_replicas(args))
-    threads = args.threads_per_instance or max(1, (os.cpu_count() or 1) // max(1, replicas))
+    threads = up_parallel.rank_threads(args, replicas)  # `strata serve --threads` is per rank
     autoscale = gateway_args(args, _model_name(args), args.simulate) if args.autoscale else []
     gateway = [*(["--policy", args.policy] if args.policy else []), *autoscale,
                *_auth_args(args), *log_flags, *args.gateway_arg]

@@ -108,7 +108,7 @@ def _declare(handle: ctypes.CDLL, name: str, argtypes: list) -> None:
 def _declare_shm(handle: ctypes.CDLL) -> None:
     ptr, i64, i32, text = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_char_p
     signatures: dict[str, tuple[list, object]] = {
-        "shm_create": ([text, i32, i64, i32], i32),
+        "shm_create": ([text, i32, i64, i32, i32], i32),
         "shm_attach": ([text, i32], ptr),
         "shm_detach": ([ptr], None),
         "shm_failed_rank": ([ptr], i32),

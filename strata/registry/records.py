@@ -51,6 +51,28 @@ class InstanceLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class RankInfo:
+    """One rank of a parallel instance (tensor / pipeline parallel): where it runs and the bytes
+    of weights and KV cache it holds."""
+
+    rank: int
+    host: str
+    pid: int
+    weight_bytes: int
+    kv_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "host": self.host, "pid": self.pid,
+                "weight_bytes": self.weight_bytes, "kv_bytes": self.kv_bytes}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RankInfo:
+        return cls(rank=int(data["rank"]), host=str(data.get("host", "")),
+                   pid=int(data.get("pid", 0)), weight_bytes=int(data.get("weight_bytes", 0)),
+                   kv_bytes=int(data.get("kv_bytes", 0)))
+
+
+@dataclass(frozen=True, slots=True)
 class InstanceRecord:
     """One instance as the registry knows it."""
 
@@ -64,6 +86,8 @@ class InstanceRecord:
     load: InstanceLoad = field(default_factory=InstanceLoad)
     last_heartbeat: float = 0.0  # seconds, on the registry's clock
     simulated: bool = False
+    layout: str = "tp1"  # tensor x pipeline parallel: tp1, tp2, pp2, tp2xpp2
+    ranks: tuple[RankInfo, ...] = ()  # of a parallel instance, in rank order
 
     def __post_init__(self) -> None:
         if not self.instance_id:
@@ -83,7 +107,8 @@ class InstanceRecord:
         return {"instance_id": self.instance_id, "url": self.url, "model": self.model,
                 "version": self.version, "role": self.role.value, "pool": self.pool,
                 "state": self.state.value, "load": self.load.to_json(),
-                "last_heartbeat": self.last_heartbeat, "simulated": self.simulated}
+                "last_heartbeat": self.last_heartbeat, "simulated": self.simulated,
+                "layout": self.layout, "ranks": [r.to_json() for r in self.ranks]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> InstanceRecord:
@@ -95,7 +120,9 @@ class InstanceRecord:
                    state=InstanceState(data.get("state", InstanceState.STARTING.value)),
                    load=InstanceLoad.from_json(data.get("load") or {}),
                    last_heartbeat=float(data.get("last_heartbeat", 0.0)),
-                   simulated=bool(data.get("simulated", False)))
+                   simulated=bool(data.get("simulated", False)),
+                   layout=str(data.get("layout", "tp1")),
+                   ranks=tuple(RankInfo.from_json(r) for r in data.get("ranks") or ()))
 
 
-__all__ = ["InstanceLoad", "InstanceRecord", "InstanceState", "Role"]
+__all__ = ["InstanceLoad", "InstanceRecord", "InstanceState", "RankInfo", "Role"]

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from strata.engine.outputs import EngineStats, RequestOutput
+
+if TYPE_CHECKING:
+    from strata.model.parallel.pipeline import PipelineStats
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -54,10 +58,15 @@ class ServerMetrics:
         self._seen_preemptions = 0
         self.kv = KVOffloadMetrics(reg, model_name)
         self.ranks: RankMemoryMetrics | None = None
+        self.pipeline: PipelineMetrics | None = None
 
-    def watch_ranks(self, source: Callable[[], Iterable[tuple[int, int, int]]]) -> None:
-        """Report a parallel instance's (rank, weight bytes, KV bytes) at every scrape."""
+    def watch_ranks(self, source: Callable[[], Iterable[tuple[int, int, int]]],
+                    pipeline: Callable[[], PipelineStats] | None = None) -> None:
+        """Report a parallel instance's (rank, weight bytes, KV bytes) at every scrape, and
+        its stages and communication when `pipeline` is given."""
         self.ranks = RankMemoryMetrics(self.registry, self._model, source)
+        if pipeline is not None:
+            self.pipeline = PipelineMetrics(self.registry, self._model, pipeline)
 
     def observe_finished(self, timing: RequestTiming, output: RequestOutput) -> None:
         """Record one finished request."""
@@ -87,6 +96,8 @@ class ServerMetrics:
         self.kv.refresh(stats)
         if self.ranks is not None:
             self.ranks.refresh()
+        if self.pipeline is not None:
+            self.pipeline.refresh()
 
     def render(self, stats: EngineStats) -> bytes:
         """The Prometheus text exposition, gauges refreshed from `stats`."""
@@ -148,6 +159,43 @@ class RankMemoryMetrics:
             self.kv_bytes.labels(self._model, str(rank)).set(kv_bytes)
 
 
+class PipelineMetrics:
+    """A parallel instance's stages and collectives, between two scrapes:
+    `strata:stage_busy_fraction{stage}` (time the stage computed / time some batch was in
+    flight: near 1 for every stage when the stages overlap, about 1/P when they take turns),
+    `strata:step_comm_seconds` (rank 0's time in collectives per step), and the counters behind
+    them (`strata:stage_busy_seconds_total{stage}`, `strata:parallel_comm_seconds_total`)."""
+
+    def __init__(self, reg: CollectorRegistry, model_name: str,
+                 source: Callable[[], PipelineStats]) -> None:
+        stage = ["model_name", "stage"]
+        self.busy_fraction = Gauge("strata:stage_busy_fraction",
+                                   "Share of the time with batches in flight that a pipeline "
+                                   "stage computed, since the previous scrape.", stage,
+                                   registry=reg)
+        self.busy_s = Counter("strata:stage_busy_seconds", "Time a pipeline stage computed.",
+                              stage, registry=reg)
+        self.step_comm_s = Gauge("strata:step_comm_seconds",
+                                 "Rank 0's time inside collectives per step, since the previous "
+                                 "scrape.", ["model_name"], registry=reg)
+        self.comm_s = Counter("strata:parallel_comm_seconds",
+                              "Rank 0's time inside collectives.", ["model_name"], registry=reg)
+        self._model = model_name
+        self._source = source
+        self._before = source()
+        self.refresh()
+
+    def refresh(self) -> None:
+        now, before, model = self._source(), self._before, self._model
+        for stage, fraction in enumerate(now.busy_fractions(before)):
+            self.busy_fraction.labels(model, str(stage)).set(fraction)
+            self.busy_s.labels(model, str(stage)).inc(
+                max(0.0, now.stage_busy_s[stage] - before.stage_busy_s[stage]))
+        self.step_comm_s.labels(model).set(now.comm_s_per_step(before))
+        self.comm_s.labels(model).inc(max(0.0, now.comm_s - before.comm_s))
+        self._before = now
+
+
 @dataclass(slots=True)
 class RequestTiming:
     arrival_s: float
@@ -175,4 +223,5 @@ async def track(outputs: AsyncGenerator[RequestOutput, None], metrics: ServerMet
         await outputs.aclose()
 
 
-__all__ = ["KVOffloadMetrics", "RankMemoryMetrics", "RequestTiming", "ServerMetrics", "track"]
+__all__ = ["KVOffloadMetrics", "PipelineMetrics", "RankMemoryMetrics", "RequestTiming",
+           "ServerMetrics", "track"]

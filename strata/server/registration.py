@@ -23,7 +23,7 @@ import httpx
 from strata.errors import ConfigError, RegistryError
 from strata.registry import create_registry
 from strata.registry.base import Registry
-from strata.registry.records import InstanceLoad, InstanceRecord, InstanceState, Role
+from strata.registry.records import InstanceLoad, InstanceRecord, InstanceState, RankInfo, Role
 from strata.server.async_engine import AsyncEngine
 
 log = logging.getLogger("strata.server.registration")
@@ -153,12 +153,15 @@ def build_registration(registry_url: str, *, instance_id: str, advertise_url: st
                        async_engine: AsyncEngine, version: str = "default",
                        role: Role | str = Role.MIXED, pool: str = "default",
                        simulated: bool = False, interval_s: float = 1.0, ttl_s: float = 5.0,
-                       clock: Callable[[], float] = time.time) -> Registration:
-    """The Registration `strata serve --registry URL ...` runs (ConfigError on a bad URL)."""
+                       clock: Callable[[], float] = time.time, layout: str = "tp1",
+                       ranks: tuple[RankInfo, ...] = ()) -> Registration:
+    """The Registration `strata serve --registry URL ...` runs (ConfigError on a bad URL).
+    A parallel instance registers once, with its `layout` and its `ranks`."""
     if role not in tuple(Role):
         raise ConfigError(f"unknown role {role!r}; use one of: {', '.join(Role)}")
     record = InstanceRecord(instance_id=instance_id, url=advertise_url.rstrip("/"), model=model,
-                            version=version, role=Role(role), pool=pool, simulated=simulated)
+                            version=version, role=Role(role), pool=pool, simulated=simulated,
+                            layout=layout, ranks=ranks)
     registry = create_registry(registry_url, ttl_s=ttl_s, clock=clock)
     return Registration(registry, record, interval_s=interval_s,
                         load_fn=engine_load(async_engine),

@@ -12,6 +12,7 @@ import pytest
 from strata.commands import status, up
 from strata.commands.env import CliEnv
 from strata.registry import InstanceLoad, InstanceRecord, InstanceState, Role, create_registry
+from strata.registry.records import RankInfo
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -77,3 +78,19 @@ def test_format_table_aligns_columns() -> None:
         "INSTANCE  URL         MODEL      ROLE   POOL     STATE     RUN/WAIT  KV   HEARTBEAT",
         "a         http://h:1  m@default  mixed  default  starting  0/0       50%  1.2s ago",
     ]
+
+
+def test_a_parallel_instance_is_one_row_with_its_layout_and_a_line_per_rank() -> None:
+    mib = 1 << 20
+    ranks = (RankInfo(0, "node-a", 101, 70 * mib, 8 * mib),
+             RankInfo(1, "node-a", 102, 66 * mib + mib // 2, 8 * mib))
+    parallel = InstanceRecord("a-0", "http://h:1", "m", last_heartbeat=100.0, layout="tp2",
+                              ranks=ranks)
+    assert InstanceRecord.from_json(parallel.to_json()) == parallel  # through every backend
+    single = InstanceRecord("b-0", "http://h:2", "m", last_heartbeat=100.0)
+    lines = status.format_table([parallel, single], now=101.0).splitlines()
+    assert lines[1].split()[:4] == ["a-0", "http://h:1", "m@default", "(tp2)"]
+    assert lines[2:4] == ["  rank 0  node-a pid 101  weights 70.0 MiB  KV 8.0 MiB",
+                          "  rank 1  node-a pid 102  weights 66.5 MiB  KV 8.0 MiB"]
+    assert lines[4].split()[:3] == ["b-0", "http://h:2", "m@default"]
+    assert len(lines) == 5

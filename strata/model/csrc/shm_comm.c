@@ -2,8 +2,9 @@
 
    One segment per group, created by one process (shm_create) and mapped by every rank
    (shm_attach). Layout: a header (magic, sizes, each rank's pid, an abort word), one counter per
-   rank (`arrive`), one (sent, done) pair per ordered pair of ranks, then the buffers: per parity
-   (generation & 1) one slot per rank and one broadcast slot, and per ordered pair two channel
+   rank (`arrive`), one (sent, done) pair per ordered pair of ranks, the broadcast counters (one
+   `bsent`, one `bdone` per rank), then the buffers: per parity (generation & 1) one slot per
+   rank, a ring of `depth` broadcast slots, and per ordered pair a ring of `depth` channel
    buffers. Every counter sits on its own 128-byte line.
 
    Collectives are numbered by a per-rank generation g (every rank runs the same collectives in
@@ -14,6 +15,12 @@
    rank arrived at g (acquire). all_reduce sums the slots in rank order 0, 1, ..., W - 1 on every
    rank, so all ranks get bit-identical sums; bf16 is summed in float32 and rounded once.
    Messages larger than a slot go in slot-sized chunks, one generation each.
+
+   Broadcasts and point-to-point messages are rings numbered by their own sequences, `depth`
+   deep: a root may run `depth` broadcasts ahead of the slowest reader, a sender `depth` messages
+   ahead of its receiver. This is what lets pipeline parallel keep P batches in flight: rank 0
+   broadcasts batch k + P - 1 while the last stage still works on batch k (the world group of a
+   P-stage instance is P + 1 deep).
 
    Every wait spins briefly (pause), then yields (ranks may outnumber cores, or a peer may share
    our core), then sleeps with a growing interval (an idle worker waiting for the next step
@@ -56,7 +63,7 @@
 #define ERR_ARGS -4
 
 typedef struct {
-  uint64_t magic, world, buf_bytes, p2p;
+  uint64_t magic, world, buf_bytes, p2p, depth;
   int64_t pids[MAX_WORLD];
 } header_t;
 
@@ -64,7 +71,7 @@ typedef struct {
   char *base;
   size_t size;
   int rank, world, failed_rank;
-  uint64_t gen, buf;
+  uint64_t gen, buf, depth, bseq;
   uint64_t send_seq[MAX_WORLD], recv_seq[MAX_WORLD];
 } ctx_t;
 
@@ -73,22 +80,27 @@ static size_t off_abort(void) { return align_up(sizeof(header_t), LINE); }
 static size_t off_arrive(int r) { return off_abort() + LINE * (size_t)(1 + r); }
 static size_t off_sent(int w, int s, int d) { return off_arrive(w) + LINE * (size_t)(s * w + d); }
 static size_t off_done(int w, int s, int d) { return off_sent(w, w, 0) + LINE * (size_t)(s * w + d); }
-static size_t off_bufs(int w) { return align_up(off_done(w, w, 0), 4096); }
+static size_t off_bsent(int w) { return off_done(w, w, 0); }
+static size_t off_bdone(int w, int r) { return off_bsent(w) + LINE * (size_t)(1 + r); }
+static size_t off_bufs(int w) { return align_up(off_bdone(w, w), 4096); }
 
-static size_t segment_size(int w, uint64_t buf, int p2p) {
-  size_t n = off_bufs(w) + 2 * (size_t)(w + 1) * buf;
-  return p2p ? n + 2 * (size_t)w * w * buf : n;
+static size_t segment_size(int w, uint64_t buf, int p2p, uint64_t depth) {
+  size_t n = off_bufs(w) + (2 * (size_t)w + depth) * buf;
+  return p2p ? n + depth * (size_t)w * w * buf : n;
 }
 
 static volatile uint64_t *ctr(const ctx_t *c, size_t off) {
   return (volatile uint64_t *)(c->base + off);
 }
-static char *slot(const ctx_t *c, uint64_t g, int r) {  /* r == world: the broadcast slot */
-  return c->base + off_bufs(c->world) + ((g & 1) * (c->world + 1) + r) * c->buf;
+static char *slot(const ctx_t *c, uint64_t g, int r) {
+  return c->base + off_bufs(c->world) + ((g & 1) * c->world + r) * c->buf;
+}
+static char *bslot(const ctx_t *c, uint64_t seq) {
+  return c->base + off_bufs(c->world) + (2 * (size_t)c->world + seq % c->depth) * c->buf;
 }
 static char *chan(const ctx_t *c, int s, int d, uint64_t seq) {
-  size_t ring = off_bufs(c->world) + 2 * (size_t)(c->world + 1) * c->buf;
-  return c->base + ring + ((size_t)(s * c->world + d) * 2 + (seq & 1)) * c->buf;
+  size_t ring = off_bufs(c->world) + (2 * (size_t)c->world + c->depth) * c->buf;
+  return c->base + ring + ((size_t)(s * c->world + d) * c->depth + seq % c->depth) * c->buf;
 }
 static uint64_t load(volatile uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 static void store(volatile uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
@@ -154,13 +166,20 @@ static int wait_ge(ctx_t *c, volatile uint64_t **counters, const int *peers, int
   }
 }
 
-/* Every other rank's arrive counter reaches `target`. */
-static int wait_all(ctx_t *c, uint64_t target, int64_t timeout_ns) {
+/* Every other rank's arrive counter (or, with `bdone`, its broadcast counter) reaches `target`. */
+static int wait_others(ctx_t *c, int bdone, uint64_t target, int64_t timeout_ns) {
   volatile uint64_t *counters[MAX_WORLD];
   int peers[MAX_WORLD], n = 0;
   for (int r = 0; r < c->world; r++)
-    if (r != c->rank) { counters[n] = ctr(c, off_arrive(r)); peers[n++] = r; }
+    if (r != c->rank) {
+      counters[n] = ctr(c, bdone ? off_bdone(c->world, r) : off_arrive(r));
+      peers[n++] = r;
+    }
   return wait_ge(c, counters, peers, n, target, timeout_ns);
+}
+
+static int wait_all(ctx_t *c, uint64_t target, int64_t timeout_ns) {
+  return wait_others(c, 0, target, timeout_ns);
 }
 
 static int wait_one(ctx_t *c, size_t off, int peer, uint64_t target, int64_t timeout_ns) {
@@ -170,11 +189,11 @@ static int wait_one(ctx_t *c, size_t off, int peer, uint64_t target, int64_t tim
 
 /* --- segment lifetime ------------------------------------------------------------------------ */
 
-int shm_create(const char *name, int world, int64_t buf_bytes, int p2p) {
-  if (world < 1 || world > MAX_WORLD || buf_bytes < 4096) return ERR_ARGS;
+int shm_create(const char *name, int world, int64_t buf_bytes, int p2p, int depth) {
+  if (world < 1 || world > MAX_WORLD || buf_bytes < 4096 || depth < 2) return ERR_ARGS;
   const int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) return -errno;
-  const size_t size = segment_size(world, (uint64_t)buf_bytes, p2p);
+  const size_t size = segment_size(world, (uint64_t)buf_bytes, p2p, (uint64_t)depth);
   if (ftruncate(fd, (off_t)size) != 0) { const int e = errno; close(fd); return -e; }
   header_t *h = mmap(NULL, sizeof(header_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
@@ -182,6 +201,7 @@ int shm_create(const char *name, int world, int64_t buf_bytes, int p2p) {
   h->world = (uint64_t)world;
   h->buf_bytes = (uint64_t)buf_bytes;
   h->p2p = (uint64_t)p2p;
+  h->depth = (uint64_t)depth;
   __atomic_store_n(&h->magic, MAGIC, __ATOMIC_RELEASE);
   munmap(h, sizeof(header_t));
   return OK;
@@ -204,6 +224,7 @@ void *shm_attach(const char *name, int rank) {
   c->rank = rank;
   c->world = (int)h->world;
   c->buf = h->buf_bytes;
+  c->depth = h->depth;
   c->failed_rank = -1;
   __atomic_store_n(&h->pids[rank], (int64_t)getpid(), __ATOMIC_RELEASE);
   return c;
@@ -323,19 +344,24 @@ int shm_gather_rows(ctx_t *c, const void *src, int64_t rows, const int64_t *row_
   return OK;
 }
 
-/* Root: send `len` bytes to every rank. */
+/* Root: send `len` bytes to every rank. The ring slot of chunk `seq` is free once every other
+   rank consumed chunk seq - depth; the root counts its own chunks as consumed, so that any rank
+   may be the next root. */
 int shm_broadcast_send(ctx_t *c, const void *data, int64_t len, int64_t timeout_ns) {
   const int64_t per = (int64_t)c->buf - HEAD;
   int64_t off = 0;
   do {
     const int64_t m = len - off < per ? len - off : per;
-    const uint64_t g = ++c->gen;
-    const int rc = wait_all(c, g - 1, timeout_ns);
-    if (rc) return rc;
-    char *s = slot(c, g, c->world);
+    const uint64_t seq = ++c->bseq;
+    if (seq > c->depth) {
+      const int rc = wait_others(c, 1, seq - c->depth, timeout_ns);
+      if (rc) return rc;
+    }
+    char *s = bslot(c, seq);
     memcpy(s, &len, sizeof len);
     memcpy(s + HEAD, (const char *)data + off, (size_t)m);
-    store(ctr(c, off_arrive(c->rank)), g);
+    store(ctr(c, off_bsent(c->world)), seq);
+    store(ctr(c, off_bdone(c->world, c->rank)), seq);
     off += m;
   } while (off < len);
   return OK;
@@ -343,10 +369,10 @@ int shm_broadcast_send(ctx_t *c, const void *data, int64_t len, int64_t timeout_
 
 /* Others: the length of root's next broadcast (waits for it; consumes nothing). */
 int64_t shm_broadcast_len(ctx_t *c, int root, int64_t timeout_ns) {
-  const int rc = wait_one(c, off_arrive(root), root, c->gen + 1, timeout_ns);
+  const int rc = wait_one(c, off_bsent(c->world), root, c->bseq + 1, timeout_ns);
   if (rc) return rc;
   int64_t len;
-  memcpy(&len, slot(c, c->gen + 1, c->world), sizeof len);
+  memcpy(&len, bslot(c, c->bseq + 1), sizeof len);
   return len;
 }
 
@@ -355,11 +381,11 @@ int shm_broadcast_recv(ctx_t *c, int root, void *data, int64_t len, int64_t time
   int64_t off = 0;
   do {
     const int64_t m = len - off < per ? len - off : per;
-    const uint64_t g = ++c->gen;
-    const int rc = wait_one(c, off_arrive(root), root, g, timeout_ns);
+    const uint64_t seq = ++c->bseq;
+    const int rc = wait_one(c, off_bsent(c->world), root, seq, timeout_ns);
     if (rc) return rc;
-    memcpy((char *)data + off, slot(c, g, c->world) + HEAD, (size_t)m);
-    store(ctr(c, off_arrive(c->rank)), g);
+    memcpy((char *)data + off, bslot(c, seq) + HEAD, (size_t)m);
+    store(ctr(c, off_bdone(c->world, c->rank)), seq);
     off += m;
   } while (off < len);
   return OK;
@@ -374,7 +400,8 @@ int shm_send(ctx_t *c, int dst, const void *data, int64_t len, int64_t timeout_n
   do {
     const int64_t m = len - off < per ? len - off : per;
     const uint64_t seq = ++c->send_seq[dst];
-    const int rc = wait_one(c, off_done(w, s, dst), dst, seq < 2 ? 0 : seq - 2, timeout_ns);
+    const uint64_t free_at = seq <= c->depth ? 0 : seq - c->depth;
+    const int rc = wait_one(c, off_done(w, s, dst), dst, free_at, timeout_ns);
     if (rc) return rc;
     char *b = chan(c, s, dst, seq);
     memcpy(b, &len, sizeof len);

@@ -9,11 +9,18 @@ of its pipeline stage: the row-parallel sums and the LM head's gather). A group 
 - `TorchDistGroup`: torch.distributed, gloo on CPU or NCCL on CUDA, for ranks on several hosts.
 
 `CommSpec` (picklable: it travels to spawned processes and Ray actors) says which backend each
-group uses; "shm" needs every rank of the group on one host.
+group uses; "shm" needs every rank of the group on one host. `plan_comm` picks them from the
+host of every rank, which the launcher knows before any rank starts (mp: this host; Ray: the
+node of each bundle of the placement group): shared memory for a group on one host, gloo (NCCL
+on CUDA) for a group across hosts. A rank learns nothing else about its peers: the
+torch.distributed rendezvous is at rank 0's host (`init_method`), and its store exchanges the
+peers' addresses. Rank 0 creates the segments on its host; the tp segment of a stage on
+another host is created there by the stage's tp rank 0, and its peers wait for it to appear.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,8 +31,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from strata.errors import ConfigError
+from strata.model.parallel import shm
 from strata.model.parallel.layout import ParallelLayout
 from strata.model.parallel.shm import ShmGroup
+from strata.model.parallel.torch_group import TorchDistGroup
 
 BACKENDS = ("shm", "gloo", "nccl")
 
@@ -82,6 +91,7 @@ class CommSpec:
     init_method: str | None = None  # torch.distributed rendezvous, e.g. tcp://10.0.0.1:29500
     device: str = "cpu"
     timeout_s: float = 60.0  # one collective
+    hosts: tuple[str, ...] = ()  # of every rank; () means all on rank 0's host
 
     def __post_init__(self) -> None:
         for backend in (self.world_backend, self.tp_backend):
@@ -98,6 +108,40 @@ class CommSpec:
 
     def segment(self, group: str) -> str:
         return f"{self.prefix}-{group}"
+
+    def tp_segment_is_remote(self, stage: int) -> bool:
+        """Whether stage `stage` runs on another host than rank 0 (it makes its own segment)."""
+        leader = self.layout.rank_of(stage, 0)
+        return bool(self.hosts) and self.hosts[leader] != self.hosts[0]
+
+
+def plan_comm(layout: ParallelLayout, hosts: list[str], *, device: str, timeout_s: float,
+              port: int | None = None) -> CommSpec:
+    """Shared memory for each group whose ranks share a host (on the CPU, where this host can
+    build it), torch.distributed for the others, with the rendezvous at rank 0's host."""
+    if len(hosts) != layout.world_size:
+        raise ValueError(f"{len(hosts)} hosts for {layout.world_size} ranks")
+    local = device == "cpu" and shm.is_available()
+    fallback = "nccl" if device.startswith("cuda") else "gloo"
+    stages_local = all(len({hosts[r] for r in layout.stage_ranks(s)}) == 1
+                       for s in range(layout.pipeline_size))
+    world = "shm" if local and len(set(hosts)) == 1 else fallback
+    tp = "shm" if local and stages_local else fallback
+    if local:
+        shm.sweep_stale_segments()
+    init = None
+    if world != "shm" or tp != "shm":
+        init = f"tcp://{hosts[0]}:{port or free_port()}"
+    return CommSpec(layout, shm.new_segment_prefix(), world_backend=world, tp_backend=tp,
+                    init_method=init, device=device, timeout_s=timeout_s, hosts=tuple(hosts))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
 
 
 @dataclass(slots=True)
@@ -117,11 +161,14 @@ def create_segments(spec: CommSpec) -> list[str]:
     names = []
     if spec.world_backend == "shm":
         names.append(spec.segment("world"))
-        ShmGroup.create(names[-1], spec.layout.world_size, p2p=True)
+        # P + 1 deep: rank 0 broadcasts batch k + P - 1 while the last stage runs batch k.
+        ShmGroup.create(names[-1], spec.layout.world_size, p2p=True,
+                        depth=max(2, spec.layout.pipeline_size + 1))
     if spec.tp_backend == "shm":
         for stage in range(spec.layout.pipeline_size):
-            names.append(spec.segment(f"tp{stage}"))
-            ShmGroup.create(names[-1], spec.layout.tensor_size)
+            if not spec.tp_segment_is_remote(stage):
+                names.append(spec.segment(f"tp{stage}"))
+                ShmGroup.create(names[-1], spec.layout.tensor_size)
     return names
 
 
@@ -139,12 +186,35 @@ def connect(spec: CommSpec, rank: int) -> RankComms:
     else:
         world = world_torch
     tp: Communicator
-    if spec.tp_backend == "shm":
+    if spec.tp_backend != "shm":
+        tp = tp_groups[stage]
+    elif spec.tp_segment_is_remote(stage):
+        tp = _attach_remote_stage(spec, stage, tp_rank)
+    else:
         tp = ShmGroup.attach(spec.segment(f"tp{stage}"), tp_rank, layout.tensor_size,
                              timeout_s=spec.timeout_s)
-    else:
-        tp = tp_groups[stage]
     return RankComms(world, tp)
+
+
+def _attach_remote_stage(spec: CommSpec, stage: int, tp_rank: int) -> ShmGroup:
+    """The tp group of a stage on another host than rank 0: its tp rank 0 creates the segment,
+    the others wait for it; it is unlinked once all attached (as rank 0 does with its own)."""
+    name, size = spec.segment(f"tp{stage}"), spec.layout.tensor_size
+    if tp_rank == 0:
+        ShmGroup.create(name, size)
+    deadline = time.monotonic() + spec.timeout_s
+    while True:
+        try:
+            group = ShmGroup.attach(name, tp_rank, size, timeout_s=spec.timeout_s)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+    if tp_rank == 0:
+        group.wait_attached(spec.timeout_s)
+        ShmGroup.unlink(name)
+    return group
 
 
 def _init_torch(spec: CommSpec, rank: int) -> tuple[TorchDistGroup, list[TorchDistGroup]]:
@@ -164,83 +234,3 @@ def _init_torch(spec: CommSpec, rank: int) -> tuple[TorchDistGroup, list[TorchDi
         group = dist.new_group(ranks, timeout=timeout)
         stages.append(TorchDistGroup(ranks, rank, device, group))
     return world, stages
-
-
-class TorchDistGroup:
-    """A `Communicator` over a torch.distributed process group (gloo or NCCL).
-
-    Per-call timeouts are the group's own (set at creation): `timeout_s` is ignored. Broadcasts
-    over every rank go through the default group, whose timeout is long: an idle worker waits
-    in one for the next step.
-    """
-
-    def __init__(self, ranks: list[int], global_rank: int, device: torch.device,
-                 group: dist.ProcessGroup | None) -> None:
-        self.ranks = ranks
-        self.rank = ranks.index(global_rank) if global_rank in ranks else -1
-        self.world_size = len(ranks)
-        self.device = device
-        self.group = group
-        self.comm_ns = 0
-        self.num_calls = 0
-
-    def all_reduce(self, x: Tensor, *, timeout_s: float | None = None) -> Tensor:
-        dist.all_reduce(x, group=self.group)
-        return x
-
-    def gather(self, x: Tensor, widths: Sequence[int], root: int | None = None, *,
-               timeout_s: float | None = None) -> Tensor | None:
-        widest = max(widths)
-        padded = torch.zeros((x.shape[0], widest), dtype=x.dtype, device=x.device)
-        padded[:, : x.shape[1]] = x
-        parts = [torch.empty_like(padded) for _ in widths]
-        dist.all_gather(parts, padded, group=self.group)
-        if root is not None and root != self.rank:
-            return None
-        return torch.cat([p[:, :w] for p, w in zip(parts, widths, strict=True)], dim=1)
-
-    def broadcast_bytes(self, data: bytes | None, root: int = 0, *,
-                        timeout_s: float | None = None) -> bytes:
-        whole = self.world_size == dist.get_world_size()
-        group = None if whole else self.group  # the default group: see the class docstring
-        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64,
-                            device=self.device)
-        dist.broadcast(size, src=self.ranks[root], group=group)
-        if self.rank == root:
-            assert data is not None, "invariant broadcast_root_has_data"
-            payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
-        else:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        if payload.numel():
-            dist.broadcast(payload, src=self.ranks[root], group=group)
-        return data if data is not None else payload.cpu().numpy().tobytes()
-
-    def send(self, x: Tensor, dst: int, *, timeout_s: float | None = None) -> None:
-        dist.send(x.contiguous(), dst=self.ranks[dst], group=self.group)
-
-    def recv(self, out: Tensor, src: int, *, timeout_s: float | None = None) -> Tensor:
-        dist.recv(out, src=self.ranks[src], group=self.group)
-        return out
-
-    def send_bytes(self, data: bytes, dst: int, *, timeout_s: float | None = None) -> None:
-        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        self.send(size, dst)
-        if data:
-            self.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device), dst)
-
-    def recv_bytes(self, src: int, *, timeout_s: float | None = None) -> bytes:
-        size = self.recv(torch.empty(1, dtype=torch.int64, device=self.device), src)
-        if not int(size.item()):
-            return b""
-        out = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        return bytes(self.recv(out, src).cpu().numpy().tobytes())
-
-    def barrier(self, *, timeout_s: float | None = None) -> None:
-        dist.barrier(group=self.group)
-
-    def abort(self, rank: int) -> None:
-        """gloo and NCCL have no abort word: peers learn from the closed connection or their
-        timeout."""
-
-    def close(self) -> None:
-        """The process group goes with `RankComms.close`."""

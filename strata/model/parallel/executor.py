@@ -1,14 +1,19 @@
 """`ParallelExecutor`: the engine's `ModelExecutor` (and `KVTransfer`) over T x P ranks.
 
-Rank 0 runs in this process, on the engine's thread; the launcher starts the others. Each
-engine call becomes one command (rank.py), serialized once and broadcast to every rank through
-shared memory, then run by rank 0 itself. The engine's interface does not change.
+Rank 0 runs in this process, on the engine's thread; the launcher places and starts the others.
+Each engine call becomes one command (commands.py), serialized once and broadcast to every rank
+through shared memory, then run by rank 0 itself. The engine's interface does not change.
+
+It is also an `AsyncModelExecutor` with P batches in flight (P = pipeline stages): `submit`
+broadcasts the step and runs stage 0's share; `collect` takes the sampled tokens of the oldest
+batch from the last stage. So while the last stage runs batch k, stage 0 runs batch k + 1. With
+P = 1 rank 0 samples itself and a batch is done when `submit` returns.
 
 Failure: a rank that dies makes the collectives of the others raise within ~50 ms
-(`RankFailedError`, also raised by `execute`), and the launcher's watcher reports it even while
-the instance is idle (`on_failure`, set by the server to stop the engine). Either way the
-executor is failed for good: the ranks no longer agree where they are, so the instance must be
-restarted whole.
+(`RankFailedError`, also raised by `submit`, `collect` and `execute`), and the launcher's watcher
+reports it even while the instance is idle (`on_failure`, set by the server to stop the engine).
+Either way the executor is failed for good: the ranks no longer agree where they are, so the
+instance must be restarted whole.
 """
 
 from __future__ import annotations
@@ -17,51 +22,36 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
-from strata.engine.executor import ModelInput, ModelOutput
+from strata.engine.executor import BatchHandle, ModelInput, ModelOutput
 from strata.errors import ConfigError, RankFailedError
 from strata.model.config import DTYPE_BYTES
 from strata.model.kv_codec import KVCodec, KVLayout, KVPayloadError
 from strata.model.parallel import shm
-from strata.model.parallel.comm import CommSpec, connect, create_segments
-from strata.model.parallel.launcher import MpRankLauncher, RankLauncher
-from strata.model.parallel.layout import ParallelLayout
-from strata.model.parallel.rank import (
+from strata.model.parallel.comm import connect, create_segments, plan_comm
+from strata.model.parallel.commands import (
     Allocate,
     Command,
     ExportKV,
     ImportKV,
-    Rank,
     RankSpec,
     Step,
     StepRows,
     Stop,
     encode,
 )
+from strata.model.parallel.launcher import MpRankLauncher, RankLauncher
+from strata.model.parallel.layout import ParallelLayout
+from strata.model.parallel.pipeline import InFlight, PipelineStats, RankMemory, StepStats
+from strata.model.parallel.rank import Rank
 from strata.model.parallel.shard_loader import PreparedModel
 
 log = logging.getLogger("strata.model.parallel")
-
-
-@dataclass(frozen=True, slots=True)
-class RankMemory:
-    rank: int
-    pid: int
-    weight_bytes: int
-    kv_bytes: int
-
-
-@dataclass(slots=True)
-class StepStats:
-    """What broadcasting the steps cost rank 0 (bench/parallel.py reads it)."""
-
-    num_steps: int = 0
-    num_bytes: int = 0
-    encode_ns: int = 0
+T = TypeVar("T")
 
 
 class ParallelExecutor:
@@ -76,23 +66,38 @@ class ParallelExecutor:
             raise ConfigError(f"dtype {dtype!r} is not supported; choose one of "
                               f"{sorted(DTYPE_BYTES)}")
         self.config, self.layout, self.dtype = model.config, layout, dtype
+        self.max_concurrent_batches = layout.pipeline_size
         self.on_failure: Callable[[RankFailedError], None] | None = None
         self.failure: RankFailedError | None = None
         self.stats = StepStats()
         self.kv_codec: KVCodec | None = None
         self._num_slots = 0
         self._identity = (model_name, model_version)
-        self._comm = _comm_spec(layout, device, timeout_s)
-        self._segments = create_segments(self._comm)
+        self._in_flight = InFlight()
+        self._later_stage_busy_ns = [0] * (layout.pipeline_size - 1)
+        self._wait_ns = 0  # rank 0's wait for the last stage's tokens (inside a collective)
         self.launcher: RankLauncher = launcher or MpRankLauncher()
-        specs = [RankSpec(r, self._comm, model.config, model.weights, dtype,
+        self.comm_spec = plan_comm(layout, self.launcher.place(layout), device=device,
+                               timeout_s=timeout_s)
+        if self.comm_spec.uses_torch:
+            log.warning("ranks talk through torch.distributed (%s world, %s tp groups)",
+                        self.comm_spec.world_backend, self.comm_spec.tp_backend)
+        self._segments = create_segments(self.comm_spec)
+        specs = [RankSpec(r, self.comm_spec, model.config, model.weights, dtype,
                           _rank_device(device, r), threads, model_name, model_version,
                           os.getpid())
                  for r in range(layout.world_size)]
+        self._start(specs, timeout_s, startup_timeout_s)
+        self.launcher.watch(self._rank_exited)
+        log.info("%s ranks ready: %s", layout.name,
+                 ", ".join(f"rank {r.rank} pid {r.pid} {r.weight_bytes / 2**20:.0f} MiB"
+                           for r in self.reports))
+
+    def _start(self, specs: list[RankSpec], timeout_s: float, startup_timeout_s: float) -> None:
         comms = None
         try:
             self.launcher.start(specs[1:])
-            comms = connect(self._comm, 0)
+            comms = connect(self.comm_spec, 0)
             self.rank = Rank(specs[0], comms)
             # Ready means connected: every rank mapped its segments, which can go now.
             self.reports = [self.rank.report(), *self.launcher.wait_ready(startup_timeout_s)]
@@ -104,12 +109,8 @@ class ParallelExecutor:
             raise
         finally:
             self._unlink_segments()
-        self.launcher.watch(self._rank_exited)
-        log.info("%s ranks ready: %s", layout.name,
-                 ", ".join(f"rank {r.rank} pid {r.pid} {r.weight_bytes / 2**20:.0f} MiB"
-                           for r in self.reports))
 
-    # --- ModelExecutor -------------------------------------------------------------------------
+    # --- ModelExecutor and AsyncModelExecutor ---------------------------------------------------
 
     @property
     def vocab_size(self) -> int:
@@ -126,19 +127,33 @@ class ParallelExecutor:
         self.kv_codec = KVCodec(KVLayout(*self._identity, self.dtype, c.num_hidden_layers,
                                          block_size, c.num_key_value_heads, c.head_dim))
 
-    def execute(self, model_input: ModelInput) -> ModelOutput:
-        """Rank 0 runs the whole input; the others get only what they compute with, unless
-        one of them samples (several pipeline stages)."""
-        step = Step(model_input)
-        wire = step if self.layout.sampling_rank != 0 else StepRows.of(model_input)
-        output = self._run(step, wire)
-        assert isinstance(output, dict)
+    def submit(self, model_input: ModelInput) -> BatchHandle:
+        """Broadcast the step and run rank 0's share. The other ranks get only what they
+        compute with, unless one of them samples (several pipeline stages)."""
+        samples_here = self.layout.sampling_rank == 0
+        wire = StepRows.of(model_input) if samples_here else Step(model_input)
+
+        def run() -> ModelOutput:
+            self._broadcast(wire)
+            return self.rank.forward(model_input)
+
+        output = self._guarded(run)
+        return self._in_flight.submitted(output if samples_here else None)
+
+    def collect(self, handle: BatchHandle) -> ModelOutput:
+        """The tokens of `handle`, waiting for the last stage (oldest batch first)."""
+        while (output := self._in_flight.take(handle)) is None:
+            self._guarded(self._receive_oldest)
         return output
+
+    def execute(self, model_input: ModelInput) -> ModelOutput:
+        return self.collect(self.submit(model_input))
 
     # --- KVTransfer ----------------------------------------------------------------------------
 
     def export_blocks(self, block_ids: list[int]) -> list[bytes]:
         """Whole-model payloads (as a T=1 instance writes them), assembled from every rank."""
+        self._drain()  # the slices come back on the channel the tokens take
         parts = self._run(ExportKV(block_ids))
         assert isinstance(parts, list) and self.kv_codec is not None
         whole = torch.empty((len(block_ids), *self.rank.whole_block_shape()),
@@ -151,7 +166,7 @@ class ParallelExecutor:
 
     def import_blocks(self, block_ids: list[int], payloads: list[bytes]) -> int:
         """Checks payloads here, in order, until one is refused; every rank writes its slices
-        of the accepted ones."""
+        of the accepted ones (after the batches in flight: commands run in order)."""
         assert self.kv_codec is not None, "invariant kv_cache_allocated"
         bodies = []
         for payload in payloads:
@@ -164,21 +179,29 @@ class ParallelExecutor:
             self._run(ImportKV(block_ids[: len(bodies)], bodies))
         return len(bodies)
 
-    # --- health, memory, shutdown --------------------------------------------------------------
+    # --- health, memory, counters, shutdown ----------------------------------------------------
 
     def is_alive(self) -> bool:
         return self.failure is None
 
     def rank_memory(self) -> list[RankMemory]:
         """Weight and KV bytes of every rank (KV: 0 before `allocate_kv_cache`)."""
-        return [RankMemory(r.rank, r.pid, r.weight_bytes,
+        return [RankMemory(r.rank, r.host, r.pid, r.weight_bytes,
                            self._num_slots * self._rank_kv_bytes_per_token(r.rank))
                 for r in self.reports]
 
     def comm_seconds(self) -> float:
-        """Rank 0's time inside collectives so far (waiting for slower peers included)."""
+        """Rank 0's time inside collectives so far (waiting for slower peers included; its
+        wait for the last stage's tokens is not communication and is left out)."""
         groups = {id(g): g for g in (self.rank.comms.world, self.rank.comms.tp)}
-        return sum(getattr(g, "comm_ns", 0) for g in groups.values()) / 1e9
+        return (sum(getattr(g, "comm_ns", 0) for g in groups.values()) - self._wait_ns) / 1e9
+
+    def pipeline_stats(self) -> PipelineStats:
+        """Cumulative counters: stage busy time (stages after the first as of the last batch
+        collected), active time, communication time, steps. Safe from any thread."""
+        busy = [self.rank.busy_ns, *self._later_stage_busy_ns]
+        return PipelineStats(tuple(b / 1e9 for b in busy), self._in_flight.active_s(),
+                             self.comm_seconds(), self.stats.num_steps)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop every rank (idempotent)."""
@@ -193,21 +216,40 @@ class ParallelExecutor:
 
     # --- plumbing ------------------------------------------------------------------------------
 
-    def _run(self, command: Command,
-             wire: Command | None = None) -> ModelOutput | list[Tensor] | None:
-        """Broadcast `wire` (default: `command`), then run `command` as rank 0."""
+    def _run(self, command: Command) -> ModelOutput | list[Tensor] | None:
+        """Broadcast `command`, then run it as rank 0."""
+
+        def run() -> ModelOutput | list[Tensor] | None:
+            self._broadcast(command)
+            return self.rank.run(command)
+
+        return self._guarded(run)
+
+    def _guarded(self, call: Callable[[], T]) -> T:
+        """Run a share of rank 0's work; any failure fails the executor for good."""
         if self.failure is not None:
             raise self.failure
         try:
-            self._broadcast(wire or command)
             with torch.inference_mode():
-                return self.rank.run(command)
+                return call()
         except RankFailedError as exc:
             self._fail(exc)
             raise
         except BaseException as exc:  # rank 0 broke off mid-command: the others wait in vain
             self._fail(RankFailedError(f"rank 0 failed mid-command: {exc!r}", rank=0))
             raise
+
+    def _receive_oldest(self) -> None:
+        world = self.rank.comms.world
+        before = getattr(world, "comm_ns", 0)
+        back = self.rank.receive_output()
+        self._wait_ns += getattr(world, "comm_ns", 0) - before
+        self._later_stage_busy_ns = back.stage_busy_ns
+        self._in_flight.arrived(back.output)
+
+    def _drain(self) -> None:
+        while self._in_flight.num_pending:
+            self._guarded(self._receive_oldest)
 
     def _broadcast(self, command: Command) -> None:
         start = time.perf_counter_ns()
@@ -245,27 +287,6 @@ def _rank_device(device: str, rank: int) -> str:
     if device != "cuda":
         return device
     return f"cuda:{rank % max(torch.cuda.device_count(), 1)}"
-
-
-def _comm_spec(layout: ParallelLayout, device: str, timeout_s: float) -> CommSpec:
-    """Shared memory when this host can build it and the model is on the CPU (every mp rank is
-    local); otherwise torch.distributed on a local rendezvous."""
-    if device == "cpu" and shm.is_available():
-        shm.sweep_stale_segments()
-        return CommSpec(layout, shm.new_segment_prefix(), device=device, timeout_s=timeout_s)
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    log.warning("shared-memory collectives unavailable: ranks talk through %s", backend)
-    return CommSpec(layout, shm.new_segment_prefix(), world_backend=backend, tp_backend=backend,
-                    init_method=f"tcp://127.0.0.1:{_free_port()}", device=device,
-                    timeout_s=timeout_s)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 __all__ = ["ParallelExecutor", "RankMemory", "StepStats"]

@@ -1,7 +1,9 @@
 """How the ranks other than 0 come to exist: the `RankLauncher` protocol and its mp version.
 
-A launcher starts ranks 1 .. W-1 from their `RankSpec`s, waits until each reports ready (or
-fails, with the rank's own traceback), watches them for an unexpected exit, and stops them.
+A launcher first places the ranks (says on which host each will run: the executor picks the
+collectives from that), then starts ranks 1 .. W-1 from their `RankSpec`s, waits until each
+reports ready (or fails, with the rank's own traceback), watches them for an unexpected exit,
+and stops them.
 `MpRankLauncher` spawns local processes (multiprocessing "spawn": no forked torch state). A Ray
 launcher (Ray actors in one placement group) implements the same protocol in strata/cluster/,
 since the model layer never imports Ray; its ranks run `worker.run_rank` the same way.
@@ -21,22 +23,28 @@ from multiprocessing.process import BaseProcess
 from typing import Protocol
 
 from strata.errors import ModelLoadError, RankFailedError
-from strata.model.parallel.rank import RankReport, RankSpec
+from strata.model.parallel.commands import RankReport, RankSpec
+from strata.model.parallel.layout import ParallelLayout
 from strata.model.parallel.worker import mp_worker_main
 
 log = logging.getLogger("strata.model.parallel")
 OnExit = Callable[[RankFailedError], None]
+LOCAL_HOST = "127.0.0.1"
 
 
 class RankLauncher(Protocol):
     """Starts, watches and stops the ranks of one instance other than rank 0.
 
-    Contract: `start` returns at once; `wait_ready` blocks until every started rank reported
+    Contract: `place` is called once, first: it reserves room for all W ranks and returns the
+    host of each (rank 0 is this process; ranks on one host share memory); `start` returns at
+    once; `wait_ready` blocks until every started rank reported
     ready and returns their reports in rank order, or raises (ModelLoadError with the rank's
     traceback when it failed to start, RankFailedError when it exited or the time ran out);
     after `watch(on_exit)`, an unexpected exit of a rank calls `on_exit` once, from another
     thread; `stop` waits up to `timeout_s` for the ranks to exit, then kills them.
     """
+
+    def place(self, layout: ParallelLayout) -> list[str]: ...
 
     def start(self, specs: list[RankSpec]) -> None: ...
 
@@ -51,13 +59,22 @@ class RankLauncher(Protocol):
 
 class MpRankLauncher:
     """Ranks as local processes, spawned from the calling thread (it must live as long as the
-    ranks: a rank gets SIGKILL when the thread that spawned it exits)."""
+    ranks: a rank gets SIGKILL when the thread that spawned it exits).
 
-    def __init__(self) -> None:
+    `hosts` (tests and benchmarks) names the host of each rank as if they ran on several: every
+    one is this machine, but a group whose ranks name different hosts talks through gloo, as it
+    would across machines. Each name must reach this machine (e.g. 127.0.0.1, localhost).
+    """
+
+    def __init__(self, hosts: list[str] | None = None) -> None:
         self._ctx = mp.get_context("spawn")
+        self._hosts = hosts
         self._procs: dict[int, BaseProcess] = {}
         self._conns: dict[int, Connection] = {}
         self._stopping = threading.Event()
+
+    def place(self, layout: ParallelLayout) -> list[str]:
+        return self._hosts or [LOCAL_HOST] * layout.world_size
 
     def start(self, specs: list[RankSpec]) -> None:
         for spec in specs:

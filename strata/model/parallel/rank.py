@@ -1,20 +1,11 @@
-"""One rank of a parallel instance: its shard as a `TorchExecutor`, and the commands it runs.
+"""One rank of a parallel instance: its shard as a `TorchExecutor`, and its side of each command
+(commands.py).
 
-Rank 0 (in the serving process) broadcasts each command once, pickled once, to every rank, then
-runs it itself; every other rank runs it as it arrives (worker.py). So all ranks run the same
-commands in the same order, which is what keeps their collectives matched:
-
-    Allocate(num_blocks, block_size)   every rank allocates the KV of its heads and layers
-    Step(model_input)                  every rank runs its share of the forward; the sampling
-                                       rank samples and, when it is not rank 0, sends the
-                                       tokens to rank 0
-    StepRows(block_size, rows)         a Step for ranks that do not sample: per sequence only
-                                       (tokens, start, blocks, needs_sample), 10x cheaper to
-                                       encode than the whole ModelInput (sent when rank 0
-                                       samples, i.e. one pipeline stage)
-    ExportKV(block_ids)                every rank sends its slices of the blocks to rank 0
-    ImportKV(block_ids, bodies)        every rank writes its slices of whole-model blocks
-    Stop()                             workers leave their loop
+A Step on a worker: run its share of the forward (`forward`; a later stage first receives the
+hidden states of the stage before it), then tp rank 0 of each later stage hands the stages' busy
+times on, and the sampling rank sends them to rank 0 with the sampled tokens (`StageOutput`).
+Rank 0 runs its share with `forward` and receives the tokens with `receive_output`, later, so
+that it can submit the next batch first (pipeline parallel).
 
 KV blocks cross the instance's boundary in the whole model's layout (kv_codec's body: layers x
 K/V x slots x KV heads x head_dim), so a block exported by a T=2 instance imports into a T=1 one.
@@ -25,113 +16,31 @@ from __future__ import annotations
 import os
 import pickle
 import socket
-from dataclasses import dataclass
+import time
 
 import torch
 from torch import Tensor
 
-from strata.engine.executor import ModelInput, ModelOutput, ScheduledSequence
-from strata.engine.request import SamplingParams
+from strata.engine.executor import ModelInput, ModelOutput
 from strata.model.config import ModelConfig
 from strata.model.executor import TorchExecutor
 from strata.model.gemm import PackedWeight
-from strata.model.parallel.comm import CommSpec, RankComms
+from strata.model.parallel.comm import RankComms
+from strata.model.parallel.commands import (
+    Allocate,
+    Command,
+    ExportKV,
+    ImportKV,
+    RankReport,
+    RankSpec,
+    StageOutput,
+    Step,
+    StepRows,
+    encode,
+)
 from strata.model.parallel.layout import ParallelLayout, even_split
-from strata.model.parallel.shard_loader import WeightFiles, load_shard
+from strata.model.parallel.shard_loader import load_shard
 from strata.model.shard import RankShard
-from strata.types import RequestId
-
-
-@dataclass(frozen=True, slots=True)
-class RankSpec:
-    """Everything a rank process needs to start (picklable)."""
-
-    rank: int
-    comm: CommSpec
-    config: ModelConfig
-    weights: WeightFiles
-    dtype: str
-    device: str
-    threads: int
-    model_name: str
-    model_version: str
-    parent_pid: int
-
-    @property
-    def layout(self) -> ParallelLayout:
-        return self.comm.layout
-
-
-@dataclass(frozen=True, slots=True)
-class RankReport:
-    """What a rank tells rank 0 once it is ready."""
-
-    rank: int
-    pid: int
-    host: str
-    weight_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class Allocate:
-    num_blocks: int
-    block_size: int
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    model_input: ModelInput
-
-
-@dataclass(frozen=True, slots=True)
-class StepRows:
-    block_size: int
-    rows: list[tuple[list[int], int, list[int], bool]]
-
-    @staticmethod
-    def of(model_input: ModelInput) -> StepRows:
-        return StepRows(model_input.block_size,
-                        [(s.token_ids, s.start_pos, s.block_ids, s.needs_sample)
-                         for s in model_input.sequences])
-
-    def model_input(self) -> ModelInput:
-        """The step as `TorchExecutor.execute` takes it, without what only sampling reads."""
-        return ModelInput([ScheduledSequence(_NO_ID, tokens, start, blocks, needs, _NO_PARAMS,
-                                             [], [])
-                           for tokens, start, blocks, needs in self.rows], self.block_size)
-
-
-_NO_ID = RequestId("")
-_NO_PARAMS = SamplingParams()
-
-
-@dataclass(frozen=True, slots=True)
-class ExportKV:
-    block_ids: list[int]
-
-
-@dataclass(frozen=True, slots=True)
-class ImportKV:
-    block_ids: list[int]
-    bodies: list[bytes]  # whole-model block bodies, already checked by rank 0
-
-
-@dataclass(frozen=True, slots=True)
-class Stop:
-    pass
-
-
-Command = Allocate | Step | StepRows | ExportKV | ImportKV | Stop
-
-
-def encode(command: Command) -> bytes:
-    return pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def decode(data: bytes) -> Command:
-    command = pickle.loads(data)  # noqa: S301 -- bytes from rank 0 of this instance only
-    assert isinstance(command, Allocate | Step | StepRows | ExportKV | ImportKV | Stop)
-    return command
 
 
 class RankShardComm:
@@ -145,6 +54,7 @@ class RankShardComm:
         self.vocab_widths = [len(r) for r in even_split(config.vocab_size, layout.tensor_size)]
         self.prev = layout.rank_of(coords.stage - 1, coords.tp_rank) if coords.stage else -1
         self.next = layout.rank_of(coords.stage + 1, coords.tp_rank)
+        self.wait_ns = 0  # in recv_hidden / send_hidden: the stage waits, it is not busy
 
     def all_reduce(self, x: Tensor) -> Tensor:
         return self.comms.tp.all_reduce(x) if self.is_split else x
@@ -155,10 +65,18 @@ class RankShardComm:
         return self.comms.tp.gather(logits, self.vocab_widths, root=0)
 
     def recv_hidden(self, like: Tensor) -> Tensor:
-        return self.comms.world.recv(like, self.prev)
+        start = time.perf_counter_ns()
+        try:
+            return self.comms.world.recv(like, self.prev)
+        finally:
+            self.wait_ns += time.perf_counter_ns() - start
 
     def send_hidden(self, x: Tensor) -> None:
-        self.comms.world.send(x, self.next)
+        start = time.perf_counter_ns()
+        try:
+            self.comms.world.send(x, self.next)
+        finally:
+            self.wait_ns += time.perf_counter_ns() - start
 
 
 class Rank:
@@ -168,19 +86,23 @@ class Rank:
         self.spec = spec
         self.comms = comms
         self.shard: RankShard = spec.layout.shard(spec.rank, spec.config)
+        self.coords = spec.layout.coords(spec.rank)
         weights = load_shard(spec.weights, spec.config, self.shard, spec.dtype)
+        self.comm = RankShardComm(comms, spec.layout, spec.rank, spec.config)
         self.executor = TorchExecutor(
             spec.config, weights, dtype=spec.dtype, device=spec.device,
             model_name=spec.model_name, model_version=spec.model_version, shard=self.shard,
-            comm=RankShardComm(comms, spec.layout, spec.rank, spec.config))
+            comm=self.comm)
         weights.clear()
         self.weight_bytes = _weight_bytes(self.executor)
+        self.busy_ns = 0  # time in `forward`, less the waits for the stages around
 
     def report(self) -> RankReport:
         return RankReport(self.spec.rank, os.getpid(), socket.gethostname(), self.weight_bytes)
 
     def run(self, command: Command) -> ModelOutput | list[Tensor] | None:
-        """This rank's side of `command`; rank 0 gets what the command returns."""
+        """This rank's side of `command`; rank 0 gets what the command returns (rank 0 runs a
+        Step of several stages as `forward`, then `receive_output`)."""
         if isinstance(command, Step):
             return self._step(command.model_input)
         if isinstance(command, StepRows):
@@ -193,16 +115,43 @@ class Rank:
             self._import(command.block_ids, command.bodies)
         return None
 
-    def _step(self, model_input: ModelInput) -> ModelOutput | None:
+    def forward(self, model_input: ModelInput) -> ModelOutput:
+        """This rank's share of a step: the sampled tokens on the sampling rank, {} elsewhere.
+        The stage is busy from start to end, less its waits for the stages around it."""
+        waited = self.comm.wait_ns
+        start = time.perf_counter_ns()
         output = self.executor.execute(model_input)
-        sampler, rank = self.spec.layout.sampling_rank, self.spec.rank
-        if rank == sampler == 0:
+        self.busy_ns += time.perf_counter_ns() - start - (self.comm.wait_ns - waited)
+        return output
+
+    def receive_output(self) -> StageOutput:
+        """Rank 0: the next Step's tokens from the sampling rank (the oldest batch in flight)."""
+        data = self.comms.world.recv_bytes(self.spec.layout.sampling_rank)
+        output = pickle.loads(data)  # noqa: S301 -- bytes from a rank of this instance only
+        assert isinstance(output, StageOutput)
+        return output
+
+    def _step(self, model_input: ModelInput) -> ModelOutput | None:
+        output = self.forward(model_input)
+        if self.spec.rank == 0:
             return output
-        if rank == sampler:
-            self.comms.world.send_bytes(pickle.dumps(output, pickle.HIGHEST_PROTOCOL), 0)
-        elif rank == 0:
-            return dict(pickle.loads(self.comms.world.recv_bytes(sampler)))  # noqa: S301
+        self._hand_on(output)
         return None
+
+    def _hand_on(self, output: ModelOutput) -> None:
+        """tp rank 0 of each stage after the first passes the stages' busy times on: to the
+        next stage, or with the tokens to rank 0 (the sampling rank)."""
+        stage, layout, world = self.coords.stage, self.spec.layout, self.comms.world
+        if stage == 0 or self.coords.tp_rank != 0:
+            return
+        busy: list[int] = []
+        if stage > 1:
+            busy = pickle.loads(world.recv_bytes(layout.rank_of(stage - 1, 0)))  # noqa: S301
+        busy.append(self.busy_ns)
+        if self.spec.rank == layout.sampling_rank:
+            world.send_bytes(encode(StageOutput(output, busy)), 0)
+        else:
+            world.send_bytes(encode(busy), layout.rank_of(stage + 1, 0))
 
     def _export(self, block_ids: list[int]) -> list[Tensor] | None:
         """Each rank's blocks (blocks, layers, 2, slots, kv heads, bytes per head); rank 0

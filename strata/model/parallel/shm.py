@@ -97,9 +97,11 @@ class ShmGroup:
 
     @staticmethod
     def create(name: str, world_size: int, *, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-               p2p: bool = False) -> None:
-        """Create the segment `name` (at /dev/shm/NAME) for `world_size` ranks."""
-        rc = _library().shm_create(f"/{name}".encode(), world_size, buffer_bytes, int(p2p))
+               p2p: bool = False, depth: int = 2) -> None:
+        """Create the segment `name` (at /dev/shm/NAME) for `world_size` ranks; broadcasts and
+        point-to-point messages may run `depth` (>= 2) messages ahead of their readers."""
+        rc = _library().shm_create(f"/{name}".encode(), world_size, buffer_bytes, int(p2p),
+                                   depth)
         if rc != 0:
             raise OSError(-rc, f"cannot create shared memory segment {name}: "
                                f"{os.strerror(-rc) if rc < -4 else 'bad arguments'}")

@@ -25,7 +25,8 @@ import torch
 
 from strata.errors import RankFailedError
 from strata.model.parallel.comm import connect
-from strata.model.parallel.rank import Rank, RankReport, RankSpec, Stop, decode
+from strata.model.parallel.commands import RankReport, RankSpec, Stop, decode
+from strata.model.parallel.rank import Rank
 
 log = logging.getLogger("strata.model.parallel")
 _PR_SET_PDEATHSIG = 1
@@ -47,22 +48,37 @@ def die_with_parent(parent_pid: int) -> None:
 
 def run_rank(spec: RankSpec, report: Reporter) -> int:
     """Start rank `spec.rank` and serve commands until Stop; returns the exit code."""
-    torch.set_num_threads(spec.threads)
     try:
-        comms = connect(spec.comm, spec.rank)
-        rank = Rank(spec, comms)
+        rank = start_rank(spec)
     except Exception:
         report("error", traceback.format_exc())
         return 1
     report("ready", rank.report())
+    return serve_rank(rank)
+
+
+def start_rank(spec: RankSpec) -> Rank:
+    """Join the groups and load the shard (a launcher that reports on its own, e.g. Ray's
+    actors, calls this and `serve_rank` apart)."""
+    torch.set_num_threads(spec.threads)
+    comms = connect(spec.comm, spec.rank)
+    try:
+        return Rank(spec, comms)
+    except BaseException:
+        comms.close()
+        raise
+
+
+def serve_rank(rank: Rank) -> int:
+    """Run commands until Stop (0) or a failed collective (EXIT_RANK_FAILED)."""
     try:
         with torch.inference_mode():
             serve(rank)
     except RankFailedError as exc:
-        log.error("rank %d stops: %s", spec.rank, exc)
+        log.error("rank %d stops: %s", rank.spec.rank, exc)
         return EXIT_RANK_FAILED
     finally:
-        comms.close()
+        rank.comms.close()
     return 0
 
 

@@ -60,8 +60,10 @@ class Greedy:
     logprobs: list[float]
 
 
-def run_greedy(engine: Engine, batch: list[list[int]], first_id: int = 0) -> list[Greedy]:
-    """Greedy (ignore_eos) runs of `batch`, all added at once; results in order."""
+def run_greedy(engine: Engine, batch: list[list[int]], first_id: int = 0,
+               in_flight: list[int] | None = None) -> list[Greedy]:
+    """Greedy (ignore_eos) runs of `batch`, all added at once; results in order. `in_flight`
+    gets the batches still in flight after each step (1 means two were in flight at once)."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
     ids = [RequestId(f"q{first_id + i}") for i in range(len(batch))]
     for i, (rid, p) in enumerate(zip(ids, batch, strict=True)):
@@ -72,7 +74,26 @@ def run_greedy(engine: Engine, batch: list[list[int]], first_id: int = 0) -> lis
             results[out.request_id].tokens += out.new_token_ids
             results[out.request_id].logprobs += [lp.logprob for lp in out.new_logprobs]
         engine.check_integrity()
+        if in_flight is not None:
+            in_flight.append(engine.stats().num_batches_in_flight)
     return [results[rid] for rid in ids]
+
+
+def one_process_reference(model_dir: Path) -> list[Greedy]:
+    """The greedy runs of `prompts()` by one process (T = P = 1), float32."""
+    from strata.model.executor import TorchExecutor
+    from strata.model.loader import load_model
+
+    loaded = load_model(model_dir, dtype="float32")
+    executor = TorchExecutor(loaded.config, loaded.weights, dtype="float32")
+    return run_greedy(make_engine(executor, loaded.config.vocab_size), prompts())
+
+
+def assert_same(got: list[Greedy], want: list[Greedy]) -> None:
+    """Identical tokens, logprobs within 1e-4."""
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    for g, w in zip(got, want, strict=True):
+        assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs, strict=True)) < 1e-4
 
 
 def parallel_executor(model: PreparedModel, tensor: int, pipeline: int = 1,
@@ -81,3 +102,17 @@ def parallel_executor(model: PreparedModel, tensor: int, pipeline: int = 1,
 
     layout = ParallelLayout(tensor_size=tensor, pipeline_size=pipeline)
     return ParallelExecutor(model, layout, dtype="float32", timeout_s=60, **options)
+
+
+def rank_processes(pid: int) -> list[int]:
+    """Pids of the rank processes `pid` spawned (multiprocessing's resource tracker aside)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if parent == pid and b"spawn_main" in cmdline:
+            found.append(int(proc.name))
+    return sorted(found)

@@ -97,6 +97,17 @@ def idle_wait_for_broadcast(name: str, rank: int, world: int, conn: Connection) 
         conn.send((str(exc), exc.rank, time.monotonic()))
 
 
+def read_when_told(name: str, rank: int, world: int, count: int, conn: Connection) -> None:
+    """Attach, then read nothing until told; then `count` (broadcast, message) pairs from
+    rank 0, sent back in order."""
+    group = ShmGroup.attach(name, rank, world, timeout_s=30)
+    conn.send("attached")
+    conn.recv()
+    pairs = [(group.broadcast_bytes(None, root=0), group.recv_bytes(0)) for _ in range(count)]
+    conn.send(pairs)
+    group.close()
+
+
 def through_connect(spec: CommSpec, rank: int, conn: Connection) -> None:
     """`connect` a rank of `spec` (T = 2, P = 1) and run each kind of call once on its groups."""
     comms = connect(spec, rank)

@@ -11,8 +11,10 @@ import pytest
 import torch
 from model.parallel.parallel_helpers import (
     Greedy,
+    assert_same,
     make_engine,
     make_nine_head_model,
+    one_process_reference,
     parallel_executor,
     prompts,
     run_greedy,
@@ -39,9 +41,7 @@ def prepared(model_dir: Path) -> PreparedModel:
 
 @pytest.fixture(scope="module")
 def reference(model_dir: Path) -> list[Greedy]:
-    loaded = load_model(model_dir, dtype="float32")
-    executor = TorchExecutor(loaded.config, loaded.weights, dtype="float32")
-    return run_greedy(make_engine(executor, loaded.config.vocab_size), prompts())
+    return one_process_reference(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +49,6 @@ def tp2(prepared: PreparedModel) -> Iterator[ParallelExecutor]:
     executor = parallel_executor(prepared, 2)
     yield executor
     executor.shutdown()
-
-
-def assert_same(got: list[Greedy], want: list[Greedy]) -> None:
-    assert [g.tokens for g in got] == [w.tokens for w in want]
-    for g, w in zip(got, want, strict=True):
-        assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs, strict=True)) < 1e-4
 
 
 def test_t2_matches_one_process(tp2: ParallelExecutor, prepared: PreparedModel,
@@ -79,12 +73,17 @@ def test_batch_invariance_inside_a_t2_instance(tp2: ParallelExecutor, prepared: 
                          ids=["tp3", "pp2", "tp2xpp2"])
 def test_other_layouts_match_one_process(prepared: PreparedModel, reference: list[Greedy],
                                          tensor: int, pipeline: int) -> None:
+    """With two stages the engine keeps two batches in flight: after a step collects one,
+    the other is still out."""
     executor = parallel_executor(prepared, tensor, pipeline)
+    in_flight: list[int] = []
     try:
-        got = run_greedy(make_engine(executor, prepared.config.vocab_size), prompts())
+        got = run_greedy(make_engine(executor, prepared.config.vocab_size), prompts(),
+                         in_flight=in_flight)
     finally:
         executor.shutdown()
     assert_same(got, reference)
+    assert max(in_flight) == pipeline - 1
 
 
 def test_each_rank_holds_its_share_of_weights_and_kv(tp2: ParallelExecutor,

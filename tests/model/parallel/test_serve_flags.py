@@ -34,7 +34,7 @@ def test_layout_and_threads_per_rank() -> None:
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["-tp", "2", "--distributed-executor", "ray"], "ray is not built yet"),
+    (["-tp", "2", "--ray-placement-group", "ab12"], "need --distributed-executor ray"),
     (["-tp", "2", "--simulate", "smollm2-cpu"], "--simulate has no ranks"),
     (["-pp", "2", "--pipeline-layers", "15,x"], "layer counts separated by commas"),
     (["-pp", "2", "--pipeline-layers", "30"], "one number per stage"),

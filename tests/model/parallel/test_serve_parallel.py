@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from model.parallel.parallel_helpers import make_nine_head_model
+from model.parallel.parallel_helpers import make_nine_head_model, rank_processes
 from openai import OpenAI
 from serve_process import ServeProcess, start_serve
 
@@ -40,20 +40,6 @@ def t2_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     server = serve_t2(model_dir, tmp_path_factory.mktemp("cache"))
     yield server
     server.stop()
-
-
-def rank_processes(pid: int) -> list[int]:
-    """Pids of the rank processes `pid` spawned (multiprocessing's resource tracker aside)."""
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if parent == pid and b"spawn_main" in cmdline:
-            found.append(int(proc.name))
-    return found
 
 
 def test_the_openai_client_against_a_t2_instance(t2_server: ServeProcess) -> None:

@@ -94,6 +94,37 @@ def check_sums(sums: list[torch.Tensor | None], world: int, n: int, dtype: str) 
     torch.testing.assert_close(expected.float(), stacked.sum(0).to(expected.dtype).float())
 
 
+def test_broadcasts_and_messages_run_depth_ahead_of_their_reader() -> None:
+    """Pipeline parallel: rank 0 broadcasts the next batches while the last stage still works.
+    With depth 3, three broadcasts and three messages go out before rank 1 reads any."""
+    with segment(2, p2p=True, depth=3) as name, \
+            ranks(workers.read_when_told, name, 2, [1], 6) as procs:
+        conn = procs[0][1]
+        group = ShmGroup.attach(name, 0, 2, timeout_s=30)
+        assert conn.recv() == "attached"
+        for i in range(3):
+            group.broadcast_bytes(f"step {i}".encode(), timeout_s=5)
+            group.send_bytes(f"hidden {i}".encode(), 1, timeout_s=5)
+        conn.send("read now")
+        for i in range(3, 6):
+            group.broadcast_bytes(f"step {i}".encode())
+            group.send_bytes(f"hidden {i}".encode(), 1)
+        assert conn.recv() == [(f"step {i}".encode(), f"hidden {i}".encode())
+                               for i in range(6)]
+        group.close()
+
+
+def test_a_root_waits_once_depth_broadcasts_are_unread() -> None:
+    with segment(2, depth=2) as name, ranks(workers.read_when_told, name, 2, [1], 3) as procs:
+        group = ShmGroup.attach(name, 0, 2, timeout_s=30)
+        assert procs[0][1].recv() == "attached"
+        group.broadcast_bytes(b"one", timeout_s=5)
+        group.broadcast_bytes(b"two", timeout_s=5)
+        with pytest.raises(RankFailedError, match=r"rank 1 .* did not reach the collective"):
+            group.broadcast_bytes(b"three", timeout_s=0.3)
+        group.close()
+
+
 def test_a_peer_that_never_arrives_times_out_naming_it() -> None:
     with segment(2) as name, ranks(workers.reduce_then_hang, name, 2, [1]) as procs:
         group = ShmGroup.attach(name, 0, 2, timeout_s=30)

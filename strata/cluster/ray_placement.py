@@ -1,0 +1,25 @@
+"""How the ranks of one instance sit in a Ray placement group (no torch: `strata up --ray`
+imports this to make each replica's group).
+
+W = T x P bundles, bundle i for rank i. STRICT_PACK with one pipeline stage: tensor parallel
+all-reduces twice a layer, so its ranks share one node (and its memory). PACK with several
+stages: the stages may spread over nodes when one is full, since a stage hands on its hidden
+states once a step. Bundle 0 is rank 0, the `strata serve` process.
+"""
+
+from __future__ import annotations
+
+NODE_PIN = 0.001  # of the `node:<ip>` resource: pins a bundle to a node, reserves nothing
+
+
+def strategy_of(pipeline_size: int) -> str:
+    return "STRICT_PACK" if pipeline_size == 1 else "PACK"
+
+
+def rank_bundles(world_size: int, cpus_per_rank: float,
+                 node_ip: str | None = None) -> list[dict[str, float]]:
+    """One bundle per rank; bundle 0 (rank 0, the serving process) pinned to `node_ip`."""
+    bundles = [{"CPU": cpus_per_rank} for _ in range(world_size)]
+    if node_ip is not None:
+        bundles[0][f"node:{node_ip}"] = NODE_PIN
+    return bundles

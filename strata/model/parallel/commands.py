@@ -1,0 +1,137 @@
+"""What travels between the ranks of a parallel instance: how a rank starts, the commands rank 0
+broadcasts, and what the sampling rank sends back.
+
+Rank 0 (in the serving process) broadcasts each command once, pickled once, to every rank, then
+runs it itself; every other rank runs it as it arrives (worker.py). So all ranks run the same
+commands in the same order, which is what keeps their collectives matched:
+
+    Allocate(num_blocks, block_size)   every rank allocates the KV of its heads and layers
+    Step(model_input)                  every rank runs its share of the forward; the sampling
+                                       rank samples and, when it is not rank 0, sends the
+                                       tokens to rank 0 (a `StageOutput`)
+    StepRows(block_size, rows)         a Step for ranks that do not sample: per sequence only
+                                       (tokens, start, blocks, needs_sample), 10x cheaper to
+                                       encode than the whole ModelInput (sent when rank 0
+                                       samples, i.e. one pipeline stage)
+    ExportKV(block_ids)                every rank sends its slices of the blocks to rank 0
+    ImportKV(block_ids, bodies)        every rank writes its slices of whole-model blocks
+    Stop()                             workers leave their loop
+
+With several pipeline stages rank 0 does not wait for a Step's tokens before it broadcasts the
+next one (up to P batches in flight); every rank still runs the commands in broadcast order.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+
+from strata.engine.executor import ModelInput, ModelOutput, ScheduledSequence
+from strata.engine.request import SamplingParams
+from strata.model.config import ModelConfig
+from strata.model.parallel.comm import CommSpec
+from strata.model.parallel.layout import ParallelLayout
+from strata.model.parallel.shard_loader import WeightFiles
+from strata.types import RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """Everything a rank process needs to start (picklable)."""
+
+    rank: int
+    comm: CommSpec
+    config: ModelConfig
+    weights: WeightFiles
+    dtype: str
+    device: str
+    threads: int
+    model_name: str
+    model_version: str
+    parent_pid: int
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self.comm.layout
+
+
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    """What a rank tells rank 0 once it is ready."""
+
+    rank: int
+    pid: int
+    host: str
+    weight_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Allocate:
+    num_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    model_input: ModelInput
+
+
+@dataclass(frozen=True, slots=True)
+class StepRows:
+    block_size: int
+    rows: list[tuple[list[int], int, list[int], bool]]
+
+    @staticmethod
+    def of(model_input: ModelInput) -> StepRows:
+        return StepRows(model_input.block_size,
+                        [(s.token_ids, s.start_pos, s.block_ids, s.needs_sample)
+                         for s in model_input.sequences])
+
+    def model_input(self) -> ModelInput:
+        """The step as `TorchExecutor.execute` takes it, without what only sampling reads."""
+        return ModelInput([ScheduledSequence(_NO_ID, tokens, start, blocks, needs, _NO_PARAMS,
+                                             [], [])
+                           for tokens, start, blocks, needs in self.rows], self.block_size)
+
+
+_NO_ID = RequestId("")
+_NO_PARAMS = SamplingParams()
+
+
+@dataclass(frozen=True, slots=True)
+class ExportKV:
+    block_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ImportKV:
+    block_ids: list[int]
+    bodies: list[bytes]  # whole-model block bodies, already checked by rank 0
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    pass
+
+
+Command = Allocate | Step | StepRows | ExportKV | ImportKV | Stop
+
+
+@dataclass(frozen=True, slots=True)
+class StageOutput:
+    """What the sampling rank (not rank 0) sends rank 0 after each Step: the sampled tokens and
+    the busy time so far of every stage after the first (stages 1 .. P-1, nanoseconds), which
+    travels with the step from stage to stage."""
+
+    output: ModelOutput
+    stage_busy_ns: list[int]
+
+
+def encode(command: Command | StageOutput | list[int]) -> bytes:
+    return pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> Command:
+    command = pickle.loads(data)  # noqa: S301 -- bytes from rank 0 of this instance only
+    assert isinstance(command, Allocate | Step | StepRows | ExportKV | ImportKV | Stop)
+    return command
