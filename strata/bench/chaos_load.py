@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from strata.errors import ChatError
+
 RETRY_PAUSE_S = 0.2
 
 
@@ -156,10 +158,10 @@ class ChaosLoad:
             else:
                 response = await client.post("/v1/chat/completions", json=body, headers=headers)
                 if response.status_code != 200:
-                    raise _Failed(f"{response.status_code}: {response.text[:200]}")
+                    raise ChatError(f"{response.status_code}: {response.text[:200]}")
                 answer = response.json()["choices"][0]["message"]["content"]
             outcome.is_ok = True
-        except _Failed as exc:
+        except ChatError as exc:
             outcome.error = str(exc)
         except (httpx.HTTPError, OSError, ValueError, KeyError) as exc:
             outcome.error = f"{type(exc).__name__}: {exc}"
@@ -174,7 +176,7 @@ class ChaosLoad:
         async with client.stream("POST", "/v1/chat/completions", json=body,
                                  headers=headers) as response:
             if response.status_code != 200:
-                raise _Failed(f"{response.status_code}: {(await response.aread())[:200]!r}")
+                raise ChatError(f"{response.status_code}: {(await response.aread())[:200]!r}")
             last = time.monotonic()
             async for line in response.aiter_lines():
                 now = time.monotonic()
@@ -186,16 +188,12 @@ class ChaosLoad:
                     continue
                 event = json.loads(line[6:])
                 if "error" in event:
-                    raise _Failed(f"error event: {event['error'].get('message', '')[:200]}")
+                    raise ChatError(f"error event: {event['error'].get('message', '')[:200]}")
                 for choice in event.get("choices", []):
                     parts.append(choice.get("delta", {}).get("content") or "")
         if not is_done:
-            raise _Failed("the stream ended without [DONE]")
+            raise ChatError("the stream ended without [DONE]")
         return "".join(parts)
-
-
-class _Failed(Exception):
-    """A request that got an answer, and the answer was a failure."""
 
 
 @dataclass(frozen=True, slots=True)

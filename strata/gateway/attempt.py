@@ -16,17 +16,15 @@ from dataclasses import dataclass
 import httpx
 from starlette.responses import Response
 
+from strata.errors import RequestFailedError
 from strata.gateway.instances import InstanceView
 from strata.gateway.requests import ProxyRequest
 from strata.gateway.stalls import Watched
 from strata.gateway.upstream import UpstreamAnswer, split_frames
 
 log = logging.getLogger("strata.gateway")
-UPSTREAM_ERRORS = (httpx.HTTPError, OSError, RuntimeError)
-
-
-class StreamFailedError(RuntimeError):
-    """The instance ended a resumable stream with finish reason "error" (its engine failed)."""
+# RequestFailedError: the instance ended a resumable stream with finish reason "error"
+UPSTREAM_ERRORS = (httpx.HTTPError, OSError, RuntimeError, RequestFailedError)
 
 
 @dataclass(slots=True)
@@ -68,7 +66,7 @@ def describe(attempt: Attempt, exc: Exception) -> str:
     view = attempt.view
     if attempt.watched is not None and attempt.watched.was_ended:
         return f"instance {view.instance_id} went silent and failed a health probe"
-    if not isinstance(exc, httpx.HTTPError | StreamFailedError):  # unexpected: keep its trace
+    if not isinstance(exc, httpx.HTTPError | RequestFailedError):  # unexpected: keep its trace
         log.warning("instance %s: unexpected upstream error", view.instance_id, exc_info=exc)
     return f"instance {view.instance_id} failed: {type(exc).__name__}: {exc}"
 
@@ -86,5 +84,5 @@ async def frames_of(segment: Segment) -> AsyncIterator[bytes]:
         yield rest
 
 
-__all__ = ["UPSTREAM_ERRORS", "Attempt", "Failure", "Segment", "StreamFailedError", "describe",
+__all__ = ["UPSTREAM_ERRORS", "Attempt", "Failure", "Segment", "describe",
            "frames_of", "is_sse"]

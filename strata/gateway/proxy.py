@@ -20,12 +20,12 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 from starlette.responses import Response
 
+from strata.errors import RequestFailedError
 from strata.gateway.attempt import (
     UPSTREAM_ERRORS,
     Attempt,
     Failure,
     Segment,
-    StreamFailedError,
     describe,
     frames_of,
     is_sse,
@@ -199,7 +199,7 @@ class Proxy:
                         yield out
                     if record is not None and record.has_failed:
                         record.has_failed = False
-                        raise StreamFailedError("its engine failed on this stream")
+                        raise RequestFailedError("its engine failed on this stream")
                 self._finish(segment.attempt, is_success=True)
                 return
             except UPSTREAM_ERRORS as exc:

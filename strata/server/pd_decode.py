@@ -34,12 +34,13 @@ from starlette.responses import JSONResponse, Response
 
 from strata.engine.request import Handoff
 from strata.engine.request import Request as EngineRequest
+from strata.errors import KVPayloadError
 from strata.protocol.openai import ChatCompletionRequest, CompletionRequest
 from strata.protocol.pd import HANDOFF_HEADER, KV_PATH
 from strata.server import serving
 from strata.server.instance import instance_of
 from strata.server.pd_state import PD, pd_of
-from strata.server.pd_wire import BlockReader, Handle, StreamError, checksum_ok, prompt_digest
+from strata.server.pd_wire import BlockReader, Handle, checksum_ok, prompt_digest
 from strata.server.request_io import SSEResponse, parse_body, unless_disconnected
 from strata.types import BlockHash
 
@@ -108,7 +109,7 @@ class HandoffPull:
                     reason = "unavailable"
                 else:
                     reason = await self._read(response.aiter_raw(), wanted, payloads)
-        except (httpx.HTTPError, StreamError) as exc:
+        except (httpx.HTTPError, KVPayloadError) as exc:  # KVPayloadError: not a block stream
             log.warning("pull of %s from %s broke: %s", handle.handle, handle.url, exc)
             pd.peers.forget(handle.url)
         pd.metrics.pull_s.observe(time.perf_counter() - began)

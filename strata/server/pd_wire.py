@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 from strata.engine.request import Logprob
-from strata.errors import InvalidRequestError
+from strata.errors import InvalidRequestError, KVPayloadError
 from strata.types import BlockHash
 
 MAGIC = b"STPD"
@@ -100,10 +100,6 @@ def checksum_ok(payload: bytes) -> bool:
     return zlib.crc32(memoryview(payload)[: -_CRC.size]) == crc
 
 
-class StreamError(ValueError):
-    """The pull stream is not a Strata block stream (or not this format)."""
-
-
 class BlockReader:
     """Parses a pull stream fed in arbitrary chunks; yields (hash, payload) as blocks complete."""
 
@@ -124,13 +120,13 @@ class BlockReader:
                 return
             magic, version, self.num_blocks = _HEAD.unpack_from(self._buffer)
             if magic != MAGIC or version != FORMAT:
-                raise StreamError(f"not a Strata block stream (magic {bytes(magic)!r}, "
+                raise KVPayloadError(f"not a Strata block stream (magic {bytes(magic)!r}, "
                                   f"format {version}; expected {MAGIC!r}, {FORMAT})")
             del self._buffer[: _HEAD.size]
         while not self.is_complete and len(self._buffer) >= _BLOCK.size:
             block_hash, length = _BLOCK.unpack_from(self._buffer)
             if length > self.max_block_bytes:
-                raise StreamError(f"a block of {length} bytes is over the limit")
+                raise KVPayloadError(f"a block of {length} bytes is over the limit")
             end = _BLOCK.size + length
             if len(self._buffer) < end:
                 return
@@ -140,5 +136,5 @@ class BlockReader:
             yield BlockHash(block_hash), payload
 
 
-__all__ = ["HASH_BYTES", "BlockReader", "Handle", "StreamError", "block_frame", "checksum_ok",
+__all__ = ["HASH_BYTES", "BlockReader", "Handle", "KVPayloadError", "block_frame", "checksum_ok",
            "prompt_digest", "stream_head"]

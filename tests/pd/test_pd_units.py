@@ -9,14 +9,13 @@ from pathlib import Path
 import pytest
 
 from strata.engine.outputs import HeldBlocks
-from strata.errors import ConfigError, InvalidRequestError
+from strata.errors import ConfigError, InvalidRequestError, KVPayloadError
 from strata.server.pd_faults import FaultConfig, Faults
 from strata.server.pd_layout import differences, explain
 from strata.server.pd_leases import LeaseTable
 from strata.server.pd_wire import (
     BlockReader,
     Handle,
-    StreamError,
     block_frame,
     checksum_ok,
     prompt_digest,
@@ -50,9 +49,9 @@ def test_a_truncated_stream_yields_only_whole_blocks() -> None:
 
 
 def test_a_foreign_stream_is_refused() -> None:
-    with pytest.raises(StreamError, match="not a Strata block stream"):
+    with pytest.raises(KVPayloadError, match="not a Strata block stream"):
         list(BlockReader().feed(b"HTTP/1.1 200 OK\r\n\r\n"))
-    with pytest.raises(StreamError, match="over the limit"):
+    with pytest.raises(KVPayloadError, match="over the limit"):
         list(BlockReader(max_block_bytes=10).feed(STREAM))
 
 
