@@ -25,7 +25,7 @@ from strata.server.app import build_routes as instance_routes
 
 KEYS = {"none": None, "client": CLIENT_KEY, "other tenant": OTHER_CLIENT_KEY, "admin": ADMIN_KEY}
 PATH_PARAMS = {"session_id": "no-such-session", "instance_id": "INSTANCE", "release_id": "r-0",
-               "name": "dashboard.js"}  # a new path parameter must be named here
+               "name": "dashboard.js", "handle": "no-such-handle"}  # name each path parameter
 BODIES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"model": MODEL, "max_tokens": 1,
                              "messages": [{"role": "user", "content": "hi"}]},
