@@ -46,7 +46,7 @@ def load(model: str | None) -> LoadedModel:
 
 def build_engine(loaded: LoadedModel, *, prefix_cache: bool = True, chunked: bool = True,
                  max_num_batched_tokens: int = 512, kv_gb: float = 1.0,
-                 max_num_seqs: int = 64, prefill_stretch: float = 1.5) -> Engine:
+                 max_num_seqs: int = 64, prefill_stretch: float = 0.0) -> Engine:
     executor = TorchExecutor(loaded.config, loaded.weights, dtype="bfloat16")
     num_blocks = CacheConfig.blocks_for_gb(kv_gb, executor.kv_bytes_per_token(), 16)
     cache = CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=prefix_cache)

@@ -57,9 +57,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="token budget per step (default: 512; max-model-len without chunking)")
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
-    p.add_argument("--prefill-stretch", type=non_negative_float, default=1.5,
+    p.add_argument("--prefill-stretch", type=non_negative_float, default=0.0,
                    help="while decodes run, cap each step's prefill tokens so that it lasts "
-                        "about this many decode steps (measured; default 1.5; 0: no cap)")
+                        "about this many decode steps (measured; e.g. 1.5); 0, the default: "
+                        "no cap")
     p.add_argument("--max-waiting", type=positive_int, default=1024,
                    help="queued requests beyond which new ones get 429")
     p.add_argument("--max-queue-wait-s", type=non_negative_float, default=30.0,

@@ -47,8 +47,9 @@ class SchedulerConfig:
     # aging: a request (not sheddable) waiting this long ranks with the top class; None: off
     max_queue_wait_s: float | None = None
     # While decodes run, a step's prefill tokens are capped so that it lasts at most about this
-    # many decode steps (measured: step_budget.py); 0 turns the cap off.
-    prefill_stretch: float = 1.5
+    # many decode steps (measured: step_budget.py); 0 (the default) turns the cap off: at 1.5 the
+    # Stage 1 fixed load lost 52 % of its throughput (docs/benchmarks.md, speed round 2).
+    prefill_stretch: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
