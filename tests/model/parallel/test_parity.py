@@ -13,8 +13,6 @@ from model.parallel.parallel_helpers import (
     Greedy,
     assert_same,
     make_engine,
-    make_nine_head_model,
-    one_process_reference,
     parallel_executor,
     prompts,
     run_greedy,
@@ -25,23 +23,8 @@ from strata.engine.request import SamplingParams
 from strata.model.executor import TorchExecutor
 from strata.model.loader import load_model
 from strata.model.parallel.executor import ParallelExecutor
-from strata.model.parallel.shard_loader import PreparedModel, prepare_model
+from strata.model.parallel.shard_loader import PreparedModel
 from strata.types import RequestId
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_nine_head_model(tmp_path_factory.mktemp("nine") / "m")
-
-
-@pytest.fixture(scope="module")
-def prepared(model_dir: Path) -> PreparedModel:
-    return prepare_model(model_dir, dtype="float32", cache_dir=None)
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> list[Greedy]:
-    return one_process_reference(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -21,11 +21,6 @@ from strata.model.parallel.shard_loader import load_shard, prepare_model, shard_
 LAYOUT = ParallelLayout(tensor_size=2, pipeline_size=2)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_nine_head_model(tmp_path_factory.mktemp("shards") / "m")
-
-
 def check_every_rank(source: Path, cache_dir: Path | None) -> None:
     """Every rank's tensors are exactly its slices of the whole model's, and it holds no
     tensor whole that the layout splits."""

@@ -10,7 +10,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from model.parallel.parallel_helpers import make_engine, make_nine_head_model, parallel_executor
+from model.parallel.parallel_helpers import make_engine, parallel_executor
 
 from strata.engine.engine import Engine
 from strata.engine.executor import ModelExecutor
@@ -30,11 +30,6 @@ SCHEMA: dict[str, Any] = {
 }
 OPTIONS: list[dict[str, Any]] = [{"temperature": 0.0}, {"temperature": 1.0, "seed": 3},
                                  {"temperature": 0.8, "top_k": 20, "seed": 4}]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_nine_head_model(tmp_path_factory.mktemp("nine-so") / "m")
 
 
 @pytest.fixture(scope="module")

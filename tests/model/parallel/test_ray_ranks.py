@@ -9,7 +9,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import ray
@@ -17,8 +16,6 @@ from model.parallel.parallel_helpers import (
     Greedy,
     assert_same,
     make_engine,
-    make_nine_head_model,
-    one_process_reference,
     prompts,
     run_greedy,
 )
@@ -29,7 +26,7 @@ from strata.engine.request import Request, SamplingParams
 from strata.errors import RankFailedError
 from strata.model.parallel.executor import ParallelExecutor
 from strata.model.parallel.layout import ParallelLayout
-from strata.model.parallel.shard_loader import PreparedModel, prepare_model
+from strata.model.parallel.shard_loader import PreparedModel
 from strata.types import RequestId
 
 
@@ -38,21 +35,6 @@ def local_ray() -> Iterator[None]:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_nine_head_model(tmp_path_factory.mktemp("nine") / "m")
-
-
-@pytest.fixture(scope="module")
-def prepared(model_dir: Path) -> PreparedModel:
-    return prepare_model(model_dir, dtype="float32", cache_dir=None)
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> list[Greedy]:
-    return one_process_reference(model_dir)
 
 
 def ray_executor(prepared: PreparedModel, tensor: int, pipeline: int = 1,
