@@ -11,15 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
+from ray_cluster import ray_launcher
 
 from strata.autoscale.capacity import CapacityModel
 from strata.autoscale.config import AutoscaleConfig
 from strata.autoscale.controller import Autoscaler
 from strata.autoscale.law import ScalingLaw, Signals
 from strata.cluster.local import LocalClusterConfig, free_port
-from strata.cluster.ray_launcher import RayClusterConfig, RayLauncher
-from strata.cluster.seed import ClusterSeed, seed_registry
+from strata.cluster.ray_launcher import RayLauncher
+from strata.cluster.seed import ClusterSeed
 from strata.registry import InstanceState, create_registry
 from strata.registry.model_registry import create_model_registry
 from strata.registry.models import Deployment, ModelVersion
@@ -36,24 +36,8 @@ def launcher(tmp_path: Path) -> Iterator[RayLauncher]:
     cluster = LocalClusterConfig(replicas=1, run_dir=tmp_path / "run", port=free_port(),
                                  stop_timeout_s=10, serve_args=("--log-level", "warning"),
                                  reconcile_interval_s=0.25)
-    cluster.run_dir.mkdir()
-
-    async def seed() -> None:
-        models, instances = create_model_registry(cluster.registry_url), \
-            create_registry(cluster.registry_url)
-        try:
-            await seed_registry(models, instances, ClusterSeed(V1, replicas=1))
-        finally:
-            await models.close()
-            await instances.close()
-
-    asyncio.run(seed())
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    launched = RayLauncher(RayClusterConfig(cluster, num_cpus_per_instance=0.5))
-    launched.start()
-    yield launched
-    launched.stop()
-    ray.shutdown()
+    with ray_launcher(cluster, ClusterSeed(V1, replicas=1)) as launched:
+        yield launched
 
 
 def test_the_autoscaler_adds_an_actor_under_load_and_removes_it_after(

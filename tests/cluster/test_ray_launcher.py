@@ -13,10 +13,11 @@ from typing import Any, TypeVar
 
 import pytest
 import ray
+from ray_cluster import ray_launcher
 
 from strata.cluster.local import LocalClusterConfig, free_port
 from strata.cluster.ray_launcher import RayClusterConfig, RayLauncher
-from strata.cluster.seed import ClusterSeed, seed_registry
+from strata.cluster.seed import ClusterSeed
 from strata.errors import ConfigError
 from strata.registry import InstanceRecord, InstanceState, create_registry
 from strata.registry.model_registry import create_model_registry
@@ -64,18 +65,8 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayLauncher]:
         replicas=2, run_dir=root / "run", port=free_port(), stop_timeout_s=10,
         serve_args=("--log-level", "warning"), reconcile_interval_s=0.25,
     )
-    cluster.run_dir.mkdir()
-
-    async def seed(models: Any, instances: Any) -> Any:
-        return await seed_registry(models, instances, ClusterSeed(V1, replicas=2))
-
-    registry_call(cluster.registry_url, seed)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    launched = RayLauncher(RayClusterConfig(cluster, num_cpus_per_instance=0.5))
-    launched.start()
-    yield launched
-    launched.stop()
-    ray.shutdown()
+    with ray_launcher(cluster, ClusterSeed(V1, replicas=2)) as launched:
+        yield launched
 
 
 def ready_ids(launcher: RayLauncher) -> set[str]:

@@ -10,14 +10,13 @@ from typing import Any
 
 import httpx
 import pytest
-import ray
+from ray_cluster import ray_launcher
 
 from strata.cluster.local import LocalClusterConfig
 from strata.cluster.ports import free_port
-from strata.cluster.ray_launcher import RayClusterConfig, RayLauncher
-from strata.cluster.seed import ClusterSeed, seed_registry
+from strata.cluster.ray_launcher import RayLauncher
+from strata.cluster.seed import ClusterSeed
 from strata.registry import InstanceState, create_registry
-from strata.registry.model_registry import create_model_registry
 from strata.registry.models import ModelVersion
 
 V1 = ModelVersion("smol", "v1", "sim:smollm2-cpu")
@@ -30,24 +29,8 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayLauncher]:
                                  port=free_port(), stop_timeout_s=10,
                                  serve_args=("--log-level", "warning"),
                                  reconcile_interval_s=0.25)
-    cluster.run_dir.mkdir()
-
-    async def seed() -> None:
-        models, instances = (create_model_registry(cluster.registry_url),
-                             create_registry(cluster.registry_url))
-        try:
-            await seed_registry(models, instances, ClusterSeed(V1, replicas=2))
-        finally:
-            await models.close()
-            await instances.close()
-
-    asyncio.run(seed())
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    launched = RayLauncher(RayClusterConfig(cluster, num_cpus_per_instance=0.5))
-    launched.start()
-    yield launched
-    launched.stop()
-    ray.shutdown()
+    with ray_launcher(cluster, ClusterSeed(V1, replicas=2)) as launched:
+        yield launched
 
 
 def roles(url: str) -> dict[str, str]:
