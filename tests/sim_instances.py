@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import uvicorn
+from server.live_server import serve_in_thread
 
 from strata.server.app import create_app
 from strata.server.config import ServerConfig
@@ -50,14 +51,7 @@ def start_sim_instance(*, model: str = "sim", version: str = "default",
     app = create_app(async_engine, tokenizer, config, session_store=session_store)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    if not server.started:
-        raise RuntimeError("the simulated instance did not start")
+    server, thread = serve_in_thread(app, sock)
     return SimInstance(f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread)
 
 
