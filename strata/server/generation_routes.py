@@ -76,15 +76,7 @@ async def _chat(request: Request, ctx: serving.ServingContext, req: ChatCompleti
                                      marks_for(request, ctx, started))
         if turn is None:
             return SSEResponse(frames, started.generation.close)
-
-        async def close() -> None:
-            try:
-                await started.generation.close()
-            finally:
-                turn.release()
-
-        return SSEResponse(turn.stream(frames, started.generation.choices), close,
-                           turn.headers())
+        return turn.stream_response(frames, started.generation)
     body = await unless_disconnected(request, serving.chat_response(ctx, started, req.logprobs))
     data = body.model_dump()
     if turn is None:

@@ -72,14 +72,7 @@ async def resume(request: Request) -> Response:
     frames = _frames(instance.serving, started, req)
     if turn is None:
         return SSEResponse(frames, started.generation.close)
-
-    async def close() -> None:
-        try:
-            await started.generation.close()
-        finally:
-            turn.release()
-
-    return SSEResponse(turn.stream(frames, started.generation.choices), close, turn.headers())
+    return turn.stream_response(frames, started.generation)
 
 
 def _client_request(body: ResumeRequest, tenant: str | None) -> ClientRequest:

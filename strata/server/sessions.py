@@ -48,7 +48,8 @@ from strata.protocol.sse import DONE_FRAME, encode_event
 from strata.server import translate as tr
 from strata.server.config import ServerConfig
 from strata.server.errors import map_exception
-from strata.server.generation import ChoiceState
+from strata.server.generation import ChoiceState, Generation
+from strata.server.request_io import SSEResponse
 from strata.state.sessions import SessionStore
 
 Message = dict[str, Any]
@@ -177,6 +178,18 @@ class SessionTurn:
                 except Exception as exc:
                     yield encode_event(map_exception(exc).payload())
             yield frame
+
+    def stream_response(self, frames: AsyncGenerator[bytes, None],
+                        generation: Generation) -> SSEResponse:
+        """A streamed turn's response: stored after the last token (`stream`); the generation
+        closed and the session released however the stream ends."""
+        async def close() -> None:
+            try:
+                await generation.close()
+            finally:
+                self.release()
+
+        return SSEResponse(self.stream(frames, generation.choices), close, self.headers())
 
     def release(self) -> None:
         if not self.is_released:
