@@ -36,7 +36,7 @@ class Costs:
     kv_fetch_ms_base: float = 2.0
     kv_fetch_ms_per_token: float = 0.04
     kv_min_fetch_tokens: int = 256
-    transfer_ms_base: float = 15.0
+    transfer_ms_base: float = HANDOFF_OVERHEAD_MS
     transfer_ms_per_token: float = 0.046
     pd_min_uncached_tokens: int | None = None
     start_s: float = 5.0
