@@ -25,7 +25,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from strata.errors import PinStoreError
 from strata.gateway.instances import InstanceSet, InstanceView
@@ -91,11 +91,27 @@ class VersionRouter:
         routing = self.routing.get(model)
         if routing is None or routing.live is None:
             return VersionChoice(None, ANY)
+        routing = self._reachable(routing)
         if session_id is not None and self.pins is not None:
             return await self._for_session(session_id, routing, avoid)
         is_canary = routing.canary is not None and self.rng.random() < routing.canary_weight
         return VersionChoice(routing.canary, CANARY) if is_canary else VersionChoice(
             routing.live, LIVE)
+
+    def _reachable(self, routing: ModelRouting) -> ModelRouting:
+        """`routing` as this gateway can serve it now. Routing records are polled faster than
+        instances, so a flip (or a canary) can arrive before the new version's instances do:
+        until one of them is routable here, live stays on `previous` and the canary gets no
+        traffic, rather than answering 503 for a version that is up."""
+        routable = self.served(routing.name, routable=True)
+        live = routing.live
+        if live not in routable and routing.previous in routable:
+            live = routing.previous
+        canary = routing.canary if routing.canary in routable else None
+        if live == routing.live and canary == routing.canary:
+            return routing
+        return replace(routing, live=live, canary=canary,
+                       canary_weight=routing.canary_weight if canary else 0.0)
 
     def _explicit(self, model: str, version: str) -> VersionChoice:
         known = self.versions.get(model, set()) | self.served(model, routable=False)

@@ -81,6 +81,28 @@ def test_requests_follow_the_live_pointer_and_see_a_flip_on_refresh() -> None:
     asyncio.run(story())
 
 
+def test_a_flip_or_canary_seen_before_the_new_versions_instances_keeps_the_old_version() -> None:
+    """Routing is polled faster than instances: until v2's instance is routable here, a flip to
+    v2 keeps requests and new sessions on v1 and a canary on v2 takes none (never a 503)."""
+    async def story() -> None:
+        models = await _registry(canary="v2", weight=0.5)
+        instances = InstanceSet([view("a", version="v1")])
+        router = _router(models, instances)
+        await router.refresh()
+        assert {(await router.choose("m", None, None)).version for _ in range(50)} == {"v1"}
+        routing = await models.get_routing("m")
+        assert routing is not None
+        await models.set_routing(routing.flipped_to("v2"), expected_revision=routing.revision)
+        await router.refresh()
+        assert (await router.choose("m", None, None)).version == "v1"
+        assert (await router.choose("m", None, "s1")).version == "v1"
+        instances.add(view("b", version="v2"))  # the instance poll catches up
+        assert (await router.choose("m", None, None)).version == "v2"
+        assert (await router.choose("m", None, "s2")).version == "v2"
+
+    asyncio.run(story())
+
+
 def test_a_model_without_routing_is_served_by_any_version() -> None:
     async def story() -> None:
         router = _router(await _registry(live=None), InstanceSet([view("a")]))
