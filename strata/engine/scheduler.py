@@ -15,7 +15,7 @@ wrote (`on_kv_imported`); the scheduler turns a refused payload into a miss. A r
 whole prompt is imported and whose first token a prefill instance handed over is admitted with
 nothing to compute (`handed`): the engine appends that token, and it decodes from the next batch.
 
-While decodes run, prefill tokens (new prompts, chunks of running ones) are capped by the
+While decodes run, the chunks of a long prompt (one over the token budget) are capped by the
 adaptive prefill budget (step_budget.py), which the engine feeds with each step's wall time.
 
 Batches in flight (pipeline parallel): the engine reports each batch it submits and collects
@@ -256,7 +256,8 @@ class Scheduler:
 
     def _num_to_schedule(self, request: Request, budget: int) -> int:
         to_go = request.num_tokens_to_compute
-        num_new = min(to_go, self.step_budget.limit(to_go, budget))
+        is_long = request.num_tokens > self.config.max_num_batched_tokens  # see step_budget.py
+        num_new = min(to_go, self.step_budget.limit(to_go, budget, is_long=is_long))
         if num_new < to_go and not self.config.enable_chunked_prefill:
             return 0
         return num_new

@@ -6,7 +6,9 @@ prefill token. Sixteen requests decode; then a 600-token prompt arrives. With th
 stretch of 1.5, every step beside the decodes carries at most (1.5 - 1) x 10 ms / 0.1 ms = 50
 prefill tokens once the costs are measured (the first steps measure them), so the decodes' step
 times stay within 1.5x; every request still gets exactly its solo tokens. With the cap off the
-prompt goes in 240-token chunks (the 256-token budget less the 16 decodes).
+prompt goes in 240-token chunks (the 256-token budget less the 16 decodes). Only a long prompt
+(over the 256-token budget) is capped: eight 60-token prompts arriving beside the same decodes
+go in at the budget's full speed, while a long prompt arriving with them still goes in chunks.
 """
 
 from __future__ import annotations
@@ -35,16 +37,22 @@ class TimedExecutor(FakeExecutor):
         super().__init__()
         self.now = 0.0
         self.step_shapes: list[tuple[int, int]] = []  # (decode rows, prefill tokens)
+        self.chunks: list[dict[str, int]] = []  # per step: request id -> prefill tokens
 
     def execute(self, model_input: ModelInput) -> ModelOutput:
         sizes = [len(s.token_ids) for s in model_input.sequences]
         prefill = sum(n for n in sizes if n > 1)
         self.step_shapes.append((sizes.count(1), prefill))
+        self.chunks.append({s.request_id: len(s.token_ids) for s in model_input.sequences
+                            if len(s.token_ids) > 1})
         self.now += STEP_S + TOKEN_S * prefill
         return super().execute(model_input)
 
 
-def run_interference(stretch: float) -> TimedExecutor:
+def run_interference(stretch: float, num_short: int = 0,
+                     long_len: int = 600) -> tuple[TimedExecutor, list[str], str]:
+    """16 decodes; after 6 steps `num_short` 60-token prompts and a `long_len` one arrive.
+    Returns the executor, the short prompts' ids and the long one's."""
     executor = TimedExecutor()
     engine, _ = make_engine(num_blocks=512, max_num_seqs=32, max_num_batched_tokens=256,
                             max_model_len=1024, executor=executor, prefill_stretch=stretch,
@@ -56,19 +64,21 @@ def run_interference(stretch: float) -> TimedExecutor:
     for _ in range(6):
         for out in engine.step():
             early.setdefault(out.request_id, []).extend(out.new_token_ids)
-    long = make_request(prompt_of(600, start=99), 4)
-    engine.add_request(long)
+    shorts = [make_request(prompt_of(60, start=200 + 7 * i), 4) for i in range(num_short)]
+    long = make_request(prompt_of(long_len, start=99), 4)
+    for r in [*shorts, long]:
+        engine.add_request(r)
     tokens = run_to_completion(engine)
     for rid, first in early.items():
         tokens[rid] = first + tokens.get(rid, [])  # type: ignore[index]
-    for r in [*decoders, long]:
+    for r in [*decoders, *shorts, long]:
         assert tokens[r.request_id] == reference_tokens(r.prompt_token_ids,
                                                         r.sampling_params.max_tokens)
-    return executor
+    return executor, [r.request_id for r in shorts], long.request_id
 
 
 def test_a_long_prompt_beside_decodes_goes_in_chunks_within_the_stretch() -> None:
-    shapes = run_interference(1.5).step_shapes
+    shapes = run_interference(1.5)[0].step_shapes
     beside = [p for d, p in shapes if d >= 8 and p > 0]
     assert sum(beside) >= 600 - 256  # most of the long prompt ran beside the decodes
     assert max(beside) <= 50
@@ -76,8 +86,25 @@ def test_a_long_prompt_beside_decodes_goes_in_chunks_within_the_stretch() -> Non
 
 
 def test_without_the_cap_the_prompt_takes_the_whole_budget() -> None:
-    shapes = run_interference(0.0).step_shapes
+    shapes = run_interference(0.0)[0].step_shapes
     assert max(p for d, p in shapes if d == 16) == 256 - 16
+
+
+def test_a_burst_of_short_prompts_beside_decodes_is_admitted_at_full_speed() -> None:
+    executor, shorts, long = run_interference(1.5, num_short=8)
+    arrival = 6  # the first step that can see them
+    steps = executor.chunks[arrival:]
+    # 8 x 60 tokens in the budget left beside 16 (then 20) decodes: two steps, where 50
+    # tokens at a time would take ten
+    assert sum(c.get(rid, 0) for rid in shorts for c in steps[:1]) == 256 - 16
+    assert not any(rid in c for rid in shorts for c in steps[2:])
+    assert max(c.get(long, 0) for c in steps) <= 50  # the long one still goes in chunks
+    assert sum(c.get(long, 0) for c in steps) == 600
+
+
+def test_a_prompt_within_the_budget_is_not_capped() -> None:
+    executor, _, long = run_interference(1.5, long_len=200)
+    assert [c[long] for c in executor.chunks if long in c] == [200]
 
 
 def test_estimates_and_cap() -> None:
