@@ -3,10 +3,12 @@ llama.cpp (llama-cpp-python) on the same file and threads.
 
 Per round, interleaved (Strata bf16, Strata auto, Strata q8_0, llama.cpp, then again):
   single   one stream, 16 prompt tokens, 256 greedy tokens: decode tokens/s after the first
-  batch32  the fixed workload, 32 x 128 -> 64, greedy, ignore_eos: output tokens/s (Strata
-           only: llama-cpp-python's high-level API runs one sequence at a time)
+  batch32  the fixed workload, 32 x 128 -> 64, greedy, ignore_eos: output tokens/s
+llama.cpp runs through its low-level API (bench/llama_cpp_batch.py: 32 seq_ids in one
+`llama_decode` per step; the high-level API runs one sequence at a time), greedy by argmax.
 Once: weight bytes of each mode, and greedy agreement with bf16 (8 prompts x 64 tokens: the
-share of streams identical to the end, and the mean length of the common prefix).
+share of streams identical to the end, and the mean length of the common prefix), llama.cpp's
+too.
 
     .venv/bin/python bench/quant_decode.py [--rounds 3] [--threads 2] [--modes bf16 auto q8_0]
 
@@ -20,7 +22,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from llama_cpp_batch import LlamaCppBatch  # noqa: E402
 from strata_offline import CACHE_DIR, build_engine, fixed, make_request  # noqa: E402
 from workload import random_prompts  # noqa: E402
 
@@ -43,15 +45,12 @@ def strata_single(engine: object, vocab: int, n: int = 256) -> float:
     return float(res["decode_tokens_per_s"])
 
 
-def llama_cpp_single(llm: object, vocab: int, n: int = 256) -> float:
-    prompt = random_prompts(1, 16, vocab, 1)[0]
-    llm.reset()  # type: ignore[attr-defined]
-    times = []
-    for i, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0)):  # type: ignore[attr-defined]
-        times.append(time.perf_counter())
-        if i + 1 == n:
-            break
-    return (len(times) - 1) / (times[-1] - times[0])
+def llama_cpp_single(llm: LlamaCppBatch, vocab: int, n: int = 256) -> float:
+    return llm.single(random_prompts(1, 16, vocab, 1)[0], n)
+
+
+def llama_cpp_batch32(llm: LlamaCppBatch, vocab: int, seed: int) -> float:
+    return llm.fixed(random_prompts(32, 128, vocab, seed), 64)[0]
 
 
 def greedy(engine: object, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -90,17 +89,18 @@ def main() -> None:
     llm = None
     if not a.no_llama_cpp:
         try:
-            from llama_cpp import Llama
-
-            llm = Llama(str(path), n_threads=a.threads, n_threads_batch=a.threads, n_ctx=1024,
-                        verbose=False)
+            llm = LlamaCppBatch(str(path), a.threads)
         except ImportError as e:
             print(f"llama-cpp-python not importable ({e}): llama.cpp column skipped")
     prompts = random_prompts(8, 32, vocab, 9)
     outputs = {m: greedy(e, prompts, 64) for m, e in engines.items()}
+    if llm is not None:
+        outputs["llama.cpp"] = llm.generate(prompts, 64)
     agree = {m: agreement(outputs[a.modes[0]], out) for m, out in outputs.items()}
+    if llm is not None and "auto" in outputs:
+        print(f"llama.cpp against Strata auto: {agreement(outputs['auto'], outputs['llama.cpp'])}")
     single: dict[str, list[float]] = {m: [] for m in [*a.modes, "llama.cpp"]}
-    batch: dict[str, list[float]] = {m: [] for m in a.modes}
+    batch: dict[str, list[float]] = {m: [] for m in [*a.modes, "llama.cpp"]}
     loads = []
     for r in range(a.rounds):
         loads.append(os.getloadavg()[0])
@@ -109,9 +109,10 @@ def main() -> None:
             batch[m].append(fixed(e, 32, 128, 64, vocab, seed=100 + r)["tokens_per_s"])
         if llm is not None:
             single["llama.cpp"].append(llama_cpp_single(llm, vocab))
+            batch["llama.cpp"].append(llama_cpp_batch32(llm, vocab, seed=100 + r))
         print(f"round {r}: load {loads[-1]:.1f} single "
               + " ".join(f"{m} {v[-1]:.1f}" for m, v in single.items() if v)
-              + " | batch32 " + " ".join(f"{m} {v[-1]:.0f}" for m, v in batch.items()),
+              + " | batch32 " + " ".join(f"{m} {v[-1]:.0f}" for m, v in batch.items() if v),
               flush=True)
     med = {m: statistics.median(v) for m, v in single.items() if v}
     print(f"\nload average {min(loads):.1f}-{max(loads):.1f}; medians of {a.rounds} rounds, "
@@ -119,18 +120,22 @@ def main() -> None:
     print("| weights | weight MB | x bf16 | single-stream tok/s | batch-32 tok/s | "
           "greedy vs bf16 |")
     print("|---|---|---|---|---|---|")
-    for m in a.modes:
+    for m in [*a.modes, *(["llama.cpp"] if llm is not None else [])]:
         g = agree[m]
-        print(f"| {m} | {memory[m]:.1f} | {memory[m] / memory[a.modes[0]]:.2f} | "
+        mem = (f"{memory[m]:.1f} | {memory[m] / memory[a.modes[0]]:.2f}" if m in memory
+               else "- | -")
+        print(f"| {m} | {mem} | "
               f"**{med[m]:.1f}** [{min(single[m]):.1f}..{max(single[m]):.1f}] | "
               f"**{statistics.median(batch[m]):.0f}** [{min(batch[m]):.0f}..{max(batch[m]):.0f}]"
               f" | {g['identical_streams']}/{g['streams']} streams identical over "
               f"{g['tokens']} tokens, common prefix {g['mean_common_prefix']:.1f} |")
-    if single["llama.cpp"]:
-        v = single["llama.cpp"]
-        print(f"| llama.cpp (same GGUF) | - | - | **{med['llama.cpp']:.1f}** "
-              f"[{min(v):.1f}..{max(v):.1f}] | - | - |")
+    if llm is not None:
+        for m in a.modes:
+            print(f"Strata {m} / llama.cpp: single {med[m] / med['llama.cpp']:.2f}x, batch-32 "
+                  f"{statistics.median(batch[m]) / statistics.median(batch['llama.cpp']):.2f}x")
     RESULTS.mkdir(parents=True, exist_ok=True)
+    if llm is not None:
+        llm.close()
     (RESULTS / "quant_decode.json").write_text(json.dumps(
         {"load": loads, "single": single, "batch32": batch, "memory_mb": memory,
          "agreement": agree}, indent=1))
