@@ -46,14 +46,15 @@ def load(model: str | None) -> LoadedModel:
 
 def build_engine(loaded: LoadedModel, *, prefix_cache: bool = True, chunked: bool = True,
                  max_num_batched_tokens: int = 512, kv_gb: float = 1.0,
-                 max_num_seqs: int = 64, prefill_stretch: float = 0.0) -> Engine:
+                 max_num_seqs: int = 64, prefill_stretch: float | None = None) -> Engine:
+    """`prefill_stretch` None: SchedulerConfig's default."""
     executor = TorchExecutor(loaded.config, loaded.weights, dtype="bfloat16")
     num_blocks = CacheConfig.blocks_for_gb(kv_gb, executor.kv_bytes_per_token(), 16)
     cache = CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=prefix_cache)
     budget = max_num_batched_tokens if chunked else 2048
+    stretch = {} if prefill_stretch is None else {"prefill_stretch": prefill_stretch}
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                            max_model_len=2048, enable_chunked_prefill=chunked,
-                            prefill_stretch=prefill_stretch)
+                            max_model_len=2048, enable_chunked_prefill=chunked, **stretch)
     return Engine(executor, cache, sched, loaded.tokenizer, vocab_size=loaded.config.vocab_size)
 
 
@@ -194,13 +195,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
+    ap.add_argument("--prefill-stretch", type=float, default=None,
+                    help="SchedulerConfig.prefill_stretch (default: the engine's)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     loaded = load(a.model)
     vocab = loaded.config.vocab_size
     engine = build_engine(loaded, prefix_cache=not a.no_prefix_cache,
                           chunked=not a.no_chunked_prefill, max_num_batched_tokens=a.budget,
-                          max_num_seqs=min(64, a.budget))
+                          max_num_seqs=min(64, a.budget), prefill_stretch=a.prefill_stretch)
     for _ in range(a.warmup):
         fixed(engine, 4, 32, 8, vocab, seed=99)
     engine.reset_prefix_cache()
