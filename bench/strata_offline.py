@@ -162,6 +162,7 @@ def interference(engine: Engine, streams: int, long_len: int, vocab: int) -> dic
         tl.arrival[r.request_id] = time.perf_counter()
         engine.add_request(r)
     steps = 0
+    t0 = time.perf_counter()
     big = make_request(random_prompts(1, long_len, vocab, 4)[0], 8)
     while engine.has_unfinished_requests():
         if steps == 24:
@@ -176,7 +177,8 @@ def interference(engine: Engine, streams: int, long_len: int, vocab: int) -> dic
     return {"itl_p50": _pct(itls, 50), "itl_p99": _pct(itls, 99), "itl_max": itls[-1],
             "p99_over_p50": _pct(itls, 99) / _pct(itls, 50),
             "max_over_p50": itls[-1] / _pct(itls, 50),
-            "long_prompt_ttft": tl.ttft(big.request_id)}
+            "long_prompt_ttft": tl.ttft(big.request_id),
+            "tokens_per_s": sum(map(len, tl.tokens.values())) / (time.perf_counter() - t0)}
 
 
 def _pct(xs: list[float], p: float) -> float:
