@@ -58,9 +58,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--prefill-stretch", type=non_negative_float, default=0.0,
-                   help="while decodes run, cap each step's prefill tokens so that it lasts "
-                        "about this many decode steps (measured; e.g. 1.5); 0, the default: "
-                        "no cap")
+                   help="while decodes run, cap the chunks of a prompt longer than the token "
+                        "budget so that a step lasts about this many decode steps (measured; "
+                        "e.g. 1.5); 0, the default: no cap")
     p.add_argument("--max-waiting", type=positive_int, default=1024,
                    help="queued requests beyond which new ones get 429")
     p.add_argument("--max-queue-wait-s", type=non_negative_float, default=30.0,

@@ -46,9 +46,10 @@ class SchedulerConfig:
     max_waiting: int = 1024  # beyond this new requests are refused (OverloadedError)
     # aging: a request (not sheddable) waiting this long ranks with the top class; None: off
     max_queue_wait_s: float | None = None
-    # While decodes run, a step's prefill tokens are capped so that it lasts at most about this
-    # many decode steps (measured: step_budget.py); 0 (the default) turns the cap off: at 1.5 the
-    # Stage 1 fixed load lost 52 % of its throughput (docs/benchmarks.md, speed round 2).
+    # While decodes run, a long prompt's chunks (a prompt over the token budget) are capped so
+    # that a step lasts at most about this many decode steps (measured: step_budget.py); short
+    # prompts are never capped. 0 (the default) turns the cap off: at 1.5 a 1,500-token prompt
+    # beside 16 decodes costs that run 10 % of its throughput (docs/benchmarks.md, speed round 2).
     prefill_stretch: float = 0.0
 
     def __post_init__(self) -> None:
