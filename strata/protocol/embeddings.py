@@ -3,7 +3,9 @@
 `input` is a string, a list of strings, a list of token ids or a list of lists of token ids, as
 OpenAI's; anything else (an empty list or string, mixed lists, booleans, floats) is a 400 that
 names `input`. `encoding_format` is "float" (lists of floats) or "base64" (the little-endian
-float32 bytes of each vector, base64-encoded, as OpenAI's clients decode them).
+float32 bytes of each vector, base64-encoded, as OpenAI's clients decode them). vLLM's pooling
+extras that Strata does not implement (`truncate_prompt_tokens`, `normalize`, `embed_dtype`,
+chat `messages`) are refused by name, never ignored.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import base64
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from strata.errors import InvalidRequestError
 
 EmbeddingInput = list[str] | list[list[int]]  # after `inputs_of`: all texts or all token ids
+UNSUPPORTED = ("truncate_prompt_tokens", "normalize", "embed_dtype", "messages")
 
 
 class EmbeddingRequest(BaseModel):
@@ -27,6 +30,15 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: object) -> object:
+        if isinstance(data, dict):
+            name = next((n for n in UNSUPPORTED if data.get(n) is not None), None)
+            if name is not None:
+                raise ValueError(f"{name} is not supported by Strata's embeddings; remove it")
+        return data
 
 
 class Embedding(BaseModel):

@@ -90,9 +90,10 @@ def test_token_id_inputs_embed_as_their_text_does(client: openai.OpenAI,
     ({"input": "x", "dimensions": 8}, "dimensions", "Matryoshka"),
     ({"input": "x", "dimensions": 0}, "dimensions", "greater than or equal to 1"),
     ({"input": "x", "model": "other"}, "model", "does not exist"),
+    ({"input": "x", "truncate_prompt_tokens": 8}, None, "truncate_prompt_tokens is not supp"),
 ])
 def test_bad_inputs_are_400s_that_name_the_field(embed: LiveServer, body: dict[str, object],
-                                                 param: str, says: str) -> None:
+                                                 param: str | None, says: str) -> None:
     r = httpx.post(f"{embed.v1}/embeddings", json=body)
     assert r.status_code in (400, 404), r.text
     error = r.json()["error"]
