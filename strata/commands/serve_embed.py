@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from pathlib import Path
 
 from strata.commands.env import CliEnv
 from strata.commands.serve_stack import BuiltEngine, model_path
@@ -76,10 +75,3 @@ def engine_configs(args: argparse.Namespace, max_len: int) -> tuple[CacheConfig,
                                namespace=f"embed@{args.model_version}")
     return cache_config, scheduler_config
 
-
-def refuse_encoder(path: Path) -> None:
-    """`--task generate` (the default) given an encoder: say to pass --task embed."""
-    from strata.model.bert import is_encoder_dir
-
-    if is_encoder_dir(path):
-        raise ConfigError(f"{path} is a sentence encoder (BERT): serve it with --task embed")

@@ -64,11 +64,12 @@ class BuiltEngine:
 
 def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
     """Load the model (an alias is pulled) and build the engine stack over it."""
-    from strata.commands.serve_embed import refuse_encoder
+    from strata.model.bert import is_encoder_dir
     from strata.model.fetch import DEFAULT_MODEL, KNOWN_MODELS
 
     path = model_path(args, env)
-    refuse_encoder(path)
+    if is_encoder_dir(path):
+        raise ConfigError(f"{path} is a sentence encoder (BERT): serve it with --task embed")
     log.info("loading %s", path)
     with openmp_free_main_thread(rank_threads(args)):
         loaded, parallel = load_for_serving(args, path, env.cache_dir)
