@@ -98,7 +98,7 @@ def resolve_model(
         return Path(name)
     raise ModelLoadError(
         f"{name}: no such file or directory, and not a known model alias "
-        f"(known: {', '.join(sorted(KNOWN_MODELS))})"
+        f"(known: {', '.join(KNOWN_MODELS)})"
     )
 
 
