@@ -30,6 +30,7 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
+    priority: Any = None  # a class name or an integer, as a completion's (protocol/priority.py)
 
     @model_validator(mode="before")
     @classmethod

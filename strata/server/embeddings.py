@@ -7,7 +7,8 @@ The path, in order:
   3. texts are tokenized with [CLS] ... [SEP]; token ids go as given; each input must fit the
      model's positions and vocabulary (a 400 that names `input` and the limit)
   4. every input becomes a pooling request (strata/engine/request.py): the engine's scheduler
-     batches them with other requests' inputs, and each finishes with its embedding
+     batches them with other requests' inputs, and each finishes with its embedding (metrics.py
+     counts it and its latency as it does a completion's)
   5. truncate + renormalize to `dimensions`, encode as float lists or base64, count the usage
 A generate instance answers this route with a 400; an embed instance refuses generation
 (generation_routes.py).
@@ -36,6 +37,7 @@ from strata.protocol.embeddings import (
     inputs_of,
 )
 from strata.server.instance import Instance, instance_of
+from strata.server.metrics import track
 from strata.server.request_io import parse_body, request_priority, unless_disconnected
 from strata.server.serving import ServingContext
 from strata.server.translate import new_id
@@ -50,7 +52,7 @@ async def embeddings(request: Request) -> Response:
     dimensions = _dimensions(instance, req.dimensions)
     prompts = _prompts(instance, req)
     vectors = await unless_disconnected(
-        request, _embed(instance.serving, prompts, request_priority(request, None)))
+        request, _embed(instance.serving, prompts, request_priority(request, req.priority)))
     data = [Embedding(index=i, embedding=encode_vector(_truncated(v, dimensions),
                                                        req.encoding_format))
             for i, v in enumerate(vectors)]
@@ -101,10 +103,10 @@ async def _embed(ctx: ServingContext, prompts: list[list[int]],
     streams: list[AsyncGenerator[RequestOutput, None]] = []
     try:
         for i, prompt in enumerate(prompts):
-            streams.append(ctx.engine.generate(EngineRequest(
+            streams.append(track(ctx.engine.generate(EngineRequest(
                 request_id=RequestId(f"{base}-{i}"), prompt_token_ids=prompt,
                 sampling_params=SamplingParams(max_tokens=1), arrival_time=now,
-                priority=priority, is_pooling=True)))
+                priority=priority, is_pooling=True)), ctx.metrics, now, ctx.clock))
         return list(await asyncio.gather(*(_vector(s) for s in streams)))
     finally:
         for stream in streams:  # aborts what is unfinished (a cancelled or failed request)

@@ -62,6 +62,20 @@ def test_base64_is_the_float32_bytes_of_the_same_vectors(client: openai.OpenAI,
     assert vector.tolist() == pytest.approx(floats, abs=1e-7)
 
 
+def test_each_input_is_a_finished_request_in_the_metrics(client: openai.OpenAI,
+                                                        embed: LiveServer) -> None:
+    def num_finished() -> float:
+        text = httpx.get(f"{embed.base_url}/metrics").text
+        line = next(x for x in text.splitlines()
+                    if x.startswith("strata:request_success_total{") and 'reason="stop"' in x)
+        return float(line.rsplit(" ", 1)[1])
+
+    before = num_finished()
+    client.embeddings.create(model="tiny-bert", input=["a", "b", "c"], extra_body={
+        "priority": "batch"})
+    assert num_finished() == before + 3
+
+
 def test_token_id_inputs_embed_as_their_text_does(client: openai.OpenAI,
                                                   embed: LiveServer) -> None:
     ids = httpx.post(f"{embed.base_url}/tokenize", json={"prompt": "hello world"}).json()
@@ -91,6 +105,7 @@ def test_token_id_inputs_embed_as_their_text_does(client: openai.OpenAI,
     ({"input": "x", "dimensions": 0}, "dimensions", "greater than or equal to 1"),
     ({"input": "x", "model": "other"}, "model", "does not exist"),
     ({"input": "x", "truncate_prompt_tokens": 8}, None, "truncate_prompt_tokens is not supp"),
+    ({"input": "x", "priority": "urgent-ish"}, "priority", "urgent-ish"),
 ])
 def test_bad_inputs_are_400s_that_name_the_field(embed: LiveServer, body: dict[str, object],
                                                  param: str | None, says: str) -> None:
