@@ -116,7 +116,7 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
     check_not_running(config.run_dir)
     config.run_dir.mkdir(parents=True, exist_ok=True)
     _prefetch(args, env)
-    seed = ClusterSeed(seed_version(args), replicas=config.replicas)
+    seed = ClusterSeed(seed_version(args), replicas=config.replicas, pools=config.pools)
     asyncio.run(_seed(config.registry_url, seed))
     supervisor = _launcher(args, config)
     stop = {"now": False}

@@ -19,7 +19,8 @@ def add_role_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=positive_int, default=None, metavar="N",
                    help="a prefill/decode cluster: N prefill instances (with --decode M)")
     p.add_argument("--decode", type=positive_int, default=None, metavar="M",
-                   help="... and M decode instances, instead of --replicas")
+                   help="... and M decode instances, instead of --replicas (with --autoscale: "
+                        "to start with; each pool is then sized on its own)")
 
 
 def initial_replicas(args: argparse.Namespace) -> int:
@@ -39,8 +40,6 @@ def role_split(args: argparse.Namespace, mixed: int) -> tuple[int, int]:
     if args.replicas is not None or args.prefill is None or args.decode is None:
         raise ConfigError("a prefill/decode cluster takes --prefill N and --decode M (both at "
                           "least 1) instead of --replicas")
-    if getattr(args, "autoscale", False):
-        raise ConfigError("--autoscale sizes mixed instances; it does not take --prefill/--decode")
     return args.prefill + args.decode, args.prefill
 
 
