@@ -74,6 +74,7 @@ class ClassFlow:
         self.instances = instances
         self.home = {PriorityClass[label.upper()]: pool for label, pool in config.class_pools}
         self.in_flight: dict[tuple[str, PriorityClass], int] = {}
+        self.num_placed: dict[str, int] = {}  # pool -> requests placed there (the autoscaler's)
         self.num_shed = dict.fromkeys(CLASSES, 0)
         self._waiters: dict[PriorityClass, deque[_Waiter]] = {k: deque() for k in CLASSES}
         self._pump_task: asyncio.Task[None] | None = None
@@ -82,6 +83,12 @@ class ClassFlow:
         if klass is not None:
             return len(self._waiters[klass])
         return sum(len(w) for w in self._waiters.values())
+
+    def num_queued_for(self, pool: str) -> int:
+        """Requests waiting whose class lives in `pool` (module docstring: pools)."""
+        named = set(self.home.values())
+        return sum(len(w) for k, w in self._waiters.items()
+                   if self.home.get(k) == pool or (k not in self.home and pool not in named))
 
     async def acquire(self, route: RouteRequest) -> Placement:
         """A placement (release it when the answer is sent); OverloadedError 429/503."""
@@ -135,6 +142,7 @@ class ClassFlow:
         if placement.pool:
             key = (placement.pool, placement.klass)
             self.in_flight[key] = self.in_flight.get(key, 0) + 1
+            self.num_placed[placement.pool] = self.num_placed.get(placement.pool, 0) + 1
         return placement
 
     # --- waiting --------------------------------------------------------------------------------
