@@ -126,6 +126,14 @@ class GatewayAutoscaler:
             gateway, window_s=cfg.window_s, recent_s=cfg.recent_s,
             ttft_window_s=cfg.ttft_window_s, clock=self.autoscaler.clock)
         gateway.metrics.registry.register(AutoscalerMetrics(self.autoscaler))
+        if gateway.classes is not None:  # requests wait for the instances it starts
+            gateway.classes.bound.signs.append(self.is_growing)
+
+    def is_growing(self) -> bool:
+        """True while this autoscaler leads and wants more replicas than are ready."""
+        last = self.autoscaler.last
+        return self.autoscaler.is_leader and last is not None and any(
+            p.decision.desired > p.signals.ready for p in last.pools)
 
     async def run(self) -> None:
         await self.autoscaler.run()

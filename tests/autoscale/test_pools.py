@@ -165,3 +165,24 @@ def test_a_pooled_gateway_reads_each_pool_and_reports_each_on_metrics_and_dashbo
             [("prefill", 1), ("decode", 2)]
 
     asyncio.run(story())
+
+
+def test_while_it_wants_more_replicas_than_are_ready_requests_wait_for_them() -> None:
+    async def story() -> None:
+        models = await seeded(Deployment("m", "v1", 1))
+        clock = ManualClock(0.0)
+        scaler = Autoscaler(law(window_s=1.0), models, model="m", owner="gw", clock=clock)
+        linked = GatewayAutoscaler(scaler)
+        app = create_gateway_app(GatewayConfig(classes=ClassConfig(hold_without_instances=True)),
+                                 FixedSource(view("m-v1-0", "m", version="v1")),
+                                 run_background=False, autoscaler=linked)
+        bound = app.state.gateway.classes.bound
+        scaler.read_signals = traffic({"mixed": lambda t: 3.5 * mu("mixed")}, 1.0, 2.0)  # type: ignore[assignment]
+        await scaler.round()
+        assert not linked.is_growing() and not bound.is_capacity_coming
+        clock.set(5.0)
+        got = await scaler.round()
+        assert got is not None and (got.decision.desired, got.signals.ready) == (4, 1)
+        assert linked.is_growing() and bound.limit_s() == bound.start_wait_s
+
+    asyncio.run(story())
