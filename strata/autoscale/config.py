@@ -14,8 +14,8 @@ class AutoscaleConfig:
     Capacity: the latency profile at the largest batch whose step stays within `itl_slo_s`, for
     requests of `prompt_tokens` and `output_tokens` (the measured correction absorbs a
     different mix). Up: modelled load over `target_utilization` of the fleet, a queue growing
-    faster than the model predicts (at once), TTFT p95 over `ttft_slo_s`. Down: one at a time,
-    only when N-1 replicas stay under `down_utilization` with nothing queued. Dwell: ups at
+    faster than the model predicts (at once), TTFT p95 over `ttft_slo_s`. Down: to what the load
+    needs, only when N-1 replicas stay under `down_utilization` with nothing queued. Dwell: ups at
     least `up_dwell_s` apart (not the fast path), downs `down_dwell_s` apart and `down_after_up_s`
     after an up. Each pool of a deployment (prefill, decode, a class's) is sized on its own
     with these settings; `pool_bounds` (label, min, max) gives a pool other bounds."""

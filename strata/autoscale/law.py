@@ -21,10 +21,11 @@ Pure: the controller (controller.py) and the virtual fleet (virtual.py) feed it 
     pools      one law per pool (prefill, decode, a class's): the capacity model of its role
                (capacity.py), its own state, dwell and bounds (controller.py)
     up         to ceil(needed), at most max_replicas, ups `up_dwell_s` apart (fast path: at once)
-    down       one at a time, only when N-1 replicas would run under down_utilization with no
-               backlog and TTFT within the SLO, and have for `down_dwell_s` without a break
-               (also since the last down), `down_after_up_s` after an up; the launcher drains
-               the instance it removes
+    down       only when N-1 replicas would run under down_utilization with no backlog and
+               the SLO kept, and have for `down_dwell_s` without a break (also since the last
+               down), `down_after_up_s` after an up: to ceil(needed) (what an up would choose
+               at this load: after a burst, the whole way back in one step, not one instance
+               per dwell), at least one fewer; the launcher drains the instances it removes
 Desired counts starting replicas, so a decision is never taken twice while instances start.
 """
 
@@ -238,7 +239,8 @@ class ScalingLaw:
         if why_not:
             return self._hold(s, state, why_not, needed)
         state.down_ok_since = None
-        return self._to(smaller, s, state, "headroom_at_n_minus_1", needed)
+        to = max(cfg.min_replicas, min(smaller, math.ceil(needed - _TOLERANCE)))
+        return self._to(to, s, state, "headroom_at_n_minus_1", needed)
 
     def _to(self, desired: int, s: Signals, state: LawState, reason: str,
             needed: float) -> Decision:
