@@ -32,6 +32,7 @@ class LocalClusterConfig:
     reconcile_interval_s: float = 0.5
     is_autoscaled: bool = False  # the gateway's autoscaler sizes it: it may start with none
     num_prefill: int = 0  # `--prefill N`: seeded as a prefill pool of N, a decode pool of the rest
+    class_pools: tuple[tuple[str, int], ...] = ()  # `--pool NAME=N`: of `replicas`, N in NAME
 
     def __post_init__(self) -> None:
         if self.replicas < (0 if self.is_autoscaled else 1):
@@ -41,9 +42,16 @@ class LocalClusterConfig:
             raise ConfigError("restart backoff must be > 0 and <= the maximum backoff")
         if self.reconcile_interval_s <= 0:
             raise ConfigError(f"reconcile_interval_s must be > 0: {self.reconcile_interval_s}")
-        if self.num_prefill and not 0 < self.num_prefill < self.replicas:
+        if self.num_prefill and not 0 < self.num_prefill < self.num_base:
             raise ConfigError(f"a prefill/decode cluster needs a decode instance too: "
-                              f"{self.num_prefill} prefill of {self.replicas} instances")
+                              f"{self.num_prefill} prefill of {self.num_base} instances")
+        if self.num_base < 0 or any(n < 1 for _, n in self.class_pools):
+            raise ConfigError(f"--pool NAME=N wants N >= 1 within --replicas: {self.class_pools}")
+
+    @property
+    def num_base(self) -> int:
+        """Instances outside the named pools (`--pool`)."""
+        return self.replicas - sum(n for _, n in self.class_pools)
 
     def role_of(self, index: int) -> str:
         """The role of instance `index` of an unpooled deployment (a release's) in a cluster
@@ -54,10 +62,11 @@ class LocalClusterConfig:
     @property
     def pools(self) -> tuple[PoolSize, ...]:
         """The pools `strata up` seeds (none: `replicas` mixed instances)."""
-        if not self.num_prefill:
-            return ()
-        return (PoolSize("prefill", replicas=self.num_prefill),
-                PoolSize("decode", replicas=self.replicas - self.num_prefill))
+        named = tuple(PoolSize(pool=name, replicas=n) for name, n in self.class_pools)
+        if self.num_prefill:
+            return (PoolSize("prefill", replicas=self.num_prefill),
+                    PoolSize("decode", replicas=self.num_base - self.num_prefill), *named)
+        return (PoolSize(replicas=self.num_base), *named) if named else ()
 
     @property
     def registry_url(self) -> str:

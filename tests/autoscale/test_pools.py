@@ -8,6 +8,7 @@ import asyncio
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -19,6 +20,7 @@ from strata.autoscale.controller import Autoscaler
 from strata.autoscale.gateway_link import GatewayAutoscaler
 from strata.autoscale.law import ScalingLaw, Signals
 from strata.clock import ManualClock
+from strata.errors import ConfigError
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import ClassConfig, GatewayConfig
 from strata.registry.model_registry import create_model_registry
@@ -186,3 +188,27 @@ def test_while_it_wants_more_replicas_than_are_ready_requests_wait_for_them() ->
         assert linked.is_growing() and bound.limit_s() == bound.start_wait_s
 
     asyncio.run(story())
+
+
+def test_strata_up_seeds_its_pools_and_passes_their_bounds_to_the_gateway(tmp_path: Any) -> None:
+    import argparse
+
+    from strata.commands import up
+    from strata.commands.env import CliEnv
+
+    parser = argparse.ArgumentParser(prog="strata")
+    up.add_parser(parser.add_subparsers(dest="command"))
+    env = CliEnv(cache_dir=tmp_path, run_dir=tmp_path / "run")
+    args = parser.parse_args(["up", "--simulate", "smollm2-cpu", "--prefill", "1", "--decode",
+                              "2", "--pool", "fast=1", "--autoscale",
+                              "--pool-replicas", "prefill=1:4"])
+    config = up._config(args, env)
+    assert config.replicas == 4
+    assert [(p.label, p.replicas) for p in config.pools] == [
+        ("prefill", 1), ("decode", 2), ("fast", 1)]
+    gateway = list(config.gateway_args)
+    assert gateway[gateway.index("--pool-replicas") + 1] == "prefill=1:4"
+    plain = up._config(parser.parse_args(["up", "--simulate", "smollm2-cpu"]), env)
+    assert (plain.replicas, plain.pools) == (2, ())  # unpooled, as before
+    with pytest.raises(ConfigError, match="--pool wants NAME=N"):
+        up._config(parser.parse_args(["up", "--simulate", "smollm2-cpu", "--pool", "x"]), env)
