@@ -3,8 +3,9 @@ by pool, its decisions on the gateway's /metrics and dashboard (gateway_metrics.
 
     arrivals    an unpooled deployment: the gateway's request counter of the two generation
                 routes; a prefill pool: the requests the gateway hands to it (P/D decisions
-                `remote`); a decode or mixed pool: the requests placed in it by class
-                (`--class-pool`), else every request. Sampled each round
+                `remote`); a decode or mixed pool: the requests placed in its pool name by
+                the priority classes' flow (strata/gateway/classes.py), else every request.
+                Sampled each round
     TTFT        time to the first byte of each successful attempt (a stream's first token) on
                 the pool's instances (a prefill pool: the client's, on the decode instance of
                 its pool name); none for a decode pool, whose SLO is the ITL (law.py)
@@ -88,7 +89,7 @@ class GatewaySignals:
             return registry.get_sample_value("strata:gateway_pd_decisions_total",
                                              {"reason": "remote"}) or 0.0
         classes = self.gateway.classes
-        if is_pooled and classes is not None and classes.home:
+        if is_pooled and classes is not None:  # requests are placed in pools by class
             return float(classes.num_placed.get(pool.pool, 0))
         return sum(registry.get_sample_value("strata:gateway_requests_total",
                                              {"endpoint": route}) or 0.0

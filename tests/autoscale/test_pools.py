@@ -212,3 +212,29 @@ def test_strata_up_seeds_its_pools_and_passes_their_bounds_to_the_gateway(tmp_pa
     assert (plain.replicas, plain.pools) == (2, ())  # unpooled, as before
     with pytest.raises(ConfigError, match="--pool wants NAME=N"):
         up._config(parser.parse_args(["up", "--simulate", "smollm2-cpu", "--pool", "x"]), env)
+
+
+def test_a_class_pool_counts_the_requests_placed_in_it_and_no_others() -> None:
+    from strata.gateway.policies.base import RouteRequest
+    from strata.types import PriorityClass
+
+    async def story() -> None:
+        models = await seeded(Deployment("m", "v1", 2, pools=pools(mixed=1, fast=1)))
+        clock = ManualClock(0.0)
+        scaler = Autoscaler(law(window_s=1.0), models, model="m", owner="gw", clock=clock)
+        classes = ClassConfig(class_pools=(("interactive", "fast"),), instance_slots=4)
+        app = create_gateway_app(GatewayConfig(classes=classes), FixedSource(
+            view("m-v1-0", "m", version="v1"), view("m-v1-1", "m", version="v1", pool="fast")),
+            run_background=False, autoscaler=GatewayAutoscaler(scaler))
+        flow = app.state.gateway.classes
+        await scaler.round()
+        for _ in range(3):
+            await flow.acquire(RouteRequest(model="m", priority=int(PriorityClass.INTERACTIVE)))
+        clock.set(1.0)
+        got = await scaler.round()
+        assert got is not None
+        by_pool = {p.pool.label: p.signals for p in got.pools}
+        assert (by_pool["fast"].num_recent, by_pool["mixed"].num_recent) == (3, 0)
+        assert (by_pool["fast"].ready, by_pool["mixed"].ready) == (1, 1)
+
+    asyncio.run(story())
