@@ -11,7 +11,7 @@ never gets there still answers 503, after `start_wait_s`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from strata.gateway.instances import STARTING, InstanceSet
@@ -48,9 +48,4 @@ def starting_instances(instances: InstanceSet) -> CapacitySign:
     return sign
 
 
-def any_of(signs: Iterable[CapacitySign]) -> CapacitySign:
-    signs = list(signs)
-    return lambda: any(sign() for sign in signs)
-
-
-__all__ = ["CapacitySign", "WaitBound", "any_of", "starting_instances"]
+__all__ = ["CapacitySign", "WaitBound", "starting_instances"]
