@@ -96,7 +96,8 @@ class Fleet:
         self.instances: list[SimInstance] = []
         self.prefill: list[SimInstance] = []
         self.pd_min_tokens = self.costs.pd_min_tokens(self.profile)
-        self.gateway = SimGateway(arch.policy, self.shape.block_size, self.costs, self.rng)
+        self.gateway = SimGateway(arch.policy, self.shape.block_size, self.costs, self.rng,
+                                  self.clock)
         self.flights: dict[RequestId, _Flight] = {}
         self.result = FleetResult()
         self._next_id = 0

@@ -7,6 +7,7 @@ import statistics
 import pytest
 
 from strata.errors import ConfigError
+from strata.gateway.policies import CacheAwarePolicy
 from strata.plan import Architecture, Costs, EngineShape, LengthDist, PlanInputs, Slo, Workload
 from strata.plan.fleet import Fleet
 from strata.plan.search import simulate
@@ -109,6 +110,19 @@ def test_a_shared_prefix_is_computed_once_per_instance(round_profile: LatencyPro
     cached = [t.num_cached_tokens for t in run.turns]
     assert cached == [0] + [160] * 7
     assert run.turns[1].first_token_s - run.turns[1].arrival_s == pytest.approx(0.010 + 0.008)
+
+
+def test_cache_aware_keeps_time_on_the_plans_virtual_clock(round_profile: LatencyProfile) -> None:
+    workload = Workload(num_requests=12, concurrency=3, prefix_tokens=160, num_prefixes=2,
+                        prompt=LengthDist(16, 16), output=LengthDist(4, 4))
+    fleet = Fleet(Architecture("replicas", replicas=2, policy="cache_aware"), round_profile,
+                  workload, costs=NO_OVERHEAD)
+    policy = fleet.gateway.policies["mixed"]
+    assert isinstance(policy, CacheAwarePolicy)
+    run = fleet.run()
+    # the load averages' window is the mean request duration in virtual seconds
+    assert policy.averages.window_s == pytest.approx(
+        statistics.fmean(t.finish_s - t.arrival_s for t in run.turns))
 
 
 def test_sticky_sessions_and_kv_offload_hit_the_history_round_robin_recomputes(
