@@ -236,6 +236,7 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="skip calibration: use this profile")
     ap.add_argument("--only", nargs="*", default=None, help="config names")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default=str(RESULTS), help="the results' JSON file")
     ap.add_argument("--no-calibrate-overhead", action="store_true",
                     help="charge the constant overheads of the first run (2 ms, 4 via a gateway)")
     args = ap.parse_args()
@@ -269,8 +270,9 @@ def main() -> None:
                "predicted_quiet": predict(config, workload, quiet)}
         rows.append(row)
         print_row(row)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"rows": rows, "profile": real.source}, indent=2) + "\n")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"rows": rows, "profile": real.source}, indent=2) + "\n")
     print_table(rows)
 
 
