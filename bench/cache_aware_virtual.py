@@ -61,7 +61,7 @@ class Recorder:
             arrive(payload)
 
         def routed(candidates: Any, request: Any, session_id: Any) -> Any:
-            self._advance()
+            self.advance()
             homes = {i.instance_id: sorted(self.inflight[i.instance_id])
                      for i in candidates if (self.tenant(), i.instance_id) in self.served}
             instance, r = route(candidates, request, session_id)
@@ -74,7 +74,7 @@ class Recorder:
             return instance, r
 
         def done(view: Any, r: Any, blocks: Any) -> None:
-            self._advance()
+            self.advance()
             self.inflight[view.instance_id].remove(self.route_of.pop(id(r)))
             finished(view, r, blocks)
 
@@ -82,7 +82,7 @@ class Recorder:
         fleet.gateway.route = routed  # type: ignore[method-assign]
         fleet.gateway.finished = done  # type: ignore[method-assign]
 
-    def _advance(self) -> None:
+    def advance(self) -> None:
         dt = self.fleet.now - self.last_s
         for instance in self.fleet.instances:
             self.area[instance.instance_id] += dt * instance.view.num_in_flight
@@ -92,7 +92,7 @@ class Recorder:
         return self.tenant_of[id(self.job.prefix_token_ids)]
 
     def _classify(self, request: Any, instance_id: str) -> None:
-        tenant = self.tenant_of[id(self.job.prefix_token_ids)]
+        tenant = self.tenant()
         key = (tenant, instance_id)
         kind = "first" if tenant not in self.seen else "spill" if key not in self.served else None
         self.seen.add(tenant)
@@ -105,11 +105,8 @@ class Recorder:
         out = []
         for row in self.rows:
             cached = min(row["request"].num_cached_tokens, usable)
-            kind = row["kind"] or ("hit" if cached >= usable else
-                                   "evicted" if cached == 0 else "partial")
-            if row["kind"] is None and cached >= usable:
-                kind = "hit"
-            out.append(kind)
+            out.append(row["kind"] or ("hit" if cached >= usable else
+                                       "evicted" if cached == 0 else "partial"))
         return out
 
 
@@ -129,7 +126,7 @@ def run(policy: str, args: argparse.Namespace) -> dict[str, Any]:
                   load_profile("smollm2-cpu"), workload, shape=EngineShape(kv_blocks=args.blocks))
     recorder = Recorder(fleet, args.prefix_tokens)
     result = fleet.run()
-    recorder._advance()
+    recorder.advance()
     kinds = recorder.classes()
     cached = sum(t.num_cached_tokens for t in result.turns)
     prompt = sum(t.num_prompt_tokens for t in result.turns)
