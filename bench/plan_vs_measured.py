@@ -270,9 +270,9 @@ def main() -> None:
                "predicted_quiet": predict(config, workload, quiet)}
         rows.append(row)
         print_row(row)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "profile": real.source}, indent=2) + "\n")
+        out = Path(args.out)  # after every row: a run cut short keeps what it measured
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"rows": rows, "profile": real.source}, indent=2) + "\n")
     print_table(rows)
 
 
