@@ -257,7 +257,7 @@ class Scheduler:
     def _num_to_schedule(self, request: Request, budget: int) -> int:
         to_go = request.num_tokens_to_compute
         num_new = min(to_go, self.step_budget.limit(to_go, budget))
-        if num_new < to_go and not self.config.enable_chunked_prefill:
+        if num_new < to_go and (request.is_pooling or not self.config.enable_chunked_prefill):
             return 0
         return num_new
 
