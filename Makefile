@@ -36,8 +36,25 @@ $(DEV_STAMP): pyproject.toml | $(BIN)/python
 serve: install
 	$(BIN)/strata serve $(ARGS)
 
+# With no PYTEST_ARGS the suite runs as two pytest processes side by side, so that both cores
+# work: the fleet tests (whole clusters of processes: tests/cluster, tests/chaos) and the rest.
+# The rest reports first, then the fleets' report (kept in $(VENV)/fleet-tests.log) follows.
+FLEET_TESTS := tests/cluster tests/chaos
+
 test: install-dev
+ifeq ($(strip $(PYTEST_ARGS)),)
+	@echo "+ pytest -q $(FLEET_TESTS)   (beside the rest; its report follows the rest's)"
+	@$(BIN)/python -m pytest -q $(FLEET_TESTS) > $(VENV)/fleet-tests.log 2>&1 & fleets=$$!; \
+	trap 'kill $$fleets 2>/dev/null' INT TERM; \
+	echo "+ pytest -q $(addprefix --ignore=,$(FLEET_TESTS))"; \
+	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(FLEET_TESTS)); rest=$$?; \
+	wait $$fleets; fleet=$$?; \
+	echo "+ the fleet tests ($(FLEET_TESTS)):"; cat $(VENV)/fleet-tests.log; \
+	echo "+ exit status: rest $$rest, fleet tests $$fleet"; \
+	test $$rest -eq 0 && test $$fleet -eq 0
+else
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+endif
 
 lint: install-dev
 	$(BIN)/ruff check strata tests

@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import sys
 import time
 import uuid
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from plan_calibrate import calibrate_overhead, describe
 from procs import ROOT, Proc, spawn, stop_all, wait_http
 
 from strata.bench.loadgen import poisson_arrivals, run_closed_loop, stream_request, token_pool
@@ -191,12 +193,16 @@ def planned_workload(config: Config, session0: list[int]) -> Workload:
                     **load)
 
 
-def predict(config: Config, workload: Workload, profile: LatencyProfile) -> dict[str, Any]:
-    """The planner's TTFT and TPOT for `config` (the SLO is irrelevant: nothing stops early)."""
+def predict(config: Config, workload: Workload, profile: LatencyProfile,
+            overhead_ms: list[float] | None = None) -> dict[str, Any]:
+    """The planner's TTFT and TPOT for `config` (the SLO is irrelevant: nothing stops early);
+    with `overhead_ms`, the calibrated per-request overhead (plan_calibrate.py), which for chat
+    turns includes the session store, else the constants of the first run."""
     arch = Architecture("replicas" if config.replicas > 1 else "one process",
                         replicas=config.replicas, policy=config.policy,
                         sessions=config.sessions)
-    costs = Costs(request_overhead_ms=4.0 if config.replicas > 1 else 2.0)
+    costs = (Costs(request_overhead_samples_ms=tuple(overhead_ms), session_read_ms=0.0)
+             if overhead_ms else Costs(request_overhead_ms=4.0 if config.replicas > 1 else 2.0))
     out, _ = simulate(arch, PlanInputs(workload, Slo(1e9, 1e9), profile, costs=costs))
     return {"ttft_ms": out.ttft_ms, "tpot_ms": out.tpot_ms, "wall_s": out.wall_s}
 
@@ -230,6 +236,9 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="skip calibration: use this profile")
     ap.add_argument("--only", nargs="*", default=None, help="config names")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default=str(RESULTS), help="the results' JSON file")
+    ap.add_argument("--no-calibrate-overhead", action="store_true",
+                    help="charge the constant overheads of the first run (2 ms, 4 via a gateway)")
     args = ap.parse_args()
     LOGS.mkdir(parents=True, exist_ok=True)
     print(f"load average at start: {os.getloadavg()}", flush=True)
@@ -242,7 +251,12 @@ def main() -> None:
         store = f"sqlite:///{LOGS / (config.name + '.db')}" if config.sessions else None
         url, procs = start_fleet(config, LOGS, store)
         session0: list[int] = []
+        profile = load_profile("smollm2-cpu") if config.fleet == "sim" else real
         try:
+            overhead = [] if args.no_calibrate_overhead else asyncio.run(calibrate_overhead(
+                url, profile, is_chat=config.sessions is not None))
+            if overhead:
+                print(f"{config.name}: {describe(overhead)}", flush=True)
             results = asyncio.run(measure(url, config, args.seed, session0))
         finally:
             stop_all(procs)
@@ -250,12 +264,15 @@ def main() -> None:
         workload = planned_workload(config, session0)
         row = {"config": config.name, "load_average": os.getloadavg()[0],
                "workload": workload.describe(), "measured": measured_stats(results),
-               "predicted": predict(config, workload, quiet if config.fleet == "sim" else real),
+               "overhead_ms": overhead,
+               "predicted": predict(config, workload, profile, overhead),
+               "predicted_constant_overhead": predict(config, workload, profile),
                "predicted_quiet": predict(config, workload, quiet)}
         rows.append(row)
         print_row(row)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"rows": rows, "profile": real.source}, indent=2) + "\n")
+        out = Path(args.out)  # after every row: a run cut short keeps what it measured
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"rows": rows, "profile": real.source}, indent=2) + "\n")
     print_table(rows)
 
 
@@ -267,25 +284,26 @@ def print_row(row: dict[str, Any]) -> None:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    """Markdown: measured, predicted from the profile fitted before the run, and (real
-    instances) from the quiet-machine profile; error = (predicted - measured) / measured."""
-    print("| config | metric | measured p50 | predicted p50 | error | quiet-profile p50 | error "
-          "| measured p90 | predicted p90 | error | quiet-profile p90 | error |")
+    """Markdown: measured, predicted with the calibrated overhead, and with the constant one
+    (the first run's 2-4 ms); error = (predicted - measured) / measured."""
+    print("| config | metric | measured p50 | predicted p50 | error | constant-overhead p50 | "
+          "error | measured p90 | predicted p90 | error | constant-overhead p90 | error |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    errors = []
+    errors: dict[str, list[float]] = {"predicted": [], "predicted_constant_overhead": []}
     for row in rows:
         for metric in ("ttft_ms", "tpot_ms"):
             m, cells = row["measured"][metric], []
             for q in ("p50", "p90"):
-                p, quiet = row["predicted"][metric][q], row["predicted_quiet"][metric][q]
-                errors.append(abs(error_pct(p, m[q])))
-                cells += [f"{m[q]:.1f}", f"{p:.1f}", f"{error_pct(p, m[q]):+.0f} %",
-                          f"{quiet:.1f}", f"{error_pct(quiet, m[q]):+.0f} %"]
+                for kind, found in errors.items():
+                    p = row[kind][metric][q]
+                    found.append(abs(error_pct(p, m[q])))
+                    cells += ([f"{m[q]:.1f}"] if kind == "predicted" else []) + [
+                        f"{p:.1f}", f"{error_pct(p, m[q]):+.0f} %"]
             print(f"| {row['config']} | {metric[:4].upper()} ms | " + " | ".join(cells) + " |")
-    if errors:
-        errors.sort()
-        print(f"median |error| (predicted) {errors[len(errors) // 2]:.0f} %, "
-              f"max {errors[-1]:.0f} %")
+    for kind, found in errors.items():
+        if found:
+            print(f"{kind}: median |error| {statistics.median(found):.0f} %, "
+                  f"max {max(found):.0f} %")
 
 
 if __name__ == "__main__":

@@ -80,8 +80,12 @@ def test_models_cached_shows_each_alias_and_whether_it_is_cached(
     monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
     assert main(["models", "cached"]) == 0
     path = tmp_path / "models" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert capsys.readouterr().out.splitlines()[1].split() == [
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == [
         "smollm2", "SmolLM2-135M-Instruct", "not", "cached", str(path), "(default)"]
+    embed_dir = tmp_path / "models" / "minilm" / "all-MiniLM-L6-v2"
+    assert lines[2].split() == ["minilm", "all-MiniLM-L6-v2", "not", "cached", str(embed_dir),
+                                "(default,", "--task", "embed)"]
     path.parent.mkdir(parents=True)
     path.write_bytes(b"GGUF")
     assert main(["models", "cached"]) == 0

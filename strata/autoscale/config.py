@@ -14,10 +14,11 @@ class AutoscaleConfig:
     Capacity: the latency profile at the largest batch whose step stays within `itl_slo_s`, for
     requests of `prompt_tokens` and `output_tokens` (the measured correction absorbs a
     different mix). Up: modelled load over `target_utilization` of the fleet, a queue growing
-    faster than the model predicts (at once), TTFT p95 over `ttft_slo_s`. Down: one at a time,
-    only when N-1 replicas stay under `down_utilization` with nothing queued. Dwell: ups at
+    faster than the model predicts (at once), TTFT p95 over `ttft_slo_s`. Down: to what the load
+    needs, only when N-1 replicas stay under `down_utilization` with nothing queued. Dwell: ups at
     least `up_dwell_s` apart (not the fast path), downs `down_dwell_s` apart and `down_after_up_s`
-    after an up."""
+    after an up. Each pool of a deployment (prefill, decode, a class's) is sized on its own
+    with these settings; `pool_bounds` (label, min, max) gives a pool other bounds."""
 
     min_replicas: int = 1
     max_replicas: int = 8
@@ -37,6 +38,14 @@ class AutoscaleConfig:
     ttft_window_s: float = 5.0  # ...and TTFT p95 over this one
     drain_backlog_s: float = 10.0  # the fast path sizes the fleet to clear the backlog in this
     lease_s: float = 5.0
+    pool_bounds: tuple[tuple[str, int, int], ...] = ()  # --pool-replicas LABEL=MIN:MAX
+
+    def bounds_of(self, label: str) -> tuple[int, int]:
+        """(min, max) replicas of the pool `label`."""
+        for name, low, high in self.pool_bounds:
+            if name == label:
+                return low, high
+        return self.min_replicas, self.max_replicas
 
     def __post_init__(self) -> None:
         if self.min_replicas < 0 or self.max_replicas < max(1, self.min_replicas):
@@ -57,6 +66,10 @@ class AutoscaleConfig:
         for name in ("up_dwell_s", "down_dwell_s", "down_after_up_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"autoscaler {name} must be >= 0, got {getattr(self, name)}")
+        for label, low, high in self.pool_bounds:
+            if low < 0 or high < max(1, low):
+                raise ConfigError(f"--pool-replicas {label}={low}:{high}: need 0 <= MIN <= MAX "
+                                  "and MAX >= 1")
         if self.lease_s < 2 * self.interval_s:
             raise ConfigError(f"the autoscaler's lease ({self.lease_s}s) must outlast two "
                               f"decision intervals ({self.interval_s}s each)")

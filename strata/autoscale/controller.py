@@ -2,15 +2,17 @@
 
     round   take or renew the lease `autoscaler:{model}` in the registry (leases.py); without it,
             do nothing (another autoscaler leads: two can never fight); read the deployment of
-            the model's live version; read the signals; ask the law; write the deployment's
-            `replicas` with one compare-and-set when the law changes it. The launchers (local
-            supervisor, Ray) reconcile deployments toward it and drain what they remove.
+            the model's live version; then for each of its pools (prefill, decode, a class's;
+            an unpooled deployment is one), read that pool's signals and ask that pool's law
+            (its role's capacity, its own state, dwell and bounds); write the pools that
+            changed with one compare-and-set. The launchers (local supervisor, Ray) reconcile
+            deployments toward it, pool by pool, and drain what they remove.
     skip    no live version or no deployment yet, or a release of the model in progress (the
             release controller owns the replicas until it is done)
 
-Every decision is logged (changes at INFO, holds at DEBUG) and counted by direction and reason;
-`metrics()` exposes desired and ready replicas, the signals and the counts; `status()` feeds the
-dashboard (its AutoscalerSource).
+Every decision is logged (changes at INFO, holds at DEBUG) and counted by pool, direction and
+reason; `metrics()` exposes desired and ready replicas, the signals and the counts, per pool;
+`status()` feeds the dashboard (its AutoscalerSource).
 """
 
 from __future__ import annotations
@@ -25,10 +27,20 @@ from strata.autoscale.law import HOLD, Decision, LawState, ScalingLaw, Signals
 from strata.errors import ConflictError, StrataError
 from strata.registry import leases
 from strata.registry.leases import LeaseStore
-from strata.registry.models import Deployment, DeploymentState, ModelRegistry
+from strata.registry.models import Deployment, DeploymentState, ModelRegistry, PoolSize
 
 log = logging.getLogger("strata.autoscale")
+# (now, the deployment as one pool sees it: `pool_sizes[0]` is the pool) -> its signals
 SignalReader = Callable[[float, Deployment], Signals]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRound:
+    """What one round saw and decided for one pool (`pool.replicas`: before the decision)."""
+
+    pool: PoolSize
+    signals: Signals
+    decision: Decision
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,9 +49,17 @@ class Round:
 
     at: float  # wall clock
     deployment: Deployment
-    signals: Signals
-    decision: Decision
+    pools: tuple[PoolRound, ...]
     is_written: bool
+
+    @property
+    def signals(self) -> Signals:
+        """Its first pool's (an unpooled deployment has only one)."""
+        return self.pools[0].signals
+
+    @property
+    def decision(self) -> Decision:
+        return self.pools[0].decision
 
 
 class Autoscaler:
@@ -59,10 +79,12 @@ class Autoscaler:
         self.read_signals = read_signals
         self.clock = clock
         self.wall_clock = wall_clock
-        self.state = LawState()
+        self.states: dict[str, LawState] = {}  # pool label -> its law's memory
+        self._laws: dict[str, ScalingLaw] = {}
         self.is_leader = False
         self.last: Round | None = None
         self.num_decisions: dict[tuple[str, str], int] = {}  # (direction, reason) -> count
+        self.num_pool_decisions: dict[tuple[str, str, str], int] = {}  # ... and pool first
         self.skipped = ""  # why the last round did nothing ("" when it decided)
 
     @property
@@ -92,15 +114,30 @@ class Autoscaler:
         if self.read_signals is None:
             self._skip("no signals attached")
             return None
-        signals = self.read_signals(self.clock(), deployment)
-        decision = self.law.decide(signals, self.state)
-        is_written = False
-        if decision.desired != deployment.replicas:
-            is_written = await self._write(deployment, decision.desired)
-        self._record(decision, deployment, is_written)
+        now, pools = self.clock(), []
+        for pool in deployment.pool_sizes:
+            signals = self.read_signals(now, _as_one_pool(deployment, pool))
+            decision = self.law_of(pool).decide(signals, self.states.setdefault(pool.label,
+                                                                               LawState()))
+            pools.append(PoolRound(pool, signals, decision))
+        wanted = deployment.with_pool_sizes(replace(p.pool, replicas=p.decision.desired)
+                                            for p in pools)
+        is_written = wanted != deployment and await self._write(deployment, wanted)
+        for p in pools:
+            self._record(p, deployment, is_written)
         self.skipped = ""
-        self.last = Round(self.wall_clock(), deployment, signals, decision, is_written)
+        self.last = Round(self.wall_clock(), deployment, tuple(pools), is_written)
         return self.last
+
+    def law_of(self, pool: PoolSize) -> ScalingLaw:
+        """The law of one pool: its role's capacity, its bounds (`--pool-replicas`)."""
+        if pool.label not in self._laws:
+            low, high = self.config.bounds_of(pool.label)
+            config = replace(self.config, min_replicas=low, max_replicas=high)
+            model = replace(self.law.model, role=pool.role)
+            self._laws[pool.label] = self.law if (config, model) == (
+                self.config, self.law.model) else ScalingLaw(config, model)
+        return self._laws[pool.label]
 
     async def _lead(self) -> bool:
         lease = await leases.hold(self.models, self.lease_name, self.owner,
@@ -123,23 +160,25 @@ class Autoscaler:
                 return d, ""
         return None, f"{self.model}@{routing.live} has no active deployment"
 
-    async def _write(self, deployment: Deployment, replicas: int) -> bool:
+    async def _write(self, deployment: Deployment, wanted: Deployment) -> bool:
         try:
-            await self.models.put_deployment(replace(deployment, replicas=replicas),
-                                             expected_revision=deployment.revision)
+            await self.models.put_deployment(wanted, expected_revision=deployment.revision)
         except ConflictError:  # written by someone else since we read it: next round decides
             return False
         return True
 
-    def _record(self, decision: Decision, deployment: Deployment, is_written: bool) -> None:
+    def _record(self, p: PoolRound, deployment: Deployment, is_written: bool) -> None:
+        decision, label = p.decision, p.pool.label
         key = (decision.direction, decision.reason)
         self.num_decisions[key] = self.num_decisions.get(key, 0) + 1
+        self.num_pool_decisions[(label, *key)] = \
+            self.num_pool_decisions.get((label, *key), 0) + 1
         if decision.direction == HOLD:
-            log.debug("autoscaler: hold %s at %d (%s)", deployment.key, deployment.replicas,
-                      decision.reason)
+            log.debug("autoscaler: hold %s pool %s at %d (%s)", deployment.key, label,
+                      p.pool.replicas, decision.reason)
             return
-        log.info("autoscaler: %s %s %d -> %d (%s; needed %.2f, correction %.2f)%s",
-                 decision.direction, deployment.key, deployment.replicas, decision.desired,
+        log.info("autoscaler: %s %s pool %s %d -> %d (%s; needed %.2f, correction %.2f)%s",
+                 decision.direction, deployment.key, label, p.pool.replicas, decision.desired,
                  decision.reason, decision.needed, decision.correction,
                  "" if is_written else " not written: the deployment changed meanwhile")
 
@@ -149,4 +188,11 @@ class Autoscaler:
         self.skipped = why
 
 
-__all__ = ["Autoscaler", "Round", "SignalReader"]
+def _as_one_pool(deployment: Deployment, pool: PoolSize) -> Deployment:
+    """The deployment as one pool's signal reader sees it: that pool alone, its replicas."""
+    if not deployment.pools:
+        return deployment
+    return replace(deployment, replicas=pool.replicas, pools=(pool,))
+
+
+__all__ = ["Autoscaler", "PoolRound", "Round", "SignalReader"]

@@ -15,11 +15,17 @@ Pure: the controller (controller.py) and the virtual fleet (virtual.py) feed it 
     from zero  no replica and a request arrives: one at once (requests wait at the gateway)
     TTFT       p95 over the SLO while requests wait and every replica is ready: one more
                (after the up dwell)
+    ITL        decode instances (a pool of role decode) running more sequences each than the
+               batch whose step keeps the ITL target: one more (after the up dwell). The
+               gateway does not time tokens; the step is the profile's at the measured batch
+    pools      one law per pool (prefill, decode, a class's): the capacity model of its role
+               (capacity.py), its own state, dwell and bounds (controller.py)
     up         to ceil(needed), at most max_replicas, ups `up_dwell_s` apart (fast path: at once)
-    down       one at a time, only when N-1 replicas would run under down_utilization with no
-               backlog and TTFT within the SLO, and have for `down_dwell_s` without a break
-               (also since the last down), `down_after_up_s` after an up; the launcher drains
-               the instance it removes
+    down       only when N-1 replicas would run under down_utilization with no backlog and
+               the SLO kept, and have for `down_dwell_s` without a break (also since the last
+               down), `down_after_up_s` after an up: to ceil(needed) (what an up would choose
+               at this load: after a burst, the whole way back in one step, not one instance
+               per dwell), at least one fewer; the launcher drains the instances it removes
 Desired counts starting replicas, so a decision is never taken twice while instances start.
 """
 
@@ -59,6 +65,7 @@ class Signals:
     ttft_p95_s: float | None = None  # over the window; None: no sample
     kv_usage: float = 0.0  # mean over ready instances
     in_flight_tokens: int = 0
+    running: int = 0  # sequences running in the instances (their reports)
 
     @property
     def backlog(self) -> int:
@@ -109,9 +116,11 @@ class ScalingLaw:
             return self._hold(s, state, "idle", needed)
         wanted = math.ceil(needed - _TOLERANCE)
         reason = "fast_path" if is_fast else "capacity"
-        if self._ttft_over(s) and s.backlog and s.ready >= s.desired and wanted <= s.desired:
-            wanted, reason = s.desired + 1, "ttft_slo"
-        if not is_fast and reason != "ttft_slo" and s.now - state.started_at < cfg.window_s:
+        slo = self._slo_broken(s)
+        if slo and (s.backlog or slo == "itl_slo") and s.ready >= s.desired \
+                and wanted <= s.desired:
+            wanted, reason = s.desired + 1, slo
+        if not is_fast and reason != slo and s.now - state.started_at < cfg.window_s:
             return self._hold(s, state, "first_window", needed)  # its rate is not measured yet
         if wanted > s.desired:
             return self._up(min(wanted, cfg.max_replicas), s, state, reason, needed, is_fast)
@@ -190,8 +199,15 @@ class ScalingLaw:
         expected = s.arrival_rate * s.num_recent / s.recent_rate
         return abs(s.num_recent - expected) > 2 * math.sqrt(max(expected, 1.0))
 
-    def _ttft_over(self, s: Signals) -> bool:
-        return s.ttft_p95_s is not None and s.ttft_p95_s > self.config.ttft_slo_s
+    def _slo_broken(self, s: Signals) -> str:
+        """"ttft_slo", "itl_slo" (decode: the step of the batch each instance runs), or ""."""
+        cfg = self.config
+        if s.ttft_p95_s is not None and s.ttft_p95_s > cfg.ttft_slo_s:
+            return "ttft_slo"
+        if self.model.role == "decode" and s.ready and self.model.itl_s(
+                s.running / s.ready, cfg.prompt_tokens, cfg.output_tokens) > cfg.itl_slo_s:
+            return "itl_slo"
+        return ""
 
     def _up(self, desired: int, s: Signals, state: LawState, reason: str, needed: float,
             is_fast: bool) -> Decision:
@@ -208,7 +224,7 @@ class ScalingLaw:
         smaller = s.desired - 1
         why_not = (
             "backlog" if s.backlog else
-            "ttft_slo" if self._ttft_over(s) else
+            self._slo_broken(s) or
             "no_headroom_at_n_minus_1"
             if self.load(s, state.correction) > cfg.down_utilization * smaller else "")
         if why_not:
@@ -223,7 +239,8 @@ class ScalingLaw:
         if why_not:
             return self._hold(s, state, why_not, needed)
         state.down_ok_since = None
-        return self._to(smaller, s, state, "headroom_at_n_minus_1", needed)
+        to = max(cfg.min_replicas, min(smaller, math.ceil(needed - _TOLERANCE)))
+        return self._to(to, s, state, "headroom_at_n_minus_1", needed)
 
     def _to(self, desired: int, s: Signals, state: LawState, reason: str,
             needed: float) -> Decision:

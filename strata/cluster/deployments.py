@@ -6,6 +6,10 @@ runs rounds of the same pure plan over what it owns:
 
     ACTIVE   name@version, N replicas   keep instances {name}-{version}-0 .. N-1 (start missing
                                         ones; drain any of a higher index)
+    ACTIVE   in pools                   per pool (role, pool name), keep its number of instances:
+                                        start missing ones at the lowest free indices, drain
+                                        the pool's highest; one pool's change never moves
+                                        another's instances (each slot remembers its pool)
     RETIRING name@version               drain every instance, start none; once the launcher owns
                                         none of them, delete the deployment record
     no deployment                       an instance the launcher owns is drained
@@ -19,9 +23,10 @@ what it has: a missing catalogue entry is an operator's mistake, not a request t
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
+from strata.registry.deployments import DEFAULT_POOL, MIXED
 from strata.registry.models import Deployment, DeploymentState, ModelVersion
 
 # serve flags (each takes a value) that each version decides: the cluster-wide ones are dropped
@@ -41,13 +46,30 @@ class Slot:
     deployment: str  # name@version
     index: int
     is_draining: bool = False
+    role: str = MIXED
+    pool: str = DEFAULT_POOL
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """An instance to start: index `index` of `version`, as `strata serve --role --pool`
+    (role None: an unpooled deployment's, which the launcher's layout decides)."""
+
+    version: ModelVersion
+    index: int
+    role: str | None = None
+    pool: str = DEFAULT_POOL
+
+    @property
+    def slot(self) -> Slot:
+        return Slot(self.version.key, self.index, role=self.role or MIXED, pool=self.pool)
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
     """One round's actions, in order: start, drain, then delete finished deployments."""
 
-    start: tuple[tuple[ModelVersion, int], ...] = ()
+    start: tuple[Start, ...] = ()
     drain: tuple[str, ...] = ()  # instance ids
     delete: tuple[Deployment, ...] = ()
     missing_versions: tuple[str, ...] = ()  # ACTIVE deployments not in the catalogue
@@ -62,20 +84,56 @@ def plan(deployments: Iterable[Deployment], versions: Mapping[str, ModelVersion]
     """What to do so that `owned` (instance id -> slot) matches `deployments`."""
     deployments = list(deployments)
     wanted: dict[str, tuple[str, int]] = {}  # instance id -> (deployment key, index)
+    kept: set[str] = set()  # instance ids of pooled deployments that stay
+    pooled_starts: list[Start] = []
     for d in deployments:
-        if d.state is DeploymentState.ACTIVE:
+        if d.state is DeploymentState.ACTIVE and d.pools:
+            starts, drains = _pooled(d, versions.get(d.key), owned)
+            pooled_starts += starts
+            kept |= {iid for iid, slot in owned.items()
+                     if slot.deployment == d.key and iid not in drains}
+        elif d.state is DeploymentState.ACTIVE:
             for index in range(d.replicas):
                 wanted[instance_id_of(d.name, d.version, index)] = (d.key, index)
-    start = tuple((versions[key], index) for iid, (key, index) in wanted.items()
-                  if iid not in owned and key in versions)
+    start = tuple(Start(versions[key], index) for iid, (key, index) in wanted.items()
+                  if iid not in owned and key in versions) + tuple(pooled_starts)
     drain = tuple(iid for iid, slot in owned.items()
-                  if iid not in wanted and not slot.is_draining)
+                  if iid not in wanted and iid not in kept and not slot.is_draining)
     keys_owned = {slot.deployment for slot in owned.values()}
     delete = tuple(d for d in deployments
                    if d.state is DeploymentState.RETIRING and d.key not in keys_owned)
     missing = tuple(d.key for d in deployments
                     if d.state is DeploymentState.ACTIVE and d.key not in versions)
     return Plan(start, drain, delete, missing)
+
+
+def _pooled(d: Deployment, version: ModelVersion | None,
+            owned: Mapping[str, Slot]) -> tuple[list[Start], set[str]]:
+    """(starts, drains) of a pooled deployment, pool by pool, in the order of its pools: a
+    pool drains its highest indices; its new instances take the lowest indices no instance of
+    the deployment holds (draining ones included: an id is never two processes). A slot of a
+    pool the deployment no longer lists is drained."""
+    mine = {iid: s for iid, s in owned.items() if s.deployment == d.key}
+    free = _free_indices({s.index for s in mine.values()})
+    starts: list[Start] = []
+    drains = {iid for iid, s in mine.items()
+              if not s.is_draining and (s.role, s.pool) not in {(p.role, p.pool) for p in d.pools}}
+    for p in d.pools:
+        live = sorted((s.index, iid) for iid, s in mine.items()
+                      if not s.is_draining and (s.role, s.pool) == (p.role, p.pool))
+        drains |= {iid for _, iid in live[p.replicas:]}
+        if version is not None:
+            starts += [Start(version, next(free), p.role, p.pool)
+                       for _ in range(p.replicas - len(live))]
+    return starts, drains
+
+
+def _free_indices(taken: set[int]) -> Iterator[int]:
+    index = 0
+    while True:
+        if index not in taken:
+            yield index
+        index += 1
 
 
 def serve_model_args(version: ModelVersion, cluster_serve_args: Iterable[str]) -> list[str]:
@@ -101,5 +159,5 @@ def without_version_flags(args: Iterable[str]) -> list[str]:
     return kept
 
 
-__all__ = ["VERSION_FLAGS", "Plan", "Slot", "instance_id_of", "plan", "serve_model_args",
+__all__ = ["VERSION_FLAGS", "Plan", "Slot", "Start", "instance_id_of", "plan", "serve_model_args",
            "without_version_flags"]

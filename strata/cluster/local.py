@@ -34,62 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from strata.cluster.deployments import Slot, instance_id_of, serve_model_args
+from strata.cluster.deployments import Slot, Start, instance_id_of
+from strata.cluster.local_config import LocalClusterConfig, instance_argv, local_registry_url
 from strata.cluster.ports import free_port, port_is_free
 from strata.cluster.registry_link import Reconciler, RegistryLink
 from strata.errors import ConfigError
+from strata.registry.deployments import DEFAULT_POOL, MIXED
 from strata.registry.models import ModelVersion
 
 log = logging.getLogger("strata.up")
-
-
-@dataclass(frozen=True, slots=True)
-class LocalClusterConfig:
-    """What `strata up` starts. `serve_args` are passed through to every `strata serve`
-    (less --simulate, --model-version and --served-model-name: each version decides those)."""
-
-    replicas: int
-    run_dir: Path
-    model: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    serve_args: tuple[str, ...] = ()
-    gateway_args: tuple[str, ...] = ()
-    restart_backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
-    stable_after_s: float = 30.0  # an instance up this long has its backoff reset
-    stop_timeout_s: float = 30.0
-    threads_per_instance: int | None = None
-    registry: str | None = None  # default: SQLite in run_dir (one machine)
-    reconcile_interval_s: float = 0.5
-    is_autoscaled: bool = False  # the gateway's autoscaler sizes it: it may start with none
-    num_prefill: int = 0  # `--prefill N`: instances 0..N-1 of a deployment prefill, others decode
-
-    def __post_init__(self) -> None:
-        if self.replicas < (0 if self.is_autoscaled else 1):
-            raise ConfigError(f"--replicas must be >= 1 (0 only with --autoscale "
-                              f"--min-replicas 0), got {self.replicas}")
-        if self.restart_backoff_s <= 0 or self.max_backoff_s < self.restart_backoff_s:
-            raise ConfigError("restart backoff must be > 0 and <= the maximum backoff")
-        if self.reconcile_interval_s <= 0:
-            raise ConfigError(f"reconcile_interval_s must be > 0: {self.reconcile_interval_s}")
-        if self.num_prefill and not 0 < self.num_prefill < self.replicas:
-            raise ConfigError(f"a prefill/decode cluster needs a decode instance too: "
-                              f"{self.num_prefill} prefill of {self.replicas} instances")
-
-    def role_of(self, index: int) -> str:
-        """The `--role` of instance `index` of a deployment."""
-        if not self.num_prefill:
-            return "mixed"
-        return "prefill" if index < self.num_prefill else "decode"
-
-    @property
-    def registry_url(self) -> str:
-        return self.registry or local_registry_url(self.run_dir)
-
-    @property
-    def log_dir(self) -> Path:
-        return self.run_dir / "logs"
 
 
 @dataclass(slots=True)
@@ -107,6 +60,8 @@ class Child:
     log_file: IO[bytes] | None = field(default=None, repr=False)
     deployment: str = ""  # name@version of an instance; "" for the gateway
     index: int = 0
+    role: str | None = None  # None: its index decides (LocalClusterConfig.role_of)
+    pool: str = DEFAULT_POOL
     is_draining: bool = False  # sent SIGTERM by a reconcile: never restarted
     port: int = 0  # where it listens (0: not known)
     version: ModelVersion | None = None  # an instance's; None for the gateway
@@ -114,24 +69,6 @@ class Child:
     @property
     def is_running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
-
-
-def local_registry_url(run_dir: Path) -> str:
-    """The one-machine registry of `strata up` in `run_dir`: the default of `up` and `status`."""
-    return f"sqlite:///{run_dir.resolve() / 'registry.db'}"
-
-
-def instance_argv(config: LocalClusterConfig, version: ModelVersion, instance_id: str,
-                  port: int, python: str, index: int = 0) -> list[str]:
-    """The `strata serve` command line of instance `index` of `version` in the cluster."""
-    c = config
-    argv = [python, "-m", "strata.cli", "serve", *serve_model_args(version, c.serve_args),
-            "--host", c.host, "--port", str(port), "--registry", c.registry_url,
-            "--instance-id", instance_id, "--advertise-url", f"http://{c.host}:{port}"]
-    argv += ["--role", c.role_of(index)] if c.num_prefill else []
-    if c.threads_per_instance and not version.is_simulated:
-        argv += ["--threads", str(c.threads_per_instance)]
-    return argv
 
 
 class Supervisor:
@@ -210,18 +147,21 @@ class Supervisor:
     def _reconcile(self, now: float) -> None:
         assert self._reconciler is not None
         self._next_round_at = now + self.config.reconcile_interval_s
-        owned = {iid: Slot(c.deployment, c.index, c.is_draining)
+        owned = {iid: Slot(c.deployment, c.index, c.is_draining, c.role or MIXED, c.pool)
                  for iid, c in self.instances.items()}
         actions = self._reconciler.round(owned)
         if actions is not None and not actions.is_empty:
             self._write_pids()
 
-    def _start_instance(self, version: ModelVersion, index: int) -> None:
+    def _start_instance(self, start: Start) -> None:
+        version, index = start.version, start.index
         instance_id = instance_id_of(version.name, version.version, index)
         port = free_port(self.config.host)
-        argv = instance_argv(self.config, version, instance_id, port, self.python, index)
+        argv = instance_argv(self.config, version, instance_id, port, self.python, index,
+                             role=start.role, pool=start.pool)
         child = Child(instance_id, argv, self.config.log_dir / f"{instance_id}.log",
-                      deployment=version.key, index=index, port=port, version=version)
+                      deployment=version.key, index=index, role=start.role, pool=start.pool,
+                      port=port, version=version)
         self.instances[instance_id] = child
         self._spawn(child)
 
@@ -237,7 +177,8 @@ class Supervisor:
         log.warning("%s: port %d is taken by another process; restarting on %d", child.name,
                     child.port, port)
         child.port = port
-        child.argv = instance_argv(self.config, child.version, child.name, port, self.python)
+        child.argv = instance_argv(self.config, child.version, child.name, port, self.python,
+                                   child.index, role=child.role, pool=child.pool)
 
     def _drain(self, instance_id: str) -> None:
         child = self.instances[instance_id]
@@ -298,3 +239,7 @@ def _close_log(child: Child) -> None:
     if child.log_file is not None:
         child.log_file.close()
         child.log_file = None
+
+
+__all__ = ["Child", "LocalClusterConfig", "Supervisor", "free_port", "instance_argv",
+           "local_registry_url"]

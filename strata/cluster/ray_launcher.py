@@ -22,6 +22,7 @@ of the actor, which Ray brings back into bundle 0; it is removed when the instan
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -33,11 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from strata.cluster.deployments import Slot, instance_id_of
+from strata.cluster.deployments import Slot, Start, instance_id_of
 from strata.cluster.local import LocalClusterConfig, Supervisor, free_port, instance_argv
 from strata.cluster.registry_link import Reconciler, RegistryLink
 from strata.errors import ConfigError
-from strata.registry.models import ModelVersion
 
 log = logging.getLogger("strata.up.ray")
 _PR_SET_PDEATHSIG = 1
@@ -147,12 +147,13 @@ class RayLauncher:
         ray.get([a.pid.remote() for a in self.actors])  # every actor constructed
         log.info("%d instance actors started", len(self.instances))
 
-    def _start_instance(self, version: ModelVersion, index: int) -> None:
+    def _start_instance(self, start: Start) -> None:
         import ray
 
-        c = self.config.cluster
-        instance_id = instance_id_of(version.name, version.version, index)
-        argv = instance_argv(c, version, instance_id, free_port(c.host), sys.executable, index)
+        c, version = self.config.cluster, start.version
+        instance_id = instance_id_of(version.name, version.version, start.index)
+        argv = instance_argv(c, version, instance_id, free_port(c.host), sys.executable,
+                             start.index, role=start.role, pool=start.pool)
         options: dict[str, Any] = {"num_cpus": self.config.num_cpus_per_instance}
         group = None
         if self.config.ranks_per_instance > 1 and not version.is_simulated:
@@ -160,8 +161,7 @@ class RayLauncher:
         actor = ray.remote(InstanceActor).options(
             name=f"strata-{instance_id}", max_restarts=-1, max_task_retries=-1, **options,
         ).remote(argv, str(c.log_dir / f"{instance_id}.log"))
-        self.instances[instance_id] = InstanceHandle(actor, Slot(version.key, index),
-                                                     group=group)
+        self.instances[instance_id] = InstanceHandle(actor, start.slot, group=group)
 
     def _replica_group(self, argv: list[str]) -> tuple[Any, dict[str, Any]]:
         """A placement group for the W ranks of one replica; the instance actor's options put
@@ -183,7 +183,7 @@ class RayLauncher:
 
     def _drain(self, instance_id: str) -> None:
         handle = self.instances[instance_id]
-        handle.slot = Slot(handle.slot.deployment, handle.slot.index, is_draining=True)
+        handle.slot = dataclasses.replace(handle.slot, is_draining=True)
         handle.stopping = handle.actor.stop.remote(self.config.cluster.stop_timeout_s)
         log.info("draining %s", instance_id)
 

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
-from strata.cluster.deployments import Plan, Slot, plan
+from strata.cluster.deployments import Plan, Slot, Start, plan
 from strata.errors import StrataError
 from strata.registry import Registry, create_registry
 from strata.registry.model_registry import create_model_registry
@@ -98,7 +98,7 @@ class RegistryLink:
 class Reconciler:
     """Runs rounds of `plan` against one launcher's owned instances through a RegistryLink."""
 
-    def __init__(self, link: RegistryLink, *, start: Callable[[ModelVersion, int], None],
+    def __init__(self, link: RegistryLink, *, start: Callable[[Start], None],
                  drain: Callable[[str], None]) -> None:
         self.link = link
         self._start = start
@@ -110,8 +110,8 @@ class Reconciler:
         try:
             deployments, versions = self.link.read_desired()
             actions = plan(deployments, versions, owned)
-            for version, index in actions.start:
-                self._start(version, index)
+            for instance in actions.start:
+                self._start(instance)
             for instance_id in actions.drain:
                 self._drain(instance_id)
             for deployment in actions.delete:

@@ -26,6 +26,7 @@ from strata.registry.models import (
     ModelRegistry,
     ModelRouting,
     ModelVersion,
+    PoolSize,
     ReleaseState,
 )
 
@@ -35,10 +36,12 @@ RESTART_REASON = "cluster restarted"
 
 @dataclass(frozen=True, slots=True)
 class ClusterSeed:
-    """`replicas` instances of `version`, which is the model's live version."""
+    """`replicas` instances of `version`, which is the model's live version (in `pools`,
+    when it has some: `strata up --prefill N --decode M`)."""
 
     version: ModelVersion
     replicas: int
+    pools: tuple[PoolSize, ...] = ()
 
     def __post_init__(self) -> None:
         if self.replicas < 0:  # 0: an autoscaler starts the first one when a request comes
@@ -52,8 +55,8 @@ async def seed_registry(models: ModelRegistry, instances: Registry, seed: Cluste
     now = time.time() if now is None else now
     version = await add_or_reuse(models, seed.version)
     await _forget_run_state(models, instances, now, keep_routing_of=version.name)
-    await models.put_deployment(Deployment(version.name, version.version, seed.replicas),
-                                expected_revision=0)
+    await models.put_deployment(Deployment(version.name, version.version, seed.replicas,
+                                           pools=seed.pools), expected_revision=0)
     await _point_live(models, version)
     return version
 

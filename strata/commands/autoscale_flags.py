@@ -50,6 +50,22 @@ def add_autoscale_flags(p: argparse.ArgumentParser) -> None:
                    help="the instances' --max-num-seqs")
     for flag, kind, default, text in _FLAGS:
         p.add_argument(flag, type=kind, default=default, help=text)
+    p.add_argument("--pool-replicas", action="append", default=[], metavar="POOL=MIN:MAX",
+                   help="other bounds for one pool (prefill, decode, a class pool's name), "
+                        "repeatable; the others take --min-replicas and --max-replicas")
+
+
+def pool_bounds(specs: list[str]) -> tuple[tuple[str, int, int], ...]:
+    """`["prefill=1:4"]` -> `(("prefill", 1, 4),)`."""
+    out = []
+    for spec in specs:
+        label, _, bounds = spec.partition("=")
+        low, _, high = bounds.partition(":")
+        if not label or not low.isdigit() or not high.isdigit():
+            raise ConfigError(f"--pool-replicas wants POOL=MIN:MAX (e.g. prefill=1:4), "
+                              f"got {spec!r}")
+        out.append((label, int(low), int(high)))
+    return tuple(out)
 
 
 def autoscale_config(args: argparse.Namespace) -> Any:
@@ -63,7 +79,7 @@ def autoscale_config(args: argparse.Namespace) -> Any:
         output_tokens=round(args.autoscale_output_tokens),
         max_num_seqs=args.autoscale_max_num_seqs, up_dwell_s=args.scale_up_dwell_s,
         down_dwell_s=args.scale_down_dwell_s, down_after_up_s=args.scale_down_after_up_s,
-        window_s=args.autoscale_window_s)
+        window_s=args.autoscale_window_s, pool_bounds=pool_bounds(args.pool_replicas))
 
 
 def build_autoscaler(args: argparse.Namespace, models: Any, owner: str) -> Any:
@@ -101,7 +117,10 @@ def gateway_args(args: argparse.Namespace, model: str, profile: str | None) -> l
         out.append("--hold-without-instances")
     for flag, _, _, _ in _FLAGS:
         out += [flag, str(getattr(args, flag.lstrip("-").replace("-", "_")))]
+    for spec in args.pool_replicas:
+        out += ["--pool-replicas", spec]
     return out
 
 
-__all__ = ["add_autoscale_flags", "autoscale_config", "build_autoscaler", "gateway_args"]
+__all__ = ["add_autoscale_flags", "autoscale_config", "build_autoscaler", "gateway_args",
+           "pool_bounds"]

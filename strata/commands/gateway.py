@@ -70,6 +70,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-in-flight", type=positive_int, default=256)
     p.add_argument("--max-queue", type=non_negative_int, default=512)
     p.add_argument("--queue-timeout-s", type=positive_float, default=10.0)
+    p.add_argument("--start-wait-s", type=positive_float, default=60.0,
+                   help="how long a request waits for room while instances are starting (an "
+                        "autoscaler's new ones; the first with --min-replicas 0) instead of "
+                        "--queue-timeout-s")
     p.add_argument("--max-retries", type=non_negative_int, default=2)
     p.add_argument("--max-resumes", type=non_negative_int, default=2,
                    help="a stream cut after its first byte goes on on another instance at most "
@@ -160,6 +164,7 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
                             stall_probe_timeout_s=args.stall_probe_timeout_s),
         admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue,
                                   queue_timeout_s=args.queue_timeout_s,
+                                  start_wait_s=args.start_wait_s,
                                   batch_max_queue=args.batch_max_queue),
         classes=class_config(args),
         api_keys=api_keys, admin_keys=admin_keys,

@@ -96,13 +96,20 @@ def _pull(name: str | None, cache_dir: Path) -> int:
 
 
 def _cached(cache_dir: Path) -> int:
-    from strata.model.fetch import DEFAULT_MODEL, KNOWN_MODELS, cached_model_path
+    from strata.model.fetch import (
+        DEFAULT_EMBED_MODEL,
+        DEFAULT_MODEL,
+        KNOWN_MODELS,
+        cached_model_path,
+    )
 
     print(f"{'ALIAS':<12}{'SERVED NAME':<26}{'STATUS':<12}PATH")
-    for name, spec in sorted(KNOWN_MODELS.items()):
+    marks = {DEFAULT_MODEL: " (default)", DEFAULT_EMBED_MODEL: " (default, --task embed)"}
+    for name, spec in sorted(KNOWN_MODELS.items(), key=lambda kv: (kv[0] != DEFAULT_MODEL,
+                                                                   kv[0])):
         path = cached_model_path(spec, cache_dir)
         status = "cached" if path.exists() else "not cached"
-        default = " (default)" if name == DEFAULT_MODEL else ""
+        default = marks.get(name, "")
         print(f"{name:<12}{spec.served_name:<26}{status:<12}{path}{default}")
     return 0
 

@@ -19,6 +19,7 @@ from strata.commands.argtypes import (
     positive_int,
 )
 from strata.commands.env import CliEnv, add_auth_flags
+from strata.commands.serve_embed import build_embed_engine
 from strata.commands.serve_parallel import add_parallel_flags
 from strata.commands.serve_stack import (
     DEFAULT_MAX_MODEL_LEN,
@@ -36,7 +37,11 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("model", nargs="?", default=None,
-                   help="HF model directory, .gguf file or alias (default: smollm2)")
+                   help="HF model directory, .gguf file or alias (default: smollm2; with "
+                        "--task embed: minilm)")
+    p.add_argument("--task", choices=("generate", "embed"), default="generate",
+                   help="generate: completions and chat; embed: a sentence encoder (BERT, "
+                        "e.g. all-MiniLM-L6-v2) served for /v1/embeddings only")
     p.add_argument("--served-model-name", default=None,
                    help="name clients send as `model` (default: the model's own name)")
     p.add_argument("--model-version", default="default",
@@ -138,7 +143,10 @@ def _add_pd_flags(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, env: CliEnv) -> int:
     """Load the model, build the engine stack and serve until SIGTERM/SIGINT."""
     started = time.perf_counter()
-    built = build_simulated(args) if args.simulate else build_engine(args, env)
+    if args.task == "embed":
+        built = build_embed_engine(args, env)
+    else:
+        built = build_simulated(args) if args.simulate else build_engine(args, env)
     if args.simulate and args.sim_start_s:  # the model "loads" for the rest of the start time
         time.sleep(max(0.0, args.sim_start_s - (time.perf_counter() - started)))
     return aio.run(serve_http(args, env, built, started))

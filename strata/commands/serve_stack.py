@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from strata.engine.config import SchedulerConfig
     from strata.model.loader import LoadedModel
     from strata.server.async_engine import AsyncEngine
+    from strata.server.config import EmbedConfig
     from strata.server.registration import Registration
 
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -58,13 +59,17 @@ class BuiltEngine:
     name: str
     simulated: bool = False
     generation_defaults: GenerationDefaults = GenerationDefaults()  # --generation-config
+    embed: EmbedConfig | None = None  # set: an encoder served for /v1/embeddings (--task embed)
 
 
 def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
     """Load the model (an alias is pulled) and build the engine stack over it."""
+    from strata.model.bert import is_encoder_dir
     from strata.model.fetch import DEFAULT_MODEL, KNOWN_MODELS
 
-    path = _model_path(args, env)
+    path = model_path(args, env)
+    if is_encoder_dir(path):
+        raise ConfigError(f"{path} is a sentence encoder (BERT): serve it with --task embed")
     log.info("loading %s", path)
     with openmp_free_main_thread(rank_threads(args)):
         loaded, parallel = load_for_serving(args, path, env.cache_dir)
@@ -107,15 +112,17 @@ def build_simulated(args: argparse.Namespace) -> BuiltEngine:
     return BuiltEngine(async_engine, tokenizer, name, simulated=True)
 
 
-def _model_path(args: argparse.Namespace, env: CliEnv) -> Path:
-    """An alias is pulled; a path, file:// or s3:// URI is verified against its manifest."""
-    from strata.model.fetch import resolve_model
+def model_path(args: argparse.Namespace, env: CliEnv, default: str | None = None) -> Path:
+    """An alias (`default` when none is given) is pulled; a path, file:// or s3:// URI is
+    verified against its manifest."""
+    from strata.model.fetch import DEFAULT_MODEL, resolve_model
     from strata.store import is_model_uri, resolve_model_uri
 
     if args.model is not None and (is_model_uri(args.model) or Path(args.model).exists()):
         return resolve_model_uri(args.model, cache_dir=env.cache_dir,
                                  s3_endpoint_url=args.s3_endpoint_url, progress=True)
-    return resolve_model(args.model, cache_dir=env.cache_dir, progress=True)
+    return resolve_model(args.model, cache_dir=env.cache_dir, progress=True,
+                         default=default or DEFAULT_MODEL)
 
 
 def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str,
@@ -185,6 +192,7 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
                                  session_ttl_s=args.session_ttl_s,
                                  session_redis_appendfsync=args.session_redis_appendfsync,
                                  generation_defaults=built.generation_defaults, pd=_pd_config(args),
+                                 embed=built.embed,
                                  **_kv_options(args))
     app = create_app(built.async_engine, built.tokenizer, server_config,
                      registration=registration)

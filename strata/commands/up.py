@@ -36,9 +36,8 @@ from strata.commands.env import CliEnv, read_admin_keys, read_api_keys
 from strata.commands.up_roles import (
     PD_SERVE_FLAGS,
     add_role_flags,
+    cluster_shape,
     describe_roles,
-    initial_replicas,
-    role_split,
 )
 from strata.errors import ConfigError, StrataError
 from strata.logs import announce
@@ -116,7 +115,7 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
     check_not_running(config.run_dir)
     config.run_dir.mkdir(parents=True, exist_ok=True)
     _prefetch(args, env)
-    seed = ClusterSeed(seed_version(args), replicas=config.replicas)
+    seed = ClusterSeed(seed_version(args), replicas=config.replicas, pools=config.pools)
     asyncio.run(_seed(config.registry_url, seed))
     supervisor = _launcher(args, config)
     stop = {"now": False}
@@ -221,13 +220,14 @@ def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
         if value is not None:
             serve_args += [flag, str(value)]
     serve_args += _auth_args(args)
-    replicas, num_prefill = role_split(args, initial_replicas(args))
+    replicas, num_prefill, named = cluster_shape(args)
     threads = up_parallel.rank_threads(args, replicas)  # `strata serve --threads` is per rank
     autoscale = gateway_args(args, _model_name(args), args.simulate) if args.autoscale else []
     gateway = [*(["--policy", args.policy] if args.policy else []), *autoscale,
                *_auth_args(args), *log_flags, *args.gateway_arg]
     return LocalClusterConfig(
-        replicas=replicas, num_prefill=num_prefill, run_dir=env.run_dir, model=args.model,
+        replicas=replicas, num_prefill=num_prefill, class_pools=named, run_dir=env.run_dir,
+        model=args.model,
         host=args.host, port=args.port, serve_args=tuple(serve_args),
         gateway_args=tuple(gateway),
         threads_per_instance=None if args.simulate else threads,

@@ -31,6 +31,7 @@ from strata.engine.executor import (
     ModelExecutor,
     ModelInput,
     ModelOutput,
+    Pooled,
     SampledToken,
     ScheduledSequence,
     TokenDecoder,
@@ -166,19 +167,8 @@ class Engine:
         sequences = []
         for request, num_new in scheduled.scheduled:
             start = request.num_computed_tokens + request.num_in_flight_tokens
-            sequences.append(
-                ScheduledSequence(
-                    request_id=request.request_id,
-                    token_ids=request.all_token_ids[start : start + num_new],
-                    start_pos=start,
-                    block_ids=self.kv.block_ids(request.request_id),
-                    needs_sample=start + num_new == request.num_tokens,
-                    sampling_params=request.sampling_params,
-                    output_token_ids=request.output_token_ids,
-                    prompt_token_ids=request.prompt_token_ids,
-                    eos_token_ids=request.eos_token_ids,
-                )
-            )
+            sequences.append(ScheduledSequence.of(request, start, num_new,
+                                                  self.kv.block_ids(request.request_id)))
         return ModelInput(sequences, self.cache_config.block_size)
 
     def _update(
@@ -193,7 +183,9 @@ class Engine:
             sampled, handoff = model_output.get(request.request_id), request.pending_handoff
             if sampled is not None and handoff is not None:  # P's token: never re-sampled
                 sampled = SampledToken(handoff.token_id, handoff.logprob)
-            if sampled is not None:
+            if isinstance(sampled, Pooled):  # a pooling request ends with its embedding
+                outputs.append(self._end(request, RequestStatus.FINISHED_STOPPED, sampled))
+            elif sampled is not None:
                 outputs.append(self._append_token(request, sampled.token_id, sampled.logprob))
         return outputs
 
@@ -231,13 +223,19 @@ class Engine:
 
     def _fail(self, request: Request) -> RequestOutput:
         """The executor failed on this request alone (isolation.py): it ends with "error"."""
-        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        return self._end(request, RequestStatus.FINISHED_ERROR)
+
+    def _end(self, request: Request, status: RequestStatus,
+             pooled: Pooled | None = None) -> RequestOutput:
+        """End `request` without a new token: a failure, or a pooling request's embedding."""
+        self.scheduler.finish(request, status)
         self._detok.pop(request.request_id, None)
         return RequestOutput(request_id=request.request_id, new_token_ids=[], new_text="",
                              finished=True, finish_reason=request.finish_reason,
                              num_prompt_tokens=request.num_prompt_tokens,
                              num_cached_tokens=request.num_cached_tokens,
-                             num_output_tokens=request.num_output_tokens)
+                             num_output_tokens=request.num_output_tokens,
+                             embedding=pooled.embedding if pooled else None)
 
     def _export_kv(self, request: Request) -> list[tuple[BlockHash, bytes]]:
         """(hash, payload) of the request's computed full blocks not known to be stored."""

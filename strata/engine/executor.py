@@ -2,8 +2,10 @@
 
 The engine decides which tokens of which requests to compute this step and where their KV lives;
 a `ModelExecutor` computes them and samples the next token for requests that reached the end of
-their known tokens. `strata.model.executor.TorchExecutor` is the real implementation. An
-executor that can overlap batches (pipeline parallel) also implements `AsyncModelExecutor`.
+their known tokens, or returns the pooled hidden state of a pooling request (an embedding).
+`strata.model.executor.TorchExecutor` is the real implementation (for encoders,
+`strata.model.bert.EncoderExecutor`). An executor that can overlap batches (pipeline parallel)
+also implements `AsyncModelExecutor`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NewType, Protocol, runtime_checkable
 
-from strata.engine.request import Logprob, SamplingParams
+from strata.engine.request import Logprob, Request, SamplingParams
 from strata.types import RequestId
 
 
@@ -34,6 +36,20 @@ class ScheduledSequence:
     output_token_ids: list[int]  # tokens generated so far (penalties, seeded RNG position)
     prompt_token_ids: list[int]  # the repetition penalty's history (with the outputs)
     eos_token_ids: tuple[int, ...] = ()  # held back, with stop token ids, before min_tokens
+    # a pooling request: its whole prompt in this one sequence; the executor returns `Pooled`
+    is_pooling: bool = False
+
+    @classmethod
+    def of(cls, request: Request, start: int, num_new: int,
+           block_ids: list[int]) -> ScheduledSequence:
+        """`num_new` tokens of `request` from position `start`, its KV in `block_ids`."""
+        return cls(request_id=request.request_id,
+                   token_ids=request.all_token_ids[start : start + num_new], start_pos=start,
+                   block_ids=block_ids, needs_sample=start + num_new == request.num_tokens,
+                   sampling_params=request.sampling_params,
+                   output_token_ids=request.output_token_ids,
+                   prompt_token_ids=request.prompt_token_ids,
+                   eos_token_ids=request.eos_token_ids, is_pooling=request.is_pooling)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +68,15 @@ class SampledToken:
     logprob: Logprob | None = None  # set when the request asked for logprobs
 
 
-ModelOutput = dict[RequestId, SampledToken]
+@dataclass(frozen=True, slots=True)
+class Pooled:
+    """A pooling request's result: the embedding of its whole prompt (pooled, normalized as
+    the model prescribes)."""
+
+    embedding: list[float]
+
+
+ModelOutput = dict[RequestId, SampledToken | Pooled]
 
 BatchHandle = NewType("BatchHandle", int)  # names a submitted batch; chosen by the executor
 
@@ -61,9 +85,10 @@ class ModelExecutor(Protocol):
     """Runs the model over a step's batch and samples next tokens.
 
     Contract: `allocate_kv_cache(num_blocks, block_size)` is called once before `execute`.
-    `execute` returns one `SampledToken` for every sequence with `needs_sample`, and nothing for the
-    others. It must not keep state about requests between steps: sampling with a seed depends only
-    on (seed, number of tokens generated so far), so results do not depend on the batch.
+    `execute` returns one `SampledToken` for every sequence with `needs_sample` (a `Pooled` when
+    the sequence `is_pooling`), and nothing for the others. It must not keep state about
+    requests between steps: sampling with a seed depends only on (seed, number of tokens
+    generated so far), so results do not depend on the batch.
     """
 
     def kv_bytes_per_token(self) -> int: ...

@@ -43,6 +43,8 @@ class RequestOutput:
     kv_blocks: list[tuple[BlockHash, bytes]] = field(default_factory=list, repr=False)
     # with `Request.hold_blocks`, on the final output of a normal finish: the blocks held
     held: HeldBlocks | None = None
+    # a pooling request's only output: its embedding (`Request.is_pooling`)
+    embedding: list[float] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -182,6 +182,10 @@ class Request:
     # `handoff`: the first token comes from the prefill instance (see `Handoff`).
     hold_blocks: bool = False
     handoff: Handoff | None = None
+    # A pooling request (an embedding, encoder models): its whole prompt runs in one step (never
+    # chunked: an encoder attends both ways), the executor returns the pooled hidden state and
+    # the request finishes with it, generating no token.
+    is_pooling: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -258,7 +258,7 @@ class Scheduler:
         to_go = request.num_tokens_to_compute
         is_long = request.num_tokens > self.config.max_num_batched_tokens  # see step_budget.py
         num_new = min(to_go, self.step_budget.limit(to_go, budget, is_long=is_long))
-        if num_new < to_go and not self.config.enable_chunked_prefill:
+        if num_new < to_go and (request.is_pooling or not self.config.enable_chunked_prefill):
             return 0
         return num_new
 

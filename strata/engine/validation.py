@@ -29,13 +29,15 @@ def check_request(request: Request, scheduler_config: SchedulerConfig, cache_con
         raise InvalidRequestError(
             f"logit_bias token ids must be in [0, {vocab_size})", param="logit_bias"
         )
-    if num_prompt >= max_len:
+    if request.is_pooling:
+        _check_pooled(request, cache_config, max_len, scheduler_config.max_num_batched_tokens)
+    elif num_prompt >= max_len:
         raise ContextLengthError(
             f"This model's maximum context length is {max_len} tokens, but the prompt has "
             f"{num_prompt} tokens (leave room for at least one generated token)",
             param="messages",
         )
-    if num_prompt + request.sampling_params.max_tokens > max_len:
+    if not request.is_pooling and num_prompt + request.sampling_params.max_tokens > max_len:
         raise ContextLengthError(
             f"This model's maximum context length is {max_len} tokens; the prompt has "
             f"{num_prompt} tokens and max_tokens is {request.sampling_params.max_tokens} "
@@ -57,6 +59,18 @@ def check_request(request: Request, scheduler_config: SchedulerConfig, cache_con
             f"the waiting queue is full ({scheduler_config.max_waiting} requests)"
         )
 
+def _check_pooled(request: Request, cache_config: CacheConfig, max_len: int,
+                  max_step_tokens: int) -> None:
+    """A pooling request reads its whole input in one step: it fits the model's positions and
+    a step's token budget, and no prefix hit may skip part of it."""
+    if request.num_prompt_tokens > min(max_len, max_step_tokens):
+        what = "maximum input length" if max_len <= max_step_tokens else "step token budget"
+        raise ContextLengthError(
+            f"This model's {what} is {min(max_len, max_step_tokens)} tokens, but the input has "
+            f"{request.num_prompt_tokens} tokens", param="input")
+    if cache_config.enable_prefix_caching:
+        raise InvalidRequestError("a pooling request needs an engine without prefix caching",
+                                  param="input")
 
 
 def _check_resumed(request: Request, vocab_size: int | None) -> None:

@@ -17,8 +17,9 @@ Classes, highest first: interactive, standard, batch, sheddable (strata.types.Pr
           `max_queue` (a full queue refuses its newest lower waiter to make room, else the
           newcomer). Waiters are placed by class, then in arrival order, whenever room appears
           (a request ends, an instance arrives): an interactive request never waits behind a
-          batch one. One not placed within `queue_timeout_s` gets 503. Refusals carry
-          Retry-After and take no I/O (well under 5 ms).
+          batch one. One not placed within `queue_timeout_s` gets 503 (while instances
+          start, within `start_wait_s`: start_wait.py). Refusals carry Retry-After and take
+          no I/O (well under 5 ms).
 
 With `hold_without_instances` (an autoscaler may start the first instance), requests wait while
 no instance serves their model; otherwise such a request goes on, and the proxy answers it.
@@ -27,8 +28,10 @@ no instance serves their model; otherwise such a request goes on, and the proxy 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -43,6 +46,7 @@ from strata.gateway.instances import InstanceSet, InstanceView
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.policies.base import RouteRequest
 from strata.gateway.proxy import ProxyRequest
+from strata.gateway.start_wait import WaitBound, starting_instances
 from strata.gateway.upstream import RelayResponse, error_response
 from strata.types import PriorityClass
 
@@ -68,20 +72,30 @@ class ClassFlow:
     """Places requests in pools by class and holds the ones that find no room."""
 
     def __init__(self, config: ClassConfig, admission: AdmissionConfig,
-                 instances: InstanceSet) -> None:
+                 instances: InstanceSet, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.admission = admission
         self.instances = instances
         self.home = {PriorityClass[label.upper()]: pool for label, pool in config.class_pools}
         self.in_flight: dict[tuple[str, PriorityClass], int] = {}
+        self.num_placed: dict[str, int] = {}  # pool -> requests placed there (the autoscaler's)
         self.num_shed = dict.fromkeys(CLASSES, 0)
         self._waiters: dict[PriorityClass, deque[_Waiter]] = {k: deque() for k in CLASSES}
         self._pump_task: asyncio.Task[None] | None = None
+        self.clock = clock
+        self.bound = WaitBound(admission.queue_timeout_s, admission.start_wait_s,
+                               [starting_instances(instances)])  # an autoscaler adds its own
 
     def num_queued(self, klass: PriorityClass | None = None) -> int:
         if klass is not None:
             return len(self._waiters[klass])
         return sum(len(w) for w in self._waiters.values())
+
+    def num_queued_for(self, pool: str) -> int:
+        """Requests waiting whose class lives in `pool` (module docstring: pools)."""
+        named = set(self.home.values())
+        return sum(len(w) for k, w in self._waiters.items()
+                   if self.home.get(k) == pool or (k not in self.home and pool not in named))
 
     async def acquire(self, route: RouteRequest) -> Placement:
         """A placement (release it when the answer is sent); OverloadedError 429/503."""
@@ -135,6 +149,7 @@ class ClassFlow:
         if placement.pool:
             key = (placement.pool, placement.klass)
             self.in_flight[key] = self.in_flight.get(key, 0) + 1
+            self.num_placed[placement.pool] = self.num_placed.get(placement.pool, 0) + 1
         return placement
 
     # --- waiting --------------------------------------------------------------------------------
@@ -167,13 +182,15 @@ class ClassFlow:
         waiter = _Waiter(route, klass, asyncio.get_running_loop().create_future())
         self._waiters[klass].append(waiter)
         self._start_pump()
+        began = self.clock()
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future),
-                                          self.admission.queue_timeout_s)
-        except TimeoutError:
+            while (remaining := self.bound.remaining_s(self.clock() - began)) > 0:
+                with contextlib.suppress(TimeoutError):  # looks at the bound again
+                    return await asyncio.wait_for(asyncio.shield(waiter.future),
+                                                  min(remaining, 10 * self.config.recheck_s))
             if self._granted(waiter):
                 return waiter.future.result()
-            raise OverloadedError(f"no pool had room for {self.admission.queue_timeout_s:g}s; "
+            raise OverloadedError(f"no pool had room for {self.bound.limit_s():g}s; "
                                   "retry later", status_code=503,
                                   retry_after_s=self.admission.retry_after_s) from None
         except asyncio.CancelledError:

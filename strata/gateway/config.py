@@ -83,16 +83,19 @@ class ResumeConfig:
 class AdmissionConfig:
     """At most `max_in_flight` proxied requests; up to `max_queue` more wait (by class, FIFO in
     a class) for at most `queue_timeout_s`, of them at most `batch_max_queue` batch requests
-    (sheddable ones never wait). A full queue answers 429, a timeout 503, with Retry-After."""
+    (sheddable ones never wait). A full queue answers 429, a timeout 503, with Retry-After.
+    While instances start (an autoscaler's, the first of a fleet at zero), a request waiting for
+    room in a pool waits up to `start_wait_s` instead (strata/gateway/start_wait.py)."""
 
     max_in_flight: int = 256
     max_queue: int = 512
     queue_timeout_s: float = 10.0
+    start_wait_s: float = 60.0
     retry_after_s: float = 1.0
     batch_max_queue: int = 128
 
     def __post_init__(self) -> None:
-        _positive(self, "max_in_flight", "queue_timeout_s", "retry_after_s")
+        _positive(self, "max_in_flight", "queue_timeout_s", "retry_after_s", "start_wait_s")
         if self.max_queue < 0 or self.batch_max_queue < 0:
             raise ConfigError(f"max_queue and batch_max_queue must be >= 0, got "
                               f"{self.max_queue} and {self.batch_max_queue}")

@@ -27,7 +27,8 @@ def _gateway(request: Request) -> Gateway:
 
 
 async def generate(request: Request) -> Response:
-    """/v1/completions and /v1/chat/completions: the whole request path (forward.py)."""
+    """/v1/completions, /v1/chat/completions and /v1/embeddings: the whole request path
+    (forward.py); `model` picks the instances (an embedding model's are `--task embed` ones)."""
     gateway = _gateway(request)
     return await _proxied(request, gateway, gateway.forward)
 
@@ -142,6 +143,7 @@ def build_routes() -> list[Route]:
     return [
         Route("/v1/completions", generate, methods=["POST"]),
         Route("/v1/chat/completions", generate, methods=["POST"]),
+        Route("/v1/embeddings", generate, methods=["POST"]),
         Route("/tokenize", tokenizer_call, methods=["POST"]),
         Route("/detokenize", tokenizer_call, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),

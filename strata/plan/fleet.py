@@ -90,12 +90,14 @@ class Fleet:
         self.shape = shape or EngineShape()
         self.clock = ManualClock()
         self.rng = random.Random(seed)
+        self.overhead_rng = random.Random(seed)  # its own stream: draws move no other choice
         self.events: list[tuple[float, int, str, Any]] = []
         self._count = 0
         self.instances: list[SimInstance] = []
         self.prefill: list[SimInstance] = []
         self.pd_min_tokens = self.costs.pd_min_tokens(self.profile)
-        self.gateway = SimGateway(arch.policy, self.shape.block_size, self.costs, self.rng)
+        self.gateway = SimGateway(arch.policy, self.shape.block_size, self.costs, self.rng,
+                                  self.clock)
         self.flights: dict[RequestId, _Flight] = {}
         self.result = FleetResult()
         self._next_id = 0
@@ -178,7 +180,7 @@ class Fleet:
             request.sampling_params = SamplingParams(max_tokens=1, ignore_eos=True)
             request.kv_export = True
         instance, route = self.gateway.route(self.routable(role), request, job.session_id)
-        delay_ms = self.costs.request_overhead_ms
+        delay_ms = self.costs.request_overhead(self.overhead_rng)
         if self.arch.sessions in ("external", "hybrid") and index > 0:
             delay_ms += self.costs.session_read_ms
         if self.arch.kv_offload:

@@ -4,11 +4,11 @@ in-flight accounting and hooks, and the KV store's index of stored blocks (KV of
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from strata.engine.request import Request
 from strata.gateway.instances import InstanceView
-from strata.gateway.policies import RoutingPolicy, create_policy
+from strata.gateway.policies import CacheAwarePolicy, RoutingPolicy, create_policy
 from strata.gateway.policies.base import RouteRequest
 from strata.gateway.prefix_index_prompt import KeySet, PrefixKeys
 from strata.plan.costs import Costs
@@ -18,13 +18,16 @@ from strata.types import BlockHash
 
 class SimGateway:
     def __init__(self, policy: str, block_size: int, costs: Costs,
-                 rng: random.Random) -> None:
+                 rng: random.Random, clock: Callable[[], float]) -> None:
         self.policy_name = policy
         self.block_size = block_size
         self.costs = costs
         self.policies: dict[str, RoutingPolicy] = {
             role: create_policy(policy, rng=random.Random(rng.random()))
             for role in ("mixed", "prefill")}
+        for each in self.policies.values():
+            if isinstance(each, CacheAwarePolicy):  # its index and load averages keep time
+                each.index.clock = each.averages.clock = clock  # on the plan's virtual clock
         self.stored: set[BlockHash] = set()  # the KV store's block hashes
 
     def route(self, candidates: Sequence[SimInstance], request: Request,

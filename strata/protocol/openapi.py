@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from strata import __version__
+from strata.protocol import embeddings
 from strata.protocol import openai as wire
 
 Access = Literal["open", "client", "admin"]
@@ -46,6 +47,8 @@ OPENAI_OPERATIONS: tuple[Operation, ...] = (
               wire.ChatCompletionRequest, wire.ChatCompletionResponse, streams=True),
     Operation("POST", "/v1/completions", "Text completion (SSE when stream is true)",
               wire.CompletionRequest, wire.CompletionResponse, streams=True),
+    Operation("POST", "/v1/embeddings", "Embeddings (an instance of --task embed)",
+              embeddings.EmbeddingRequest, embeddings.EmbeddingResponse),
     Operation("POST", "/tokenize", "Tokenize a prompt or chat messages", wire.TokenizeRequest,
               wire.TokenizeResponse),
     Operation("POST", "/detokenize", "Token ids back to text", wire.DetokenizeRequest,

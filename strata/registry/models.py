@@ -31,6 +31,7 @@ from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
 from strata.errors import ConfigError, ConflictError
+from strata.registry.deployments import Deployment, DeploymentState, PoolSize
 from strata.registry.version_health import HealthBoard
 
 
@@ -118,43 +119,6 @@ class ModelRouting:
 
         return cls(name=str(data["name"]), live=opt("live"), previous=opt("previous"),
                    canary=opt("canary"), canary_weight=float(data.get("canary_weight", 0.0)),
-                   revision=int(data.get("revision", 0)),
-                   updated_at=float(data.get("updated_at", 0.0)))
-
-
-class DeploymentState(StrEnum):
-    ACTIVE = "active"  # keep `replicas` instances running
-    RETIRING = "retiring"  # drain every instance, start none; deleted once none is left
-
-
-@dataclass(frozen=True, slots=True)
-class Deployment:
-    """Desired state: `replicas` instances of name@version. Launchers reconcile toward it."""
-
-    name: str
-    version: str
-    replicas: int
-    state: DeploymentState = DeploymentState.ACTIVE
-    revision: int = 0
-    updated_at: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.replicas < 0:
-            raise ConfigError(f"replicas must be >= 0, got {self.replicas}")
-
-    @property
-    def key(self) -> str:
-        return f"{self.name}@{self.version}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "version": self.version, "replicas": self.replicas,
-                "state": self.state.value, "revision": self.revision,
-                "updated_at": self.updated_at}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Deployment:
-        return cls(name=str(data["name"]), version=str(data["version"]),
-                   replicas=int(data["replicas"]), state=DeploymentState(data["state"]),
                    revision=int(data.get("revision", 0)),
                    updated_at=float(data.get("updated_at", 0.0)))
 
@@ -296,4 +260,5 @@ class ModelRegistry(HealthBoard, Protocol):
 
 
 __all__ = ["ConflictError", "Deployment", "DeploymentState", "ModelRegistry", "ModelRouting",
-           "ModelVersion", "Release", "ReleaseState", "Strategy", "split_model_version"]
+           "ModelVersion", "PoolSize", "Release", "ReleaseState", "Strategy",
+           "split_model_version"]

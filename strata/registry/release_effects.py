@@ -48,8 +48,10 @@ class ReleaseEffects:
                     return
                 wanted, expected = Deployment(name, version, replicas or 0, state), 0
             else:
-                wanted = replace(current, state=state,
-                                 replicas=current.replicas if replicas is None else replicas)
+                resized = replicas is not None and replicas != current.replicas
+                wanted = replace(current, state=state,  # a resized one leaves its pools
+                                 replicas=current.replicas if replicas is None else replicas,
+                                 pools=() if resized else current.pools)
                 if wanted == current:
                     return
                 expected = current.revision

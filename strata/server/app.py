@@ -1,6 +1,7 @@
 """The instance server's HTTP app: the OpenAI API over one engine. Routes only translate.
 
     POST /v1/completions, /v1/chat/completions   generation_routes.py (SSE when stream=true)
+    POST /v1/embeddings                           embeddings.py (an instance of --task embed)
     GET  /v1/sessions, GET|DELETE /v1/sessions/{id}   session_routes.py (sessions.py)
     GET  /v1/models, /health, /ready, /metrics, /load   info_routes.py
     GET  /v1/strata/kv-events, /v1/strata/tokenizer     prefix_routes.py (cache-aware gateways)
@@ -34,6 +35,7 @@ from strata.protocol.request_id import RequestIdMiddleware
 from strata.server.async_engine import AsyncEngine
 from strata.server.body_limit import BodyLimitMiddleware, ModelVersionHeader
 from strata.server.config import ServerConfig
+from strata.server.embeddings import embedding_routes
 from strata.server.errors import install_error_handlers
 from strata.server.generation_routes import generation_routes
 from strata.server.info_routes import info_routes
@@ -99,8 +101,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
 
 
 def build_routes() -> list[BaseRoute]:
-    return [*generation_routes(), *session_routes(), *info_routes(), *prefix_routes(),
-            *pd_routes(), *resume_routes()]
+    return [*generation_routes(), *embedding_routes(), *session_routes(), *info_routes(),
+            *prefix_routes(), *pd_routes(), *resume_routes()]
 
 
 def _open_parts(instance: Instance, stack: AsyncExitStack, session_store: SessionStore | None,

@@ -11,6 +11,31 @@ from strata.state.kv_store import KVStoreLimits
 
 
 @dataclass(frozen=True, slots=True)
+class EmbedConfig:
+    """What POST /v1/embeddings needs to know of the encoder an embed instance serves.
+
+    `dimensions` in a request is taken only for a Matryoshka-trained model (`is_matryoshka`;
+    `matryoshka_dimensions` lists the sizes it was trained at, empty: any size up to the full
+    one): the vector is truncated and renormalized. Otherwise only the full size is accepted.
+    """
+
+    num_dimensions: int
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_dimensions < 1:
+            raise ConfigError(f"num_dimensions must be >= 1, got {self.num_dimensions}")
+
+    def allows(self, dimensions: int) -> bool:
+        if dimensions == self.num_dimensions:
+            return True
+        if not self.is_matryoshka or not 1 <= dimensions < self.num_dimensions:
+            return False
+        return not self.matryoshka_dimensions or dimensions in self.matryoshka_dimensions
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     """HTTP-level settings and per-request parameter limits.
 
@@ -49,6 +74,13 @@ class ServerConfig:
     # the model's sampling defaults for fields a request leaves out (--generation-config auto)
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     pd: PDConfig = field(default_factory=PDConfig)  # prefill/decode hand-off (pd_state.py)
+    # set: an embed instance (`strata serve --task embed`): /v1/embeddings, no generation
+    embed: EmbedConfig | None = None
+
+    @property
+    def task(self) -> str:
+        """"embed" or "generate": which routes this instance serves (/v1/models shows it)."""
+        return "generate" if self.embed is None else "embed"
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -82,4 +114,4 @@ class ServerConfig:
                              redis_maxmemory_bytes=self.kv_redis_maxmemory_bytes)
 
 
-__all__ = ["ServerConfig"]
+__all__ = ["EmbedConfig", "ServerConfig"]

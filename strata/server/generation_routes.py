@@ -36,6 +36,7 @@ async def completions(request: Request) -> Response:
                         cache_tenant(request, instance.config))
     req.priority = request_priority(request, req.priority)
     instance.admit(req.model)
+    instance.require_task("generate", "/v1/completions")
     ctx = instance.serving
     started = await unless_disconnected(request, serving.start_completion(ctx, req))
     with_lps = req.logprobs is not None
@@ -53,6 +54,7 @@ async def chat_completions(request: Request) -> Response:
                         cache_tenant(request, instance.config))
     req.priority = request_priority(request, req.priority)
     instance.admit(req.model)
+    instance.require_task("generate", "/v1/chat/completions")
     session_id = sess.session_id_of(request, await request.body())
     if session_id is None:
         return await _chat(request, instance.serving, req, None)

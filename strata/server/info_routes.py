@@ -40,7 +40,11 @@ async def models(request: Request) -> dict[str, Any]:
                      max_model_len=instance.engine.max_model_len,
                      owned_by="strata-simulated" if simulated else "strata")
     body = ModelList(data=[card]).model_dump()
-    body["data"][0]["generation_defaults"] = instance.config.generation_defaults.as_dict()
+    body["data"][0]["task"] = instance.config.task
+    if instance.config.embed is not None:
+        body["data"][0]["dimensions"] = instance.config.embed.num_dimensions
+    else:
+        body["data"][0]["generation_defaults"] = instance.config.generation_defaults.as_dict()
     if simulated:
         body["data"][0]["simulated"] = True
     return body

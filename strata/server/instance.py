@@ -69,6 +69,20 @@ class Instance:
             raise EngineDeadError(self.engine.dead_reason or "the engine is not running")
         check_model(self.config, model_name)
 
+    def require_task(self, task: str, route: str) -> None:
+        """A 400 when this instance serves another task (an encoder generates nothing, a
+        generative model is not served for embeddings)."""
+        if self.config.task == task:
+            return
+        served = f"`{self.config.served_model_name}`"
+        if task == "embed":
+            raise InvalidRequestError(f"{route} needs an embedding model (an instance started "
+                                      f"with --task embed); {served} is served here for "
+                                      "generation", param="model")
+        raise InvalidRequestError(f"{route} needs a generative model; {served} is served here "
+                                  "for embeddings only (--task embed): use /v1/embeddings",
+                                  param="model")
+
     def require_sessions(self) -> Sessions:
         """The sessions, or a 400 that says how to turn them on."""
         if self.sessions is None:

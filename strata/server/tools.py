@@ -5,7 +5,8 @@ answer.
 - the tools go to the chat template (as transformers passes them: a list of
   `{"type": "function", "function": {...}}`), whatever the choice;
 - `none`: the answer is text; `auto` (the default with tools): the model decides, and calls in
-  its text (tool_parser.py's Hermes format) become `tool_calls`;
+  its text (tool_parser.py's Hermes format) become `tool_calls`; with `parallel_tool_calls:
+  false` only its first call does (later ones are dropped, streamed or not, as vLLM does);
 - `required` or a named function: the answer is constrained to one or more calls (one with
   `parallel_tool_calls: false`) in that same format, each call's `arguments` to its function's
   JSON schema (llguidance, strata/model/grammar.py), so every forced call parses and validates.
@@ -40,6 +41,7 @@ class ToolPlan:
     template_tools: list[dict[str, Any]] | None = None  # for the chat template
     spec: GrammarSpec | None = None  # forced calls
     reads_calls: bool = False  # calls in the text become tool_calls
+    max_calls: int | None = None  # 1 with `parallel_tool_calls: false`; None: no limit
 
 
 def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
@@ -57,16 +59,17 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
         return ToolPlan()
     template_tools = [t.model_dump(exclude_none=True) for t in req.tools]
     choice = choice or "auto"
+    max_calls = None if req.parallel_tool_calls else 1
     if choice == "none":
         return ToolPlan(template_tools)
     if choice == "auto":
-        return ToolPlan(template_tools, reads_calls=True)
+        return ToolPlan(template_tools, reads_calls=True, max_calls=max_calls)
     forced = req.tools if choice == "required" else [
         t for t in req.tools if isinstance(choice, NamedToolChoice)
         and t.function.name == choice.function.name]
     spec = GrammarSpec("grammar", calls_lark(forced, parallel=req.parallel_tool_calls),
                        "tool_choice")
-    return ToolPlan(template_tools, spec, reads_calls=True)
+    return ToolPlan(template_tools, spec, reads_calls=True, max_calls=max_calls)
 
 
 def calls_lark(tools: list[ToolDefinition], *, parallel: bool) -> str:
@@ -93,6 +96,7 @@ def answer(text: str, plan: ToolPlan) -> tuple[ChatResponseMessage, bool]:
     if not plan.reads_calls:
         return ChatResponseMessage(content=text), False
     content, calls = parse_all(text)
+    calls = calls[: plan.max_calls]
     if not calls:
         return ChatResponseMessage(content=text), False
     return ChatResponseMessage(content=content.strip() or None, tool_calls=[
@@ -127,9 +131,10 @@ class StreamedAnswer:
         content = parsed.content
         if self.called and not content.strip():
             content = ""  # the newlines between calls
+        limit = self.plan.max_calls
         calls = [ToolCallDelta(index=d.index, id=d.id, type="function" if d.id else None,
                                function=FunctionCallDelta(name=d.name, arguments=d.arguments))
-                 for d in parsed.calls]
+                 for d in parsed.calls if limit is None or d.index < limit]
         if not content and not calls:
             return None
         return DeltaMessage(content=content or None, tool_calls=calls or None)

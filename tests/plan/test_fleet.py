@@ -6,6 +6,8 @@ import statistics
 
 import pytest
 
+from strata.errors import ConfigError
+from strata.gateway.policies import CacheAwarePolicy
 from strata.plan import Architecture, Costs, EngineShape, LengthDist, PlanInputs, Slo, Workload
 from strata.plan.fleet import Fleet
 from strata.plan.search import simulate
@@ -37,6 +39,15 @@ def test_the_request_overhead_adds_to_ttft_only(round_profile: LatencyProfile) -
     turn = run.turns[0]
     assert turn.first_token_s - turn.arrival_s == pytest.approx(0.067)
     assert turn.finish_s - turn.first_token_s == pytest.approx(4 * 0.021)
+
+
+def test_measured_overheads_are_drawn_one_per_request(round_profile: LatencyProfile) -> None:
+    costs = Costs(request_overhead_ms=1000.0, request_overhead_samples_ms=(3.0, 9.0))
+    run = Fleet(ONE, round_profile, fixed(40, 100, 5, concurrency=1), costs=costs).run()
+    waits = {round((t.first_token_s - t.arrival_s) * 1000, 6) for t in run.turns}
+    assert waits == {63.0, 69.0}  # 60 ms of prefill + one sample each; never the constant
+    with pytest.raises(ConfigError, match="request_overhead_samples_ms"):
+        Costs(request_overhead_samples_ms=(1.0, -1.0))
 
 
 def test_poisson_arrivals_one_at_a_time_wait_as_in_m_d_1(round_profile: LatencyProfile) -> None:
@@ -99,6 +110,19 @@ def test_a_shared_prefix_is_computed_once_per_instance(round_profile: LatencyPro
     cached = [t.num_cached_tokens for t in run.turns]
     assert cached == [0] + [160] * 7
     assert run.turns[1].first_token_s - run.turns[1].arrival_s == pytest.approx(0.010 + 0.008)
+
+
+def test_cache_aware_keeps_time_on_the_plans_virtual_clock(round_profile: LatencyProfile) -> None:
+    workload = Workload(num_requests=12, concurrency=3, prefix_tokens=160, num_prefixes=2,
+                        prompt=LengthDist(16, 16), output=LengthDist(4, 4))
+    fleet = Fleet(Architecture("replicas", replicas=2, policy="cache_aware"), round_profile,
+                  workload, costs=NO_OVERHEAD)
+    policy = fleet.gateway.policies["mixed"]
+    assert isinstance(policy, CacheAwarePolicy)
+    run = fleet.run()
+    # the load averages' window is the mean request duration in virtual seconds
+    assert policy.averages.window_s == pytest.approx(
+        statistics.fmean(t.finish_s - t.arrival_s for t in run.turns))
 
 
 def test_sticky_sessions_and_kv_offload_hit_the_history_round_robin_recomputes(

@@ -73,6 +73,39 @@ def start_server(model: LoadedModel, *, max_waiting: int = 64, max_num_seqs: int
     return LiveServer(f"http://127.0.0.1:{port}", engine, async_engine, config, server, thread)
 
 
+def start_embed_server(model_dir: Path, *, name: str = "tiny-bert", max_num_seqs: int = 8,
+                       **server_options: Any) -> LiveServer:
+    """An embed instance (`strata serve --task embed`) of the BERT encoder in `model_dir`:
+    float32, no prefix cache, whole inputs batched up to 256 tokens a step."""
+    import torch
+
+    from strata.model.bert import (
+        BertEncoder,
+        EncoderExecutor,
+        encoder_config,
+        encoder_tokenizer,
+        load_encoder_weights,
+    )
+    from strata.server.config import EmbedConfig
+
+    cfg, tokenizer = encoder_config(model_dir), encoder_tokenizer(model_dir)
+    encoder = BertEncoder(cfg, load_encoder_weights(model_dir, torch.float32))
+    max_len = cfg.max_position_embeddings
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
+                                max_model_len=max_len, enable_chunked_prefill=False)
+    engine = Engine(EncoderExecutor(encoder),
+                    CacheConfig(block_size=8, num_blocks=64, enable_prefix_caching=False),
+                    scheduler, tokenizer, vocab_size=cfg.vocab_size)
+    async_engine = AsyncEngine(engine, max_model_len=max_len)
+    embed = EmbedConfig(cfg.hidden_size, cfg.is_matryoshka, cfg.matryoshka_dimensions)
+    config = ServerConfig(served_model_name=name, embed=embed, **server_options)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server, thread = serve_in_thread(create_app(async_engine, tokenizer, config), sock)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    return LiveServer(url, engine, async_engine, config, server, thread)
+
+
 def serve_in_thread(app: Any, sock: socket.socket, **config: Any
                     ) -> tuple[uvicorn.Server, threading.Thread]:
     """Run `app` with uvicorn on `sock` in a daemon thread; returns once it accepts connections."""

@@ -162,6 +162,37 @@ def test_auto_reads_calls_out_of_the_text(client: openai.OpenAI, stream: bool) -
     assert calls == [("get_weather", '{"city": "Rome", "days": 2, "unit": "C"}')]
 
 
+TWO_CALLS_TEXT = CALL_TEXT + ('\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}'
+                             '\n</tool_call>')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_without_parallel_tool_calls_answers_with_the_first_call_only(
+        client: openai.OpenAI, stream: bool) -> None:
+    """A model that wrote two calls: with `parallel_tool_calls: false` the answer holds one."""
+    body: dict[str, Any] = {"model": MODEL_NAME, "messages": MESSAGES, "tools": TOOLS,
+                            "tool_choice": "auto",
+                            "extra_body": grammar_of_a_call(TWO_CALLS_TEXT)}
+    for parallel, expected in ((True, ["get_weather", "get_time"]), (False, ["get_weather"])):
+        if stream:
+            calls, reason = stream_calls_of(client, parallel_tool_calls=parallel, **body)
+        else:
+            choice = client.chat.completions.create(parallel_tool_calls=parallel,
+                                                    **body).choices[0]
+            assert choice.message.content == "Checking."
+            calls, reason = choice.message.tool_calls or [], choice.finish_reason
+            check_calls(choice.message)
+        assert [c.function.name for c in calls] == expected and reason == "tool_calls"
+
+
+def stream_calls_of(client: openai.OpenAI, **body: Any) -> tuple[list[Any], str]:
+    """The streamed calls as `ChatCompletionMessageToolCall`s, via the client's accumulator."""
+    with client.chat.completions.stream(**body) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.message.content == "Checking."
+    return final.message.tool_calls or [], final.finish_reason
+
+
 def test_none_and_no_tools_leave_the_text_alone(client: openai.OpenAI) -> None:
     for body in ({"tools": TOOLS, "tool_choice": "none"}, {}):
         choice = client.chat.completions.create(
