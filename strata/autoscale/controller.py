@@ -83,9 +83,17 @@ class Autoscaler:
         self._laws: dict[str, ScalingLaw] = {}
         self.is_leader = False
         self.last: Round | None = None
-        self.num_decisions: dict[tuple[str, str], int] = {}  # (direction, reason) -> count
-        self.num_pool_decisions: dict[tuple[str, str, str], int] = {}  # ... and pool first
+        # (pool, direction, reason) -> count
+        self.num_pool_decisions: dict[tuple[str, str, str], int] = {}
         self.skipped = ""  # why the last round did nothing ("" when it decided)
+
+    @property
+    def num_decisions(self) -> dict[tuple[str, str], int]:
+        """(direction, reason) -> count, over every pool."""
+        totals: dict[tuple[str, str], int] = {}
+        for (_, direction, reason), count in self.num_pool_decisions.items():
+            totals[(direction, reason)] = totals.get((direction, reason), 0) + count
+        return totals
 
     @property
     def lease_name(self) -> str:
@@ -169,10 +177,8 @@ class Autoscaler:
 
     def _record(self, p: PoolRound, deployment: Deployment, is_written: bool) -> None:
         decision, label = p.decision, p.pool.label
-        key = (decision.direction, decision.reason)
-        self.num_decisions[key] = self.num_decisions.get(key, 0) + 1
-        self.num_pool_decisions[(label, *key)] = \
-            self.num_pool_decisions.get((label, *key), 0) + 1
+        key = (label, decision.direction, decision.reason)
+        self.num_pool_decisions[key] = self.num_pool_decisions.get(key, 0) + 1
         if decision.direction == HOLD:
             log.debug("autoscaler: hold %s pool %s at %d (%s)", deployment.key, label,
                       p.pool.replicas, decision.reason)
