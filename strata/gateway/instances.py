@@ -129,6 +129,11 @@ class InstanceSet:
         """All views, ordered by id (policies see a stable order)."""
         return [self._views[key] for key in sorted(self._views)]
 
+    def serves(self, model: str, version: str | None) -> bool:
+        """Whether some routable instance serves `model`@`version` (no sort, stops at one)."""
+        return any(v.model == model and v.version == version and v.is_routable
+                   for v in self._views.values())
+
     def add(self, view: InstanceView) -> InstanceView:
         self._views[view.instance_id] = view
         return view

@@ -103,11 +103,13 @@ class VersionRouter:
         instances, so a flip (or a canary) can arrive before the new version's instances do:
         until one of them is routable here, live stays on `previous` and the canary gets no
         traffic, rather than answering 503 for a version that is up."""
-        routable = self.served(routing.name, routable=True)
+        def serves(version: str | None) -> bool:
+            return version is not None and self.instances.serves(routing.name, version)
+
         live = routing.live
-        if live not in routable and routing.previous in routable:
+        if not serves(live) and serves(routing.previous):
             live = routing.previous
-        canary = routing.canary if routing.canary in routable else None
+        canary = routing.canary if serves(routing.canary) else None
         if live == routing.live and canary == routing.canary:
             return routing
         return replace(routing, live=live, canary=canary,
