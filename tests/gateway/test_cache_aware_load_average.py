@@ -106,3 +106,23 @@ def route(policy: CacheAwarePolicy, req: RouteRequest, view: InstanceView) -> No
     """As the proxy: the view counts the request, then the policy's hook learns it."""
     view.num_in_flight += 1
     policy.on_request_routed(req, view)
+
+
+def test_an_instance_idle_for_many_windows_is_forgotten() -> None:
+    """Memory stays bounded by the instances with recent traffic: one that left (no request in
+    flight, its average decayed to nothing) has no entry left once another event advances."""
+    clock = ManualClock()
+    averages = LoadAverages(clock)
+    averages.routed(1, "a")
+    clock.advance(1.0)
+    averages.finished(1, "a")  # the window: 1 s
+    averages.routed(2, "gone")
+    clock.advance(1.0)
+    averages.routed(3, "kept")
+    averages.finished(2, "gone")
+    assert averages.average("gone") > 0.5
+    clock.advance(30.0)  # 30 windows: e^-30 of a request is left
+    averages.routed(3, "kept")
+    assert "gone" not in averages._average and "gone" not in averages._load
+    assert averages.average("gone") == 0.0
+    assert averages.average("kept") == pytest.approx(1.0, abs=1e-6)

@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 
 from strata.gateway.instances import InstanceView
 
+FORGOTTEN = 1e-6  # an average below this many requests, with none in flight, is dropped (0)
+
 
 class LoadAverages:
     def __init__(self, clock: Callable[[], float]) -> None:
@@ -54,7 +56,11 @@ class LoadAverages:
 
     def finished(self, route_id: int, instance_id: str) -> None:
         self._advance()
-        self._load[instance_id] = max(0, self._load.get(instance_id, 0) - 1)
+        left = self._load.get(instance_id, 0) - 1
+        if left > 0:
+            self._load[instance_id] = left
+        else:
+            self._load.pop(instance_id, None)
         started = self._started_s.pop((route_id, instance_id), None)
         if started is not None:
             self._duration_sum_s += self.clock() - started
@@ -63,9 +69,13 @@ class LoadAverages:
     def _advance(self) -> None:
         now = self.clock()
         weight = self._weight(now)
-        for iid, load in self._load.items():
-            old = self._average.get(iid, 0.0)
-            self._average[iid] = old + (load - old) * weight
+        for iid in self._load.keys() | self._average.keys():
+            load, old = self._load.get(iid, 0), self._average.get(iid, 0.0)
+            average = old + (load - old) * weight
+            if load == 0 and average < FORGOTTEN:  # idle long enough: an instance that left
+                self._average.pop(iid, None)      # (or went quiet) takes no memory
+            else:
+                self._average[iid] = average
         self._last_s = now
 
     def _weight(self, now: float) -> float:
