@@ -15,7 +15,13 @@ from dataclasses import replace
 
 from strata.errors import ConflictError
 from strata.registry.base import Registry
-from strata.registry.models import Deployment, DeploymentState, ModelRegistry, ModelRouting
+from strata.registry.models import (
+    Deployment,
+    DeploymentState,
+    ModelRegistry,
+    ModelRouting,
+    PoolSize,
+)
 from strata.registry.records import InstanceRecord, InstanceState
 
 
@@ -46,7 +52,10 @@ class ReleaseEffects:
             if current is None:
                 if state is DeploymentState.RETIRING and not await self.instances(name, version):
                     return
-                wanted, expected = Deployment(name, version, replicas or 0, state), 0
+                size = replicas or 0
+                wanted = Deployment(name, version, size, state,
+                                    pools=await self._pools_like(name, size))
+                expected = 0
             else:
                 resized = replicas is not None and replicas != current.replicas
                 wanted = replace(current, state=state,  # a resized one leaves its pools
@@ -60,6 +69,14 @@ class ReleaseEffects:
                 return
             except ConflictError:
                 continue  # a launcher or another controller wrote it: decide again
+
+    async def _pools_like(self, name: str, replicas: int) -> tuple[PoolSize, ...]:
+        """The pools of the model's active deployment of the same size (the version a release
+        replaces), so that a new version is laid out like it: its prefill, decode and class
+        pools carry over; () when there is none."""
+        return next((d.pools for d in await self.models.list_deployments()
+                     if d.name == name and d.pools and d.replicas == replicas
+                     and d.state is DeploymentState.ACTIVE), ())
 
     async def update_routing(self, name: str, change: Callable[[ModelRouting],
                              ModelRouting | None]) -> tuple[ModelRouting, bool]:

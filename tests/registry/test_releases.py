@@ -15,7 +15,14 @@ import pytest
 from release_world import CONFIG, World, states
 
 from strata.errors import ConfigError, ConflictError, InvalidRequestError, ModelNotFoundError
-from strata.registry.models import ModelRegistry, ModelVersion, Release, ReleaseState, Strategy
+from strata.registry.models import (
+    ModelRegistry,
+    ModelVersion,
+    PoolSize,
+    Release,
+    ReleaseState,
+    Strategy,
+)
 from strata.registry.release_policy import ReleaseConfig, VersionHealth, judge_canary
 from strata.registry.releases import ReleaseController
 
@@ -555,5 +562,22 @@ def test_a_release_whose_controller_crashed_is_resumed_by_another(
             assert states(final) == (CANARY_PATH if health else BLUE_GREEN_PATH)
             await assert_done(world, final)
         assert await resumer.resumable() == []
+
+    story(body)
+
+
+def test_a_release_lays_the_new_version_out_in_the_pools_of_the_one_it_replaces() -> None:
+    """v1 runs as 1 prefill + 1 decode instance: v2's deployment gets the same pools, so a
+    release does not turn a P/D model into mixed instances."""
+    async def body(world: World) -> None:
+        pools = (PoolSize("prefill", "default", 1), PoolSize("decode", "default", 1))
+        current = next(d for d in await world.models.list_deployments() if d.version == "v1")
+        await world.models.put_deployment(replace(current, pools=pools),
+                                          expected_revision=current.revision)
+        controller = world.controller("a")
+        final = await controller.drive((await controller.start("m", "v2")).release_id)
+        assert final.state is S.DONE, final.reason
+        v2 = next(d for d in await world.models.list_deployments() if d.version == "v2")
+        assert (v2.replicas, v2.pools) == (2, pools)
 
     story(body)
