@@ -20,10 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 from cluster_process import Cluster, start_cluster, wait_until
+from harness.procs import http_ok
 from openai import OpenAI
 from serve_process import shared_model_cache
 
-from strata.bench.procs import http_ok
 from strata.registry.model_registry import create_model_registry
 from strata.sim.profile import LatencyProfile
 

@@ -1,5 +1,5 @@
-"""The fault scenarios of strata/bench/faults.py, one function each: `(place, timing, size) ->
-FaultReport`. Redis comes from `place.redis_binary` (strata/bench/redis_server.py finds one)."""
+"""The fault scenarios of tests/harness/faults.py, one function each: `(place, timing, size) ->
+FaultReport`. Redis comes from `place.redis_binary` (tests/harness/redis_server.py finds one)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from strata.bench.chaos_load import gateway_counter
-from strata.bench.faults import (
+from harness.chaos_load import gateway_counter
+from harness.faults import (
     MODEL,
     PROFILE,
     RESUMED,
@@ -30,9 +30,9 @@ from strata.bench.faults import (
     up_args,
     wait_for_instances,
 )
-from strata.bench.procs import spawn, stop_all, wait_until
-from strata.bench.redis_server import RedisServer
-from strata.bench.tcp_proxy import ChaosProxy
+from harness.procs import spawn, stop_all, wait_until
+from harness.redis_server import RedisServer
+from harness.tcp_proxy import ChaosProxy
 from strata.cluster.ports import free_port
 
 DURABLE = ["--appendonly", "yes", "--appendfsync", "always"]
@@ -157,7 +157,7 @@ def network_faults(place: Place, timing: Timing, size: LoadSize, *, latency_s: f
             lambda: _heal(proxies))
         resets = sum(p.num_resets for p in proxies)
         return report("latency and resets (TCP proxy)",
-                      "strata serve x3 behind strata.bench.tcp_proxy; strata gateway", url,
+                      "strata serve x3 behind harness.tcp_proxy; strata gateway", url,
                       load, result, fault_at, resumed_since(url, before),
                       {"latency_s": latency_s, "connections_reset": resets})
     finally:

@@ -1,6 +1,6 @@
 """Fault scenarios over real processes, for tests/chaos (short) and bench/chaos.py (long).
 
-Each scenario starts its cluster in `place.root`, runs `ChaosLoad` (strata/bench/chaos_load.py)
+Each scenario starts its cluster in `place.root`, runs `ChaosLoad` (tests/harness/chaos_load.py)
 through the gateway for `timing.before_s`, injects its fault for `timing.fault_s`, lets the
 cluster recover for `timing.after_s`, stops the load, checks every acknowledged session turn
 against the session store and returns a `FaultReport`:
@@ -9,7 +9,7 @@ against the session store and returns a `FaultReport`:
     registry_outage   the Redis registry SIGKILLed and restarted after the fault
     instance_freeze   an instance SIGSTOPped, then SIGCONTed
     network_faults    latency, then connection resets, on TCP proxies between gateway and
-                      instances (strata/bench/tcp_proxy.py)
+                      instances (tests/harness/tcp_proxy.py)
     gateway_restart   the gateway SIGKILLed; `strata up` restarts it
 
 Instances are simulated (`strata serve --simulate`) with a 20 ms decode step.
@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from strata.bench.chaos_load import ChaosLoad, LoadResult, check_sessions, gateway_counter
-from strata.bench.procs import Proc, start_up, wait_until
+from harness.chaos_load import ChaosLoad, LoadResult, check_sessions, gateway_counter
+from harness.procs import Proc, start_up, wait_until
 from strata.sim.profile import LatencyProfile
 
 MODEL = "sim-chaos"

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from strata.bench.mutations import Mutant
+from harness.mutations import Mutant
 
 GOOD = frozenset({"ok", "refused", "busy"})
 

