@@ -25,7 +25,7 @@ from strata.protocol.pd import DECODE_PREFIX, HANDOFF_HEADER, PREFILL_PREFIX
 from strata.server.app import create_app
 from strata.server.async_engine import AsyncEngine
 from strata.server.config import ServerConfig
-from strata.server.pd_config import PDConfig
+from strata.server.pd.config import PDConfig
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 256

@@ -101,7 +101,7 @@ def test_stand_ins_carry_their_modeled_size_and_a_checksum() -> None:
 
 
 def test_a_simulated_peer_is_refused_by_a_real_one() -> None:
-    from strata.server.pd_layout import differences, local_layout
+    from strata.server.pd.layout import differences, local_layout
 
     executor = SimulatedExecutor(PROFILE, 100)
     simulated = local_layout("m", "v1", "m@v1", 16, executor)

@@ -26,9 +26,9 @@ from strata.errors import InvalidRequestError, OverloadedError
 from strata.protocol.errors import error_json
 from strata.server import serving
 from strata.server.instance import instance_of
-from strata.server.pd_leases import Lease
-from strata.server.pd_state import PD, pd_of
-from strata.server.pd_wire import Handle, block_frame, prompt_digest, stream_head
+from strata.server.pd.leases import Lease
+from strata.server.pd.state import PD, pd_of
+from strata.server.pd.wire import Handle, block_frame, prompt_digest, stream_head
 from strata.server.request_io import parse_body, unless_disconnected
 from strata.types import BlockHash
 

@@ -21,8 +21,8 @@ from typing import Any, Protocol, runtime_checkable
 import httpx
 
 from strata.protocol.pd import LAYOUT_PATH
-from strata.server.pd_metrics import PDMetrics
-from strata.server.pd_wire import FORMAT
+from strata.server.pd.metrics import PDMetrics
+from strata.server.pd.wire import FORMAT
 
 log = logging.getLogger("strata.server.pd")
 

@@ -2,15 +2,15 @@
 prefill for another or decode a hand-off; `--role` only tells the gateway what to send where).
 
     PD
-      leases    P: the blocks each answered handle holds (pd_leases.py)
-      peers     D: the layouts of the P instances it pulls from (pd_layout.py)
+      leases    P: the blocks each answered handle holds (pd/leases.py)
+      peers     D: the layouts of the P instances it pulls from (pd/layout.py)
       client    D: HTTP to P (layout, pull, acknowledgement)
-      faults    kill points and damaged blocks for tests (pd_faults.py)
-      metrics   strata:pd_* on the server's registry (pd_metrics.py)
+      faults    kill points and damaged blocks for tests (pd/faults.py)
+      metrics   strata:pd_* on the server's registry (pd/metrics.py)
 
 `create_app` builds it into `app.state.pd`; its lifespan starts the expiry loop and closes it
-(every lease released). The routes are pd_routes.py; the two sides pd_prefill.py and
-pd_decode.py.
+(every lease released). The routes are pd/routes.py; the two sides pd/prefill.py and
+pd/decode.py.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import httpx
 from starlette.requests import Request
 
 from strata.server.instance import Instance
-from strata.server.pd_config import PDConfig
-from strata.server.pd_faults import Faults
-from strata.server.pd_layout import PeerLayouts, local_layout
-from strata.server.pd_leases import Lease, LeaseTable
-from strata.server.pd_metrics import PDMetrics
+from strata.server.pd.config import PDConfig
+from strata.server.pd.faults import Faults
+from strata.server.pd.layout import PeerLayouts, local_layout
+from strata.server.pd.leases import Lease, LeaseTable
+from strata.server.pd.metrics import PDMetrics
 
 log = logging.getLogger("strata.server.pd")
 

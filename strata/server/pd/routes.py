@@ -23,8 +23,8 @@ from strata.protocol.openai import (
 from strata.protocol.openapi import Operation
 from strata.protocol.pd import DECODE_PREFIX, KV_PATH, LAYOUT_PATH, PREFILL_PREFIX
 from strata.server import serving
-from strata.server.pd_decode import decode_chat, decode_completion
-from strata.server.pd_prefill import ack, layout, prefill, pull
+from strata.server.pd.decode import decode_chat, decode_completion
+from strata.server.pd.prefill import ack, layout, prefill, pull
 
 
 async def prefill_chat(request: Request) -> Response:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from strata.errors import ConfigError
-from strata.server.pd_faults import FaultConfig
+from strata.server.pd.faults import FaultConfig
 
 
 @dataclass(frozen=True, slots=True)

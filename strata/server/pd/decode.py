@@ -39,8 +39,8 @@ from strata.protocol.openai import ChatCompletionRequest, CompletionRequest
 from strata.protocol.pd import HANDOFF_HEADER, KV_PATH
 from strata.server import serving
 from strata.server.instance import instance_of
-from strata.server.pd_state import PD, pd_of
-from strata.server.pd_wire import BlockReader, Handle, checksum_ok, prompt_digest
+from strata.server.pd.state import PD, pd_of
+from strata.server.pd.wire import BlockReader, Handle, checksum_ok, prompt_digest
 from strata.server.request_io import SSEResponse, parse_body, unless_disconnected
 from strata.types import BlockHash
 
