@@ -38,10 +38,10 @@ from strata.errors import KVPayloadError
 from strata.protocol.openai import ChatCompletionRequest, CompletionRequest
 from strata.protocol.pd import HANDOFF_HEADER, KV_PATH
 from strata.server import serving
-from strata.server.instance import instance_of
 from strata.server.pd.state import PD, pd_of
 from strata.server.pd.wire import BlockReader, Handle, checksum_ok, prompt_digest
-from strata.server.request_io import SSEResponse, parse_body, unless_disconnected
+from strata.server.preamble import client_request
+from strata.server.request_io import SSEResponse, unless_disconnected
 from strata.types import BlockHash
 
 log = logging.getLogger("strata.server.pd")
@@ -175,9 +175,8 @@ Start = Callable[..., Awaitable[serving.Started]]
 async def _decode(request: Request, model: type[ChatCompletionRequest] | type[CompletionRequest],
                   start: Start, stream: Callable[..., AsyncGenerator[bytes, None]],
                   respond: Callable[..., Awaitable[BaseModel]]) -> Response:
-    instance, pd = instance_of(request), pd_of(request)
-    req = await parse_body(request, model)
-    instance.admit(req.model)
+    instance, req = await client_request(request, model, task="generate")
+    pd = pd_of(request)
     hook = HandoffPull(pd, handle_of(request))
     ctx = instance.serving
     started = await unless_disconnected(request, start(ctx, req, hook))

@@ -25,11 +25,11 @@ from strata.engine.request import Request as EngineRequest
 from strata.errors import InvalidRequestError, OverloadedError
 from strata.protocol.errors import error_json
 from strata.server import serving
-from strata.server.instance import instance_of
 from strata.server.pd.leases import Lease
 from strata.server.pd.state import PD, pd_of
 from strata.server.pd.wire import Handle, block_frame, prompt_digest, stream_head
-from strata.server.request_io import parse_body, unless_disconnected
+from strata.server.preamble import client_request
+from strata.server.request_io import unless_disconnected
 from strata.types import BlockHash
 
 M = TypeVar("M", bound=BaseModel)
@@ -55,9 +55,8 @@ class PrefillOnly:
 
 async def prefill(request: Request, model: type[M], start: Starter[M]) -> Response:
     """POST /internal/prefill/v1/...: compute, hold, answer the handle."""
-    instance, pd = instance_of(request), pd_of(request)
-    req = await parse_body(request, model)
-    instance.admit(getattr(req, "model", None))
+    instance, req = await client_request(request, model, task="generate")
+    pd = pd_of(request)
     hook = PrefillOnly()
     started = await unless_disconnected(request, start(instance.serving, req, hook))
     first = started.generation.firsts[0]
