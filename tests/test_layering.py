@@ -164,8 +164,8 @@ def test_checker_catches_model_server_and_gateway_reaching_up() -> None:
         "strata.server.app:2: strata.cli: server imports only engine, model, protocol, state, "
         "registry (never cli)"
     ]
-    assert violations("strata.gateway.pipeline", "from ..engine import engine\n") == [
-        "strata.gateway.pipeline:1: strata.engine.engine: gateway never imports engine, "
+    assert violations("strata.gateway.routing.pipeline", "from ..engine import engine\n") == [
+        "strata.gateway.routing.pipeline:1: strata.engine.engine: gateway never imports engine, "
         "model or server"
     ]
 

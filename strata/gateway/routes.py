@@ -11,12 +11,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from strata.errors import InvalidRequestError
-from strata.gateway.forward import Handler
 from strata.gateway.metrics import GatewayMetrics
-from strata.gateway.policies.base import RouteRequest
-from strata.gateway.proxy import ProxyRequest
-from strata.gateway.requests import route_request
-from strata.gateway.upstream import error_response
+from strata.gateway.path.forward import Handler
+from strata.gateway.path.requests import route_request
+from strata.gateway.routing.policies.base import RouteRequest
+from strata.gateway.upstream.pools import error_response
+from strata.gateway.upstream.proxy import ProxyRequest
 from strata.gateway.wiring import Gateway
 from strata.protocol.priority import MAX_PRIORITY_STATE, PRIORITY_HEADER
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from strata.errors import ConfigError
-from strata.gateway.policies import policy_names
+from strata.gateway.routing.policies import policy_names
 from strata.plan.workload import Workload
 
 SESSION_MODES = ("external", "sticky", "hybrid")

@@ -1,5 +1,5 @@
 """A discrete-event simulation of one architecture: the real engines (instance.py), the real
-routing policies (strata.gateway.policies), on one virtual clock. Nothing sleeps.
+routing policies (strata.gateway.routing.policies), on one virtual clock. Nothing sleeps.
 
 Events, in time order from one heap:
 
@@ -33,7 +33,7 @@ from typing import Any
 from strata.clock import ManualClock
 from strata.engine.outputs import RequestOutput
 from strata.engine.request import Request, SamplingParams
-from strata.gateway.policies.base import RouteRequest
+from strata.gateway.routing.policies.base import RouteRequest
 from strata.plan.arch import Architecture
 from strata.plan.costs import Costs
 from strata.plan.instance import EngineShape, SimInstance

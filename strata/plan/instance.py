@@ -17,7 +17,7 @@ from strata.engine.engine import Engine
 from strata.engine.executor import ModelInput, ModelOutput, SampledToken, ScheduledSequence
 from strata.engine.outputs import RequestOutput
 from strata.engine.request import Request
-from strata.gateway.instances import InstanceView
+from strata.gateway.routing.instances import InstanceView
 from strata.plan.workload import VOCAB_SIZE
 from strata.sim.executor import SimulatedExecutor
 from strata.sim.profile import LatencyProfile

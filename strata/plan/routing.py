@@ -7,10 +7,10 @@ import random
 from collections.abc import Callable, Sequence
 
 from strata.engine.request import Request
-from strata.gateway.instances import InstanceView
-from strata.gateway.policies import CacheAwarePolicy, RoutingPolicy, create_policy
-from strata.gateway.policies.base import RouteRequest
-from strata.gateway.prefix_index_prompt import KeySet, PrefixKeys
+from strata.gateway.routing.instances import InstanceView
+from strata.gateway.routing.policies import CacheAwarePolicy, RoutingPolicy, create_policy
+from strata.gateway.routing.policies.base import RouteRequest
+from strata.gateway.routing.prefix.prompt import KeySet, PrefixKeys
 from strata.plan.costs import Costs
 from strata.plan.instance import PAYLOAD, SimInstance
 from strata.types import BlockHash

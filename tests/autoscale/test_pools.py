@@ -215,7 +215,7 @@ def test_strata_up_seeds_its_pools_and_passes_their_bounds_to_the_gateway(tmp_pa
 
 
 def test_a_class_pool_counts_the_requests_placed_in_it_and_no_others() -> None:
-    from strata.gateway.policies.base import RouteRequest
+    from strata.gateway.routing.policies.base import RouteRequest
     from strata.types import PriorityClass
 
     async def story() -> None:

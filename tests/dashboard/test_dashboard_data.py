@@ -16,10 +16,10 @@ from starlette.applications import Starlette
 import strata.gateway
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import GatewayConfig
-from strata.gateway.dashboard import ASSETS, CONTENT_SECURITY_POLICY, dashboard_routes
-from strata.gateway.dashboard_data import AutoscalerStatus, ScalingTarget
+from strata.gateway.control.dashboard.data import AutoscalerStatus, ScalingTarget
+from strata.gateway.control.dashboard.page import ASSETS, CONTENT_SECURITY_POLICY, dashboard_routes
 from strata.gateway.routes import build_routes
-from strata.gateway.sources import RegistrySource
+from strata.gateway.routing.sources import RegistrySource
 from strata.gateway.wiring import build_gateway
 from strata.registry.memory import MemoryRegistry
 from strata.registry.models import (
@@ -34,7 +34,7 @@ from strata.registry.models import (
 from strata.registry.models_memory import MemoryModelRegistry
 from strata.registry.records import InstanceRecord, InstanceState
 
-STATIC = Path(strata.gateway.__file__).parent / "dashboard_static"
+STATIC = Path(strata.gateway.__file__).parent / "control" / "dashboard" / "static"
 
 
 def calls(app: Any, *requests: tuple[str, str, dict[str, str]]) -> list[httpx.Response]:

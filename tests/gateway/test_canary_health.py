@@ -17,9 +17,9 @@ from registry.release_world import CONFIG, World, states
 
 from strata.clock import ManualClock
 from strata.gateway.config import VersionConfig
-from strata.gateway.instances import InstanceSet
-from strata.gateway.releases import HealthPublisher, PooledHealth
-from strata.gateway.versions import VersionRouter, VersionStats
+from strata.gateway.control.releases import HealthPublisher, PooledHealth
+from strata.gateway.path.versions import VersionRouter, VersionStats
+from strata.gateway.routing.instances import InstanceSet
 from strata.registry.model_registry import create_model_registry
 from strata.registry.models import ModelRegistry, ModelRouting, ModelVersion, Strategy
 from strata.registry.release_policy import VersionHealth

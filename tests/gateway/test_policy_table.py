@@ -1,5 +1,5 @@
-"""The policy table (strata/gateway/policies/__init__.py): the CLI's --policy choices are its
-rows, a policy added with one row is chosen by name and routes requests, and consistent_hash
+"""The policy table (strata/gateway/routing/policies/__init__.py): the CLI's --policy choices are
+its rows, a policy added with one row is chosen by name and routes requests, and consistent_hash
 takes its bound and its ring from the session settings."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from strata.commands.env import CliEnv
 from strata.errors import ConfigError
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import GatewayConfig, SessionRoutingConfig
-from strata.gateway.instances import InstanceView
-from strata.gateway.policies import (
+from strata.gateway.routing.instances import InstanceView
+from strata.gateway.routing.policies import (
     POLICIES,
     ConsistentHashPolicy,
     RouteRequest,

@@ -14,9 +14,9 @@ from gateway_fakes import FakeClock, FixedSource, Upstreams, json_answer, view
 from strata.errors import InvalidRequestError
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import GatewayConfig, RetryConfig
-from strata.gateway.instances import InstanceSet, InstanceView
-from strata.gateway.requests import route_request
-from strata.gateway.versions import VersionRouter, VersionStats
+from strata.gateway.path.requests import route_request
+from strata.gateway.path.versions import VersionRouter, VersionStats
+from strata.gateway.routing.instances import InstanceSet, InstanceView
 from strata.registry.model_registry import create_model_registry
 from strata.registry.models import ModelRegistry, ModelRouting, ModelVersion
 from strata.state.pins import MemoryPinStore

@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from strata.errors import ConfigError
-from strata.gateway.policies import CacheAwarePolicy
+from strata.gateway.routing.policies import CacheAwarePolicy
 from strata.plan import Architecture, Costs, EngineShape, LengthDist, PlanInputs, Slo, Workload
 from strata.plan.fleet import Fleet
 from strata.plan.search import simulate
