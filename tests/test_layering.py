@@ -164,16 +164,16 @@ def test_checker_catches_model_server_and_gateway_reaching_up() -> None:
         "strata.server.app:2: strata.cli: server imports only engine, model, protocol, state, "
         "registry (never cli)"
     ]
-    assert violations("strata.gateway.routing.pipeline", "from ..engine import engine\n") == [
+    assert violations("strata.gateway.routing.pipeline", "from ...engine import engine\n") == [
         "strata.gateway.routing.pipeline:1: strata.engine.engine: gateway never imports engine, "
         "model or server"
     ]
 
 
 def test_checker_keeps_lower_layers_and_the_gateway_apart() -> None:
-    assert violations("strata.registry.sqlite", "from strata.server import app\n") == [
-        "strata.registry.sqlite:1: strata.server.app: registry is below engine, server and "
-        "gateway and never imports them"
+    assert violations("strata.registry.instances.sqlite", "from strata.server import app\n") == [
+        "strata.registry.instances.sqlite:1: strata.server.app: registry is below engine, server "
+        "and gateway and never imports them"
     ]
     assert violations("strata.gateway.app", "import strata.store.s3\n") == [
         "strata.gateway.app:1: strata.store.s3: gateway imports only protocol, state, registry"

@@ -39,8 +39,8 @@ from strata.cluster.local_config import LocalClusterConfig, instance_argv, local
 from strata.cluster.ports import free_port, port_is_free
 from strata.cluster.registry_link import Reconciler, RegistryLink
 from strata.errors import ConfigError
-from strata.registry.deployments import DEFAULT_POOL, MIXED
 from strata.registry.models import ModelVersion
+from strata.registry.models.deployments import DEFAULT_POOL, MIXED
 
 log = logging.getLogger("strata.up")
 

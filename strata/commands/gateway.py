@@ -50,7 +50,7 @@ from strata.gateway.routing.sources import InstanceSource, RegistrySource, Stati
 from strata.logs import announce
 from strata.protocol.auth import check_exposure
 from strata.registry.models import ModelRegistry
-from strata.registry.release_policy import ReleaseConfig
+from strata.registry.releases.policy import ReleaseConfig
 from strata.state.urls import schemes_help
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -214,7 +214,7 @@ def build_model_registry(config: GatewayConfig) -> ModelRegistry | None:
     gateway over static instances."""
     if not config.registry_url:
         return None
-    from strata.registry.model_registry import create_model_registry
+    from strata.registry.models import create_model_registry
 
     return create_model_registry(config.registry_url)
 

@@ -46,7 +46,7 @@ from strata.gateway.routing.sources import InstanceSource
 from strata.gateway.wiring import Gateway, build_gateway
 from strata.protocol.auth import EXEMPT_PATHS, ApiKeyAuth
 from strata.protocol.request_id import RequestIdMiddleware
-from strata.registry.base import Registry
+from strata.registry.instances.base import Registry
 from strata.registry.models import ModelRegistry
 from strata.state.pins import PinStore
 

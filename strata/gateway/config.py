@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from strata.errors import ConfigError
-from strata.registry.release_policy import ReleaseConfig
+from strata.registry.releases.policy import ReleaseConfig
 from strata.types import PriorityClass
 
 SESSION_ROUTING_MODES = ("none", "external", "sticky", "hybrid")

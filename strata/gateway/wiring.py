@@ -38,7 +38,7 @@ from strata.gateway.upstream.proxy import Proxy
 from strata.gateway.upstream.resume import Resumer
 from strata.gateway.upstream.retry import RetryBudget
 from strata.gateway.upstream.stalls import StallWatch
-from strata.registry.base import Registry
+from strata.registry.instances.base import Registry
 from strata.registry.models import ModelRegistry
 from strata.state.pins import PinStore, create_pin_store
 from strata.state.response_cache import create_response_cache

@@ -22,8 +22,14 @@ import httpx
 
 from strata.errors import ConfigError, RegistryError
 from strata.registry import create_registry
-from strata.registry.base import Registry
-from strata.registry.records import InstanceLoad, InstanceRecord, InstanceState, RankInfo, Role
+from strata.registry.instances.base import Registry
+from strata.registry.instances.records import (
+    InstanceLoad,
+    InstanceRecord,
+    InstanceState,
+    RankInfo,
+    Role,
+)
 from strata.server.async_engine import AsyncEngine
 
 log = logging.getLogger("strata.server.registration")

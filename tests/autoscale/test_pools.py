@@ -23,8 +23,14 @@ from strata.clock import ManualClock
 from strata.errors import ConfigError
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import ClassConfig, GatewayConfig
-from strata.registry.model_registry import create_model_registry
-from strata.registry.models import Deployment, ModelRegistry, ModelRouting, ModelVersion, PoolSize
+from strata.registry.models import (
+    Deployment,
+    ModelRegistry,
+    ModelRouting,
+    ModelVersion,
+    PoolSize,
+    create_model_registry,
+)
 from strata.sim import load_profile
 
 PROFILE = load_profile("smollm2-cpu")

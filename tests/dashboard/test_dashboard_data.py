@@ -21,7 +21,8 @@ from strata.gateway.control.dashboard.page import ASSETS, CONTENT_SECURITY_POLIC
 from strata.gateway.routes import build_routes
 from strata.gateway.routing.sources import RegistrySource
 from strata.gateway.wiring import build_gateway
-from strata.registry.memory import MemoryRegistry
+from strata.registry.instances.memory import MemoryRegistry
+from strata.registry.instances.records import InstanceRecord, InstanceState
 from strata.registry.models import (
     Deployment,
     DeploymentState,
@@ -31,8 +32,7 @@ from strata.registry.models import (
     ReleaseState,
     Strategy,
 )
-from strata.registry.models_memory import MemoryModelRegistry
-from strata.registry.records import InstanceRecord, InstanceState
+from strata.registry.models.memory import MemoryModelRegistry
 
 STATIC = Path(strata.gateway.__file__).parent / "control" / "dashboard" / "static"
 

@@ -17,7 +17,7 @@ from strata.gateway.path.forward import Handler, chain
 from strata.gateway.routing.policies.base import RouteRequest
 from strata.gateway.upstream.proxy import ProxyRequest
 from strata.gateway.wiring import Gateway, build_gateway
-from strata.registry.model_registry import create_model_registry
+from strata.registry.models import create_model_registry
 from strata.state.pins import MemoryPinStore
 
 REQUEST = ProxyRequest("POST", "/v1/completions", b"{}", [], RouteRequest(), 0.0)

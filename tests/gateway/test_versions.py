@@ -17,8 +17,7 @@ from strata.gateway.config import GatewayConfig, RetryConfig
 from strata.gateway.path.requests import route_request
 from strata.gateway.path.versions import VersionRouter, VersionStats
 from strata.gateway.routing.instances import InstanceSet, InstanceView
-from strata.registry.model_registry import create_model_registry
-from strata.registry.models import ModelRegistry, ModelRouting, ModelVersion
+from strata.registry.models import ModelRegistry, ModelRouting, ModelVersion, create_model_registry
 from strata.state.pins import MemoryPinStore
 
 

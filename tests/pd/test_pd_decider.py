@@ -107,7 +107,7 @@ def test_decode_and_mixed_instances_take_whole_requests_prefill_ones_do_not() ->
 
 def test_status_sums_up_the_roles_of_each_pool() -> None:
     from strata.commands.status import pools_summary
-    from strata.registry.records import InstanceRecord, InstanceState, Role
+    from strata.registry.instances.records import InstanceRecord, InstanceState, Role
 
     def record(iid: str, role: Role, state: InstanceState = InstanceState.READY,
                pool: str = "default") -> InstanceRecord:

@@ -29,11 +29,11 @@ import httpx
 
 from strata.errors import ConflictError
 from strata.gateway.path.versions import VersionRouter, VersionStats
-from strata.registry.base import Registry
+from strata.registry.instances.base import Registry
+from strata.registry.instances.records import InstanceRecord
 from strata.registry.models import ModelRegistry, Release, Strategy
-from strata.registry.records import InstanceRecord
-from strata.registry.releases import ReleaseConfig, ReleaseController, VersionHealth
-from strata.registry.version_health import HealthBoard, pooled
+from strata.registry.releases.controller import ReleaseConfig, ReleaseController, VersionHealth
+from strata.registry.releases.health import HealthBoard, pooled
 
 logger = logging.getLogger("strata.gateway.control.releases")
 WARM_PROMPT = "Hello"

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from strata.errors import PinStoreError
 from strata.gateway.routing.instances import InstanceSet, InstanceView
 from strata.registry.models import ModelRegistry, ModelRouting
-from strata.registry.version_health import HealthWindow, window_of
+from strata.registry.releases.health import HealthWindow, window_of
 from strata.state.pins import PinStore
 
 logger = logging.getLogger("strata.gateway.path.versions")

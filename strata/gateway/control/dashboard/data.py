@@ -33,8 +33,8 @@ from strata.gateway.control.dashboard.series import LiveSeries
 from strata.gateway.routing.instances import DEAD, DRAINING, STARTING, InstanceView
 from strata.gateway.routing.sources import RegistrySource
 from strata.gateway.wiring import Gateway
-from strata.registry.base import Registry
-from strata.registry.records import InstanceRecord
+from strata.registry.instances.base import Registry
+from strata.registry.instances.records import InstanceRecord
 from strata.state.pins import PinStoreError
 
 

@@ -1,6 +1,6 @@
 """The dashboard's models and releases: versions with their part in routing (live, canary,
 previous), desired against running replicas, and the newest release of each model drawn as the
-path of its state machine (strata/registry/releases.py).
+path of its state machine (strata/registry/releases/controller.py).
 
 Without a model registry, the models are what the instances serve, and there are no releases.
 """

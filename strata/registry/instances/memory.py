@@ -6,8 +6,8 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from strata.registry.base import as_seen, check_ttl, unknown_instance
-from strata.registry.records import InstanceLoad, InstanceRecord, InstanceState
+from strata.registry.instances.base import RegistryOptions, as_seen, check_ttl, unknown_instance
+from strata.registry.instances.records import InstanceLoad, InstanceRecord, InstanceState
 
 
 class MemoryRegistry:
@@ -46,4 +46,9 @@ class MemoryRegistry:
         return None
 
 
-__all__ = ["MemoryRegistry"]
+
+def from_url(url: str, options: RegistryOptions) -> MemoryRegistry:
+    return MemoryRegistry(ttl_s=options.ttl_s, clock=options.clock)
+
+
+__all__ = ["MemoryRegistry", "from_url"]

@@ -60,16 +60,16 @@ from strata.errors import (
     ModelNotFoundError,
     ReleaseSupersededError,
 )
-from strata.registry.base import Registry
-from strata.registry.models import ModelRegistry, Release, ReleaseState, Strategy
-from strata.registry.release_policy import (
+from strata.registry.instances.base import Registry
+from strata.registry.models.base import ModelRegistry, Release, ReleaseState, Strategy
+from strata.registry.releases.policy import (
     HealthOf,
     ReleaseConfig,
     VersionHealth,
     Warm,
     judge_canary,
 )
-from strata.registry.release_steps import ReleaseSteps
+from strata.registry.releases.steps import ReleaseSteps
 
 S = ReleaseState
 ROLLBACK_REQUESTED = "rollback requested"

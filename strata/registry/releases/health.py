@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from strata.registry.release_policy import VersionHealth
+from strata.registry.releases.policy import VersionHealth
 
 BUCKETS_PER_DOUBLING = 8  # bucket bounds 2 ** (1/8) = 1.09 apart
 _BUCKET_0_MS = 0.1  # bucket 0 holds every TTFT up to 0.1 ms

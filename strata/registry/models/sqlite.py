@@ -30,8 +30,14 @@ from typing import Any, TypeVar
 
 from strata.errors import ConflictError, RegistryError
 from strata.registry.leases import Lease
-from strata.registry.models import Deployment, ModelRouting, ModelVersion, Release
-from strata.registry.models_cas import (
+from strata.registry.models.base import (
+    Deployment,
+    ModelRegistryOptions,
+    ModelRouting,
+    ModelVersion,
+    Release,
+)
+from strata.registry.models.cas import (
     next_revision,
     release_in_progress,
     same_version,
@@ -39,8 +45,8 @@ from strata.registry.models_cas import (
     stamp_version,
     version_conflict,
 )
-from strata.registry.version_health import HEALTH_RETENTION_S, HealthWindow
-from strata.state.sqlite_db import SqliteDatabase
+from strata.registry.releases.health import HEALTH_RETENTION_S, HealthWindow
+from strata.state.sqlite_db import SqliteDatabase, sqlite_path
 
 T = TypeVar("T")
 Conn = sqlite3.Connection
@@ -265,4 +271,11 @@ def _dump(record: ModelVersion | ModelRouting | Deployment | Release | HealthWin
     return json.dumps(record.to_json())
 
 
-__all__ = ["SqliteModelRegistry"]
+
+def from_url(url: str, options: ModelRegistryOptions) -> SqliteModelRegistry:
+    path = sqlite_path(url, what="model registry",
+                       example="sqlite:///var/run/strata/registry.db")
+    return SqliteModelRegistry(path, clock=options.clock)
+
+
+__all__ = ["SqliteModelRegistry", "from_url"]

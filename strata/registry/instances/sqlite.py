@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from strata.errors import RegistryError
-from strata.registry.base import as_seen, check_ttl, unknown_instance
-from strata.registry.records import InstanceLoad, InstanceRecord, InstanceState
-from strata.state.sqlite_db import SqliteDatabase
+from strata.registry.instances.base import RegistryOptions, as_seen, check_ttl, unknown_instance
+from strata.registry.instances.records import InstanceLoad, InstanceRecord, InstanceState
+from strata.state.sqlite_db import SqliteDatabase, sqlite_path
 
 _SCHEMA = ("CREATE TABLE IF NOT EXISTS instances "
            "(instance_id TEXT PRIMARY KEY, record TEXT NOT NULL)")
@@ -88,4 +88,10 @@ class SqliteRegistry:
         return await self._db.call(lambda c: c.execute(sql, params).fetchall())
 
 
-__all__ = ["SqliteRegistry"]
+
+def from_url(url: str, options: RegistryOptions) -> SqliteRegistry:
+    path = sqlite_path(url, what="registry", example="sqlite:///var/run/strata/registry.db")
+    return SqliteRegistry(path, ttl_s=options.ttl_s, clock=options.clock)
+
+
+__all__ = ["SqliteRegistry", "from_url"]

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from strata.errors import ConfigError, ConflictError
 from strata.registry.leases import Lease
-from strata.registry.models import Deployment, ModelRouting, ModelVersion, Release
+from strata.registry.models.base import Deployment, ModelRouting, ModelVersion, Release
 
 Revisioned = TypeVar("Revisioned", ModelRouting, Deployment, Release, Lease)
 

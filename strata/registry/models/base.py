@@ -26,13 +26,15 @@ Release states (a release is driven by exactly one controller at a time, the lea
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
+from strata.clock import Clock
 from strata.errors import ConfigError, ConflictError
-from strata.registry.deployments import Deployment, DeploymentState, PoolSize
-from strata.registry.version_health import HealthBoard
+from strata.registry.models.deployments import Deployment, DeploymentState, PoolSize
+from strata.registry.releases.health import HealthBoard
 
 
 def split_model_version(text: str) -> tuple[str, str | None]:
@@ -204,6 +206,14 @@ class Release:
                    stats={str(k): float(v) for k, v in (data.get("stats") or {}).items()})
 
 
+@dataclass(frozen=True, slots=True)
+class ModelRegistryOptions:
+    """What `create_model_registry` hands every backend's `from_url`: `clock` stamps
+    created_at / updated_at."""
+
+    clock: Clock = time.time
+
+
 @runtime_checkable
 class ModelRegistry(HealthBoard, Protocol):
     """Models, versions, routing pointers, deployments, releases and the gateways' health
@@ -259,6 +269,6 @@ class ModelRegistry(HealthBoard, Protocol):
     async def close(self) -> None: ...
 
 
-__all__ = ["ConflictError", "Deployment", "DeploymentState", "ModelRegistry", "ModelRouting",
-           "ModelVersion", "PoolSize", "Release", "ReleaseState", "Strategy",
-           "split_model_version"]
+__all__ = ["ConflictError", "Deployment", "DeploymentState", "ModelRegistry",
+           "ModelRegistryOptions", "ModelRouting", "ModelVersion", "PoolSize", "Release",
+           "ReleaseState", "Strategy", "split_model_version"]

@@ -14,11 +14,22 @@ Contract (tests/registry/test_contract.py checks it on every backend):
 
 from __future__ import annotations
 
-from dataclasses import replace
+import time
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
+from strata.clock import Clock
 from strata.errors import ConfigError, RegistryError
-from strata.registry.records import InstanceLoad, InstanceRecord, InstanceState
+from strata.registry.instances.records import InstanceLoad, InstanceRecord, InstanceState
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryOptions:
+    """What `create_registry` hands every backend's `from_url`: records expire `ttl_s` after a
+    heartbeat, by `clock`."""
+
+    ttl_s: float = 5.0
+    clock: Clock = time.time
 
 
 @runtime_checkable
@@ -68,4 +79,5 @@ def check_ttl(ttl_s: float) -> None:
         raise ConfigError(f"registry ttl_s must be positive, got {ttl_s}")
 
 
-__all__ = ["Registry", "RegistryError", "as_seen", "check_ttl", "unknown_instance"]
+__all__ = ["Registry", "RegistryError", "RegistryOptions", "as_seen", "check_ttl",
+           "unknown_instance"]

@@ -11,17 +11,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from strata.errors import ConflictError, ReleaseSupersededError, StrataError
-from strata.registry.base import Registry
-from strata.registry.models import (
+from strata.registry.instances.base import Registry
+from strata.registry.instances.records import InstanceRecord, InstanceState
+from strata.registry.models.base import (
     DeploymentState,
     ModelRegistry,
     Release,
     ReleaseState,
     Strategy,
 )
-from strata.registry.records import InstanceRecord, InstanceState
-from strata.registry.release_effects import ReleaseEffects
-from strata.registry.release_policy import HealthOf, ReleaseConfig, Warm, judge_canary
+from strata.registry.releases.effects import ReleaseEffects
+from strata.registry.releases.policy import HealthOf, ReleaseConfig, Warm, judge_canary
 
 S = ReleaseState
 WARM_ATTEMPTS = 3  # a warm request that fails this many times in a row rolls the release back

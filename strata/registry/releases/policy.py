@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from strata.errors import ConfigError
-from strata.registry.records import InstanceRecord
+from strata.registry.instances.records import InstanceRecord
 
 
 @dataclass(frozen=True, slots=True)

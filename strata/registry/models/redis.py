@@ -27,8 +27,14 @@ from typing import Any
 
 from strata.errors import RegistryError
 from strata.registry.leases import Lease
-from strata.registry.models import Deployment, ModelRouting, ModelVersion, Release
-from strata.registry.models_cas import (
+from strata.registry.models.base import (
+    Deployment,
+    ModelRegistryOptions,
+    ModelRouting,
+    ModelVersion,
+    Release,
+)
+from strata.registry.models.cas import (
     next_revision,
     release_in_progress,
     same_version,
@@ -36,7 +42,7 @@ from strata.registry.models_cas import (
     stamp_version,
     version_conflict,
 )
-from strata.registry.version_health import HEALTH_RETENTION_S, HealthWindow
+from strata.registry.releases.health import HEALTH_RETENTION_S, HealthWindow
 from strata.state.redis_db import RedisDatabase
 
 # KEYS: record, index.  ARGV: json, index member.  -> nil when added, else the stored JSON
@@ -297,4 +303,9 @@ def _dump(record: ModelVersion | ModelRouting | Deployment | Release | HealthWin
     return json.dumps(record.to_json())
 
 
-__all__ = ["RedisModelRegistry"]
+
+def from_url(url: str, options: ModelRegistryOptions) -> RedisModelRegistry:
+    return RedisModelRegistry(url, clock=options.clock)
+
+
+__all__ = ["RedisModelRegistry", "from_url"]

@@ -15,8 +15,14 @@ from dataclasses import replace
 from typing import Any
 
 from strata.registry.leases import Lease
-from strata.registry.models import Deployment, ModelRouting, ModelVersion, Release
-from strata.registry.models_cas import (
+from strata.registry.models.base import (
+    Deployment,
+    ModelRegistryOptions,
+    ModelRouting,
+    ModelVersion,
+    Release,
+)
+from strata.registry.models.cas import (
     next_revision,
     release_in_progress,
     same_version,
@@ -24,7 +30,7 @@ from strata.registry.models_cas import (
     stamp_version,
     version_conflict,
 )
-from strata.registry.version_health import HEALTH_RETENTION_S, HealthWindow
+from strata.registry.releases.health import HEALTH_RETENTION_S, HealthWindow
 
 
 class MemoryModelRegistry:
@@ -177,4 +183,9 @@ def _dump(record: Any) -> str:
     return json.dumps(record.to_json())
 
 
-__all__ = ["MemoryModelRegistry"]
+
+def from_url(url: str, options: ModelRegistryOptions) -> MemoryModelRegistry:
+    return MemoryModelRegistry(clock=options.clock)
+
+
+__all__ = ["MemoryModelRegistry", "from_url"]

@@ -14,15 +14,15 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from strata.errors import ConflictError
-from strata.registry.base import Registry
-from strata.registry.models import (
+from strata.registry.instances.base import Registry
+from strata.registry.instances.records import InstanceRecord, InstanceState
+from strata.registry.models.base import (
     Deployment,
     DeploymentState,
     ModelRegistry,
     ModelRouting,
     PoolSize,
 )
-from strata.registry.records import InstanceRecord, InstanceState
 
 
 class ReleaseEffects:

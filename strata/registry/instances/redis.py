@@ -18,8 +18,8 @@ from dataclasses import replace
 from typing import Any
 
 from strata.errors import RegistryError
-from strata.registry.base import as_seen, check_ttl, unknown_instance
-from strata.registry.records import InstanceLoad, InstanceRecord, InstanceState
+from strata.registry.instances.base import RegistryOptions, as_seen, check_ttl, unknown_instance
+from strata.registry.instances.records import InstanceLoad, InstanceRecord, InstanceState
 from strata.state.redis_db import RedisDatabase
 
 _HEARTBEAT = """
@@ -117,4 +117,9 @@ class RedisRegistry:
         return as_seen(InstanceRecord.from_json(data), now, self.ttl_s)
 
 
-__all__ = ["RedisRegistry"]
+
+def from_url(url: str, options: RegistryOptions) -> RedisRegistry:
+    return RedisRegistry(url, ttl_s=options.ttl_s, clock=options.clock)
+
+
+__all__ = ["RedisRegistry", "from_url"]
