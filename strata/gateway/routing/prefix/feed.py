@@ -3,7 +3,7 @@
     PrefixRouting
       index        the policy's PrefixIndex (prefix_index.py): pure, clock-driven
       run()        background: one long-poll loop per ready instance on
-                   GET {url}/v1/strata/kv-events (strata/server/kv_events.py), started and
+                   GET {url}/v1/strata/kv-events (strata/protocol/kv_events.py), started and
                    stopped as instances come and go; expires silent instances
       identities   instance id -> block size, namespace, tokenizer fingerprint (from its answers)
       hashers      fingerprint -> PromptHasher, fetched once per fingerprint from
@@ -25,14 +25,13 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 
 from strata.errors import StrataError
 from strata.gateway.path.requests import DEFAULT_MAX_TOKENS
 from strata.gateway.routing.instances import READY, InstanceSet, InstanceView
-from strata.gateway.routing.prefix.index import BlockBatch, Key, PrefixIndex
+from strata.gateway.routing.prefix.index import BlockBatch, PrefixIndex
 from strata.gateway.routing.prefix.prompt import (
     KeySet,
     PrefixKeys,
@@ -42,19 +41,9 @@ from strata.gateway.routing.prefix.prompt import (
     prompt_of,
     text_keys,
 )
+from strata.protocol.kv_events import EVENTS_PATH, TOKENIZER_PATH, CacheIdentity, EventsAnswer
 
 logger = logging.getLogger("strata.gateway.prefix")
-EVENTS_PATH = "/v1/strata/kv-events"
-TOKENIZER_PATH = "/v1/strata/tokenizer"
-
-
-@dataclass(frozen=True, slots=True)
-class CacheIdentity:
-    """How an instance names its blocks: block size, namespace, tokenizer fingerprint."""
-
-    block_size: int
-    namespace: str
-    tokenizer: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +181,7 @@ class PrefixRouting:
             if has_news:
                 await asyncio.sleep(self.config.min_poll_interval_s)
 
-    async def _poll(self, url: str, cursor: tuple[float, int] | None) -> dict[str, Any]:
+    async def _poll(self, url: str, cursor: tuple[float, int] | None) -> EventsAnswer:
         self.num_polls += 1
         params: dict[str, str] = {"wait_s": str(self.config.wait_s)}
         if cursor is not None:
@@ -201,28 +190,23 @@ class PrefixRouting:
                                          headers=self.headers,
                                          timeout=self.config.wait_s + 1.0)
         response.raise_for_status()
-        answer: dict[str, Any] = response.json()
-        return answer
+        return EventsAnswer.from_json(response.json())
 
     def _apply(self, instance_id: str, url: str,
-               answer: dict[str, Any]) -> tuple[tuple[float, int], bool]:
-        epoch = float(answer["epoch"])
-        tokenizer = answer.get("tokenizer")
-        self.identities[instance_id] = CacheIdentity(int(answer["block_size"]),
-                                                     str(answer["namespace"]), tokenizer)
+               answer: EventsAnswer) -> tuple[tuple[float, int], bool]:
+        epoch, tokenizer = answer.epoch, answer.identity.tokenizer
+        self.identities[instance_id] = answer.identity
         if tokenizer and tokenizer not in self.hashers and tokenizer not in self._loading:
             self._loading[tokenizer] = asyncio.create_task(self._load_tokenizer(url, tokenizer))
-        snapshot, batches = answer.get("snapshot"), answer.get("batches") or []
-        if snapshot is not None:
-            self.index.apply(instance_id, BlockBatch(epoch, int(snapshot["seq"]),
-                                                     _keys(snapshot["stored"]), is_snapshot=True))
-        for batch in batches:
-            self.index.apply(instance_id, BlockBatch(epoch, int(batch["seq"]),
-                                                     _keys(batch["stored"]),
-                                                     _keys(batch["removed"])))
-        if snapshot is None and not batches:
+        if answer.snapshot is not None:
+            self.index.apply(instance_id, BlockBatch(epoch, answer.snapshot.seq,
+                                                     answer.snapshot.stored, is_snapshot=True))
+        for batch in answer.batches:
+            self.index.apply(instance_id, BlockBatch(epoch, batch.seq, batch.stored,
+                                                     batch.removed))
+        if not answer.has_news:
             self.index.heard(instance_id, epoch)
-        return (epoch, int(answer["seq"])), snapshot is not None or bool(batches)
+        return (epoch, answer.seq), answer.has_news
 
     async def _load_tokenizer(self, url: str, fingerprint: str) -> None:
         try:
@@ -241,9 +225,4 @@ class PrefixRouting:
             self._loading.pop(fingerprint, None)
 
 
-def _keys(hex_text: str) -> list[Key]:
-    raw = bytes.fromhex(hex_text)
-    return [raw[i:i + 16] for i in range(0, len(raw), 16)]
-
-
-__all__ = ["CacheIdentity", "FeedConfig", "PrefixRouting"]
+__all__ = ["FeedConfig", "PrefixRouting"]
