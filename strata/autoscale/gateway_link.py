@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 
 from strata.autoscale.controller import Autoscaler
 from strata.autoscale.gateway_metrics import AutoscalerMetrics, autoscaler_status
 from strata.autoscale.law import Signals
+from strata.clock import Clock
 from strata.gateway.control.dashboard.data import AutoscalerStatus
 from strata.gateway.routing.instances import InstanceView
 from strata.gateway.wiring import Gateway
@@ -41,7 +41,7 @@ class GatewaySignals:
     (the deployment as that pool sees it: controller.py)."""
 
     def __init__(self, gateway: Gateway, *, window_s: float, recent_s: float,
-                 ttft_window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 ttft_window_s: float, clock: Clock = time.monotonic) -> None:
         self.gateway = gateway
         self.window_s = window_s
         self.recent_s = recent_s

@@ -35,6 +35,7 @@ from typing import Protocol
 import httpx
 from starlette.applications import Starlette
 
+from strata.clock import Clock
 from strata.gateway.config import GatewayConfig
 from strata.gateway.control.admin import admin_routes
 from strata.gateway.control.dashboard.data import AutoscalerStatus
@@ -68,7 +69,7 @@ class Companion(Protocol):
 def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
                        transport: httpx.AsyncBaseTransport | None = None,
                        control_client: httpx.AsyncClient | None = None,
-                       clock: Callable[[], float] = time.monotonic,
+                       clock: Clock = time.monotonic,
                        rng: random.Random | None = None,
                        run_background: bool = True,
                        pin_store: PinStore | None = None,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from strata.clock import Clock
 from strata.gateway.config import GatewayConfig
 from strata.gateway.control.releases import ReleaseService, build_release_service, controller_owner
 from strata.gateway.metrics import GatewayMetrics
@@ -72,7 +73,7 @@ class Gateway:
 def build_gateway(config: GatewayConfig, source: InstanceSource, *,
                   transport: httpx.AsyncBaseTransport | None = None,
                   control_client: httpx.AsyncClient | None = None,
-                  clock: Callable[[], float] = time.monotonic,
+                  clock: Clock = time.monotonic,
                   rng: random.Random | None = None,
                   pin_store: PinStore | None = None,
                   models: ModelRegistry | None = None,
@@ -120,7 +121,7 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
 
 
 def _proxy(config: GatewayConfig, instances: InstanceSet, policy: RoutingPolicy,
-           transport: httpx.AsyncBaseTransport | None, clock: Callable[[], float],
+           transport: httpx.AsyncBaseTransport | None, clock: Clock,
            metrics: GatewayMetrics, control: httpx.AsyncClient,
            exits: contextlib.AsyncExitStack) -> Proxy:
     detector = OutlierDetector(instances, config.ejection, clock,
@@ -176,7 +177,7 @@ def _version_pins(config: GatewayConfig) -> PinStore:
 
 
 def _session_router(config: GatewayConfig, pin_store: PinStore | None,
-                    clock: Callable[[], float],
+                    clock: Clock,
                     exits: contextlib.AsyncExitStack) -> SessionRouter | None:
     settings = config.sessions
     if not settings.is_pinning:

@@ -4,8 +4,9 @@ in-flight accounting and hooks, and the KV store's index of stored blocks (KV of
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
+from strata.clock import Clock
 from strata.engine.request import Request
 from strata.gateway.routing.instances import InstanceView
 from strata.gateway.routing.policies import CacheAwarePolicy, RoutingPolicy, create_policy
@@ -18,7 +19,7 @@ from strata.types import BlockHash
 
 class SimGateway:
     def __init__(self, policy: str, block_size: int, costs: Costs,
-                 rng: random.Random, clock: Callable[[], float]) -> None:
+                 rng: random.Random, clock: Clock) -> None:
         self.policy_name = policy
         self.block_size = block_size
         self.costs = costs

@@ -27,9 +27,9 @@ import hashlib
 import json
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from strata.clock import Clock
 from strata.engine.block_events import BlockChanges, BlockEventLog, watch_blocks
 from strata.engine.engine import Engine
 from strata.model.tokenizer import Tokenizer
@@ -89,7 +89,7 @@ class KVEventFeed:
             None if snapshot is None else EventBatch(snapshot.seq, snapshot.stored))
 
     async def poll(self, epoch: float | None, after: int | None, wait_s: float,
-                   clock: Callable[[], float] = time.monotonic) -> EventsAnswer:
+                   clock: Clock = time.monotonic) -> EventsAnswer:
         """`answer`, waiting up to `wait_s` for news; a heartbeat when none came."""
         self.num_polls += 1
         deadline = clock() + min(max(wait_s, 0.0), MAX_WAIT_S)

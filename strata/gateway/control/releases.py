@@ -23,10 +23,10 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
 
 import httpx
 
+from strata.clock import Clock
 from strata.errors import ConflictError
 from strata.gateway.path.versions import VersionRouter, VersionStats
 from strata.registry.instances.base import Registry
@@ -69,7 +69,7 @@ class PooledHealth:
     stopped or lost the registry)."""
 
     def __init__(self, board: HealthBoard, stats: VersionStats, *, gateway: str,
-                 max_age_s: float, clock: Callable[[], float] = time.time) -> None:
+                 max_age_s: float, clock: Clock = time.time) -> None:
         self.board, self.stats, self.gateway = board, stats, gateway
         self.max_age_s, self.clock = max_age_s, clock
 

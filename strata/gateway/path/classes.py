@@ -40,6 +40,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.responses import Response
 
+from strata.clock import Clock
 from strata.errors import OverloadedError
 from strata.gateway.config import AdmissionConfig, ClassConfig
 from strata.gateway.metrics import GatewayMetrics
@@ -72,7 +73,7 @@ class ClassFlow:
     """Places requests in pools by class and holds the ones that find no room."""
 
     def __init__(self, config: ClassConfig, admission: AdmissionConfig,
-                 instances: InstanceSet, clock: Callable[[], float] = time.monotonic) -> None:
+                 instances: InstanceSet, clock: Clock = time.monotonic) -> None:
         self.config = config
         self.admission = admission
         self.instances = instances

@@ -30,9 +30,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
+from strata.clock import Clock
 from strata.errors import ConfigError, ResponseCacheError
 from strata.state.response_cache import ResponseCache
 
@@ -85,7 +85,7 @@ class ResponseCacheLayer:
     counted in `errors`, and the request goes on uncached)."""
 
     def __init__(self, cache: ResponseCache, *, ttl_s: float | None = None,
-                 clock: Callable[[], float] = time.time, is_per_tenant: bool = False) -> None:
+                 clock: Clock = time.time, is_per_tenant: bool = False) -> None:
         if ttl_s is not None and ttl_s <= 0:
             raise ConfigError(f"response cache ttl_s must be positive, got {ttl_s}")
         self.cache = cache

@@ -37,9 +37,10 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from strata.clock import Clock
 from strata.errors import PinStoreError
 from strata.gateway.config import SessionRoutingConfig
 from strata.gateway.routing.instances import InstanceView
@@ -83,7 +84,7 @@ class SessionRouter:
     routing policy) from the placements this gateway made last (bounded, most recent kept)."""
 
     def __init__(self, config: SessionRoutingConfig, pins: PinStore, *,
-                 clock: Callable[[], float] = time.monotonic, max_local: int = 65536) -> None:
+                 clock: Clock = time.monotonic, max_local: int = 65536) -> None:
         self.config = config
         self.pins = pins
         self.clock = clock

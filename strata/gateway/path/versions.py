@@ -24,9 +24,9 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from strata.clock import Clock
 from strata.errors import PinStoreError
 from strata.gateway.routing.instances import InstanceSet, InstanceView
 from strata.registry.models import ModelRegistry, ModelRouting
@@ -173,7 +173,7 @@ class VersionStats:
     the windows of every other gateway (gateway/releases.py publishes this one's)."""
 
     def __init__(self, window_s: float = 60.0, max_samples: int = 10_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Clock = time.monotonic) -> None:
         self.window_s = window_s
         self.max_samples = max_samples
         self.clock = clock

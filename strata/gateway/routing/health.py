@@ -20,11 +20,11 @@ from collections.abc import Callable
 
 import httpx
 
+from strata.clock import Clock
 from strata.gateway.config import EjectionConfig
 from strata.gateway.routing.instances import DEAD, InstanceSet, InstanceView
 
 logger = logging.getLogger("strata.gateway")
-Clock = Callable[[], float]
 
 
 class OutlierDetector:

@@ -11,12 +11,13 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 from urllib.parse import urlsplit
 
 import httpx
 
+from strata.clock import Clock
 from strata.gateway.routing.instances import (
     DRAINING,
     READY,
@@ -54,7 +55,7 @@ class RegistrySource:
 
     def __init__(self, registry: RegistryLike, instances: InstanceSet | None = None, *,
                  outage_grace_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Clock = time.monotonic) -> None:
         self.registry = registry
         self.instances = instances if instances is not None else InstanceSet()
         self.outage_grace_s = outage_grace_s

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 from starlette.responses import Response
 
+from strata.clock import Clock
 from strata.errors import RequestFailedError
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.path.requests import ProxyRequest
@@ -57,7 +58,7 @@ class Proxy:
     def __init__(self, pipeline: RoutingPipeline, upstreams: UpstreamPools,
                  detector: OutlierDetector, budget: RetryBudget, metrics: GatewayMetrics,
                  max_retries: int, resumer: Resumer, stalls: StallWatch,
-                 clock: Callable[[], float] = time.perf_counter,
+                 clock: Clock = time.perf_counter,
                  prune_interval_s: float = 1.0) -> None:
         self.pipeline = pipeline
         self.upstreams = upstreams

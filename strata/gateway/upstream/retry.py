@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 
+from strata.clock import Clock
 from strata.gateway.config import RetryConfig
 
 
 class RetryBudget:
     """Sliding-window counts of requests and retries; `try_spend()` takes one retry if allowed."""
 
-    def __init__(self, config: RetryConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: RetryConfig, clock: Clock = time.monotonic) -> None:
         self.config = config
         self.clock = clock
         self._requests: deque[float] = deque()

@@ -27,6 +27,7 @@ from typing import TypeVar
 
 import httpx
 
+from strata.clock import Clock
 from strata.gateway.config import ResumeConfig
 from strata.gateway.routing.instances import InstanceView
 
@@ -40,7 +41,7 @@ class Watched:
 
     view: InstanceView
     last_data_at: float
-    clock: Callable[[], float]
+    clock: Clock
     scope: asyncio.Timeout | None = None  # while waiting on the instance
     was_ended: bool = False
 
@@ -78,7 +79,7 @@ class StallWatch:
 
     config: ResumeConfig
     client: httpx.AsyncClient
-    clock: Callable[[], float] = time.monotonic
+    clock: Clock = time.monotonic
     on_dead: Callable[[InstanceView, int], None] | None = None  # (instance, attempts ended)
     watched: dict[str, set[Watched]] = field(default_factory=dict)
     probes: dict[str, asyncio.Task[None]] = field(default_factory=dict)

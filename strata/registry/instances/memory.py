@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import replace
 
+from strata.clock import Clock
 from strata.registry.instances.base import RegistryOptions, as_seen, check_ttl, unknown_instance
 from strata.registry.instances.records import InstanceLoad, InstanceRecord, InstanceState
 
@@ -13,7 +13,7 @@ from strata.registry.instances.records import InstanceLoad, InstanceRecord, Inst
 class MemoryRegistry:
     """A Registry held in this process's memory; nothing is shared with other processes."""
 
-    def __init__(self, *, ttl_s: float = 5.0, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, *, ttl_s: float = 5.0, clock: Clock = time.time) -> None:
         check_ttl(ttl_s)
         self.ttl_s = ttl_s
         self.clock = clock

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from strata.clock import Clock
 from strata.errors import RegistryError
 from strata.registry.instances.base import RegistryOptions, as_seen, check_ttl, unknown_instance
 from strata.registry.instances.records import InstanceLoad, InstanceRecord, InstanceState
@@ -32,7 +32,7 @@ return 1
 class RedisRegistry:
     """A Registry in a Redis server shared by every process that uses the same URL and prefix."""
 
-    def __init__(self, url: str, *, ttl_s: float = 5.0, clock: Callable[[], float] = time.time,
+    def __init__(self, url: str, *, ttl_s: float = 5.0, clock: Clock = time.time,
                  prefix: str = "strata:registry") -> None:
         check_ttl(ttl_s)
         self.url = url

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from strata.clock import Clock
 from strata.errors import RegistryError
 from strata.registry.instances.base import RegistryOptions, as_seen, check_ttl, unknown_instance
 from strata.registry.instances.records import InstanceLoad, InstanceRecord, InstanceState
@@ -28,7 +28,7 @@ class SqliteRegistry:
     """A Registry in a SQLite file shared by every process that opens the same path."""
 
     def __init__(self, path: str | Path, *, ttl_s: float = 5.0,
-                 clock: Callable[[], float] = time.time, busy_timeout_ms: int = 10_000) -> None:
+                 clock: Clock = time.time, busy_timeout_ms: int = 10_000) -> None:
         check_ttl(ttl_s)
         self.path = Path(path)
         self.ttl_s = ttl_s

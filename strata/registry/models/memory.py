@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from strata.clock import Clock
 from strata.registry.leases import Lease
 from strata.registry.models.base import (
     Deployment,
@@ -36,7 +36,7 @@ from strata.registry.releases.health import HEALTH_RETENTION_S, HealthWindow
 class MemoryModelRegistry:
     """A ModelRegistry held in this process's memory; nothing is shared with other processes."""
 
-    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, *, clock: Clock = time.time) -> None:
         self.clock = clock
         self._versions: dict[str, str] = {}  # name@version -> JSON
         self._routing: dict[str, str] = {}  # name -> JSON

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from strata.clock import Clock
 from strata.errors import RegistryError
 from strata.registry.leases import Lease
 from strata.registry.models.base import (
@@ -116,7 +116,7 @@ return 0
 class RedisModelRegistry:
     """A ModelRegistry in a Redis server shared by every process using the same URL and prefix."""
 
-    def __init__(self, url: str, *, clock: Callable[[], float] = time.time,
+    def __init__(self, url: str, *, clock: Clock = time.time,
                  prefix: str = "strata:models") -> None:
         self.url = url
         self.clock = clock

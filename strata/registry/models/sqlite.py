@@ -23,11 +23,11 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from strata.clock import Clock
 from strata.errors import ConflictError, RegistryError
 from strata.registry.leases import Lease
 from strata.registry.models.base import (
@@ -78,7 +78,7 @@ _PRUNE_RELEASES = (
 class SqliteModelRegistry:
     """A ModelRegistry in a SQLite file shared by every process that opens the same path."""
 
-    def __init__(self, path: str | Path, *, clock: Callable[[], float] = time.time,
+    def __init__(self, path: str | Path, *, clock: Clock = time.time,
                  busy_timeout_ms: int = 10_000) -> None:
         self.path = Path(path)
         self.clock = clock

@@ -53,6 +53,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 
+from strata.clock import Clock
 from strata.errors import (
     ConfigError,
     ConflictError,
@@ -81,7 +82,7 @@ class ReleaseController:
 
     def __init__(self, models: ModelRegistry, instances: Registry, *, owner: str, warm: Warm,
                  health: HealthOf | None = None, config: ReleaseConfig | None = None,
-                 clock: Callable[[], float] = time.time,
+                 clock: Clock = time.time,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         if not owner:
             raise ConfigError("a release controller needs a non-empty owner (unique per "

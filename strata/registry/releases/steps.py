@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
+from strata.clock import Clock
 from strata.errors import ConflictError, ReleaseSupersededError, StrataError
 from strata.registry.instances.base import Registry
 from strata.registry.instances.records import InstanceRecord, InstanceState
@@ -32,7 +33,7 @@ class ReleaseSteps:
     controller) and returns it as stored after its transition."""
 
     def __init__(self, models: ModelRegistry, instances: Registry, *, owner: str, warm: Warm,
-                 health: HealthOf | None, config: ReleaseConfig, clock: Callable[[], float],
+                 health: HealthOf | None, config: ReleaseConfig, clock: Clock,
                  sleep: Callable[[float], Awaitable[None]]) -> None:
         self.models, self.owner = models, owner
         self.effects = ReleaseEffects(models, instances)

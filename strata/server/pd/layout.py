@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
+from strata.clock import Clock
 from strata.protocol.pd import LAYOUT_PATH
 from strata.server.pd.metrics import PDMetrics
 from strata.server.pd.wire import FORMAT
@@ -68,7 +68,7 @@ class PeerLayouts:
     def __init__(self, local: dict[str, Any], client: httpx.AsyncClient, metrics: PDMetrics,
                  *, ttl_s: float = 2.0, timeout_s: float = 2.0,
                  headers: dict[str, str] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Clock = time.monotonic) -> None:
         self.local = local
         self.client = client
         self.metrics = metrics

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from strata.clock import Clock
 from strata.engine.outputs import HeldBlocks
 from strata.types import RequestId
 
@@ -41,7 +42,7 @@ class LeaseTable:
     `release` hands a request's held blocks back to the engine (`AsyncEngine.release_held`)."""
 
     def __init__(self, release: Callable[[RequestId], None], *, lease_s: float = 10.0,
-                 broken_grace_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
+                 broken_grace_s: float = 2.0, clock: Clock = time.monotonic,
                  on_release: Callable[[Lease], None] | None = None) -> None:
         self.release = release
         self.lease_s = lease_s

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from strata.clock import Clock
 from strata.gateway.control.dashboard.models import models_and_releases
 from strata.gateway.control.dashboard.scrape import CounterReader
 from strata.gateway.control.dashboard.series import LiveSeries
@@ -87,7 +88,7 @@ class DashboardData:
 
     def __init__(self, gateway: Gateway, series: LiveSeries, reader: CounterReader, *,
                  autoscaler: AutoscalerSource | None = None, window_s: int = 300,
-                 max_age_s: float = 0.5, clock: Callable[[], float] = time.time) -> None:
+                 max_age_s: float = 0.5, clock: Clock = time.time) -> None:
         self.gateway = gateway
         self.series = series
         self.reader = reader

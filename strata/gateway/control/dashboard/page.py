@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import hmac
 import time
-from collections.abc import Callable
 from importlib import resources
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from strata.clock import Clock
 from strata.gateway.control.dashboard.data import AutoscalerSource, DashboardData
 from strata.gateway.control.dashboard.scrape import CounterReader
 from strata.gateway.control.dashboard.series import LiveSeries
@@ -66,7 +66,7 @@ def is_admin(request: Request) -> bool:
 
 
 def dashboard_routes(gateway: Gateway, *, autoscaler: AutoscalerSource | None = None,
-                     clock: Callable[[], float] = time.time) -> list[Route]:
+                     clock: Clock = time.time) -> list[Route]:
     """The dashboard's routes over `gateway`; hooks its series into the proxy's observers.
     `clock` is the wall clock the samples and heartbeat ages are read on."""
     series = LiveSeries(clock=clock)

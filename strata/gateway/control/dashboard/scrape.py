@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
 
+from strata.clock import Clock
 from strata.gateway.control.dashboard.series import LiveSeries
 from strata.gateway.routing.instances import DEAD, InstanceView
 
@@ -69,7 +70,7 @@ class CounterReader:
     """Reads the instances' counters into the series; keeps each instance's last read."""
 
     def __init__(self, client: httpx.AsyncClient, series: LiveSeries, *, timeout_s: float = 0.5,
-                 min_interval_s: float = 1.0, clock: Callable[[], float] = time.time) -> None:
+                 min_interval_s: float = 1.0, clock: Clock = time.time) -> None:
         self.client = client
         self.series = series
         self.timeout_s = timeout_s

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from strata.clock import Clock
 from strata.gateway.routing.instances import InstanceView
 
 # a decode interval longer than this (no dashboard was open) only sets a new baseline
@@ -51,7 +51,7 @@ class Slot:
 class LiveSeries:
     """The ring of slots; `window` turns the last seconds into chart columns."""
 
-    def __init__(self, num_slots: int = 300, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, num_slots: int = 300, clock: Clock = time.time) -> None:
         self.num_slots = num_slots
         self.clock = clock
         self.started_s = int(clock())  # no second before this one is shown

@@ -14,15 +14,16 @@ Pure bookkeeping over an injected clock, no I/O, like the prefix index beside it
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
+from strata.clock import Clock
 from strata.gateway.routing.instances import InstanceView
 
 FORGOTTEN = 1e-6  # an average below this many requests, with none in flight, is dropped (0)
 
 
 class LoadAverages:
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self, clock: Clock) -> None:
         self.clock = clock
         self._average: dict[str, float] = {}
         self._load: dict[str, int] = {}  # requests in flight since the last event

@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from strata.clock import Clock
 
 Key = bytes
 
@@ -71,7 +73,7 @@ class PrefixIndex:
     """Per instance: reported blocks and routed keys (see the module docstring)."""
 
     def __init__(self, config: IndexConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Clock = time.monotonic) -> None:
         self.config = config or IndexConfig()
         self.clock = clock
         self._reported: dict[str, _Reported] = {}
