@@ -46,14 +46,15 @@ async def _proxied(request: Request, gateway: Gateway, forward: Handler) -> Resp
     gateway.metrics.requests_by_endpoint.inc(path)
     body = await request.body()
     try:
-        route = route_request(body, request.headers,
-                              max_priority=request.scope.get("state", {}).get(MAX_PRIORITY_STATE))
+        route, data = route_request(
+            body, request.headers, max_priority=request.scope.get("state", {}).get(
+                MAX_PRIORITY_STATE))
     except InvalidRequestError as exc:
         gateway.metrics.errors.labels("bad_request").inc()
         return error_response(400, str(exc))
     headers = [(k, v) for k, v in request.headers.items() if k != PRIORITY_HEADER]
     headers.append((PRIORITY_HEADER, str(route.priority)))  # the instance gets it clamped
-    preq = ProxyRequest(request.method, path, body, headers, route, received_at)
+    preq = ProxyRequest(request.method, path, body, headers, route, received_at, data)
     return await forward(preq)
 
 

@@ -84,7 +84,7 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
     registry), requests are routed by version (live, canary, session pins); with
     `instance_registry` too, releases are driven from here (the controller watches instances
     register there). `control_client` is closed with the gateway."""
-    policy = create_policy(config.policy, config=config, rng=rng)
+    policy = create_policy(config.policy, config=config, rng=rng, clock=clock)
     exits = contextlib.AsyncExitStack()
     metrics = GatewayMetrics()
     instances = source.instances

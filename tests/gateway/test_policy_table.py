@@ -44,7 +44,7 @@ class LastCandidatePolicy(StatelessPolicy):
 
 @pytest.fixture
 def toy_row() -> Iterator[None]:
-    register_policy("last_candidate", lambda config, rng: LastCandidatePolicy())
+    register_policy("last_candidate", lambda context: LastCandidatePolicy())
     yield
     del POLICIES["last_candidate"]
 
@@ -83,7 +83,7 @@ def test_a_policy_registered_with_one_row_is_a_cli_choice_and_routes_requests(to
 
 def test_a_taken_name_is_refused_and_an_unknown_one_lists_the_table(toy_row) -> None:
     with pytest.raises(ConfigError, match="already registered"):
-        register_policy("round_robin", lambda config, rng: LastCandidatePolicy())
+        register_policy("round_robin", lambda context: LastCandidatePolicy())
     with pytest.raises(ConfigError, match="last_candidate, least_load, power_of_two"):
         create_policy("nope")
 

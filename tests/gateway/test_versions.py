@@ -22,11 +22,11 @@ from strata.state.pins import MemoryPinStore
 
 
 def test_model_at_version_names_a_version_like_the_header() -> None:
-    route = route_request(b'{"model": "m@v2"}', {})
+    route, _ = route_request(b'{"model": "m@v2"}', {})
     assert (route.model, route.version) == ("m", "v2")
-    route = route_request(b'{"model": "m"}', {"x-model-version": "v1"})
+    route, _ = route_request(b'{"model": "m"}', {"x-model-version": "v1"})
     assert (route.model, route.version) == ("m", "v1")
-    assert route_request(b'{"model": "m@v1"}', {"x-model-version": "v1"}).version == "v1"
+    assert route_request(b'{"model": "m@v1"}', {"x-model-version": "v1"})[0].version == "v1"
     with pytest.raises(InvalidRequestError, match="asks for 'v2'"):
         route_request(b'{"model": "m@v1"}', {"x-model-version": "v2"})
     with pytest.raises(InvalidRequestError, match="NAME@VERSION"):

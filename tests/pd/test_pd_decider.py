@@ -13,7 +13,7 @@ from test_forward import steps_of
 from strata.errors import ConfigError
 from strata.gateway.config import GatewayConfig, PDRoutingConfig, SessionRoutingConfig
 from strata.gateway.routing.instances import InstanceSet, InstanceView
-from strata.gateway.routing.pd import Decider, prompt_bytes_estimate
+from strata.gateway.routing.pd import Decider, HandOffAsk, prompt_bytes_estimate
 from strata.gateway.routing.pipeline import RoutingPipeline
 from strata.gateway.routing.policies import RouteRequest
 from strata.gateway.routing.policies.round_robin import RoundRobinPolicy
@@ -24,9 +24,11 @@ LONG = "x" * 400  # 100 tokens by the bytes / 4 estimate
 
 
 def request(body: dict[str, Any], path: str = "/v1/chat/completions",
-            **route: Any) -> ProxyRequest:
-    return ProxyRequest("POST", path, json.dumps(body).encode(), [],
-                        RouteRequest(model="m", **route), 0.0)
+            **route: Any) -> HandOffAsk:
+    """The decider's ask for a proxied request, as the HandOff step builds it."""
+    proxied = ProxyRequest("POST", path, json.dumps(body).encode(), [],
+                           RouteRequest(model="m", **route), 0.0, body)
+    return HandOffAsk.of(proxied, prompt_bytes_estimate)
 
 
 def chat(content: str, **fields: Any) -> dict[str, Any]:

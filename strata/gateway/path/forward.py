@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
@@ -202,11 +201,8 @@ class CacheAnswers:
         model = route.model or (next(iter(routed)) if len(routed) == 1 else None)
         if model is None:
             return None
-        try:
-            body = json.loads(request.body)
-        except ValueError:
-            return None
-        if not isinstance(body, dict):
+        body = request.body_json
+        if body is None:
             return None
         tenant = ""
         if self.cache.is_per_tenant:
@@ -261,8 +257,8 @@ class KeyPrefix:
         tenant = ""
         if self.prefix.is_per_tenant:
             tenant = tenant_of_key(bearer_key(dict(request.headers).get("authorization", "")))
-        keys = self.prefix.keys(request.body, route.session_id, self.pipeline.candidates(route),
-                                tenant)
+        keys = self.prefix.keys(request.body_json, route.session_id,
+                                self.pipeline.candidates(route), tenant)
         if keys is not None:
             request = dataclasses.replace(request, route=dataclasses.replace(route, prefix=keys))
         return await call_next(request)

@@ -1,4 +1,9 @@
-"""What the gateway reads from a request to route it (the body is forwarded untouched)."""
+"""What the gateway reads from a request to route it (the body is forwarded untouched).
+
+The body is parsed once, by the hardened reader (strata/protocol/json_body.py), when the request
+enters (`route_request`); the parsed object rides on the `ProxyRequest` (`body_json`) for every
+step that reads a field (the response cache's key, the prefix keys, the P/D decision, a resume).
+"""
 
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ BYTES_PER_TOKEN = 4  # a rough prompt-size estimate; only used to weigh load
 
 @dataclass(frozen=True, slots=True)
 class ProxyRequest:
-    """A client request to forward: the body bytes go to the instance untouched."""
+    """A client request to forward: the body bytes go to the instance untouched; `body_json` is
+    the body as parsed when it entered (None: not a JSON object, or not parsed)."""
 
     method: str
     path: str
@@ -28,6 +34,7 @@ class ProxyRequest:
     headers: list[tuple[str, str]]
     route: RouteRequest
     received_at: float
+    body_json: dict[str, Any] | None = None
 
 
 def _field(data: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -53,12 +60,19 @@ def _model_and_version(model: str | None,
 
 
 def route_request(body: bytes, headers: Mapping[str, str], *,
-                  max_priority: int | None = None) -> RouteRequest:
+                  max_priority: int | None = None) -> tuple[RouteRequest, dict[str, Any]]:
     """RouteRequest from a JSON body (model, stream, max_tokens, session_id, priority) and the
     routing headers (the `X-Session-Id` header wins over the body's `session_id`;
     `model: "name@version"` and `X-Model-Version` select a version; `X-Priority` wins over the
-    body's `priority`, and both are clamped to `max_priority`, the API key's ceiling)."""
+    body's `priority`, and both are clamped to `max_priority`, the API key's ceiling); and the
+    parsed body. A body that is not a JSON object, or a field of the wrong type, raises
+    InvalidRequestError."""
     data = parse_json_object(body) if body else {}
+    return _route(data, len(body), headers, max_priority), data
+
+
+def _route(data: dict[str, Any], num_bytes: int, headers: Mapping[str, str],
+           max_priority: int | None) -> RouteRequest:
     max_tokens = _field(data, "max_tokens", int) or DEFAULT_MAX_TOKENS
     model, version = _model_and_version(_field(data, "model", str), headers.get(VERSION_HEADER))
     return RouteRequest(
@@ -67,7 +81,7 @@ def route_request(body: bytes, headers: Mapping[str, str], *,
         pool=headers.get(POOL_HEADER),
         session_id=headers.get(SESSION_HEADER) or _field(data, "session_id", str),
         is_stream=bool(_field(data, "stream", bool)),
-        num_tokens=len(body) // BYTES_PER_TOKEN + max_tokens,
+        num_tokens=num_bytes // BYTES_PER_TOKEN + max_tokens,
         priority=effective_priority(headers.get(PRIORITY_HEADER), data.get("priority"),
                                     max_priority),
     )

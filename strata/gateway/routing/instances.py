@@ -4,6 +4,11 @@ An `InstanceView` merges three sources: the instance's record (from the registry
 static URL), the gateway's own accounting (requests and tokens it has in flight there), and the
 gateway's judgement of its health (consecutive failures, ejection). Records are replaced on every
 refresh; the accounting and health fields survive refreshes.
+
+The accounting has one door: `InstanceSet.begin` counts a request sent to an instance and
+returns its `Placement`, `InstanceSet.end` uncounts it once (a second end is a no-op). The proxy
+(through the routing pipeline, which also tells the policy), the P/D router's prefill leg and the
+capacity planner all count through it.
 """
 
 from __future__ import annotations
@@ -79,6 +84,15 @@ class InstanceView:
         }
 
 
+@dataclass(slots=True)
+class Placement:
+    """One request counted in flight on `view`, from `InstanceSet.begin` until `end`."""
+
+    view: InstanceView
+    num_tokens: int
+    is_open: bool = True
+
+
 class LoadLike(Protocol):
     @property
     def num_running(self) -> int: ...
@@ -134,6 +148,29 @@ class InstanceSet:
         return any(v.model == model and v.version == version and v.is_routable
                    for v in self._views.values())
 
+    def begin(self, view: InstanceView, num_tokens: int) -> Placement:
+        """Count one request (of `num_tokens` estimated tokens) in flight on `view`."""
+        view.num_in_flight += 1
+        view.num_in_flight_tokens += num_tokens
+        return Placement(view, num_tokens)
+
+    def end(self, placement: Placement) -> bool:
+        """Uncount `placement`; False when it had already ended (nothing changes)."""
+        if not placement.is_open:
+            return False
+        placement.is_open = False
+        placement.view.num_in_flight -= 1
+        placement.view.num_in_flight_tokens -= placement.num_tokens
+        return True
+
+    def in_flight_by_pool(self) -> dict[str, int]:
+        """Requests this gateway has in flight, by pool (pools with none are left out)."""
+        counts: dict[str, int] = {}
+        for view in self._views.values():
+            if view.num_in_flight:
+                counts[view.pool] = counts.get(view.pool, 0) + view.num_in_flight
+        return counts
+
     def add(self, view: InstanceView) -> InstanceView:
         self._views[view.instance_id] = view
         return view
@@ -169,5 +206,5 @@ class InstanceSet:
         view.reported = load_from_record(record.load)
 
 
-__all__ = ["DEAD", "DRAINING", "READY", "STARTING", "InstanceSet", "InstanceView",
+__all__ = ["DEAD", "DRAINING", "READY", "STARTING", "InstanceSet", "InstanceView", "Placement",
            "RecordLike", "ReportedLoad"]

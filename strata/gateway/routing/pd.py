@@ -1,9 +1,11 @@
 """Prefill/decode hand-off ("P/D") on the gateway: decide per request, ask a prefill instance for a
 handle, send the request on to a decode instance with it (the exchange: strata/protocol/pd.py).
 
-    Decider     remote or local, from the estimated uncached prompt tokens and the prefill
-                pool's backlog; the estimate is a seam (`UncachedEstimate`): prompt bytes / 4
-                today, the decode candidates' prefix-cache state once the gateway has an index
+    Decider     remote or local (`HandOffAsk` -> `Decision`), from the estimated uncached prompt
+                tokens and the prefill pool's backlog; the estimate is a seam
+                (`UncachedEstimate`): prompt bytes / 4 today, the decode candidates'
+                prefix-cache state once the gateway has an index. The capacity planner asks
+                this same decider (strata/plan/routing.py)
     PDRouter    the `HandOff` step's work (strata/gateway/path/forward.py)
 
 Failures never reach the client as errors: a prefill instance that fails (connect error, error
@@ -30,6 +32,7 @@ from strata.gateway.config import PDRoutingConfig
 from strata.gateway.routing.health import OutlierDetector
 from strata.gateway.routing.instances import InstanceView
 from strata.gateway.routing.pipeline import RoutingPipeline
+from strata.gateway.routing.policies.base import RouteRequest
 from strata.gateway.upstream.pools import UpstreamPools, close_quietly, forwarded_headers
 from strata.gateway.upstream.proxy import ProxyRequest
 from strata.protocol.pd import DECODE_PREFIX, GENERATION_PATHS, HANDOFF_HEADER, PREFILL_PREFIX
@@ -60,6 +63,26 @@ def prompt_bytes_estimate(body: dict[str, Any], decode_candidates: Sequence[Inst
 
 
 @dataclass(frozen=True, slots=True)
+class HandOffAsk:
+    """What the decider reads of a request: its route, whether it is one prompt and one choice
+    on a generation path (one handle can serve it), and its uncached prompt tokens on a set of
+    decode candidates (asked only when the rules before it pass)."""
+
+    route: RouteRequest
+    is_generation: bool
+    is_one_choice: bool
+    uncached_tokens: Callable[[Sequence[InstanceView]], int]
+
+    @classmethod
+    def of(cls, request: ProxyRequest, estimate: UncachedEstimate) -> HandOffAsk:
+        """The gateway's ask for a proxied request (its body parsed once, on the request)."""
+        body = request.body_json
+        is_one = body is not None and body.get("n", 1) == 1 and not _is_batch(body.get("prompt"))
+        return cls(request.route, request.path in GENERATION_PATHS, is_one,
+                   lambda decodes: estimate(body or {}, decodes))
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     prefill: InstanceView | None  # None: the decode instance prefills locally
     reason: str  # remote, short, backlog, no_prefill, session, shape
@@ -74,19 +97,17 @@ class Decider:
         self.pipeline = pipeline
         self.estimate = estimate
 
-    def decide(self, request: ProxyRequest) -> Decision:
-        route = request.route
+    def decide(self, ask: HandOffAsk) -> Decision:
+        route = ask.route
         if route.session_id is not None:
             return Decision(None, "session")  # a session's turn is stored by one instance
         prefill_route = dataclasses.replace(route, role="prefill")
         prefills = self.pipeline.candidates(prefill_route)
-        if not prefills or request.path not in GENERATION_PATHS:
+        if not prefills or not ask.is_generation:
             return Decision(None, "no_prefill")
-        body = _json_object(request.body)
-        if body is None or body.get("n", 1) != 1 or _is_batch(body.get("prompt")):
+        if not ask.is_one_choice:
             return Decision(None, "shape")  # one prompt, one choice: one handle
-        decodes = self.pipeline.candidates(route)
-        if self.estimate(body, decodes) < self.config.min_uncached_tokens:
+        if ask.uncached_tokens(self.pipeline.candidates(route)) < self.config.min_uncached_tokens:
             return Decision(None, "short")
         chosen = self.pipeline.policy.choose(prefill_route, prefills)
         if chosen.request_load >= self.config.max_prefill_queue:
@@ -99,14 +120,6 @@ class Decider:
 def _is_batch(prompt: object) -> bool:
     """Several prompts (strings or token lists), not one prompt of token ids."""
     return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
-
-
-def _json_object(body: bytes) -> dict[str, Any] | None:
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) else None
 
 
 class PDMetrics:
@@ -136,7 +149,7 @@ class PDRouter:
 
     async def forward(self, request: ProxyRequest, call_next: Handler) -> Response:
         request = _without_handle(request)  # only this gateway gives one
-        decision = self.decider.decide(request)
+        decision = self.decider.decide(HandOffAsk.of(request, self.decider.estimate))
         self.metrics.decisions.labels(decision.reason).inc()
         if decision.prefill is None:
             return await call_next(request)
@@ -151,9 +164,7 @@ class PDRouter:
         """P's handle with P's URL, or None when P failed (counted toward its ejection)."""
         # The policy's hooks are left to the decode pick: a round robin that counted both
         # picks of each request would send every request to the same decode instance.
-        route = request.route
-        view.num_in_flight += 1
-        view.num_in_flight_tokens += route.num_tokens
+        placement = self.pipeline.instances.begin(view, request.route.num_tokens)
         try:
             handle = await asyncio.wait_for(self._ask(view, request),
                                             self.config.prefill_timeout_s)
@@ -162,8 +173,7 @@ class PDRouter:
             self.detector.record_failure(view)
             handle = None
         finally:
-            view.num_in_flight -= 1
-            view.num_in_flight_tokens -= route.num_tokens
+            self.pipeline.instances.end(placement)
         self.metrics.prefills.labels("ok" if handle is not None else "failed").inc()
         return handle
 
@@ -193,4 +203,5 @@ def _without_handle(request: ProxyRequest) -> ProxyRequest:
     return dataclasses.replace(request, headers=headers)
 
 
-__all__ = ["Decider", "Decision", "PDRouter", "UncachedEstimate", "prompt_bytes_estimate"]
+__all__ = ["Decider", "Decision", "HandOffAsk", "PDRouter", "UncachedEstimate",
+           "prompt_bytes_estimate"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from strata.gateway.routing.instances import InstanceSet, InstanceView
+from strata.gateway.routing.instances import InstanceSet, InstanceView, Placement
 from strata.gateway.routing.policies.base import RouteRequest, RoutingPolicy
 
 Filter = Callable[[RouteRequest, InstanceView], bool]
@@ -55,8 +55,8 @@ class RouteDecision:
 
 class RoutingPipeline:
     """Filters, then the policy (with pinned sessions, the policy that places them first).
-    `route` does not change any state; the caller calls the policy's hooks when it actually
-    sends the request."""
+    `route` does not change any state; the caller says `sent` when it actually sends the
+    request (counted in flight, the policy's hook) and `ended` when that attempt ends."""
 
     def __init__(self, instances: InstanceSet, policy: RoutingPolicy,
                  filters: tuple[Filter, ...] = FILTERS) -> None:
@@ -76,6 +76,18 @@ class RoutingPipeline:
         if candidates:
             return RouteDecision(self.policy.choose(request, candidates))
         return self._no_instance(request, exclude)
+
+    def sent(self, request: RouteRequest, view: InstanceView) -> Placement:
+        """`request` went to `view`: counted in flight there, the policy told."""
+        placement = self.instances.begin(view, request.num_tokens)
+        self.policy.on_request_routed(request, view)
+        return placement
+
+    def ended(self, request: RouteRequest, placement: Placement, *, is_success: bool) -> None:
+        """The attempt `sent` returned `placement` for is over (once: a second call does
+        nothing)."""
+        if self.instances.end(placement):
+            self.policy.on_request_finished(request, placement.view, is_success=is_success)
 
     def _no_instance(self, request: RouteRequest, exclude: Collection[str]) -> RouteDecision:
         known = {view.model for view in self.instances.snapshot() if view.model}

@@ -260,25 +260,19 @@ class Proxy:
         return attempt.watched.chunks(chunks) if attempt.watched is not None else chunks
 
     def _begin(self, attempt: Attempt) -> None:
-        view, route = attempt.view, attempt.request.route
+        view = attempt.view
         attempt.watched = self.stalls.open(view)
-        view.num_in_flight += 1
-        view.num_in_flight_tokens += route.num_tokens
-        self.pipeline.policy.on_request_routed(route, view)
+        attempt.placement = self.pipeline.sent(attempt.request.route, view)
         self.metrics.routed_by_instance.inc(view.instance_id)
 
     def _finish(self, attempt: Attempt, *, is_success: bool) -> None:
-        if attempt.is_finished:
+        if attempt.placement is None or attempt.is_finished:
             return
-        attempt.is_finished = True
         if attempt.watched is not None:
             self.stalls.close(attempt.watched)
-        view, route = attempt.view, attempt.request.route
-        view.num_in_flight -= 1
-        view.num_in_flight_tokens -= route.num_tokens
         if is_success:
-            self.detector.record_success(view)
-        self.pipeline.policy.on_request_finished(route, view, is_success=is_success)
+            self.detector.record_success(attempt.view)
+        self.pipeline.ended(attempt.request.route, attempt.placement, is_success=is_success)
 
     def _failed(self, attempt: Attempt, failure: Failure) -> Failure:
         self._finish(attempt, is_success=False)

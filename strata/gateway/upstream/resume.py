@@ -107,7 +107,10 @@ class StreamRecord:
                 finish = {"reason": mark["f"], "stop_reason": mark.get("s")}
         if start is None or (finish is not None and finish["reason"] not in RESUMABLE_FINISHES):
             return None
-        return {"path": self.request.path, "request": json.loads(self.request.body),
+        body = self.request.body_json
+        if body is None:
+            return None
+        return {"path": self.request.path, "request": body,
                 "id": start["id"], "created": start["created"], "version": start["version"],
                 "prompt_token_ids": start["prompt"], "output_token_ids": sent,
                 "finish": finish, "session_revision": self.session_revision}

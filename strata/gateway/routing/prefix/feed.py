@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -77,18 +77,15 @@ class PrefixRouting:
 
     # --- keys ---------------------------------------------------------------------------------
 
-    def keys(self, body: bytes, session_id: str | None, candidates: Sequence[InstanceView],
-             tenant: str = "") -> PrefixKeys | None:
+    def keys(self, body: dict[str, Any] | None, session_id: str | None,
+             candidates: Sequence[InstanceView], tenant: str = "") -> PrefixKeys | None:
         """The request's keys per candidate; None without a prompt to key (or for a session
         turn, whose history the instance prepends). `tenant` ("": none) salts them as the
-        instance salts the caller's blocks (strata/server/translate.py `tenant_scoped`)."""
-        if session_id is not None or not candidates:
+        instance salts the caller's blocks (strata/server/translate.py `tenant_scoped`). `body`
+        is the request's parsed body (None: not a JSON object)."""
+        if session_id is not None or not candidates or body is None:
             return None
-        try:
-            data = json.loads(body)
-        except ValueError:
-            return None
-        prompt = prompt_of(data) if isinstance(data, dict) else None
+        prompt = prompt_of(body)
         if prompt is None:
             return None
         if tenant:
@@ -101,7 +98,7 @@ class PrefixRouting:
             if keyset is None:
                 keyset = sets[identity] = self._keyset(prompt, identity)
             by_instance[view.instance_id] = keyset
-        max_tokens = data.get("max_completion_tokens") or data.get("max_tokens")
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         return PrefixKeys(by_instance, max_tokens if isinstance(max_tokens, int)
                           else DEFAULT_MAX_TOKENS)
 
