@@ -164,7 +164,7 @@ class PDRouter:
         """P's handle with P's URL, or None when P failed (counted toward its ejection)."""
         # The policy's hooks are left to the decode pick: a round robin that counted both
         # picks of each request would send every request to the same decode instance.
-        placement = self.pipeline.instances.begin(view, request.route.num_tokens)
+        in_flight = self.pipeline.instances.begin(view, request.route.num_tokens)
         try:
             handle = await asyncio.wait_for(self._ask(view, request),
                                             self.config.prefill_timeout_s)
@@ -173,7 +173,7 @@ class PDRouter:
             self.detector.record_failure(view)
             handle = None
         finally:
-            self.pipeline.instances.end(placement)
+            self.pipeline.instances.end(in_flight)
         self.metrics.prefills.labels("ok" if handle is not None else "failed").inc()
         return handle
 

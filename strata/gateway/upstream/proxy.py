@@ -262,17 +262,17 @@ class Proxy:
     def _begin(self, attempt: Attempt) -> None:
         view = attempt.view
         attempt.watched = self.stalls.open(view)
-        attempt.placement = self.pipeline.sent(attempt.request.route, view)
+        attempt.in_flight = self.pipeline.sent(attempt.request.route, view)
         self.metrics.routed_by_instance.inc(view.instance_id)
 
     def _finish(self, attempt: Attempt, *, is_success: bool) -> None:
-        if attempt.placement is None or attempt.is_finished:
+        if attempt.in_flight is None or attempt.is_finished:
             return
         if attempt.watched is not None:
             self.stalls.close(attempt.watched)
         if is_success:
             self.detector.record_success(attempt.view)
-        self.pipeline.ended(attempt.request.route, attempt.placement, is_success=is_success)
+        self.pipeline.ended(attempt.request.route, attempt.in_flight, is_success=is_success)
 
     def _failed(self, attempt: Attempt, failure: Failure) -> Failure:
         self._finish(attempt, is_success=False)
