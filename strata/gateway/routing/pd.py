@@ -33,6 +33,7 @@ from strata.gateway.routing.health import OutlierDetector
 from strata.gateway.routing.instances import InstanceView
 from strata.gateway.routing.pipeline import RoutingPipeline
 from strata.gateway.routing.policies.base import RouteRequest
+from strata.gateway.stats import GatewayStats
 from strata.gateway.upstream.pools import UpstreamPools, close_quietly, forwarded_headers
 from strata.gateway.upstream.proxy import ProxyRequest
 from strata.protocol.pd import DECODE_PREFIX, GENERATION_PATHS, HANDOFF_HEADER, PREFILL_PREFIX
@@ -139,8 +140,10 @@ class PDRouter:
 
     def __init__(self, config: PDRoutingConfig, pipeline: RoutingPipeline,
                  upstreams: UpstreamPools, detector: OutlierDetector, reg: CollectorRegistry,
-                 estimate: UncachedEstimate = prompt_bytes_estimate) -> None:
+                 estimate: UncachedEstimate = prompt_bytes_estimate,
+                 stats: GatewayStats | None = None) -> None:
         self.config = config
+        self.stats = stats if stats is not None else GatewayStats()
         self.decider = Decider(config, pipeline, estimate)
         self.pipeline = pipeline
         self.upstreams = upstreams
@@ -153,6 +156,7 @@ class PDRouter:
         self.metrics.decisions.labels(decision.reason).inc()
         if decision.prefill is None:
             return await call_next(request)
+        self.stats.remote_prefill()
         handle = await self._prefill(decision.prefill, request)
         if handle is None:
             return await call_next(request)  # the decode instance prefills locally
