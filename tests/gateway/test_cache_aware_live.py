@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import socket
 import time
@@ -85,7 +86,7 @@ def test_the_feed_mirrors_the_instance_and_forgets_it_within_a_second() -> None:
             await until(lambda: "i1" in routing.identities and routing.hashers, 30,
                         "the identity and the tokenizer")
             body = chat_body(system, "hello there")
-            keys = routing.keys(body, None, [view])
+            keys = routing.keys(json.loads(body), None, [view])
             assert keys is not None
             keyset = keys.for_instance("i1")
             assert keyset is not None and keyset.tokens_per_key == 16
