@@ -90,8 +90,8 @@ def instance_argv(config: LocalClusterConfig, version: ModelVersion, instance_id
     host (None: without where it listens; the caller adds `listen_args`)."""
     c, role = config, config.role_of(index) if role is None else role
     argv = [python, "-m", "strata.cli", "serve", *serve_model_args(version, c.serve_args),
-            *(listen_args(c.host, port) if port is not None else []),
-            "--registry", c.registry_url, "--instance-id", instance_id]
+            "--registry", c.registry_url, "--instance-id", instance_id,
+            *(listen_args(c.host, port) if port is not None else [])]
     argv += ["--role", role] if role != MIXED else []
     argv += ["--pool", pool] if pool != DEFAULT_POOL else []
     if c.threads_per_instance and not version.is_simulated:
