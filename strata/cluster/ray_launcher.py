@@ -20,6 +20,9 @@ one placement group of W bundles made here, one per replica: the instance actor 
 ranks 1 .. W-1 in the other bundles (strata/cluster/ray_ranks.py). The group outlives restarts
 of the actor, which Ray brings back into bundle 0; it is removed when the instance is drained.
 `--num-cpus-per-instance` is shared out over the W bundles.
+
+Replicas spread over the nodes by default (Ray's SPREAD strategy), so that losing a node takes
+out as few of them as it can; `--placement pack` lets Ray fill one node first.
 """
 
 from __future__ import annotations
@@ -104,6 +107,9 @@ class InstanceActor:
             return self._proc.wait()
 
 
+PLACEMENTS = ("spread", "pack")
+
+
 @dataclass(frozen=True, slots=True)
 class RayClusterConfig:
     cluster: LocalClusterConfig
@@ -111,6 +117,7 @@ class RayClusterConfig:
     num_cpus_per_instance: float = 0.5
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    placement: str = "spread"  # of replicas over nodes: spread or pack
 
     @property
     def ranks_per_instance(self) -> int:
@@ -119,6 +126,9 @@ class RayClusterConfig:
     def __post_init__(self) -> None:
         if self.num_cpus_per_instance <= 0:
             raise ConfigError("--num-cpus-per-instance must be > 0 (fractions are allowed)")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"--placement {self.placement!r} is unknown; choose one of "
+                              f"{', '.join(PLACEMENTS)}")
         if self.address and (self.cluster.registry or "").startswith("sqlite"):
             raise ConfigError(
                 "a Ray cluster of several nodes needs a shared registry: pass --registry "
@@ -170,6 +180,8 @@ class RayLauncher:
         argv = instance_argv(c, version, instance_id, None, sys.executable,
                              start.index, role=start.role, pool=start.pool)
         options: dict[str, Any] = {"num_cpus": self.config.num_cpus_per_instance}
+        if self.config.placement == "spread":
+            options["scheduling_strategy"] = "SPREAD"
         group = None
         if self.config.ranks_per_instance > 1 and not version.is_simulated:
             group, options = self._replica_group(argv)
