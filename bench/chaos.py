@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/chaos.py [--quick] [--only redis_kill,instance_freeze]
 
-For each fault (strata/bench/fault_scenarios.py): a fresh cluster of simulated instances
+For each fault (tests/harness/fault_scenarios.py): a fresh cluster of simulated instances
 (20 ms decode step), closed-loop load (conversations of session turns, every other one
 streamed, each retried until it succeeds; independent streams and plain requests), the fault
 injected after `before_s`, lasting `fault_s`, then `after_s` to recover. Reported per fault:
@@ -23,9 +23,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from strata.bench import fault_scenarios as scenarios
-from strata.bench.faults import FaultReport, LoadSize, Place, Timing
-from strata.bench.redis_server import find_redis_server
+from harness import fault_scenarios as scenarios
+from harness.faults import FaultReport, LoadSize, Place, Timing
+from harness.redis_server import find_redis_server
 
 RESULTS = Path(__file__).resolve().parent.parent / ".bench" / "results"
 HEADER = ("| fault | sent | failed | resumed | turns acked | turns lost | turns twice | "

@@ -1,5 +1,5 @@
-"""The long fuzz run: many mutated bodies (strata/bench/mutations.py) against a simulated
-instance and a gateway in front of it, real processes, judged by strata/bench/fuzz.py.
+"""The long fuzz run: many mutated bodies (tests/harness/mutations.py) against a simulated
+instance and a gateway in front of it, real processes, judged by tests/harness/fuzz.py.
 
     .venv/bin/python bench/fuzz.py [--num N] [--seed S] [--keyed]
 
@@ -21,8 +21,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from sim_stack import CLIENT_KEY, MODEL, sim_stack  # noqa: E402
 
-from strata.bench.fuzz import run_fuzz  # noqa: E402
-from strata.bench.mutations import Mutator  # noqa: E402
+from harness.fuzz import run_fuzz  # noqa: E402
+from harness.mutations import Mutator  # noqa: E402
 
 RESULTS = ROOT / ".bench" / "results"
 

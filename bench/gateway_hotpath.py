@@ -34,7 +34,7 @@ from gateway_overhead import SIM_MODEL, SIM_PROFILE, drive, smoke, start_instanc
 from procs import Proc, stop_all, wait_http
 
 from strata.bench import report as bench_report
-from strata.bench.procs import spawn as spawn_in
+from harness.procs import spawn as spawn_in
 from strata.bench.report import RequestResult, json_safe, percentile
 from strata.cluster.ports import free_port
 

@@ -1,17 +1,17 @@
-"""Processes a benchmark starts: the helper shared with the tests (strata/bench/procs.py: logs,
+"""Processes a benchmark starts: the helper shared with the tests (tests/harness/procs.py: logs,
 bounded waits, stop by PID), run from the repository root, plus what only benchmarks need.
 
 Shared by the bench scripts (gateway_overhead, gateway_scaling, sessions_tradeoff, kv_offload,
-failover, release_switch). Redis is strata/bench/redis_server.py, as in the tests.
+failover, release_switch). Redis is tests/harness/redis_server.py, as in the tests.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from strata.bench.procs import Proc, http_ok, stop_all, wait_until
-from strata.bench.procs import spawn as _spawn
-from strata.bench.redis_server import RedisServer, find_redis_server
+from harness.procs import Proc, http_ok, stop_all, wait_until
+from harness.procs import spawn as _spawn
+from harness.redis_server import RedisServer, find_redis_server
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,7 +18,7 @@ streams flowing through the gateway, registers v2 and runs `strata release m@v2`
   tests assert only that the release flips, not how soon);
 - the requests that failed, load and probes (target 0). A request succeeds when it is a 200
   whose body (SSE or JSON) has no error event and finishes with `length`
-  (strata.bench.checks); a stream cut mid-way ends with an error event and `[DONE]`: failed.
+  (harness.checks); a stream cut mid-way ends with an error event and `[DONE]`: failed.
 Writes .bench/results/release_switch.json, with each target met or missed.
 """
 
@@ -40,7 +40,7 @@ import httpx
 from failover import start_cluster, stop_cluster
 from gateway_overhead import PY, RESULTS, ROOT, SIM_PROFILE, load_average
 
-from strata.bench.checks import completion_failure
+from harness.checks import completion_failure
 from strata.bench.report import percentile
 from strata.registry import create_model_registry
 from strata.registry.models import Release

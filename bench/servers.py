@@ -1,5 +1,5 @@
 """Start `strata serve` and vLLM's OpenAI server, wait until ready, load them, stop them by PID
-(the process helper is strata/bench/procs.py, shared with the tests).
+(the process helper is tests/harness/procs.py, shared with the tests).
 
 `fixed_load` drives a server with `strata bench` (the project's load generator): 32 streamed
 completions x 128 prompt tokens x 64 output tokens, ignore_eos, all at once.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from workload import INPUT_LEN, NUM_PROMPTS, OUTPUT_LEN
 
-from strata.bench.procs import Proc, http_ok, spawn
+from harness.procs import Proc, http_ok, spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 STRATA = ROOT / ".venv" / "bin" / "strata"

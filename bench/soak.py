@@ -4,7 +4,7 @@
 
 The cluster: `strata up --replicas 2 --simulate` (20 ms decode step) and one real instance of
 the default model (SmolLM2-135M, `strata serve --registry` into the cluster's registry, one torch
-thread) behind the same gateway, sessions in SQLite. The load (strata/bench/chaos_load.py): on
+thread) behind the same gateway, sessions in SQLite. The load (tests/harness/chaos_load.py): on
 the simulated model 4 conversations (session turns, every other one streamed; a new session
 every 8 turns) and 4 workers of streams and plain requests; on the real model 1 conversation
 (a new session every 4 turns) and 1 worker. Every `--sample-s`, the resident memory (VmRSS) and
@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from strata.bench.chaos_load import ChaosLoad, LoadResult, check_sessions
-from strata.bench.faults import (
+from harness.chaos_load import ChaosLoad, LoadResult, check_sessions
+from harness.faults import (
     PROFILE,
     Place,
     pids,
@@ -37,7 +37,7 @@ from strata.bench.faults import (
     stop_cluster,
     wait_for_instances,
 )
-from strata.bench.procs import Proc, spawn
+from harness.procs import Proc, spawn
 from strata.cluster.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

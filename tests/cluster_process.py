@@ -1,5 +1,5 @@
 """`strata up` as a real process for end-to-end tests: start it, find its gateway, stop it.
-The process helper (and `wait_until`) is strata/bench/procs.py."""
+The process helper (and `wait_until`) is tests/harness/procs.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-
-from strata.bench.procs import Proc, start_up, wait_until
+from harness.procs import Proc, start_up, wait_until
 
 __all__ = ["Cluster", "start_cluster", "wait_until"]
 

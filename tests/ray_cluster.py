@@ -25,7 +25,7 @@ from strata.cluster.local import LocalClusterConfig
 from strata.cluster.ray_launcher import RayClusterConfig, RayLauncher
 from strata.cluster.seed import ClusterSeed, seed_registry
 from strata.registry import create_registry
-from strata.registry.model_registry import create_model_registry
+from strata.registry.models import create_model_registry
 
 OBJECT_STORE_BYTES = 80 * 2**20  # per node: the tests move no large objects
 

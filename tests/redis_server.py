@@ -1,4 +1,4 @@
-"""A real redis-server for tests: strata/bench/redis_server.py, skipped when no binary exists.
+"""A real redis-server for tests: tests/harness/redis_server.py, skipped when no binary exists.
 
     server = RedisServer(tmp_dir, extra_args=["--appendonly", "yes", "--appendfsync", "always"])
     server.start(); server.url; server.restart(kill=True); server.stop()
@@ -14,8 +14,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from harness import redis_server as bench_redis
 
-from strata.bench import redis_server as bench_redis
 from strata.cluster.ports import free_port
 
 __all__ = ["RedisServer", "free_port", "redis_server", "redis_server_binary", "redis_url"]
@@ -30,7 +30,7 @@ def redis_server_binary() -> Path:
 
 
 class RedisServer(bench_redis.RedisServer):
-    """One redis-server process (see strata/bench/redis_server.py) of the binary found here."""
+    """One redis-server process (see tests/harness/redis_server.py) of the binary found here."""
 
     def __init__(self, directory: Path, *, port: int | None = None,
                  extra_args: Sequence[str] = ()) -> None:

@@ -1,5 +1,5 @@
 """`strata serve` as a real subprocess on a port it binds itself (`--port 0`), for end-to-end
-tests: the process helper is strata/bench/procs.py."""
+tests: the process helper is tests/harness/procs.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from strata.bench.procs import Proc, spawn
+from harness.procs import Proc, spawn
 
 _READY = r"Strata serving (\S+) on (http://127\.0\.0\.1:\d+) \(ready in"
 

@@ -9,9 +9,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.procs import Proc, spawn
 from serve_process import ServeProcess, start_serve
 
-from strata.bench.procs import Proc, spawn
 from strata.sim.profile import LatencyProfile
 
 MODEL = "fuzz-sim"

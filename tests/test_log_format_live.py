@@ -12,8 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-
-from strata.bench.procs import Proc, spawn, stop_all
+from harness.procs import Proc, spawn, stop_all
 
 JSON_FLAGS = ["--port", "0", "--log-format", "json", "--log-level", "debug"]
 

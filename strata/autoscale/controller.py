@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from strata.autoscale.law import HOLD, Decision, LawState, ScalingLaw, Signals
+from strata.clock import Clock
 from strata.errors import ConflictError, StrataError
 from strata.registry import leases
 from strata.registry.leases import LeaseStore
@@ -67,8 +68,8 @@ class Autoscaler:
 
     def __init__(self, law: ScalingLaw, models: ModelRegistry, *, model: str, owner: str,
                  read_signals: SignalReader | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 clock: Clock = time.monotonic,
+                 wall_clock: Clock = time.time) -> None:
         if not isinstance(models, LeaseStore):
             raise StrataError("the autoscaler needs a registry that keeps leases")
         self.law = law

@@ -4,7 +4,7 @@ by pool, its decisions on the gateway's /metrics and dashboard (gateway_metrics.
     arrivals    an unpooled deployment: the gateway's request counter of the two generation
                 routes; a prefill pool: the requests the gateway hands to it (P/D decisions
                 `remote`); a decode or mixed pool: the requests placed in its pool name by
-                the priority classes' flow (strata/gateway/classes.py), else every request.
+                the priority classes' flow (strata/gateway/path/classes.py), else every request.
                 Sampled each round
     TTFT        time to the first byte of each successful attempt (a stream's first token) on
                 the pool's instances (a prefill pool: the client's, on the decode instance of
@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 
 from strata.autoscale.controller import Autoscaler
 from strata.autoscale.gateway_metrics import AutoscalerMetrics, autoscaler_status
 from strata.autoscale.law import Signals
-from strata.gateway.dashboard_data import AutoscalerStatus
-from strata.gateway.instances import InstanceView
+from strata.clock import Clock
+from strata.gateway.control.dashboard.data import AutoscalerStatus
+from strata.gateway.routing.instances import InstanceView
 from strata.gateway.wiring import Gateway
 from strata.registry.models import Deployment, PoolSize
 
@@ -41,7 +41,7 @@ class GatewaySignals:
     (the deployment as that pool sees it: controller.py)."""
 
     def __init__(self, gateway: Gateway, *, window_s: float, recent_s: float,
-                 ttft_window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 ttft_window_s: float, clock: Clock = time.monotonic) -> None:
         self.gateway = gateway
         self.window_s = window_s
         self.recent_s = recent_s

@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 from strata.autoscale.controller import Autoscaler
 from strata.autoscale.law import Signals
-from strata.gateway.dashboard_data import AutoscalerStatus, ScalingTarget
+from strata.gateway.control.dashboard.data import AutoscalerStatus, ScalingTarget
 
 
 class AutoscalerMetrics(Collector):

@@ -26,8 +26,8 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from strata.registry.deployments import DEFAULT_POOL, MIXED
 from strata.registry.models import Deployment, DeploymentState, ModelVersion
+from strata.registry.models.deployments import DEFAULT_POOL, MIXED
 
 # serve flags (each takes a value) that each version decides: the cluster-wide ones are dropped
 VERSION_FLAGS = ("--simulate", "--model-version", "--served-model-name")

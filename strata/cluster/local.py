@@ -34,13 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from strata.clock import Clock
 from strata.cluster.deployments import Slot, Start, instance_id_of
 from strata.cluster.local_config import LocalClusterConfig, instance_argv, local_registry_url
 from strata.cluster.ports import free_port, port_is_free
 from strata.cluster.registry_link import Reconciler, RegistryLink
 from strata.errors import ConfigError
-from strata.registry.deployments import DEFAULT_POOL, MIXED
 from strata.registry.models import ModelVersion
+from strata.registry.models.deployments import DEFAULT_POOL, MIXED
 
 log = logging.getLogger("strata.up")
 
@@ -75,7 +76,7 @@ class Supervisor:
     """Starts, watches and stops the processes of one local cluster."""
 
     def __init__(self, config: LocalClusterConfig, *, python: str = sys.executable,
-                 clock: Callable[[], float] = time.monotonic,
+                 clock: Clock = time.monotonic,
                  supervise_instances: bool = True, link: RegistryLink | None = None) -> None:
         """With `supervise_instances=False` only the gateway is a child (Ray owns instances).
         `link` reaches the registries (default: opened at start from the config's URL)."""

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from strata.cluster.deployments import serve_model_args
 from strata.errors import ConfigError
-from strata.registry.deployments import DEFAULT_POOL, MIXED, PoolSize
 from strata.registry.models import ModelVersion
+from strata.registry.models.deployments import DEFAULT_POOL, MIXED, PoolSize
 
 
 @dataclass(frozen=True, slots=True)

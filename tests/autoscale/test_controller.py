@@ -19,8 +19,14 @@ from strata.autoscale.law import ScalingLaw, Signals
 from strata.clock import ManualClock
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import ClassConfig, GatewayConfig
-from strata.registry.model_registry import create_model_registry
-from strata.registry.models import Deployment, ModelRegistry, ModelRouting, ModelVersion, Release
+from strata.registry.models import (
+    Deployment,
+    ModelRegistry,
+    ModelRouting,
+    ModelVersion,
+    Release,
+    create_model_registry,
+)
 from strata.sim import load_profile
 
 LAW = ScalingLaw(AutoscaleConfig(min_replicas=1, max_replicas=6, window_s=1.0),

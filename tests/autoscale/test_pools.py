@@ -23,8 +23,14 @@ from strata.clock import ManualClock
 from strata.errors import ConfigError
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import ClassConfig, GatewayConfig
-from strata.registry.model_registry import create_model_registry
-from strata.registry.models import Deployment, ModelRegistry, ModelRouting, ModelVersion, PoolSize
+from strata.registry.models import (
+    Deployment,
+    ModelRegistry,
+    ModelRouting,
+    ModelVersion,
+    PoolSize,
+    create_model_registry,
+)
 from strata.sim import load_profile
 
 PROFILE = load_profile("smollm2-cpu")
@@ -215,7 +221,7 @@ def test_strata_up_seeds_its_pools_and_passes_their_bounds_to_the_gateway(tmp_pa
 
 
 def test_a_class_pool_counts_the_requests_placed_in_it_and_no_others() -> None:
-    from strata.gateway.policies.base import RouteRequest
+    from strata.gateway.routing.policies.base import RouteRequest
     from strata.types import PriorityClass
 
     async def story() -> None:

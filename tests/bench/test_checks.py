@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from strata.bench.checks import completion_failure
+from harness.checks import completion_failure
 
 
 def frame(payload: object) -> bytes:

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from harness.procs import spawn, wait_until
 from redis_server import RedisServer
-
-from strata.bench.procs import spawn, wait_until
 
 SERVER = ("import sys, time\nprint('listening on 4242', flush=True)\n"
           "if 'crash' in sys.argv: sys.exit(3)\n"

@@ -1,6 +1,6 @@
 """The chaos suite: real processes (`strata up`, `strata serve`, `strata gateway`, redis-server),
-closed-loop multi-turn and streaming load (strata/bench/chaos_load.py), one fault each
-(strata/bench/fault_scenarios.py), every test bounded well under a minute. The long versions,
+closed-loop multi-turn and streaming load (tests/harness/chaos_load.py), one fault each
+(tests/harness/fault_scenarios.py), every test bounded well under a minute. The long versions,
 and the figures in docs/reliability.md, come from bench/chaos.py.
 
 Each test checks what the fault may cost: no acknowledged session turn is ever lost; where the
@@ -15,10 +15,9 @@ import os
 from pathlib import Path
 
 import pytest
+from harness import fault_scenarios as scenarios
+from harness.faults import FaultReport, LoadSize, Place, Timing
 from redis_server import redis_server_binary
-
-from strata.bench import fault_scenarios as scenarios
-from strata.bench.faults import FaultReport, LoadSize, Place, Timing
 
 SIZE = LoadSize(num_conversations=4, num_streams=4, max_tokens=24)
 

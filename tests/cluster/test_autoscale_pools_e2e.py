@@ -11,8 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from strata.bench.procs import start_up
+from harness.procs import start_up
 
 
 @pytest.mark.timeout(120)

@@ -34,9 +34,9 @@ from pathlib import Path
 import httpx
 import pytest
 from cluster_process import Cluster, start_cluster, wait_until
+from harness.checks import completion_failure
+from harness.procs import Proc, http_ok, spawn
 
-from strata.bench.checks import completion_failure
-from strata.bench.procs import Proc, http_ok, spawn
 from strata.registry import create_model_registry
 from strata.registry.models import Release
 from strata.sim.profile import LatencyProfile

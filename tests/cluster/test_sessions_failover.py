@@ -33,10 +33,9 @@ from typing import Any
 import httpx
 import pytest
 import redis as redis_client
+from harness.procs import Proc, wait_until
 from redis_server import RedisServer
 from tiny_models import make_tiny_model_dir
-
-from strata.bench.procs import Proc, wait_until
 
 MODEL = "tiny"
 MAX_TOKENS = 8

@@ -20,11 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 from cluster_process import Cluster, start_cluster, wait_until
+from harness.procs import http_ok
 from openai import OpenAI
 from serve_process import shared_model_cache
 
-from strata.bench.procs import http_ok
-from strata.registry.model_registry import create_model_registry
+from strata.registry.models import create_model_registry
 from strata.sim.profile import LatencyProfile
 
 MODEL = "sim-model"

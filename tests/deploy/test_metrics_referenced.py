@@ -27,10 +27,9 @@ from deploy_files import (
     rule_exprs,
     unknown_names,
 )
+from harness.procs import wait_until
 from live_stack import drive_traffic, start_gateway
 from serve_process import start_serve
-
-from strata.bench.procs import wait_until
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ from deploy_files import (
     render_chart,
     rule_exprs,
 )
+from harness.procs import wait_until
 from live_stack import drive_traffic, kill_after, start_gateway
 from serve_process import start_serve
 
-from strata.bench.procs import wait_until
 from strata.cluster.local import free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,

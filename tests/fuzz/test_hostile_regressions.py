@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from harness.fuzz import is_error_body
 from sim_stack import MODEL, Targets
 
-from strata.bench.fuzz import is_error_body
 from strata.errors import InvalidRequestError
 from strata.protocol.json_body import MAX_JSON_DEPTH, check_depth, parse_json_object
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from harness.fuzz import run_fuzz
+from harness.mutations import KINDS, Mutator
 from sim_stack import MODEL, Targets
-
-from strata.bench.fuzz import run_fuzz
-from strata.bench.mutations import KINDS, Mutator
 
 NUM_MUTANTS = 400  # about 2 s per target here; every kind 50 times
 

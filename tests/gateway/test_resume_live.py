@@ -1,5 +1,5 @@
 """Mid-stream resume and dead sockets end to end over real sockets: three simulated instances
-(sharing one session store), each behind a chaos TCP proxy (strata/bench/tcp_proxy.py), and a
+(sharing one session store), each behind a chaos TCP proxy (tests/harness/tcp_proxy.py), and a
 real gateway in front. A stream's instance is cut off mid-stream (connections reset, or
 forwarding stopped without closing anything, as a frozen instance); the client reads one
 unbroken stream, equal to a run with no failure."""
@@ -13,14 +13,14 @@ from typing import Any
 
 import httpx
 import pytest
+from harness.tcp_proxy import ChaosProxy
 from live_fleet import ServedApp, serve_app
 from resume_streams import events_of, frames_of, text_of, usage_of
 from sim_instances import SimInstance, start_sim_instance
 
-from strata.bench.tcp_proxy import ChaosProxy
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import GatewayConfig, RetryConfig
-from strata.gateway.sources import StaticSource
+from strata.gateway.routing.sources import StaticSource
 from strata.sim.profile import LatencyProfile
 from strata.state.sessions import create_session_store
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from harness.procs import start_up
 from openai import OpenAI
 from pd_fleet import Instance, start_instance
 
-from strata.bench.procs import start_up
 from strata.model.loader import LoadedModel
 
 PROMPT = "the weather in the north was cold and wet all week, so the school closed early"

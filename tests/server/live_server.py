@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from harness import procs
 
-from strata.bench import procs
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.engine import Engine
 from strata.engine.executor import ModelInput, ModelOutput
@@ -122,7 +122,7 @@ def serve_in_thread(app: Any, sock: socket.socket, **config: Any
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
     """Poll `predicate()` until true (a correctness wait, not a timing threshold); False if it
-    never was within `timeout_s`. The poll is strata.bench.procs.wait_until's."""
+    never was within `timeout_s`. The poll is harness.procs.wait_until's."""
     try:
         procs.wait_until(predicate, timeout_s, "a condition", interval_s=0.02)
     except TimeoutError:

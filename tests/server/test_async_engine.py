@@ -7,8 +7,8 @@ import threading
 
 import pytest
 from engine_fakes import make_engine, make_request, prompt_of, reference_tokens
+from harness.procs import wait_until
 
-from strata.bench.procs import wait_until
 from strata.engine.executor import ModelInput, ModelOutput
 from strata.errors import EngineDeadError, InvalidRequestError
 from strata.server.async_engine import AsyncEngine

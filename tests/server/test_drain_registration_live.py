@@ -12,9 +12,9 @@ import threading
 from pathlib import Path
 
 import httpx
+from harness.procs import wait_until
 from serve_process import start_serve
 
-from strata.bench.procs import wait_until
 from strata.registry import InstanceState, create_registry
 from strata.sim.profile import LatencyProfile
 

@@ -21,10 +21,9 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from harness.procs import Proc, spawn, wait_until
 from redis_server import RedisServer
 from tiny_models import make_tiny_model_dir
-
-from strata.bench.procs import Proc, spawn, wait_until
 
 MODEL = "tiny"
 BLOCK_SIZE = 8

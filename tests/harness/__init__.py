@@ -1,0 +1,12 @@
+"""Test harnesses shared by the tests and the bench scripts (not part of the product package).
+
+    procs           processes a test starts: logs, bounded waits, stop by PID
+    redis_server    a real redis-server on the loopback
+    tcp_proxy       a TCP proxy that injects faults (resets, delays, blackholes)
+    chaos_load      closed-loop load that records every acknowledged turn
+    faults, fault_scenarios   the chaos suite's faults, each verified as applied
+    mutations, fuzz the mutation fuzzer and its judge
+    checks          what a completion's answer must look like
+
+The bench scripts reach them through the `bench/harness` link.
+"""
