@@ -52,16 +52,19 @@ def local_ray(num_cpus: int = 2) -> Iterator[None]:
 @contextmanager
 def ray_launcher(cluster: LocalClusterConfig, cluster_seed: ClusterSeed,
                  **config: Any) -> Iterator[RayLauncher]:
-    """A `RayLauncher` (RayClusterConfig fields in `config`) on a local Ray it starts itself."""
+    """A `RayLauncher` (RayClusterConfig fields in `config`) on a local Ray it starts itself, or
+    on the Ray this process is connected to (which it leaves connected)."""
     cluster.run_dir.mkdir(parents=True, exist_ok=True)
     asyncio.run(seed(cluster.registry_url, cluster_seed))
+    was_connected = ray.is_initialized()
     launched = RayLauncher(RayClusterConfig(cluster, **{"num_cpus_per_instance": 0.5, **config}))
     try:
         launched.start()
         yield launched
     finally:
         launched.stop()
-        ray.shutdown()
+        if not was_connected:
+            ray.shutdown()
 
 
 def node_address(index: int) -> str:
