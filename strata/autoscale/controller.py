@@ -31,7 +31,7 @@ from strata.registry.leases import LeaseStore
 from strata.registry.models import Deployment, DeploymentState, ModelRegistry, PoolSize
 
 log = logging.getLogger("strata.autoscale")
-# (now, the deployment as one pool sees it: `pool_sizes[0]` is the pool) -> its signals
+# (now, the deployment as one pool sees it: `pools[0]` is the pool) -> its signals
 SignalReader = Callable[[float, Deployment], Signals]
 
 
@@ -124,7 +124,7 @@ class Autoscaler:
             self._skip("no signals attached")
             return None
         now, pools = self.clock(), []
-        for pool in deployment.pool_sizes:
+        for pool in deployment.pools:
             signals = self.read_signals(now, _as_one_pool(deployment, pool))
             decision = self.law_of(pool).decide(signals, self.states.setdefault(pool.label,
                                                                                LawState()))
@@ -197,9 +197,7 @@ class Autoscaler:
 
 def _as_one_pool(deployment: Deployment, pool: PoolSize) -> Deployment:
     """The deployment as one pool's signal reader sees it: that pool alone, its replicas."""
-    if not deployment.pools:
-        return deployment
-    return replace(deployment, replicas=pool.replicas, pools=(pool,))
+    return deployment.with_pool_sizes([pool])
 
 
 __all__ = ["Autoscaler", "PoolRound", "Round", "SignalReader"]

@@ -61,7 +61,7 @@ class Child:
     log_file: IO[bytes] | None = field(default=None, repr=False)
     deployment: str = ""  # name@version of an instance; "" for the gateway
     index: int = 0
-    role: str | None = None  # None: its index decides (LocalClusterConfig.role_of)
+    role: str = MIXED
     pool: str = DEFAULT_POOL
     is_draining: bool = False  # sent SIGTERM by a reconcile: never restarted
     port: int = 0  # where it listens (0: not known)
@@ -148,7 +148,7 @@ class Supervisor:
     def _reconcile(self, now: float) -> None:
         assert self._reconciler is not None
         self._next_round_at = now + self.config.reconcile_interval_s
-        owned = {iid: Slot(c.deployment, c.index, c.is_draining, c.role or MIXED, c.pool)
+        owned = {iid: Slot(c.deployment, c.index, c.is_draining, c.role, c.pool)
                  for iid, c in self.instances.items()}
         actions = self._reconciler.round(owned)
         if actions is not None and not actions.is_empty:

@@ -53,15 +53,9 @@ class LocalClusterConfig:
         """Instances outside the named pools (`--pool`)."""
         return self.replicas - sum(n for _, n in self.class_pools)
 
-    def role_of(self, index: int) -> str:
-        """The role of instance `index` of an unpooled deployment (a release's) in a cluster
-        started with --prefill N: the first N prefill. The seeded pools take indices in the
-        same order."""
-        return "prefill" if index < self.num_prefill else "decode" if self.num_prefill else MIXED
-
     @property
     def pools(self) -> tuple[PoolSize, ...]:
-        """The pools `strata up` seeds (none: `replicas` mixed instances)."""
+        """The pools `strata up` seeds (none: one mixed pool of `replicas`)."""
         named = tuple(PoolSize(pool=name, replicas=n) for name, n in self.class_pools)
         if self.num_prefill:
             return (PoolSize("prefill", replicas=self.num_prefill),
@@ -83,12 +77,12 @@ def local_registry_url(run_dir: Path) -> str:
 
 
 def instance_argv(config: LocalClusterConfig, version: ModelVersion, instance_id: str,
-                  port: int | None, python: str, index: int = 0, *, role: str | None = None,
+                  port: int | None, python: str, index: int = 0, *, role: str = MIXED,
                   pool: str = DEFAULT_POOL) -> list[str]:
     """The `strata serve` command line of instance `index` of `version` in the cluster, in
-    `role` (None: the one it is seeded with) and `pool`, listening on `port` of the cluster's
-    host (None: without where it listens; the caller adds `listen_args`)."""
-    c, role = config, config.role_of(index) if role is None else role
+    `role` and `pool`, listening on `port` of the cluster's host (None: without where it
+    listens; the caller adds `listen_args`)."""
+    c = config
     argv = [python, "-m", "strata.cli", "serve", *serve_model_args(version, c.serve_args),
             "--registry", c.registry_url, "--instance-id", instance_id,
             *(listen_args(c.host, port) if port is not None else [])]

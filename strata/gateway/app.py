@@ -38,7 +38,7 @@ from starlette.applications import Starlette
 from strata.clock import Clock
 from strata.gateway.config import GatewayConfig
 from strata.gateway.control.admin import admin_routes
-from strata.gateway.control.dashboard.data import AutoscalerStatus
+from strata.gateway.control.dashboard.data import StatusReport
 from strata.gateway.control.dashboard.page import DASHBOARD_PATHS, dashboard_routes
 from strata.gateway.error_handlers import EXCEPTION_HANDLERS
 from strata.gateway.openapi_routes import openapi_route
@@ -63,7 +63,7 @@ class Companion(Protocol):
 
     async def run(self) -> None: ...
 
-    async def status(self) -> AutoscalerStatus | None: ...
+    async def status(self) -> StatusReport | None: ...
 
 
 def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,

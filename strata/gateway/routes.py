@@ -30,6 +30,7 @@ async def generate(request: Request) -> Response:
     """/v1/completions, /v1/chat/completions and /v1/embeddings: the whole request path
     (forward.py); `model` picks the instances (an embedding model's are `--task embed` ones)."""
     gateway = _gateway(request)
+    gateway.stats.request_entered()
     return await _proxied(request, gateway, gateway.forward)
 
 

@@ -34,6 +34,7 @@ from strata.gateway.routing.pipeline import RoutingPipeline
 from strata.gateway.routing.policies import CacheAwarePolicy, RoutingPolicy, create_policy
 from strata.gateway.routing.prefix.feed import PrefixRouting
 from strata.gateway.routing.sources import InstanceSource
+from strata.gateway.stats import GatewayStats
 from strata.gateway.upstream.pools import UpstreamPools
 from strata.gateway.upstream.proxy import Proxy
 from strata.gateway.upstream.resume import Resumer
@@ -65,6 +66,11 @@ class Gateway:
     cache: ResponseCacheLayer | None = None  # opt-in; deterministic answers keyed by version
     prefix: PrefixRouting | None = None  # --policy cache_aware: feeds its index (in background)
     classes: ClassFlow | None = None  # priority classes: pools, flow control, shedding
+
+    @property
+    def stats(self) -> GatewayStats:
+        """What this gateway measured of its traffic (the autoscaler reads it)."""
+        return self.proxy.stats
 
     async def close(self) -> None:
         await self.exits.aclose()
@@ -112,7 +118,8 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
         classes = ClassFlow(config.classes, config.admission, instances, clock)
         _close_with(exits, classes.close)
     pd = None if config.pd.mode == "off" else PDRouter(
-        config.pd, proxy.pipeline, proxy.upstreams, proxy.detector, metrics.registry)
+        config.pd, proxy.pipeline, proxy.upstreams, proxy.detector, metrics.registry,
+        stats=proxy.stats)
     steps = path_steps(admission=admission, metrics=metrics, proxy=proxy, versions=versions,
                        cache=cache, sessions=sessions, prefix=prefix, classes=classes, pd=pd)
     forward = chain(steps, proxy.forward)
@@ -133,7 +140,7 @@ def _proxy(config: GatewayConfig, instances: InstanceSet, policy: RoutingPolicy,
     _close_with(exits, stalls.aclose)
     return Proxy(RoutingPipeline(instances, policy), upstreams, detector,
                  RetryBudget(config.retry, clock), metrics, config.retry.max_retries,
-                 Resumer(config.resume, metrics), stalls)
+                 Resumer(config.resume, metrics), stalls, stats=GatewayStats(clock))
 
 
 def _response_cache(config: GatewayConfig,

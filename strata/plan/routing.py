@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from strata.clock import Clock
 from strata.engine.request import Request
 from strata.gateway.config import PDRoutingConfig
-from strata.gateway.routing.instances import InstanceSet, InstanceView, Placement
+from strata.gateway.routing.instances import InFlight, InstanceSet, InstanceView
 from strata.gateway.routing.pd import Decider, HandOffAsk
 from strata.gateway.routing.pipeline import RoutingPipeline
 from strata.gateway.routing.policies import CacheAwarePolicy, create_policy
@@ -39,7 +39,7 @@ class Routed:
 
     instance: SimInstance
     route: RouteRequest
-    placement: Placement
+    in_flight: InFlight
     is_told: bool  # the policy was told (a whole request); a prefill leg is only counted
 
 
@@ -91,9 +91,9 @@ class SimGateway:
 
     def finished(self, routed: Routed, kv_blocks: Sequence[tuple[BlockHash, bytes]]) -> None:
         if routed.is_told:
-            self.pipeline.ended(routed.route, routed.placement, is_success=True)
+            self.pipeline.ended(routed.route, routed.in_flight, is_success=True)
         else:
-            self.instances.end(routed.placement)
+            self.instances.end(routed.in_flight)
         self.stored.update(h for h, _ in kv_blocks)
 
     def _route(self, request: Request, session_id: str | None,

@@ -5,7 +5,6 @@ nothing while a release runs; inside a gateway: its signals, /metrics and the da
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Any
 
 import httpx
@@ -98,7 +97,7 @@ class Racing:
 
     async def put_deployment(self, deployment: Deployment, *,
                              expected_revision: int) -> Deployment:
-        await self.models.put_deployment(dataclasses.replace(deployment, replicas=2),
+        await self.models.put_deployment(deployment.resized(2),
                                          expected_revision=expected_revision)
         return await self.models.put_deployment(deployment,
                                                 expected_revision=expected_revision)

@@ -75,7 +75,7 @@ def traffic(rates: dict[str, Rate], window_s: float, recent_s: float) -> object:
         return sum(rate(now - span * (i + 0.5) / steps) for i in range(steps)) / steps
 
     def read(now: float, deployment: Deployment) -> Signals:
-        rate = rates[deployment.pool_sizes[0].label]
+        rate = rates[deployment.pools[0].label]
         recent = mean(rate, now, recent_s)
         return Signals(now=now, desired=deployment.replicas, ready=deployment.replicas,
                        arrival_rate=mean(rate, now, window_s), recent_rate=recent,
@@ -97,7 +97,7 @@ def run(deployment: Deployment, rates: dict[str, Rate], until_s: float,
         while clock() <= until_s:
             await scaler.round()
             (stored,) = await models.list_deployments()
-            for pool in stored.pool_sizes:
+            for pool in stored.pools:
                 seen[pool.label].append(pool.replicas)
             clock.advance(cfg.interval_s)
         return seen, scaler

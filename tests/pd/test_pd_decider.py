@@ -138,10 +138,10 @@ def test_up_splits_a_prefill_decode_cluster_by_instance_index(tmp_path: Any) -> 
                               "2", "--pd-lease-s", "5"])
     config = up._config(args, env)
     assert (config.replicas, config.num_prefill) == (3, 1)
-    assert [config.role_of(i) for i in range(3)] == ["prefill", "decode", "decode"]
+    assert [(p.role, p.replicas) for p in config.pools] == [("prefill", 1), ("decode", 2)]
     assert "--pd-lease-s" in config.serve_args
     version = ModelVersion("m", "v1", "sim:smollm2-cpu")
-    argv = instance_argv(config, version, "m-v1-1", 9001, "py", 1)
+    argv = instance_argv(config, version, "m-v1-1", 9001, "py", 1, role="decode")
     assert argv[argv.index("--role") + 1] == "decode"
     plain = up._config(parser.parse_args(["up", "--simulate", "smollm2-cpu"]), env)
     assert (plain.replicas, plain.num_prefill) == (2, 0)

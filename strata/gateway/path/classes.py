@@ -12,14 +12,12 @@ Classes, highest first: interactive, standard, batch, sheddable (strata.types.Pr
           the requests of its class and above: lower ones are the engine's to preempt
           (strata/engine/priority.py), so an interactive request finds room in a pool full of
           batch work, and batch work fills only what the classes above leave.
-  wait    with no room anywhere: sheddable is refused at once (429); batch waits while fewer
-          than `batch_max_queue` batch requests wait (else 429); the others wait, up to
-          `max_queue` (a full queue refuses its newest lower waiter to make room, else the
-          newcomer). Waiters are placed by class, then in arrival order, whenever room appears
-          (a request ends, an instance arrives): an interactive request never waits behind a
-          batch one. One not placed within `queue_timeout_s` gets 503 (while instances
-          start, within `start_wait_s`: start_wait.py). Refusals carry Retry-After and take
-          no I/O (well under 5 ms).
+  wait    with no room anywhere, the request waits in the gateway's one class-aware queue
+          (class_queue.py: sheddable refused at once, batch capped at `batch_max_queue`, a
+          full queue refuses its newest lower waiter; placed by class, then in arrival order,
+          whenever room appears: a request ends, an instance arrives). One not placed within
+          `queue_timeout_s` gets 503 (while instances start, within `start_wait_s`:
+          start_wait.py). Refusals carry Retry-After and take no I/O.
 
 With `hold_without_instances` (an autoscaler may start the first instance), requests wait while
 no instance serves their model; otherwise such a request goes on, and the proxy answers it.
@@ -27,12 +25,9 @@ no instance serves their model; otherwise such a request goes on, and the proxy 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import math
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
@@ -44,6 +39,7 @@ from strata.clock import Clock
 from strata.errors import OverloadedError
 from strata.gateway.config import AdmissionConfig, ClassConfig
 from strata.gateway.metrics import GatewayMetrics
+from strata.gateway.path.class_queue import CLASSES, ClassQueue, Wording
 from strata.gateway.path.start_wait import WaitBound, starting_instances
 from strata.gateway.routing.instances import InstanceSet, InstanceView
 from strata.gateway.routing.policies.base import RouteRequest
@@ -51,7 +47,7 @@ from strata.gateway.upstream.pools import RelayResponse, error_response
 from strata.gateway.upstream.proxy import ProxyRequest
 from strata.types import PriorityClass
 
-CLASSES = sorted(PriorityClass, reverse=True)  # highest first
+WORDING = Wording(no_room="no pool has room", timed_out="no pool had room for {limit_s:g}s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,13 +56,6 @@ class Placement:
 
     pool: str
     klass: PriorityClass
-
-
-@dataclass(eq=False, slots=True)
-class _Waiter:
-    route: RouteRequest
-    klass: PriorityClass
-    future: asyncio.Future[Placement]
 
 
 class ClassFlow:
@@ -80,42 +69,37 @@ class ClassFlow:
         self.home = {PriorityClass[label.upper()]: pool for label, pool in config.class_pools}
         self.in_flight: dict[tuple[str, PriorityClass], int] = {}
         self.num_placed: dict[str, int] = {}  # pool -> requests placed there (the autoscaler's)
-        self.num_shed = dict.fromkeys(CLASSES, 0)
-        self._waiters: dict[PriorityClass, deque[_Waiter]] = {k: deque() for k in CLASSES}
-        self._pump_task: asyncio.Task[None] | None = None
         self.clock = clock
         self.bound = WaitBound(admission.queue_timeout_s, admission.start_wait_s,
                                [starting_instances(instances)])  # an autoscaler adds its own
+        self.queue: ClassQueue[Placement] = ClassQueue(
+            self._place, self.release, admission, self.bound, WORDING, clock=clock,
+            recheck_s=config.recheck_s)
+
+    @property
+    def num_shed(self) -> dict[PriorityClass, int]:
+        return self.queue.num_shed
 
     def num_queued(self, klass: PriorityClass | None = None) -> int:
-        if klass is not None:
-            return len(self._waiters[klass])
-        return sum(len(w) for w in self._waiters.values())
+        return self.queue.num_queued(klass)
 
     def num_queued_for(self, pool: str) -> int:
         """Requests waiting whose class lives in `pool` (module docstring: pools)."""
         named = set(self.home.values())
-        return sum(len(w) for k, w in self._waiters.items()
+        return sum(self.queue.num_queued(k) for k in self.queue.waiting_classes()
                    if self.home.get(k) == pool or (k not in self.home and pool not in named))
 
     async def acquire(self, route: RouteRequest) -> Placement:
         """A placement (release it when the answer is sent); OverloadedError 429/503."""
-        klass = PriorityClass.of(route.priority)
-        if not any(self._waiters[k] for k in CLASSES if k >= klass):
-            placement = self._place(route, klass)
-            if placement is not None:
-                return self._take(placement)
-        self._make_queue_room(klass)
-        return await self._wait(route, klass)
+        return await self.queue.acquire(route)
 
     def release(self, placement: Placement) -> None:
         if placement.pool:
             self.in_flight[(placement.pool, placement.klass)] -= 1
-        self._pump()
-
-    # --- where a request may go ---------------------------------------------------------------
+        self.queue.pump()
 
     def _place(self, route: RouteRequest, klass: PriorityClass) -> Placement | None:
+        """The room rule: a pool with room for `klass` (taken), or None."""
         views = [v for v in self.instances.snapshot()
                  if v.is_routable and (route.model is None or v.model == route.model)]
         if not views:
@@ -125,7 +109,7 @@ class ClassFlow:
             rooms = {pool: self._room(views, pool, klass) for pool in sorted(pools)}
             best = max(rooms, key=lambda p: rooms[p], default=None)
             if best is not None and rooms[best] >= 1:
-                return Placement(best, klass)
+                return self._take(Placement(best, klass))
         return None
 
     def _pools(self, route: RouteRequest, klass: PriorityClass,
@@ -153,84 +137,8 @@ class ClassFlow:
             self.num_placed[placement.pool] = self.num_placed.get(placement.pool, 0) + 1
         return placement
 
-    # --- waiting --------------------------------------------------------------------------------
-
-    def _make_queue_room(self, klass: PriorityClass) -> None:
-        if klass is PriorityClass.SHEDDABLE:
-            raise self._shed(klass, "no pool has room for sheddable requests")
-        if klass is PriorityClass.BATCH and \
-                len(self._waiters[klass]) >= self.admission.batch_max_queue:
-            raise self._shed(klass, f"{self.admission.batch_max_queue} batch requests already "
-                                    "wait for room")
-        if self.num_queued() < self.admission.max_queue:
-            return
-        for lower in reversed(CLASSES):
-            if lower >= klass:
-                break
-            if self._waiters[lower]:
-                waiter = self._waiters[lower].pop()
-                waiter.future.set_exception(self._shed(
-                    lower, f"a {klass.label} request took its place in the full queue"))
-                return
-        raise self._shed(klass, f"the gateway queue is full ({self.admission.max_queue} wait)")
-
-    def _shed(self, klass: PriorityClass, why: str) -> OverloadedError:
-        self.num_shed[klass] += 1
-        return OverloadedError(f"{why}; retry later", status_code=429,
-                               retry_after_s=self.admission.retry_after_s)
-
-    async def _wait(self, route: RouteRequest, klass: PriorityClass) -> Placement:
-        waiter = _Waiter(route, klass, asyncio.get_running_loop().create_future())
-        self._waiters[klass].append(waiter)
-        self._start_pump()
-        began = self.clock()
-        try:
-            while (remaining := self.bound.remaining_s(self.clock() - began)) > 0:
-                with contextlib.suppress(TimeoutError):  # looks at the bound again
-                    return await asyncio.wait_for(asyncio.shield(waiter.future),
-                                                  min(remaining, 10 * self.config.recheck_s))
-            if self._granted(waiter):
-                return waiter.future.result()
-            raise OverloadedError(f"no pool had room for {self.bound.limit_s():g}s; "
-                                  "retry later", status_code=503,
-                                  retry_after_s=self.admission.retry_after_s) from None
-        except asyncio.CancelledError:
-            if self._granted(waiter):
-                self.release(waiter.future.result())
-            raise
-
-    def _granted(self, waiter: _Waiter) -> bool:
-        future = waiter.future
-        if future.done() and not future.cancelled() and future.exception() is None:
-            return True
-        future.cancel()
-        if waiter in self._waiters[waiter.klass]:
-            self._waiters[waiter.klass].remove(waiter)
-        return False
-
-    def _pump(self) -> None:
-        """Place waiters, highest class first, oldest first within a class, while room lasts."""
-        for klass in CLASSES:
-            for waiter in list(self._waiters[klass]):
-                placement = self._place(waiter.route, klass)
-                if placement is not None and not waiter.future.done():
-                    self._waiters[klass].remove(waiter)
-                    waiter.future.set_result(self._take(placement))
-
-    def _start_pump(self) -> None:
-        """While requests wait, look for room every `recheck_s` (instances arrive, loads
-        drop); releases place waiters at once."""
-        if self._pump_task is None or self._pump_task.done():
-            self._pump_task = asyncio.get_running_loop().create_task(self._pump_while_waiting())
-
-    async def _pump_while_waiting(self) -> None:
-        while self.num_queued():
-            await asyncio.sleep(self.config.recheck_s)
-            self._pump()
-
     async def close(self) -> None:
-        if self._pump_task is not None:
-            self._pump_task.cancel()
+        await self.queue.close()
 
 
 class ClassMetrics(Collector):

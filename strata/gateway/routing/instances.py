@@ -6,7 +6,7 @@ gateway's judgement of its health (consecutive failures, ejection). Records are 
 refresh; the accounting and health fields survive refreshes.
 
 The accounting has one door: `InstanceSet.begin` counts a request sent to an instance and
-returns its `Placement`, `InstanceSet.end` uncounts it once (a second end is a no-op). The proxy
+returns its `InFlight`, `InstanceSet.end` uncounts it once (a second end is a no-op). The proxy
 (through the routing pipeline, which also tells the policy), the P/D router's prefill leg and the
 capacity planner all count through it.
 """
@@ -85,7 +85,7 @@ class InstanceView:
 
 
 @dataclass(slots=True)
-class Placement:
+class InFlight:
     """One request counted in flight on `view`, from `InstanceSet.begin` until `end`."""
 
     view: InstanceView
@@ -148,19 +148,19 @@ class InstanceSet:
         return any(v.model == model and v.version == version and v.is_routable
                    for v in self._views.values())
 
-    def begin(self, view: InstanceView, num_tokens: int) -> Placement:
+    def begin(self, view: InstanceView, num_tokens: int) -> InFlight:
         """Count one request (of `num_tokens` estimated tokens) in flight on `view`."""
         view.num_in_flight += 1
         view.num_in_flight_tokens += num_tokens
-        return Placement(view, num_tokens)
+        return InFlight(view, num_tokens)
 
-    def end(self, placement: Placement) -> bool:
-        """Uncount `placement`; False when it had already ended (nothing changes)."""
-        if not placement.is_open:
+    def end(self, in_flight: InFlight) -> bool:
+        """Uncount `in_flight`; False when it had already ended (nothing changes)."""
+        if not in_flight.is_open:
             return False
-        placement.is_open = False
-        placement.view.num_in_flight -= 1
-        placement.view.num_in_flight_tokens -= placement.num_tokens
+        in_flight.is_open = False
+        in_flight.view.num_in_flight -= 1
+        in_flight.view.num_in_flight_tokens -= in_flight.num_tokens
         return True
 
     def in_flight_by_pool(self) -> dict[str, int]:
@@ -206,5 +206,5 @@ class InstanceSet:
         view.reported = load_from_record(record.load)
 
 
-__all__ = ["DEAD", "DRAINING", "READY", "STARTING", "InstanceSet", "InstanceView", "Placement",
+__all__ = ["DEAD", "DRAINING", "READY", "STARTING", "InstanceSet", "InstanceView", "InFlight",
            "RecordLike", "ReportedLoad"]

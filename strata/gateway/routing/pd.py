@@ -33,6 +33,7 @@ from strata.gateway.routing.health import OutlierDetector
 from strata.gateway.routing.instances import InstanceView
 from strata.gateway.routing.pipeline import RoutingPipeline
 from strata.gateway.routing.policies.base import RouteRequest
+from strata.gateway.stats import GatewayStats
 from strata.gateway.upstream.pools import UpstreamPools, close_quietly, forwarded_headers
 from strata.gateway.upstream.proxy import ProxyRequest
 from strata.protocol.pd import DECODE_PREFIX, GENERATION_PATHS, HANDOFF_HEADER, PREFILL_PREFIX
@@ -139,8 +140,10 @@ class PDRouter:
 
     def __init__(self, config: PDRoutingConfig, pipeline: RoutingPipeline,
                  upstreams: UpstreamPools, detector: OutlierDetector, reg: CollectorRegistry,
-                 estimate: UncachedEstimate = prompt_bytes_estimate) -> None:
+                 estimate: UncachedEstimate = prompt_bytes_estimate,
+                 stats: GatewayStats | None = None) -> None:
         self.config = config
+        self.stats = stats if stats is not None else GatewayStats()
         self.decider = Decider(config, pipeline, estimate)
         self.pipeline = pipeline
         self.upstreams = upstreams
@@ -153,6 +156,7 @@ class PDRouter:
         self.metrics.decisions.labels(decision.reason).inc()
         if decision.prefill is None:
             return await call_next(request)
+        self.stats.remote_prefill()
         handle = await self._prefill(decision.prefill, request)
         if handle is None:
             return await call_next(request)  # the decode instance prefills locally
@@ -164,7 +168,7 @@ class PDRouter:
         """P's handle with P's URL, or None when P failed (counted toward its ejection)."""
         # The policy's hooks are left to the decode pick: a round robin that counted both
         # picks of each request would send every request to the same decode instance.
-        placement = self.pipeline.instances.begin(view, request.route.num_tokens)
+        in_flight = self.pipeline.instances.begin(view, request.route.num_tokens)
         try:
             handle = await asyncio.wait_for(self._ask(view, request),
                                             self.config.prefill_timeout_s)
@@ -173,7 +177,7 @@ class PDRouter:
             self.detector.record_failure(view)
             handle = None
         finally:
-            self.pipeline.instances.end(placement)
+            self.pipeline.instances.end(in_flight)
         self.metrics.prefills.labels("ok" if handle is not None else "failed").inc()
         return handle
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from strata.gateway.routing.instances import InstanceSet, InstanceView, Placement
+from strata.gateway.routing.instances import InFlight, InstanceSet, InstanceView
 from strata.gateway.routing.policies.base import RouteRequest, RoutingPolicy
 
 Filter = Callable[[RouteRequest, InstanceView], bool]
@@ -77,17 +77,17 @@ class RoutingPipeline:
             return RouteDecision(self.policy.choose(request, candidates))
         return self._no_instance(request, exclude)
 
-    def sent(self, request: RouteRequest, view: InstanceView) -> Placement:
+    def sent(self, request: RouteRequest, view: InstanceView) -> InFlight:
         """`request` went to `view`: counted in flight there, the policy told."""
-        placement = self.instances.begin(view, request.num_tokens)
+        in_flight = self.instances.begin(view, request.num_tokens)
         self.policy.on_request_routed(request, view)
-        return placement
+        return in_flight
 
-    def ended(self, request: RouteRequest, placement: Placement, *, is_success: bool) -> None:
-        """The attempt `sent` returned `placement` for is over (once: a second call does
+    def ended(self, request: RouteRequest, in_flight: InFlight, *, is_success: bool) -> None:
+        """The attempt `sent` returned `in_flight` for is over (once: a second call does
         nothing)."""
-        if self.instances.end(placement):
-            self.policy.on_request_finished(request, placement.view, is_success=is_success)
+        if self.instances.end(in_flight):
+            self.policy.on_request_finished(request, in_flight.view, is_success=is_success)
 
     def _no_instance(self, request: RouteRequest, exclude: Collection[str]) -> RouteDecision:
         known = {view.model for view in self.instances.snapshot() if view.model}

@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from strata.errors import RequestFailedError
 from strata.gateway.path.requests import ProxyRequest
-from strata.gateway.routing.instances import InstanceView, Placement
+from strata.gateway.routing.instances import InFlight, InstanceView
 from strata.gateway.upstream.pools import UpstreamAnswer, split_frames
 from strata.gateway.upstream.stalls import Watched
 
@@ -41,12 +41,12 @@ class Attempt:
     view: InstanceView
     request: ProxyRequest
     sent_at: float = 0.0
-    placement: Placement | None = None  # counted in flight from the send until it ends
+    in_flight: InFlight | None = None  # counted in flight from the send until it ends
     watched: Watched | None = None  # while in flight
 
     @property
     def is_finished(self) -> bool:
-        return self.placement is not None and not self.placement.is_open
+        return self.in_flight is not None and not self.in_flight.is_open
 
 
 @dataclass(slots=True)

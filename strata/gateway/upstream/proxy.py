@@ -27,6 +27,7 @@ from strata.gateway.path.requests import ProxyRequest
 from strata.gateway.routing.health import OutlierDetector
 from strata.gateway.routing.instances import InstanceView
 from strata.gateway.routing.pipeline import RouteDecision, RoutingPipeline
+from strata.gateway.stats import GatewayStats
 from strata.gateway.upstream.attempt import (
     UPSTREAM_ERRORS,
     Attempt,
@@ -58,7 +59,7 @@ class Proxy:
     def __init__(self, pipeline: RoutingPipeline, upstreams: UpstreamPools,
                  detector: OutlierDetector, budget: RetryBudget, metrics: GatewayMetrics,
                  max_retries: int, resumer: Resumer, stalls: StallWatch,
-                 clock: Clock = time.perf_counter,
+                 clock: Clock = time.perf_counter, stats: GatewayStats | None = None,
                  prune_interval_s: float = 1.0) -> None:
         self.pipeline = pipeline
         self.upstreams = upstreams
@@ -69,6 +70,7 @@ class Proxy:
         self.resumer = resumer
         self.stalls = stalls
         self.clock = clock
+        self.stats = stats if stats is not None else GatewayStats()  # first bytes, stream gaps
         self.prune_interval_s = prune_interval_s  # how often pools of departed instances go
         self._pruned_at = clock()
         # every attempt's outcome: (instance, is_error, time to the first byte in s or None)
@@ -163,7 +165,7 @@ class Proxy:
         headers = response_headers(response, attempt.view.instance_id)
         self._finish(attempt, is_success=True)
         answered_at = self.clock()
-        self._notify(attempt.view, False, answered_at - attempt.sent_at)
+        self._answered(attempt.view, answered_at - attempt.sent_at)
         self._observe_overhead(attempt, answered_at)
         return Response(body, response.status_code, headers=headers)
 
@@ -185,18 +187,22 @@ class Proxy:
         except UPSTREAM_ERRORS as exc:
             await close_quietly(response)
             return self._failed(attempt, Failure(describe(attempt, exc)))
-        self._notify(attempt.view, False, self.clock() - attempt.sent_at)
+        self._answered(attempt.view, self.clock() - attempt.sent_at)
         return Segment(attempt, response, chunks, first, rest, is_eof)
 
     async def _relay(self, segment: Segment | None,
                      record: StreamRecord | None) -> AsyncIterator[bytes]:
         """The frames of `segment`, then of each resume after a break (marks removed)."""
-        message = ""
+        message, last_at = "", None
         while segment is not None:
             try:
                 async for frames in frames_of(segment):
                     out = record.take(frames) if record is not None else frames
                     if out:
+                        now = self.clock()
+                        if last_at is not None:  # the gap the client sees between chunks
+                            self.stats.gap(segment.attempt.view.pool, now - last_at)
+                        last_at = now
                         yield out
                     if record is not None and record.has_failed:
                         record.has_failed = False
@@ -262,17 +268,17 @@ class Proxy:
     def _begin(self, attempt: Attempt) -> None:
         view = attempt.view
         attempt.watched = self.stalls.open(view)
-        attempt.placement = self.pipeline.sent(attempt.request.route, view)
+        attempt.in_flight = self.pipeline.sent(attempt.request.route, view)
         self.metrics.routed_by_instance.inc(view.instance_id)
 
     def _finish(self, attempt: Attempt, *, is_success: bool) -> None:
-        if attempt.placement is None or attempt.is_finished:
+        if attempt.in_flight is None or attempt.is_finished:
             return
         if attempt.watched is not None:
             self.stalls.close(attempt.watched)
         if is_success:
             self.detector.record_success(attempt.view)
-        self.pipeline.ended(attempt.request.route, attempt.placement, is_success=is_success)
+        self.pipeline.ended(attempt.request.route, attempt.in_flight, is_success=is_success)
 
     def _failed(self, attempt: Attempt, failure: Failure) -> Failure:
         self._finish(attempt, is_success=False)
@@ -281,6 +287,10 @@ class Proxy:
             self.detector.record_failure(attempt.view)
             self._notify(attempt.view, True, None)
         return failure
+
+    def _answered(self, view: InstanceView, ttfb_s: float) -> None:
+        self.stats.first_byte(view.pool, ttfb_s)
+        self._notify(view, False, ttfb_s)
 
     def _notify(self, view: InstanceView, is_error: bool, ttft_s: float | None) -> None:
         for observe in self.observers:

@@ -1,12 +1,12 @@
-"""Deployments: the desired state launchers reconcile, N instances of name@version, in pools.
+"""Deployments: the desired state launchers reconcile, instances of name@version in pools.
 
-    unpooled   `replicas` mixed instances of the default pool (`pools` empty): what `strata up
-               --replicas N` and a release write
-    pooled     one `PoolSize` per (role, pool): `strata up --prefill N --decode M` writes a
-               prefill and a decode pool; a class pool (`--class-pool interactive=fast`) is a
-               mixed pool named `fast`. `replicas` is their sum. Each pool is reconciled, and
-               sized by the autoscaler, on its own (strata/cluster/deployments.py,
-               strata/autoscale/controller.py)
+Every deployment is pooled: one `PoolSize` per (role, pool). `strata up --replicas N` and a
+release write one mixed pool of N (`Deployment(name, version, N)` is that shorthand);
+`strata up --prefill N --decode M` writes a prefill and a decode pool; a class pool
+(`--class-pool interactive=fast`) is a mixed pool named `fast`. `replicas` is derived: the sum
+of the pools. Each pool is reconciled, and sized by the autoscaler, on its own
+(strata/cluster/deployments.py, strata/autoscale/controller.py). A record written before pools
+existed (no `pools`) reads as one mixed pool of its `replicas`.
 """
 
 from __future__ import annotations
@@ -59,12 +59,13 @@ class PoolSize:
 
 @dataclass(frozen=True, slots=True)
 class Deployment:
-    """Desired state: `replicas` instances of name@version (in `pools`, when it has some).
-    Launchers reconcile toward it."""
+    """Desired state: the instances of name@version, pool by pool. Launchers reconcile toward
+    it. Built with `replicas` and no `pools`, it is one mixed pool of `replicas`; built with
+    `pools`, `replicas` is their sum (a `replicas` given too must agree)."""
 
     name: str
     version: str
-    replicas: int
+    replicas: int = 0
     state: DeploymentState = DeploymentState.ACTIVE
     revision: int = 0
     updated_at: float = 0.0
@@ -73,36 +74,34 @@ class Deployment:
     def __post_init__(self) -> None:
         if self.replicas < 0:
             raise ConfigError(f"replicas must be >= 0, got {self.replicas}")
+        if not self.pools:
+            object.__setattr__(self, "pools", (PoolSize(MIXED, DEFAULT_POOL, self.replicas),))
         labels = [p.label for p in self.pools]
         if len(set(labels)) != len(labels):
             raise ConfigError(f"{self.key}: two pools of one role and name: {labels}")
-        if self.pools and self.replicas != sum(p.replicas for p in self.pools):
+        total = sum(p.replicas for p in self.pools)
+        if self.replicas and self.replicas != total:
             sizes = ", ".join(f"{p.label}={p.replicas}" for p in self.pools)
             raise ConfigError(f"{self.key}: replicas ({self.replicas}) must be the sum of its "
                               f"pools' ({sizes})")
+        object.__setattr__(self, "replicas", total)
 
     @property
     def key(self) -> str:
         return f"{self.name}@{self.version}"
 
-    @property
-    def pool_sizes(self) -> tuple[PoolSize, ...]:
-        """Its pools; an unpooled deployment is one mixed pool of `replicas`."""
-        return self.pools or (PoolSize(MIXED, DEFAULT_POOL, self.replicas),)
-
     def with_pool_sizes(self, sizes: Iterable[PoolSize]) -> Deployment:
-        """The same deployment with these pool sizes (one mixed default pool stays unpooled)."""
-        sizes = tuple(sizes)
-        total = sum(p.replicas for p in sizes)
-        if not self.pools and [p.label for p in sizes] == [MIXED]:
-            return replace(self, replicas=total)
-        return replace(self, replicas=total, pools=sizes)
+        """The same deployment with these pools."""
+        return replace(self, replicas=0, pools=tuple(sizes))
+
+    def resized(self, replicas: int) -> Deployment:
+        """The same deployment as one mixed pool of `replicas`."""
+        return replace(self, replicas=replicas, pools=())
 
     def to_json(self) -> dict[str, Any]:
-        data = {"name": self.name, "version": self.version, "replicas": self.replicas,
+        return {"name": self.name, "version": self.version, "replicas": self.replicas,
                 "state": self.state.value, "revision": self.revision,
-                "updated_at": self.updated_at}
-        return data | ({"pools": [p.to_json() for p in self.pools]} if self.pools else {})
+                "updated_at": self.updated_at, "pools": [p.to_json() for p in self.pools]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Deployment:

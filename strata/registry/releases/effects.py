@@ -57,10 +57,9 @@ class ReleaseEffects:
                                     pools=await self._pools_like(name, size))
                 expected = 0
             else:
-                resized = replicas is not None and replicas != current.replicas
-                wanted = replace(current, state=state,  # a resized one leaves its pools
-                                 replicas=current.replicas if replicas is None else replicas,
-                                 pools=() if resized else current.pools)
+                kept = replicas is None or replicas == current.replicas
+                wanted = replace(current if kept else current.resized(replicas or 0),
+                                 state=state)  # a resized one becomes one mixed pool
                 if wanted == current:
                     return
                 expected = current.revision
@@ -73,9 +72,9 @@ class ReleaseEffects:
     async def _pools_like(self, name: str, replicas: int) -> tuple[PoolSize, ...]:
         """The pools of the model's active deployment of the same size (the version a release
         replaces), so that a new version is laid out like it: its prefill, decode and class
-        pools carry over; () when there is none."""
+        pools carry over; () when there is none (one mixed pool)."""
         return next((d.pools for d in await self.models.list_deployments()
-                     if d.name == name and d.pools and d.replicas == replicas
+                     if d.name == name and d.replicas == replicas
                      and d.state is DeploymentState.ACTIVE), ())
 
     async def update_routing(self, name: str, change: Callable[[ModelRouting],

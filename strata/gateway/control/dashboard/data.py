@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from strata.clock import Clock
 from strata.gateway.control.dashboard.models import models_and_releases
@@ -39,35 +38,14 @@ from strata.registry.instances.records import InstanceRecord
 from strata.state.pins import PinStoreError
 
 
-@dataclass(frozen=True, slots=True)
-class ScalingTarget:
-    """One group the autoscaler sizes: how many instances it wants and how many run."""
+class StatusReport(Protocol):
+    """What a companion's status gives the dashboard (the autoscaler's:
+    strata/autoscale/status.py): its JSON for the page."""
 
-    model: str
-    version: str
-    role: str
-    pool: str
-    desired: int
-    actual: int
-    reason: str = ""
+    def to_json(self) -> dict[str, Any]: ...
 
 
-@dataclass(frozen=True, slots=True)
-class AutoscalerStatus:
-    """What an autoscaler last decided (who decided, when, and each group's target)."""
-
-    decided_at: float
-    owner: str
-    targets: tuple[ScalingTarget, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"decided_at": self.decided_at, "owner": self.owner,
-                "targets": [{"model": t.model, "version": t.version, "role": t.role,
-                             "pool": t.pool, "desired": t.desired, "actual": t.actual,
-                             "reason": t.reason} for t in self.targets]}
-
-
-AutoscalerSource = Callable[[], Awaitable[AutoscalerStatus | None]]
+AutoscalerSource = Callable[[], Awaitable[StatusReport | None]]
 
 
 def status_of(view: InstanceView) -> str:
@@ -128,7 +106,7 @@ class DashboardData:
             "errors": errors,
         }
 
-    async def _autoscaler(self, errors: list[str]) -> AutoscalerStatus | None:
+    async def _autoscaler(self, errors: list[str]) -> StatusReport | None:
         if self.autoscaler is None:
             return None
         try:
@@ -196,5 +174,5 @@ class DashboardData:
                 "prefix_hit_rate_mean": sum(rates) / len(rates) if rates else None}
 
 
-__all__ = ["AutoscalerSource", "AutoscalerStatus", "DashboardData", "ScalingTarget",
+__all__ = ["AutoscalerSource", "DashboardData", "StatusReport",
            "status_of"]
