@@ -37,6 +37,7 @@ from strata.gateway.routing.sources import InstanceSource
 from strata.gateway.stats import GatewayStats
 from strata.gateway.upstream.pools import UpstreamPools
 from strata.gateway.upstream.proxy import Proxy
+from strata.gateway.upstream.recovery import Recovery
 from strata.gateway.upstream.resume import Resumer
 from strata.gateway.upstream.retry import RetryBudget
 from strata.gateway.upstream.stalls import StallWatch
@@ -140,7 +141,8 @@ def _proxy(config: GatewayConfig, instances: InstanceSet, policy: RoutingPolicy,
     _close_with(exits, stalls.aclose)
     return Proxy(RoutingPipeline(instances, policy), upstreams, detector,
                  RetryBudget(config.retry, clock), metrics, config.retry.max_retries,
-                 Resumer(config.resume, metrics), stalls, stats=GatewayStats(clock))
+                 Resumer(config.resume, metrics), stalls, stats=GatewayStats(clock),
+                 recovery=Recovery(instances, config.admission.start_wait_s, clock=clock))
 
 
 def _response_cache(config: GatewayConfig,
