@@ -87,7 +87,8 @@ def start_gateway(roles: dict[str, tuple[str, str]], policy: str = "round_robin"
     """A real gateway over `roles` (instance id -> (URL, role)), disaggregating every prompt
     (`pd` overrides PDRoutingConfig); with `run_background`, its health checks and the prefix
     index's feed run."""
-    views = [InstanceView(iid, url, MODEL, role=role) for iid, (url, role) in roles.items()]
+    views = [InstanceView(iid, url, MODEL, version="v1", role=role)  # start_instance's version
+             for iid, (url, role) in roles.items()]
     config = GatewayConfig(port=0, policy=policy, read_timeout_s=60.0,
                            admission=AdmissionConfig(start_wait_s=start_wait_s),
                            pd=PDRoutingConfig(**{"mode": "auto", "min_uncached_tokens": 0, **pd}))
