@@ -56,6 +56,7 @@ class PrefillOnly:
 async def prefill(request: Request, model: type[M], start: Starter[M]) -> Response:
     """POST /internal/prefill/v1/...: compute, hold, answer the handle."""
     instance, pd = instance_of(request), pd_of(request)
+    instance.require_task("generate", request.url.path)  # an encoder prefills nothing: a 400
     req = await parse_body(request, model)
     instance.admit(getattr(req, "model", None))
     hook = PrefillOnly()
