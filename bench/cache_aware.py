@@ -43,7 +43,7 @@ from procs import Proc, spawn, stop_all, wait_http
 
 from strata.bench.report import percentile
 from strata.cluster.local import free_port
-from strata.gateway.prefix_index_prompt import Prompt, PromptHasher
+from strata.gateway.routing.prefix.prompt import Prompt, PromptHasher
 from strata.sim.tokenizer import WORDS
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -32,7 +32,7 @@ import httpx
 from procs import Proc, spawn, stop_all, wait_http
 
 from strata.cluster.ports import free_port
-from strata.server.pd_faults import KILL_POINTS
+from strata.server.pd.faults import KILL_POINTS
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / ".bench" / "results" / "pd_failures.json"

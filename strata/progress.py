@@ -17,12 +17,12 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
 from types import TracebackType
 from typing import TextIO
 
 from tqdm import tqdm
 
+from strata.clock import Clock
 from strata.logs import active
 
 log = logging.getLogger("strata.progress")
@@ -44,7 +44,7 @@ class Progress:
 
     def __init__(self, total: float | None, desc: str, *, unit: str = "it",
                  log_every_s: float = DEFAULT_LOG_EVERY_S,
-                 clock: Callable[[], float] = time.monotonic,
+                 clock: Clock = time.monotonic,
                  logger: logging.Logger = log) -> None:
         self.total = total
         self.desc = desc

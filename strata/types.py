@@ -19,11 +19,7 @@ from collections.abc import Sequence
 from typing import NewType
 
 RequestId = NewType("RequestId", str)
-SessionId = NewType("SessionId", str)
-InstanceId = NewType("InstanceId", str)
-ModelVersion = NewType("ModelVersion", str)
 BlockHash = NewType("BlockHash", bytes)
-TokenIds = list[int]
 
 
 
@@ -78,5 +74,5 @@ def hash_blocks(
     return hashes
 
 
-__all__ = ["BlockHash", "InstanceId", "ModelVersion", "PriorityClass", "RequestId", "SessionId",
-           "TokenIds", "hash_block", "hash_blocks"]
+__all__ = ["BlockHash", "PriorityClass", "RequestId",
+           "hash_block", "hash_blocks"]

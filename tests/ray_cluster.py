@@ -13,7 +13,7 @@ from strata.cluster.local import LocalClusterConfig
 from strata.cluster.ray_launcher import RayClusterConfig, RayLauncher
 from strata.cluster.seed import ClusterSeed, seed_registry
 from strata.registry import create_registry
-from strata.registry.model_registry import create_model_registry
+from strata.registry.models import create_model_registry
 
 
 async def seed(registry_url: str, cluster_seed: ClusterSeed) -> None:

@@ -16,7 +16,7 @@ from strata.errors import (
     SessionNotFoundError,
     StrataError,
 )
-from strata.gateway.upstream import error_response as gateway_error_response
+from strata.gateway.upstream.pools import error_response as gateway_error_response
 from strata.protocol.errors import describe, error_payload
 from strata.server.errors import error_response as server_error_response
 

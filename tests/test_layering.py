@@ -21,21 +21,28 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "strata"
 
-ENGINE_STRATA = {"strata.types", "strata.errors", "strata.engine"}
+LEAVES = {"strata.types", "strata.errors", "strata.clock"}  # every layer may import these
+ENGINE_STRATA = {*LEAVES, "strata.engine"}
 ENGINE_THIRD_PARTY = {"numpy"}
 ENGINE_STDLIB_BANNED = {"asyncio", "socket", "http", "selectors", "ssl"}
 MODEL_BANNED = {"strata.server", "strata.gateway", "strata.cli", "strata.clients",
                 "strata.bench", "fastapi", "starlette", "uvicorn", "httpx"}
 PACKAGE_ROOT_NAMES = {"strata", "strata.__version__"}
-SERVER_STRATA = {"strata.types", "strata.errors", "strata.engine", "strata.model",
+SERVER_STRATA = {*LEAVES, "strata.engine", "strata.model",
                  "strata.protocol", "strata.state", "strata.registry", "strata.server"}
 GATEWAY_BANNED = {"strata.engine", "strata.model", "strata.server", "strata.cli"}
-GATEWAY_STRATA = {"strata.types", "strata.errors", "strata.protocol", "strata.state",
+GATEWAY_STRATA = {*LEAVES, "strata.protocol", "strata.state",
                   "strata.registry", "strata.gateway"}
 LOWER_LAYERS = {"protocol", "state", "registry", "store"}
 SIM_BANNED = {"torch", "strata.gateway", "strata.cluster", "strata.cli", "strata.commands"}
 LOWER_BANNED = {"strata.engine", "strata.model", "strata.server", "strata.gateway",
                 "strata.cluster", "strata.cli", "strata.commands", "strata.sim"}
+# stage 6: the autoscaler and the planner call the gateway's own parts, never the instance's
+AUTOSCALE_BANNED = {"strata.engine", "strata.model", "strata.server", "strata.cluster",
+                    "strata.commands", "strata.cli", "strata.plan"}
+PLAN_BANNED = {"torch", "strata.model", "strata.server", "strata.cluster", "strata.commands",
+               "strata.cli"}
+CLUSTER_BANNED = {"strata.commands", "strata.cli", "strata.plan", "strata.autoscale"}
 ENV_READERS = {"environ", "environb", "getenv", "getenvb"}
 
 
@@ -92,6 +99,12 @@ def _import_violation(layer: str, name: str) -> str | None:
     if layer == "sim" and (_under(name, SIM_BANNED) or (
             _under(name, {"strata.model"}) and not _under(name, {"strata.model.tokenizer"}))):
         return "sim runs without torch: of the model it uses only the tokenizer"
+    if layer == "autoscale" and _under(name, AUTOSCALE_BANNED):
+        return "autoscale reads the gateway's stats and writes the registry; never an instance"
+    if layer == "plan" and _under(name, PLAN_BANNED):
+        return "plan runs the engine, the gateway and the simulator on a virtual clock, no torch"
+    if layer == "cluster" and _under(name, CLUSTER_BANNED):
+        return "cluster launches processes; it never imports the CLI, the planner or autoscaler"
     if layer in LOWER_LAYERS and _under(name, LOWER_BANNED):
         return f"{layer} is below engine, server and gateway and never imports them"
     return None
@@ -164,16 +177,16 @@ def test_checker_catches_model_server_and_gateway_reaching_up() -> None:
         "strata.server.app:2: strata.cli: server imports only engine, model, protocol, state, "
         "registry (never cli)"
     ]
-    assert violations("strata.gateway.pipeline", "from ..engine import engine\n") == [
-        "strata.gateway.pipeline:1: strata.engine.engine: gateway never imports engine, "
+    assert violations("strata.gateway.routing.pipeline", "from ...engine import engine\n") == [
+        "strata.gateway.routing.pipeline:1: strata.engine.engine: gateway never imports engine, "
         "model or server"
     ]
 
 
 def test_checker_keeps_lower_layers_and_the_gateway_apart() -> None:
-    assert violations("strata.registry.sqlite", "from strata.server import app\n") == [
-        "strata.registry.sqlite:1: strata.server.app: registry is below engine, server and "
-        "gateway and never imports them"
+    assert violations("strata.registry.instances.sqlite", "from strata.server import app\n") == [
+        "strata.registry.instances.sqlite:1: strata.server.app: registry is below engine, server "
+        "and gateway and never imports them"
     ]
     assert violations("strata.gateway.app", "import strata.store.s3\n") == [
         "strata.gateway.app:1: strata.store.s3: gateway imports only protocol, state, registry"
@@ -205,3 +218,74 @@ def test_relative_imports_resolve_against_the_package() -> None:
     assert imported_names(tree, "strata.engine.scheduler", is_package=False) == [
         ("strata.engine.block_pool", 1), ("strata.errors", 2)
     ]
+
+
+def test_checker_keeps_stage_6_on_the_gateways_seams() -> None:
+    assert violations("strata.autoscale.law", "from strata.server import metrics\n") == [
+        "strata.autoscale.law:1: strata.server.metrics: autoscale reads the gateway's stats and "
+        "writes the registry; never an instance"]
+    assert violations("strata.plan.fleet", "import torch\n") == [
+        "strata.plan.fleet:1: torch: plan runs the engine, the gateway and the simulator on a "
+        "virtual clock, no torch"]
+    assert violations("strata.cluster.local", "from strata.commands import up\n") == [
+        "strata.cluster.local:1: strata.commands.up: cluster launches processes; it never "
+        "imports the CLI, the planner or autoscaler"]
+    assert violations("strata.plan.fleet", "from strata.gateway.routing import pd\n") == []
+
+
+def import_graph() -> dict[str, set[str]]:
+    """strata module -> the strata modules it imports (lazy imports included: a function's
+    import runs too; `from package import name` counts the package)."""
+    modules = {module_name(p): p for p in all_modules()}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+                node.body = []
+        for imported, _ in imported_names(tree, name, path.name == "__init__.py"):
+            for target in (imported, imported.rpartition(".")[0]):
+                if target in modules and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of `graph`: its strongly connected components of two or more."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle_inside_strata() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]

@@ -24,13 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from strata.autoscale.law import HOLD, Decision, LawState, ScalingLaw, Signals
+from strata.clock import Clock
 from strata.errors import ConflictError, StrataError
 from strata.registry import leases
 from strata.registry.leases import LeaseStore
 from strata.registry.models import Deployment, DeploymentState, ModelRegistry, PoolSize
 
 log = logging.getLogger("strata.autoscale")
-# (now, the deployment as one pool sees it: `pool_sizes[0]` is the pool) -> its signals
+# (now, the deployment as one pool sees it: `pools[0]` is the pool) -> its signals
 SignalReader = Callable[[float, Deployment], Signals]
 
 
@@ -67,8 +68,8 @@ class Autoscaler:
 
     def __init__(self, law: ScalingLaw, models: ModelRegistry, *, model: str, owner: str,
                  read_signals: SignalReader | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 clock: Clock = time.monotonic,
+                 wall_clock: Clock = time.time) -> None:
         if not isinstance(models, LeaseStore):
             raise StrataError("the autoscaler needs a registry that keeps leases")
         self.law = law
@@ -123,7 +124,7 @@ class Autoscaler:
             self._skip("no signals attached")
             return None
         now, pools = self.clock(), []
-        for pool in deployment.pool_sizes:
+        for pool in deployment.pools:
             signals = self.read_signals(now, _as_one_pool(deployment, pool))
             decision = self.law_of(pool).decide(signals, self.states.setdefault(pool.label,
                                                                                LawState()))
@@ -196,9 +197,7 @@ class Autoscaler:
 
 def _as_one_pool(deployment: Deployment, pool: PoolSize) -> Deployment:
     """The deployment as one pool's signal reader sees it: that pool alone, its replicas."""
-    if not deployment.pools:
-        return deployment
-    return replace(deployment, replicas=pool.replicas, pools=(pool,))
+    return deployment.with_pool_sizes([pool])
 
 
 __all__ = ["Autoscaler", "PoolRound", "Round", "SignalReader"]

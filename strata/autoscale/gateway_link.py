@@ -1,21 +1,23 @@
 """The autoscaler inside a gateway process: its signals read from the gateway's own parts, pool
 by pool, its decisions on the gateway's /metrics and dashboard (gateway_metrics.py).
 
-    arrivals    an unpooled deployment: the gateway's request counter of the two generation
-                routes; a prefill pool: the requests the gateway hands to it (P/D decisions
-                `remote`); a decode or mixed pool: the requests placed in its pool name by
-                the priority classes' flow (strata/gateway/classes.py), else every request.
-                Sampled each round
+    arrivals    a prefill pool: the requests the gateway hands to a prefill instance; a decode
+                or mixed pool: the requests placed in its pool name by the priority classes'
+                flow (strata/gateway/path/classes.py), else every request that entered the
+                gateway's path. Sampled each round
     TTFT        time to the first byte of each successful attempt (a stream's first token) on
                 the pool's instances (a prefill pool: the client's, on the decode instance of
                 its pool name); none for a decode pool, whose SLO is the ITL (law.py)
+    ITL         the gaps between the chunks the gateway relays from the pool's instances
     queued      requests waiting at the gateway for the pool (admission, and the classes that
                 live in it); none for a prefill pool (the gateway never waits for one)
     in flight,  the gateway's own count of requests and prompt tokens at the pool's instances
     tokens
     waiting,    what the pool's instances last reported (registry heartbeats): engine queues,
     running, KV running sequences, KV use
-Only the lease holder decides; every gateway reads its own traffic, so run the autoscaler on the
+All of it comes from the gateway's typed parts (its `GatewayStats`, strata/gateway/stats.py,
+its instance set, admission and class flow), never from /metrics samples. Only the lease holder
+decides; every gateway reads its own traffic, so run the autoscaler on the
 gateway that takes the traffic (one gateway per cluster, as `strata up` has).
 """
 
@@ -23,17 +25,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 
 from strata.autoscale.controller import Autoscaler
 from strata.autoscale.gateway_metrics import AutoscalerMetrics, autoscaler_status
 from strata.autoscale.law import Signals
-from strata.gateway.dashboard_data import AutoscalerStatus
-from strata.gateway.instances import InstanceView
+from strata.autoscale.status import AutoscalerStatus
+from strata.clock import Clock
+from strata.gateway.stats import p95
 from strata.gateway.wiring import Gateway
 from strata.registry.models import Deployment, PoolSize
-
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
 class GatewaySignals:
@@ -41,68 +41,55 @@ class GatewaySignals:
     (the deployment as that pool sees it: controller.py)."""
 
     def __init__(self, gateway: Gateway, *, window_s: float, recent_s: float,
-                 ttft_window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 ttft_window_s: float, clock: Clock = time.monotonic) -> None:
         self.gateway = gateway
         self.window_s = window_s
         self.recent_s = recent_s
         self.ttft_window_s = ttft_window_s
         self.clock = clock
         self._counts: dict[str, deque[tuple[float, float]]] = {}  # pool -> (time, so far)
-        self._ttfbs: deque[tuple[float, float, str]] = deque()  # (time, TTFB, pool name)
-        gateway.proxy.observers.append(self._observe)
-
-    def _observe(self, view: InstanceView, is_error: bool, ttfb_s: float | None) -> None:
-        if not is_error and ttfb_s is not None:
-            self._ttfbs.append((self.clock(), ttfb_s, view.pool))
 
     def __call__(self, now: float, deployment: Deployment) -> Signals:
-        pool, is_pooled = deployment.pool_sizes[0], bool(deployment.pools)
-        counts = self._counts.setdefault(pool.label if is_pooled else "", deque())
-        count = self._arrivals_so_far(pool, is_pooled)
+        pool, stats = deployment.pools[0], self.gateway.stats
+        counts = self._counts.setdefault(pool.label, deque())
+        count = self._arrivals_so_far(pool)
         counts.append((now, count))
         while counts[0][0] < now - self.window_s - 1.0:
             counts.popleft()
-        while self._ttfbs and self._ttfbs[0][0] < now - self.ttft_window_s:
-            self._ttfbs.popleft()
         num_recent = count - _count_at(counts, now - self.recent_s)
         views = [v for v in self.gateway.source.instances.snapshot()
                  if v.model == deployment.name and v.version == deployment.version
-                 and (not is_pooled or (v.role, v.pool) == (pool.role, pool.pool))]
+                 and (v.role, v.pool) == (pool.role, pool.pool)]
         ready = [v for v in views if v.is_routable]
-        ttfbs = sorted(value for _, value, name in self._ttfbs
-                       if not is_pooled or (pool.role != "decode" and name == pool.pool))
+        since = self.clock() - self.ttft_window_s
+        ttfbs = [] if pool.role == "decode" else stats.since(stats.first_bytes, since, [pool.pool])
         return Signals(
             now=now, desired=deployment.replicas, ready=len(ready),
             arrival_rate=(count - _count_at(counts, now - self.window_s)) / self.window_s,
             recent_rate=num_recent / self.recent_s, num_recent=round(num_recent),
-            queued=self._queued(pool, is_pooled),
+            queued=self._queued(pool),
             waiting=sum(v.reported.num_waiting for v in ready),
             running=sum(v.reported.num_running for v in ready),
             in_flight=sum(v.num_in_flight for v in views),
             in_flight_tokens=sum(v.num_in_flight_tokens for v in views),
             kv_usage=sum(v.reported.kv_usage for v in ready) / len(ready) if ready else 0.0,
-            ttft_p95_s=ttfbs[int(0.95 * (len(ttfbs) - 1))] if ttfbs else None)
+            ttft_p95_s=p95(ttfbs),
+            itl_p95_s=p95(stats.since(stats.gaps, since, [pool.pool])))
 
-    def _arrivals_so_far(self, pool: PoolSize, is_pooled: bool) -> float:
-        registry = self.gateway.metrics.registry
-        if is_pooled and pool.role == "prefill":
-            return registry.get_sample_value("strata:gateway_pd_decisions_total",
-                                             {"reason": "remote"}) or 0.0
-        classes = self.gateway.classes
-        if is_pooled and classes is not None:  # requests are placed in pools by class
+    def _arrivals_so_far(self, pool: PoolSize) -> float:
+        stats, classes = self.gateway.stats, self.gateway.classes
+        if pool.role == "prefill":
+            return float(stats.num_remote_prefills)
+        if classes is not None:  # requests are placed in pools by class
             return float(classes.num_placed.get(pool.pool, 0))
-        return sum(registry.get_sample_value("strata:gateway_requests_total",
-                                             {"endpoint": route}) or 0.0
-                   for route in GENERATION_ROUTES)
+        return float(stats.num_requests)
 
-    def _queued(self, pool: PoolSize, is_pooled: bool) -> int:
-        if is_pooled and pool.role == "prefill":
+    def _queued(self, pool: PoolSize) -> int:
+        if pool.role == "prefill":
             return 0
         classes = self.gateway.classes
-        if classes is None:
-            return self.gateway.admission.num_queued
-        return self.gateway.admission.num_queued + (
-            classes.num_queued_for(pool.pool) if is_pooled else classes.num_queued())
+        queued = self.gateway.admission.num_queued
+        return queued if classes is None else queued + classes.num_queued_for(pool.pool)
 
 
 def _count_at(counts: deque[tuple[float, float]], when: float) -> float:

@@ -1,9 +1,9 @@
 """The autoscaler on the gateway's /metrics (`strata:autoscaler_*`) and dashboard.
 
 The deployment as a whole (desired, ready and needed replicas summed over its pools; the
-signals and decisions of its first pool, an unpooled deployment's only one) keeps the names it
-had before pools; `strata:autoscaler_pool_*` carry the same per pool, with a `pool` label
-(prefill, decode, a class pool's name; `mixed` for an unpooled deployment).
+signals and decisions of its first pool) keeps the names it had before pools;
+`strata:autoscaler_pool_*` carry the same per pool, with a `pool` label (prefill, decode, a
+class pool's name; `mixed` for a deployment of one mixed pool).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 from strata.autoscale.controller import Autoscaler
 from strata.autoscale.law import Signals
-from strata.gateway.dashboard_data import AutoscalerStatus, ScalingTarget
+from strata.autoscale.status import AutoscalerStatus, ScalingTarget
 
 
 class AutoscalerMetrics(Collector):

@@ -63,6 +63,7 @@ class Signals:
     waiting: int = 0  # waiting in the instances' engine queues (their reports)
     in_flight: int = 0  # sent to instances and not finished
     ttft_p95_s: float | None = None  # over the window; None: no sample
+    itl_p95_s: float | None = None  # gaps between relayed chunks over the window; None: none
     kv_usage: float = 0.0  # mean over ready instances
     in_flight_tokens: int = 0
     running: int = 0  # sequences running in the instances (their reports)

@@ -26,8 +26,8 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from strata.registry.deployments import DEFAULT_POOL, MIXED
 from strata.registry.models import Deployment, DeploymentState, ModelVersion
+from strata.registry.models.deployments import DEFAULT_POOL, MIXED
 
 # serve flags (each takes a value) that each version decides: the cluster-wide ones are dropped
 VERSION_FLAGS = ("--simulate", "--model-version", "--served-model-name")
@@ -52,17 +52,16 @@ class Slot:
 
 @dataclass(frozen=True, slots=True)
 class Start:
-    """An instance to start: index `index` of `version`, as `strata serve --role --pool`
-    (role None: an unpooled deployment's, which the launcher's layout decides)."""
+    """An instance to start: index `index` of `version`, as `strata serve --role --pool`."""
 
     version: ModelVersion
     index: int
-    role: str | None = None
+    role: str = MIXED
     pool: str = DEFAULT_POOL
 
     @property
     def slot(self) -> Slot:
-        return Slot(self.version.key, self.index, role=self.role or MIXED, pool=self.pool)
+        return Slot(self.version.key, self.index, role=self.role, pool=self.pool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,22 +82,17 @@ def plan(deployments: Iterable[Deployment], versions: Mapping[str, ModelVersion]
          owned: Mapping[str, Slot]) -> Plan:
     """What to do so that `owned` (instance id -> slot) matches `deployments`."""
     deployments = list(deployments)
-    wanted: dict[str, tuple[str, int]] = {}  # instance id -> (deployment key, index)
-    kept: set[str] = set()  # instance ids of pooled deployments that stay
-    pooled_starts: list[Start] = []
+    kept: set[str] = set()  # instance ids of active deployments that stay
+    starts: list[Start] = []
     for d in deployments:
-        if d.state is DeploymentState.ACTIVE and d.pools:
-            starts, drains = _pooled(d, versions.get(d.key), owned)
-            pooled_starts += starts
+        if d.state is DeploymentState.ACTIVE:
+            pool_starts, drains = _pooled(d, versions.get(d.key), owned)
+            starts += pool_starts
             kept |= {iid for iid, slot in owned.items()
                      if slot.deployment == d.key and iid not in drains}
-        elif d.state is DeploymentState.ACTIVE:
-            for index in range(d.replicas):
-                wanted[instance_id_of(d.name, d.version, index)] = (d.key, index)
-    start = tuple(Start(versions[key], index) for iid, (key, index) in wanted.items()
-                  if iid not in owned and key in versions) + tuple(pooled_starts)
+    start = tuple(starts)
     drain = tuple(iid for iid, slot in owned.items()
-                  if iid not in wanted and iid not in kept and not slot.is_draining)
+                  if iid not in kept and not slot.is_draining)
     keys_owned = {slot.deployment for slot in owned.values()}
     delete = tuple(d for d in deployments
                    if d.state is DeploymentState.RETIRING and d.key not in keys_owned)
@@ -109,7 +103,7 @@ def plan(deployments: Iterable[Deployment], versions: Mapping[str, ModelVersion]
 
 def _pooled(d: Deployment, version: ModelVersion | None,
             owned: Mapping[str, Slot]) -> tuple[list[Start], set[str]]:
-    """(starts, drains) of a pooled deployment, pool by pool, in the order of its pools: a
+    """(starts, drains) of an active deployment, pool by pool, in the order of its pools: a
     pool drains its highest indices; its new instances take the lowest indices no instance of
     the deployment holds (draining ones included: an id is never two processes). A slot of a
     pool the deployment no longer lists is drained."""

@@ -34,13 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from strata.clock import Clock
 from strata.cluster.deployments import Slot, Start, instance_id_of
 from strata.cluster.local_config import LocalClusterConfig, instance_argv, local_registry_url
 from strata.cluster.ports import free_port, port_is_free
 from strata.cluster.registry_link import Reconciler, RegistryLink
 from strata.errors import ConfigError
-from strata.registry.deployments import DEFAULT_POOL, MIXED
 from strata.registry.models import ModelVersion
+from strata.registry.models.deployments import DEFAULT_POOL, MIXED
 
 log = logging.getLogger("strata.up")
 
@@ -60,7 +61,7 @@ class Child:
     log_file: IO[bytes] | None = field(default=None, repr=False)
     deployment: str = ""  # name@version of an instance; "" for the gateway
     index: int = 0
-    role: str | None = None  # None: its index decides (LocalClusterConfig.role_of)
+    role: str = MIXED
     pool: str = DEFAULT_POOL
     is_draining: bool = False  # sent SIGTERM by a reconcile: never restarted
     port: int = 0  # where it listens (0: not known)
@@ -75,7 +76,7 @@ class Supervisor:
     """Starts, watches and stops the processes of one local cluster."""
 
     def __init__(self, config: LocalClusterConfig, *, python: str = sys.executable,
-                 clock: Callable[[], float] = time.monotonic,
+                 clock: Clock = time.monotonic,
                  supervise_instances: bool = True, link: RegistryLink | None = None) -> None:
         """With `supervise_instances=False` only the gateway is a child (Ray owns instances).
         `link` reaches the registries (default: opened at start from the config's URL)."""
@@ -147,7 +148,7 @@ class Supervisor:
     def _reconcile(self, now: float) -> None:
         assert self._reconciler is not None
         self._next_round_at = now + self.config.reconcile_interval_s
-        owned = {iid: Slot(c.deployment, c.index, c.is_draining, c.role or MIXED, c.pool)
+        owned = {iid: Slot(c.deployment, c.index, c.is_draining, c.role, c.pool)
                  for iid, c in self.instances.items()}
         actions = self._reconciler.round(owned)
         if actions is not None and not actions.is_empty:

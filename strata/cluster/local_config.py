@@ -7,8 +7,8 @@ from pathlib import Path
 
 from strata.cluster.deployments import serve_model_args
 from strata.errors import ConfigError
-from strata.registry.deployments import DEFAULT_POOL, MIXED, PoolSize
 from strata.registry.models import ModelVersion
+from strata.registry.models.deployments import DEFAULT_POOL, MIXED, PoolSize
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,15 +53,9 @@ class LocalClusterConfig:
         """Instances outside the named pools (`--pool`)."""
         return self.replicas - sum(n for _, n in self.class_pools)
 
-    def role_of(self, index: int) -> str:
-        """The role of instance `index` of an unpooled deployment (a release's) in a cluster
-        started with --prefill N: the first N prefill. The seeded pools take indices in the
-        same order."""
-        return "prefill" if index < self.num_prefill else "decode" if self.num_prefill else MIXED
-
     @property
     def pools(self) -> tuple[PoolSize, ...]:
-        """The pools `strata up` seeds (none: `replicas` mixed instances)."""
+        """The pools `strata up` seeds (none: one mixed pool of `replicas`)."""
         named = tuple(PoolSize(pool=name, replicas=n) for name, n in self.class_pools)
         if self.num_prefill:
             return (PoolSize("prefill", replicas=self.num_prefill),
@@ -83,11 +77,11 @@ def local_registry_url(run_dir: Path) -> str:
 
 
 def instance_argv(config: LocalClusterConfig, version: ModelVersion, instance_id: str,
-                  port: int, python: str, index: int = 0, *, role: str | None = None,
+                  port: int, python: str, index: int = 0, *, role: str = MIXED,
                   pool: str = DEFAULT_POOL) -> list[str]:
     """The `strata serve` command line of instance `index` of `version` in the cluster, in
-    `role` (None: the one it is seeded with) and `pool`."""
-    c, role = config, config.role_of(index) if role is None else role
+    `role` and `pool`."""
+    c = config
     argv = [python, "-m", "strata.cli", "serve", *serve_model_args(version, c.serve_args),
             "--host", c.host, "--port", str(port), "--registry", c.registry_url,
             "--instance-id", instance_id, "--advertise-url", f"http://{c.host}:{port}"]

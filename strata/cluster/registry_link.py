@@ -18,8 +18,13 @@ from typing import Any, TypeVar
 from strata.cluster.deployments import Plan, Slot, Start, plan
 from strata.errors import StrataError
 from strata.registry import Registry, create_registry
-from strata.registry.model_registry import create_model_registry
-from strata.registry.models import Deployment, DeploymentState, ModelRegistry, ModelVersion
+from strata.registry.models import (
+    Deployment,
+    DeploymentState,
+    ModelRegistry,
+    ModelVersion,
+    create_model_registry,
+)
 
 log = logging.getLogger("strata.up")
 T = TypeVar("T")

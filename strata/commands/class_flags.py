@@ -1,4 +1,4 @@
-"""The priority-class flags of `strata gateway` (strata/gateway/classes.py)."""
+"""The priority-class flags of `strata gateway` (strata/gateway/path/classes.py)."""
 
 from __future__ import annotations
 

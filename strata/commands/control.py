@@ -1,8 +1,8 @@
 """The control-plane client shared by `strata models`, `strata release` and `strata rollback`.
 
-They talk to a gateway's admin API (strata/gateway/admin.py), found by `--gateway URL`, else the
-`cluster.json` that `strata up` writes in the run directory, else http://127.0.0.1:8000, so the
-same commands drive a local cluster with no flag and a remote one given its gateway URL.
+They talk to a gateway's admin API (strata/gateway/control/admin.py), found by `--gateway URL`,
+else the `cluster.json` that `strata up` writes in the run directory, else http://127.0.0.1:8000,
+so the same commands drive a local cluster with no flag and a remote one given its gateway URL.
 """
 
 from __future__ import annotations

@@ -38,19 +38,19 @@ from strata.gateway.config import (
     PD_MODES,
     SESSION_ROUTING_MODES,
     AdmissionConfig,
-    DisaggConfig,
     GatewayConfig,
+    PDRoutingConfig,
     ResumeConfig,
     RetryConfig,
     SessionRoutingConfig,
     VersionConfig,
 )
-from strata.gateway.policies import policy_names
-from strata.gateway.sources import InstanceSource, RegistrySource, StaticSource
+from strata.gateway.routing.policies import policy_names
+from strata.gateway.routing.sources import InstanceSource, RegistrySource, StaticSource
 from strata.logs import announce
 from strata.protocol.auth import check_exposure
 from strata.registry.models import ModelRegistry
-from strata.registry.release_policy import ReleaseConfig
+from strata.registry.releases.policy import ReleaseConfig
 from strata.state.urls import schemes_help
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -66,7 +66,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--instances", nargs="+", default=None, metavar="URL",
                    help="static instance URLs instead of a registry")
     p.add_argument("--policy", choices=policy_names(), default="power_of_two",
-                   help="routing policy (the table in strata/gateway/policies/__init__.py)")
+                   help="routing policy (the table in strata/gateway/routing/policies/__init__.py)")
     p.add_argument("--max-in-flight", type=positive_int, default=256)
     p.add_argument("--max-queue", type=non_negative_int, default=512)
     p.add_argument("--queue-timeout-s", type=positive_float, default=10.0)
@@ -135,7 +135,7 @@ def _add_pd_flags(p: argparse.ArgumentParser) -> None:
                    help="prefill/decode disaggregation: auto (whenever prefill instances are "
                         "registered) or off")
     p.add_argument("--pd-min-uncached-tokens", type=non_negative_int,
-                   default=DisaggConfig().min_uncached_tokens,
+                   default=PDRoutingConfig().min_uncached_tokens,
                    help="prefill remotely only prompts with at least this many uncached tokens "
                         "(estimated as bytes / 4); the default is fitted from the smollm2-cpu "
                         "profile and the measured hand-off overhead (docs/benchmarks.md)")
@@ -175,7 +175,7 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
                                pin_store_url=args.version_pin_store,
                                release=_release_config(args)),
         response_cache_url=args.response_cache, response_cache_ttl_s=args.response_cache_ttl_s,
-        pd=DisaggConfig(mode=args.pd, min_uncached_tokens=args.pd_min_uncached_tokens,
+        pd=PDRoutingConfig(mode=args.pd, min_uncached_tokens=args.pd_min_uncached_tokens,
                         max_prefill_queue=args.pd_max_prefill_queue,
                         prefill_timeout_s=args.pd_prefill_timeout_s))
 
@@ -214,7 +214,7 @@ def build_model_registry(config: GatewayConfig) -> ModelRegistry | None:
     gateway over static instances."""
     if not config.registry_url:
         return None
-    from strata.registry.model_registry import create_model_registry
+    from strata.registry.models import create_model_registry
 
     return create_model_registry(config.registry_url)
 
@@ -229,7 +229,7 @@ async def _serve(config: GatewayConfig, args: argparse.Namespace, started: float
     import uvicorn
 
     from strata.gateway.app import create_gateway_app
-    from strata.gateway.releases import controller_owner
+    from strata.gateway.control.releases import controller_owner
 
     # the control plane's calls to instances (model and load of static ones, drains) carry the
     # key their admin API takes: the admin key, else the first client key

@@ -16,10 +16,10 @@ import datetime
 import random
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from strata.clock import Clock
 from strata.commands.env import CliEnv
 from strata.engine.executor import ModelInput, ModelOutput
 from strata.sim.executor import step_shape
@@ -49,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 class TimingExecutor:
     """Wraps an executor; records every step's shape and wall time."""
 
-    def __init__(self, inner: Any, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, inner: Any, clock: Clock = time.perf_counter) -> None:
         self.inner = inner
         self.clock = clock
         self.points: list[ProfilePoint] = []

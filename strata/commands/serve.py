@@ -137,7 +137,7 @@ def _add_pd_flags(p: argparse.ArgumentParser) -> None:
                         "the default is the measured loopback pull rate)")
     p.add_argument("--fault-config", default=None, metavar="FILE",
                    help="tests only: kill points and damaged blocks of the hand-off (JSON, see "
-                        "strata/server/pd_faults.py)")
+                        "strata/server/pd/faults.py)")
 
 
 def run(args: argparse.Namespace, env: CliEnv) -> int:

@@ -151,7 +151,7 @@ def parallel_identity(async_engine: AsyncEngine) -> dict[str, Any]:
     """What the registry shows of a parallel instance: its layout and its ranks (host, pid,
     weight and KV bytes); nothing for one process."""
     from strata.model.parallel.executor import ParallelExecutor
-    from strata.registry.records import RankInfo
+    from strata.registry.instances.records import RankInfo
 
     executor = getattr(async_engine.engine, "executor", None)
     if not isinstance(executor, ParallelExecutor):

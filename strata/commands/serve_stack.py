@@ -246,8 +246,8 @@ def exit_when_engine_dies(server: Any, async_engine: AsyncEngine) -> Callable[[]
 
 
 def _pd_config(args: argparse.Namespace) -> Any:
-    from strata.server.pd_config import PDConfig
-    from strata.server.pd_faults import FaultConfig
+    from strata.server.pd.config import PDConfig
+    from strata.server.pd.faults import FaultConfig
 
     faults = FaultConfig.load(Path(args.fault_config)) if args.fault_config else FaultConfig()
     return PDConfig(lease_s=args.pd_lease_s, faults=faults)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from strata.cluster.local import local_registry_url
 from strata.commands.env import CliEnv
 from strata.registry import InstanceRecord, create_registry
-from strata.registry.records import RankInfo
+from strata.registry.instances.records import RankInfo
 
 COLUMNS = ("INSTANCE", "URL", "MODEL", "ROLE", "POOL", "STATE", "RUN/WAIT", "KV", "HEARTBEAT")
 

@@ -189,7 +189,7 @@ def _served_name(model: str) -> str:
 
 async def _seed(registry_url: str, seed: ClusterSeed) -> None:
     from strata.registry import create_registry
-    from strata.registry.model_registry import create_model_registry
+    from strata.registry.models import create_model_registry
 
     models, instances = create_model_registry(registry_url), create_registry(registry_url)
     try:
@@ -278,7 +278,7 @@ def _gateway_routes_all(config: LocalClusterConfig) -> bool:
 def _wait_ready(supervisor: Launcher, config: LocalClusterConfig, timeout_s: float,
                 should_stop: Any) -> None:
     from strata.registry import create_registry
-    from strata.registry.records import InstanceState
+    from strata.registry.instances.records import InstanceState
 
     async def num_ready() -> int:
         registry = create_registry(config.registry_url)

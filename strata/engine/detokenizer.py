@@ -4,8 +4,8 @@ Text is released only when it is final: never in the middle of a multi-byte char
 never a tail that could still grow into a stop string (held back until decided).
 
 A resumed request (one that arrives with tokens generated elsewhere, `Request.output_token_ids`,
-see strata/gateway/resume.py) is replayed token by token through the same steps, so the text
-already released and the text held back are exactly what the first engine had: a stop string
+see strata/gateway/upstream/resume.py) is replayed token by token through the same steps, so the
+text already released and the text held back are exactly what the first engine had: a stop string
 that straddles the hand-over is found, and no character is sent twice or lost.
 """
 

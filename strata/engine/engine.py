@@ -21,8 +21,8 @@ instance's first token instead of a sample and, its whole prompt imported, compu
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
+from strata.clock import Clock
 from strata.engine.batch_queue import BatchQueue
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.detokenizer import IncrementalDetokenizer, check_stop
@@ -54,8 +54,8 @@ class Engine:
         decoder: TokenDecoder,
         *,
         vocab_size: int | None = None,
-        clock: Callable[[], float] | None = None,
-        step_clock: Callable[[], float] = time.perf_counter,
+        clock: Clock | None = None,
+        step_clock: Clock = time.perf_counter,
     ) -> None:
         """`clock`: the clock of `Request.arrival_time`, which aging reads; `step_clock` times
         each step for the adaptive prefill budget (scheduler.step_budget)."""

@@ -29,9 +29,10 @@ its batches write stay held until they are back, and a preempted one is re-admit
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from strata.clock import Clock
 from strata.engine.block_pool import KVBlock
 from strata.engine.config import SchedulerConfig
 from strata.engine.integrity import check_scheduler
@@ -76,7 +77,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv: KVCacheManager, *, max_concurrent_batches: int = 1,
-        clock: Callable[[], float] | None = None,
+        clock: Clock | None = None,
     ) -> None:
         """`clock` gives the time on the clock of `Request.arrival_time`; aging needs it."""
         if config.max_queue_wait_s is not None and clock is None:

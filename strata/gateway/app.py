@@ -15,11 +15,11 @@ and admin endpoints.
 
 Only what routing needs is read from a body (model, stream, max_tokens); the bytes are forwarded
 untouched. `X-Model-Version` (or `model: "name@version"`) names a version, `X-Strata-Pool` a
-pool; with a model registry the gateway otherwise picks the version (strata/gateway/versions.py).
-Every proxied answer carries `X-Strata-Instance: <instance id>`. `--session-routing` decides
-where requests with a session id go (strata/gateway/sessions.py). Every answer carries
-`X-Request-Id`: the client's when sane, else a new one, forwarded to the instance too
-(strata/protocol/request_id.py).
+pool; with a model registry the gateway otherwise picks the version
+(strata/gateway/path/versions.py). Every proxied answer carries `X-Strata-Instance: <instance id>`.
+`--session-routing` decides where requests with a session id go (strata/gateway/path/sessions.py).
+Every answer carries `X-Request-Id`: the client's when sane, else a new one, forwarded to the
+instance too (strata/protocol/request_id.py).
 """
 
 from __future__ import annotations
@@ -35,18 +35,19 @@ from typing import Protocol
 import httpx
 from starlette.applications import Starlette
 
-from strata.gateway.admin import admin_routes
+from strata.clock import Clock
 from strata.gateway.config import GatewayConfig
-from strata.gateway.dashboard import DASHBOARD_PATHS, dashboard_routes
-from strata.gateway.dashboard_data import AutoscalerStatus
+from strata.gateway.control.admin import admin_routes
+from strata.gateway.control.dashboard.data import StatusReport
+from strata.gateway.control.dashboard.page import DASHBOARD_PATHS, dashboard_routes
 from strata.gateway.error_handlers import EXCEPTION_HANDLERS
 from strata.gateway.openapi_routes import openapi_route
 from strata.gateway.routes import build_routes
-from strata.gateway.sources import InstanceSource
+from strata.gateway.routing.sources import InstanceSource
 from strata.gateway.wiring import Gateway, build_gateway
 from strata.protocol.auth import EXEMPT_PATHS, ApiKeyAuth
 from strata.protocol.request_id import RequestIdMiddleware
-from strata.registry.base import Registry
+from strata.registry.instances.base import Registry
 from strata.registry.models import ModelRegistry
 from strata.state.pins import PinStore
 
@@ -62,13 +63,13 @@ class Companion(Protocol):
 
     async def run(self) -> None: ...
 
-    async def status(self) -> AutoscalerStatus | None: ...
+    async def status(self) -> StatusReport | None: ...
 
 
 def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
                        transport: httpx.AsyncBaseTransport | None = None,
                        control_client: httpx.AsyncClient | None = None,
-                       clock: Callable[[], float] = time.monotonic,
+                       clock: Clock = time.monotonic,
                        rng: random.Random | None = None,
                        run_background: bool = True,
                        pin_store: PinStore | None = None,
@@ -81,7 +82,7 @@ def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
     `pin_store` replaces the one `config.sessions.store_url` names (sticky/hybrid routing).
     With `models` (the model registry), requests are routed by version and the routing records
     are re-read every `config.versions.routing_poll_s`; with `instance_registry` too, the
-    gateway drives releases (strata/gateway/releases.py). An `autoscaler` is attached to the
+    gateway drives releases (strata/gateway/control/releases.py). An `autoscaler` is attached to the
     built gateway, runs in the background and reports to the dashboard."""
     gateway = build_gateway(config, source, transport=transport, control_client=control_client,
                             clock=clock, rng=rng, pin_store=pin_store, models=models,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from strata.errors import ConfigError
-from strata.registry.release_policy import ReleaseConfig
+from strata.registry.releases.policy import ReleaseConfig
 from strata.types import PriorityClass
 
 SESSION_ROUTING_MODES = ("none", "external", "sticky", "hybrid")
@@ -61,8 +61,8 @@ class RetryConfig:
 
 @dataclass(frozen=True, slots=True)
 class ResumeConfig:
-    """Streams that outlive their instance (strata/gateway/resume.py, stalls.py). A stream cut
-    after its first byte goes on on another instance at most `max_resumes` times (0: never; the
+    """Streams that outlive their instance (strata/gateway/upstream/resume.py, stalls.py). A stream
+    cut after its first byte goes on on another instance at most `max_resumes` times (0: never; the
     client gets an error event). An attempt whose instance has sent nothing for `stall_s` while
     the gateway waits is checked: a `/health` probe that fails within `stall_probe_timeout_s`
     ends it (resumed, or retried when nothing was sent yet); stalls are looked for every
@@ -85,7 +85,7 @@ class AdmissionConfig:
     a class) for at most `queue_timeout_s`, of them at most `batch_max_queue` batch requests
     (sheddable ones never wait). A full queue answers 429, a timeout 503, with Retry-After.
     While instances start (an autoscaler's, the first of a fleet at zero), a request waiting for
-    room in a pool waits up to `start_wait_s` instead (strata/gateway/start_wait.py)."""
+    room in a pool waits up to `start_wait_s` instead (strata/gateway/path/start_wait.py)."""
 
     max_in_flight: int = 256
     max_queue: int = 512
@@ -103,7 +103,7 @@ class AdmissionConfig:
 
 @dataclass(frozen=True, slots=True)
 class ClassConfig:
-    """Priority classes routed to pools, with flow control (strata/gateway/classes.py).
+    """Priority classes routed to pools, with flow control (strata/gateway/path/classes.py).
     `class_pools`: (class, pool) pairs; `instance_slots`: requests one routable instance takes
     at once (0: no cap); `hold_without_instances`: requests wait (up to the queue timeout)
     while no instance can take them, as when an autoscaler starts the first one."""
@@ -130,7 +130,7 @@ class ClassConfig:
 
 @dataclass(frozen=True, slots=True)
 class SessionRoutingConfig:
-    """How requests carrying a session id are routed (`mode`, see strata/gateway/sessions.py).
+    """How requests carrying a session id are routed (`mode`, see strata/gateway/path/sessions.py).
     `store_url` holds the pin table shared by every gateway (None: in this process only);
     `epsilon` bounds each instance to ceil((1+epsilon) * mean) pinned sessions; `epsilon` and
     `num_vnodes` (ring points per instance) also shape the `consistent_hash` policy; a pin
@@ -193,8 +193,8 @@ PD_MODES = ("auto", "off")
 
 
 @dataclass(frozen=True, slots=True)
-class DisaggConfig:
-    """Prefill/decode disaggregation (strata/gateway/disagg.py). `mode` auto: the step is on the
+class PDRoutingConfig:
+    """The prefill/decode hand-off (strata/gateway/routing/pd.py). `mode` auto: the step is on the
     path and disaggregates whenever the fleet has routable prefill instances (`strata gateway`'s
     default); off: no step (the default of a gateway built in code: only the steps it asks
     for). A request is prefilled remotely when its estimated uncached prompt tokens reach
@@ -219,8 +219,9 @@ class DisaggConfig:
 class GatewayConfig:
     """Everything `strata gateway` needs; instances come from `registry_url` or
     `instance_urls` (at most one of them; an app built with its own instance source needs
-    neither). `policy` names a row of the policy table (strata/gateway/policies/__init__.py),
-    checked when the gateway is built (the table may gain rows after this config is made)."""
+    neither). `policy` names a row of the policy table
+    (strata/gateway/routing/policies/__init__.py), checked when the gateway is built (the table may
+    gain rows after this config is made)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -247,7 +248,7 @@ class GatewayConfig:
     versions: VersionConfig = field(default_factory=VersionConfig)
     response_cache_url: str | None = None  # opt-in: deterministic answers, keyed by version
     response_cache_ttl_s: float = 600.0
-    pd: DisaggConfig = field(default_factory=DisaggConfig)  # prefill/decode disaggregation
+    pd: PDRoutingConfig = field(default_factory=PDRoutingConfig)  # prefill/decode disaggregation
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -266,6 +267,6 @@ class GatewayConfig:
             raise ConfigError("api keys must not be empty strings")
 
 
-__all__ = ["PD_MODES", "SESSION_ROUTING_MODES", "AdmissionConfig", "ClassConfig", "DisaggConfig",
+__all__ = ["PD_MODES", "SESSION_ROUTING_MODES", "AdmissionConfig", "ClassConfig", "PDRoutingConfig",
            "EjectionConfig", "GatewayConfig", "ResumeConfig", "RetryConfig",
            "SessionRoutingConfig", "VersionConfig"]

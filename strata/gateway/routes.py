@@ -11,12 +11,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from strata.errors import InvalidRequestError
-from strata.gateway.forward import Handler
 from strata.gateway.metrics import GatewayMetrics
-from strata.gateway.policies.base import RouteRequest
-from strata.gateway.proxy import ProxyRequest
-from strata.gateway.requests import route_request
-from strata.gateway.upstream import error_response
+from strata.gateway.path.forward import Handler
+from strata.gateway.path.requests import route_request
+from strata.gateway.routing.policies.base import RouteRequest
+from strata.gateway.upstream.pools import error_response
+from strata.gateway.upstream.proxy import ProxyRequest
 from strata.gateway.wiring import Gateway
 from strata.protocol.priority import MAX_PRIORITY_STATE, PRIORITY_HEADER
 
@@ -30,6 +30,7 @@ async def generate(request: Request) -> Response:
     """/v1/completions, /v1/chat/completions and /v1/embeddings: the whole request path
     (forward.py); `model` picks the instances (an embedding model's are `--task embed` ones)."""
     gateway = _gateway(request)
+    gateway.stats.request_entered()
     return await _proxied(request, gateway, gateway.forward)
 
 
@@ -46,14 +47,15 @@ async def _proxied(request: Request, gateway: Gateway, forward: Handler) -> Resp
     gateway.metrics.requests_by_endpoint.inc(path)
     body = await request.body()
     try:
-        route = route_request(body, request.headers,
-                              max_priority=request.scope.get("state", {}).get(MAX_PRIORITY_STATE))
+        route, data = route_request(
+            body, request.headers, max_priority=request.scope.get("state", {}).get(
+                MAX_PRIORITY_STATE))
     except InvalidRequestError as exc:
         gateway.metrics.errors.labels("bad_request").inc()
         return error_response(400, str(exc))
     headers = [(k, v) for k, v in request.headers.items() if k != PRIORITY_HEADER]
     headers.append((PRIORITY_HEADER, str(route.priority)))  # the instance gets it clamped
-    preq = ProxyRequest(request.method, path, body, headers, route, received_at)
+    preq = ProxyRequest(request.method, path, body, headers, route, received_at, data)
     return await forward(preq)
 
 

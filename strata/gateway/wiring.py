@@ -1,5 +1,5 @@
 """The parts of one gateway, built and wired together (`build_gateway`); routes reach them as
-`app.state.gateway`. The path a request takes through them is strata/gateway/forward.py.
+`app.state.gateway`. The path a request takes through them is strata/gateway/path/forward.py.
 
 Every part that holds connections or tasks registers its close on one `AsyncExitStack` as it is
 built; `Gateway.close` unwinds it, so parts close in the reverse order of their construction
@@ -17,28 +17,30 @@ from dataclasses import dataclass
 
 import httpx
 
-from strata.gateway.admission import Admission
-from strata.gateway.classes import ClassFlow
+from strata.clock import Clock
 from strata.gateway.config import GatewayConfig
-from strata.gateway.disagg import PDRouter
-from strata.gateway.forward import Handler, chain, path_steps
-from strata.gateway.health import HealthChecker, OutlierDetector
-from strata.gateway.instances import InstanceSet
+from strata.gateway.control.releases import ReleaseService, build_release_service, controller_owner
 from strata.gateway.metrics import GatewayMetrics
-from strata.gateway.pipeline import RoutingPipeline
-from strata.gateway.policies import CacheAwarePolicy, RoutingPolicy, create_policy
-from strata.gateway.prefix_index_feed import PrefixRouting
-from strata.gateway.proxy import Proxy
-from strata.gateway.releases import ReleaseService, build_release_service, controller_owner
-from strata.gateway.response_cache import ResponseCacheLayer
-from strata.gateway.resume import Resumer
-from strata.gateway.retry import RetryBudget
-from strata.gateway.sessions import PinnedSessionPolicy, SessionRouter
-from strata.gateway.sources import InstanceSource
-from strata.gateway.stalls import StallWatch
-from strata.gateway.upstream import UpstreamPools
-from strata.gateway.versions import VersionRouter, VersionStats
-from strata.registry.base import Registry
+from strata.gateway.path.admission import Admission
+from strata.gateway.path.classes import ClassFlow
+from strata.gateway.path.forward import Handler, chain, path_steps
+from strata.gateway.path.response_cache import ResponseCacheLayer
+from strata.gateway.path.sessions import PinnedSessionPolicy, SessionRouter
+from strata.gateway.path.versions import VersionRouter, VersionStats
+from strata.gateway.routing.health import HealthChecker, OutlierDetector
+from strata.gateway.routing.instances import InstanceSet
+from strata.gateway.routing.pd import PDRouter
+from strata.gateway.routing.pipeline import RoutingPipeline
+from strata.gateway.routing.policies import CacheAwarePolicy, RoutingPolicy, create_policy
+from strata.gateway.routing.prefix.feed import PrefixRouting
+from strata.gateway.routing.sources import InstanceSource
+from strata.gateway.stats import GatewayStats
+from strata.gateway.upstream.pools import UpstreamPools
+from strata.gateway.upstream.proxy import Proxy
+from strata.gateway.upstream.resume import Resumer
+from strata.gateway.upstream.retry import RetryBudget
+from strata.gateway.upstream.stalls import StallWatch
+from strata.registry.instances.base import Registry
 from strata.registry.models import ModelRegistry
 from strata.state.pins import PinStore, create_pin_store
 from strata.state.response_cache import create_response_cache
@@ -65,6 +67,11 @@ class Gateway:
     prefix: PrefixRouting | None = None  # --policy cache_aware: feeds its index (in background)
     classes: ClassFlow | None = None  # priority classes: pools, flow control, shedding
 
+    @property
+    def stats(self) -> GatewayStats:
+        """What this gateway measured of its traffic (the autoscaler reads it)."""
+        return self.proxy.stats
+
     async def close(self) -> None:
         await self.exits.aclose()
 
@@ -72,7 +79,7 @@ class Gateway:
 def build_gateway(config: GatewayConfig, source: InstanceSource, *,
                   transport: httpx.AsyncBaseTransport | None = None,
                   control_client: httpx.AsyncClient | None = None,
-                  clock: Callable[[], float] = time.monotonic,
+                  clock: Clock = time.monotonic,
                   rng: random.Random | None = None,
                   pin_store: PinStore | None = None,
                   models: ModelRegistry | None = None,
@@ -83,7 +90,7 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
     registry), requests are routed by version (live, canary, session pins); with
     `instance_registry` too, releases are driven from here (the controller watches instances
     register there). `control_client` is closed with the gateway."""
-    policy = create_policy(config.policy, config=config, rng=rng)
+    policy = create_policy(config.policy, config=config, rng=rng, clock=clock)
     exits = contextlib.AsyncExitStack()
     metrics = GatewayMetrics()
     instances = source.instances
@@ -111,7 +118,8 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
         classes = ClassFlow(config.classes, config.admission, instances, clock)
         _close_with(exits, classes.close)
     pd = None if config.pd.mode == "off" else PDRouter(
-        config.pd, proxy.pipeline, proxy.upstreams, proxy.detector, metrics.registry)
+        config.pd, proxy.pipeline, proxy.upstreams, proxy.detector, metrics.registry,
+        stats=proxy.stats)
     steps = path_steps(admission=admission, metrics=metrics, proxy=proxy, versions=versions,
                        cache=cache, sessions=sessions, prefix=prefix, classes=classes, pd=pd)
     forward = chain(steps, proxy.forward)
@@ -120,7 +128,7 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
 
 
 def _proxy(config: GatewayConfig, instances: InstanceSet, policy: RoutingPolicy,
-           transport: httpx.AsyncBaseTransport | None, clock: Callable[[], float],
+           transport: httpx.AsyncBaseTransport | None, clock: Clock,
            metrics: GatewayMetrics, control: httpx.AsyncClient,
            exits: contextlib.AsyncExitStack) -> Proxy:
     detector = OutlierDetector(instances, config.ejection, clock,
@@ -132,7 +140,7 @@ def _proxy(config: GatewayConfig, instances: InstanceSet, policy: RoutingPolicy,
     _close_with(exits, stalls.aclose)
     return Proxy(RoutingPipeline(instances, policy), upstreams, detector,
                  RetryBudget(config.retry, clock), metrics, config.retry.max_retries,
-                 Resumer(config.resume, metrics), stalls)
+                 Resumer(config.resume, metrics), stalls, stats=GatewayStats(clock))
 
 
 def _response_cache(config: GatewayConfig,
@@ -176,7 +184,7 @@ def _version_pins(config: GatewayConfig) -> PinStore:
 
 
 def _session_router(config: GatewayConfig, pin_store: PinStore | None,
-                    clock: Callable[[], float],
+                    clock: Clock,
                     exits: contextlib.AsyncExitStack) -> SessionRouter | None:
     settings = config.sessions
     if not settings.is_pinning:

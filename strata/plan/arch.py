@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from strata.errors import ConfigError
-from strata.gateway.policies import policy_names
+from strata.gateway.routing.policies import policy_names, policy_row
 from strata.plan.workload import Workload
 
 SESSION_MODES = ("external", "sticky", "hybrid")
@@ -79,6 +79,23 @@ class Family:
         return max(1, max_ranks // per_unit)
 
 
+def workload_traits(workload: Workload) -> set[str]:
+    """What a policy row's `wants` is matched against (strata/gateway/routing/policies)."""
+    traits = set()
+    if workload.has_sessions:
+        traits.add("sessions")
+    if workload.prefix_tokens or workload.has_sessions:  # a history re-read is a prefix too
+        traits.add("prefix")
+    return traits
+
+
+def replica_policies(workload: Workload) -> list[str]:
+    """Every row of the policy table meant for `workload`, in table order: a policy added to
+    the table is planned with no other edit."""
+    traits = workload_traits(workload)
+    return [name for name in policy_names() if policy_row(name).applies_to(traits)]
+
+
 def families(workload: Workload, *, max_ranks: int, tp_sizes: tuple[int, ...] = (2, 4),
              pd_ratios: tuple[tuple[int, int], ...] = ((1, 1), (1, 2), (1, 3), (2, 1)),
              ) -> list[Family]:
@@ -86,10 +103,7 @@ def families(workload: Workload, *, max_ranks: int, tp_sizes: tuple[int, ...] = 
     out = [Family(Architecture("one process", policy="round_robin"))]
     sessions_policy = {"external": "power_of_two", "sticky": "consistent_hash",
                        "hybrid": "consistent_hash"}
-    policies = ["round_robin", "power_of_two", "least_load"]
-    if workload.prefix_tokens or workload.has_sessions:
-        policies.append("cache_aware")
-    out += [Family(Architecture("replicas", policy=p)) for p in policies]
+    out += [Family(Architecture("replicas", policy=p)) for p in replica_policies(workload)]
     if workload.has_sessions:
         out += [Family(Architecture("sessions", policy=sessions_policy[mode], sessions=mode,
                                     kv_offload=mode == "hybrid")) for mode in SESSION_MODES]
@@ -102,4 +116,5 @@ def families(workload: Workload, *, max_ranks: int, tp_sizes: tuple[int, ...] = 
     return out
 
 
-__all__ = ["SESSION_MODES", "Architecture", "Family", "families"]
+__all__ = ["SESSION_MODES", "Architecture", "Family", "families", "replica_policies",
+           "workload_traits"]

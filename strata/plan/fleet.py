@@ -1,21 +1,20 @@
 """A discrete-event simulation of one architecture: the real engines (instance.py), the real
-routing policies (strata.gateway.policies), on one virtual clock. Nothing sleeps.
+routing policies (strata.gateway.routing.policies), on one virtual clock. Nothing sleeps.
 
 Events, in time order from one heap:
 
-    arrive    a turn reaches the gateway: the policy picks an instance (the gateway's in-flight
-              accounting and the policy's hooks as in the proxy); the request reaches the
-              engine after the request overhead, a session read (sessions external/hybrid) and
-              a KV fetch (KV offload: the stored run of blocks past the local prefix hit)
+    arrive    a turn reaches the gateway (routing.py: the gateway's own instance set, pipeline,
+              policy and P/D decider): under P/D the decider may hand its prompt to a prefill
+              instance, else the pipeline picks an instance; the request reaches the engine
+              after the request overhead, a session read (sessions external/hybrid) and a KV
+              fetch (KV offload: the stored run of blocks past the local prefix hit)
     admit     the engine takes it; an idle instance starts a step
     step      an engine step ends (it ran when it started, its outputs are released now): first
               tokens and finishes are recorded, a finished turn sends the job's next turn after
               the think time, a prefill under P/D hands its KV to a decode instance
     handoff   a decode instance takes a prefilled request (its blocks imported, the first token
-              released to the client now); under P/D only prompts of at least the gateway's
-              `--pd-min-uncached-tokens` go through a prefill instance (every prompt token
-              counts as uncached, as the gateway estimates today), shorter ones run on a
-              decode instance as on a mixed one
+              released to the client now); which prompts go through a prefill instance is the
+              gateway's decider's call (its rules: length, the prefill backlog, sessions)
     tick      the autoscaler (autoscaled.py) decides
 
 A request's TTFT is from its arrival at the gateway to its first token; TPOT is (finish - first
@@ -33,11 +32,10 @@ from typing import Any
 from strata.clock import ManualClock
 from strata.engine.outputs import RequestOutput
 from strata.engine.request import Request, SamplingParams
-from strata.gateway.policies.base import RouteRequest
 from strata.plan.arch import Architecture
 from strata.plan.costs import Costs
 from strata.plan.instance import EngineShape, SimInstance
-from strata.plan.routing import SimGateway
+from strata.plan.routing import Routed, SimGateway
 from strata.plan.watch import SloWatch
 from strata.plan.workload import Job, Workload, build_jobs
 from strata.sim.profile import LatencyProfile
@@ -61,10 +59,13 @@ class _Flight:
     job: Job
     turn_index: int
     turn: Turn
-    instance: SimInstance
-    route: RouteRequest
+    routed: Routed
     request: Request
     prompt_len: int
+
+    @property
+    def instance(self) -> SimInstance:
+        return self.routed.instance
 
 
 @dataclass(slots=True)
@@ -97,7 +98,7 @@ class Fleet:
         self.prefill: list[SimInstance] = []
         self.pd_min_tokens = self.costs.pd_min_tokens(self.profile)
         self.gateway = SimGateway(arch.policy, self.shape.block_size, self.costs, self.rng,
-                                  self.clock)
+                                  self.clock, pd_min_tokens=self.pd_min_tokens)
         self.flights: dict[RequestId, _Flight] = {}
         self.result = FleetResult()
         self._next_id = 0
@@ -126,10 +127,8 @@ class Fleet:
             instance.view.state = "starting"
             self.push(self.now + ready_s, "ready", instance)
         self.instances.append(instance)
+        self.gateway.add(instance)
         return instance
-
-    def routable(self, role: str = "mixed") -> list[SimInstance]:
-        return [i for i in self.instances if i.view.role == role and i.view.is_routable]
 
     def run(self) -> FleetResult:
         if self.workload.concurrency is None:
@@ -174,12 +173,15 @@ class Fleet:
         turn = Turn(self.now, len(prompt))
         self.result.turns.append(turn)
         request = self._request(prompt, job.turns[index].output_len)
-        is_remote = bool(self.prefill) and len(prompt) >= self.pd_min_tokens
-        role = "prefill" if is_remote else "mixed"
-        if is_remote:
+        prefill = self.gateway.prefill_for(request, self._stored_session(job)) \
+            if self.prefill else None
+        if prefill is not None:
             request.sampling_params = SamplingParams(max_tokens=1, ignore_eos=True)
             request.kv_export = True
-        instance, route = self.gateway.route(self.routable(role), request, job.session_id)
+            routed = self.gateway.send_prefill(prefill, request)
+        else:
+            routed = self.gateway.route(request, job.session_id)
+        instance = routed.instance
         delay_ms = self.costs.request_overhead(self.overhead_rng)
         if self.arch.sessions in ("external", "hybrid") and index > 0:
             delay_ms += self.costs.session_read_ms
@@ -187,9 +189,13 @@ class Fleet:
             num_tokens = self.gateway.attach_stored_kv(instance, request)
             self.result.num_fetched_tokens += num_tokens
             delay_ms += self.costs.kv_fetch_ms(num_tokens) if num_tokens else 0.0
-        self.flights[request.request_id] = _Flight(job, index, turn, instance, route, request,
-                                                   len(prompt))
+        self.flights[request.request_id] = _Flight(job, index, turn, routed, request, len(prompt))
         self.push(self.now + delay_ms / 1000, "admit", (instance, request))
+
+    def _stored_session(self, job: Job) -> str | None:
+        """The session id the instances see: with server-side sessions only (the gateway's
+        decider keeps a stored session's turn on one instance)."""
+        return job.session_id if self.arch.sessions else None
 
     def _request(self, prompt: list[int], max_tokens: int) -> Request:
         self._next_id += 1
@@ -226,7 +232,7 @@ class Fleet:
     def _finished(self, flight: _Flight, output: RequestOutput) -> None:
         del self.flights[flight.request.request_id]
         instance, view = flight.instance, flight.instance.view
-        self.gateway.finished(view, flight.route, output.kv_blocks)
+        self.gateway.finished(flight.routed, output.kv_blocks)
         if view.role == "prefill":
             flight.turn.num_cached_tokens = output.num_cached_tokens
             num_tokens = len(output.kv_blocks) * self.shape.block_size
@@ -267,10 +273,10 @@ class Fleet:
             return
         request = self._request(prefilled.all_token_ids, left)
         request.external_kv = dict(blocks)
-        instance, route = self.gateway.route(self.routable(), request, flight.job.session_id)
+        routed = self.gateway.route(request, flight.job.session_id)
         self.flights[request.request_id] = _Flight(flight.job, flight.turn_index, flight.turn,
-                                                   instance, route, request, flight.prompt_len)
-        self._on_admit((instance, request))
+                                                   routed, request, flight.prompt_len)
+        self._on_admit((routed.instance, request))
 
     def _finish(self) -> FleetResult:
         out = self.result

@@ -9,15 +9,15 @@ export paths: an imported block is a prefix hit, as on a real instance.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from strata.clock import Clock
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.engine import Engine
 from strata.engine.executor import ModelInput, ModelOutput, SampledToken, ScheduledSequence
 from strata.engine.outputs import RequestOutput
 from strata.engine.request import Request
-from strata.gateway.instances import InstanceView
+from strata.gateway.routing.instances import InstanceView
 from strata.plan.workload import VOCAB_SIZE
 from strata.sim.executor import SimulatedExecutor
 from strata.sim.profile import LatencyProfile
@@ -96,7 +96,7 @@ class SimInstance:
     """An engine, its executor and the gateway's view of it."""
 
     def __init__(self, instance_id: str, profile: LatencyProfile, shape: EngineShape,
-                 clock: Callable[[], float], *, role: str = "mixed") -> None:
+                 clock: Clock, *, role: str = "mixed") -> None:
         self.executor = PlanExecutor(profile)
         scheduler = SchedulerConfig(max_num_seqs=shape.max_num_seqs,
                                     max_num_batched_tokens=shape.max_num_batched_tokens,

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from strata.clock import Clock
 from strata.errors import ConfigError
 from strata.protocol.errors import error_json
 from strata.protocol.priority import MAX_PRIORITY_STATE
@@ -112,7 +113,7 @@ class ApiKeyAuth:
 
     def __init__(self, app: ASGIApp, keys: Sequence[str], *, admin_keys: Sequence[str] = (),
                  rate_limit_per_s: float | None = None,
-                 burst: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 burst: int | None = None, clock: Clock = time.monotonic,
                  compare: Compare = hmac.compare_digest,
                  exempt_paths: frozenset[str] = EXEMPT_PATHS,
                  max_priority: Mapping[str, int] | None = None) -> None:

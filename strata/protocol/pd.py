@@ -23,5 +23,15 @@ LAYOUT_PATH = "/internal/kv/layout"
 KV_PATH = "/internal/kv"
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
+
+def public_path(path: str) -> str:
+    """The OpenAI route a hand-off route serves (`/internal/decode/v1/completions` ->
+    `/v1/completions`); any other path as it is."""
+    for prefix in (PREFILL_PREFIX, DECODE_PREFIX):
+        if path.startswith(prefix + "/"):
+            return path[len(prefix):]
+    return path
+
+
 __all__ = ["DECODE_PREFIX", "GENERATION_PATHS", "HANDOFF_HEADER", "KV_PATH", "LAYOUT_PATH",
-           "PREFILL_PREFIX"]
+           "PREFILL_PREFIX", "public_path"]

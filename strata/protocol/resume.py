@@ -1,5 +1,5 @@
 """The resume protocol between a gateway and its instances: how a stream cut by an instance's
-death goes on on another instance (strata/gateway/resume.py, strata/server/resume.py).
+death goes on on another instance (strata/gateway/upstream/resume.py, strata/server/resume.py).
 
 Marks. A streamed request that carries `X-Strata-Resumable: 1` and asks for one choice gets SSE
 comment lines in its stream (SSE clients ignore comments; the gateway removes them):

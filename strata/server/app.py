@@ -6,7 +6,7 @@
     GET  /v1/models, /health, /ready, /metrics, /load   info_routes.py
     GET  /v1/strata/kv-events, /v1/strata/tokenizer     prefix_routes.py (cache-aware gateways)
     POST /tokenize, /detokenize, /admin/drain           info_routes.py
-    /internal/prefill/..., /internal/decode/..., /internal/kv/...   pd_routes.py (hand-off)
+    /internal/prefill/..., /internal/decode/..., /internal/kv/...   pd/routes.py (hand-off)
     POST /v1/strata/resume                        resume.py: go on with a stream another
                                                   instance began (strata/protocol/resume.py)
 
@@ -44,8 +44,8 @@ from strata.server.kv_events import open_prefix_serving
 from strata.server.kv_offload import open_kv_offload
 from strata.server.metrics import ServerMetrics
 from strata.server.openapi_routes import instance_openapi
-from strata.server.pd_routes import pd_routes
-from strata.server.pd_state import PD
+from strata.server.pd.routes import pd_routes
+from strata.server.pd.state import PD
 from strata.server.prefix_routes import prefix_routes
 from strata.server.registration import Registration
 from strata.server.resume import resume_routes

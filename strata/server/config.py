@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from strata.errors import ConfigError
 from strata.model.generation_defaults import GenerationDefaults
-from strata.server.pd_config import PDConfig
+from strata.server.pd.config import PDConfig
 from strata.state.kv_store import KVStoreLimits
 
 
@@ -73,7 +73,7 @@ class ServerConfig:
     kv_redis_maxmemory_bytes: int | None = None  # set: CONFIG SET maxmemory + allkeys-lru
     # the model's sampling defaults for fields a request leaves out (--generation-config auto)
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
-    pd: PDConfig = field(default_factory=PDConfig)  # prefill/decode hand-off (pd_state.py)
+    pd: PDConfig = field(default_factory=PDConfig)  # prefill/decode hand-off (pd/state.py)
     # set: an embed instance (`strata serve --task embed`): /v1/embeddings, no generation
     embed: EmbedConfig | None = None
 

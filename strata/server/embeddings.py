@@ -1,8 +1,8 @@
 """POST /v1/embeddings: inputs -> pooling requests -> one vector each (an embed instance only).
 
 The path, in order:
-  1. parse the body (strata/protocol/embeddings.py checks `input`); the instance admits it
-     (draining, dead, another model) and must serve the embed task
+  1. the instance's door (preamble.py): parse (strata/protocol/embeddings.py checks `input`),
+     priority clamp, admission (draining, dead, another model), the embed task
   2. `dimensions`: the full size, or for a Matryoshka model a size it allows (EmbedConfig)
   3. texts are tokenized with [CLS] ... [SEP]; token ids go as given; each input must fit the
      model's positions and vocabulary (a 400 that names `input` and the limit)
@@ -36,23 +36,21 @@ from strata.protocol.embeddings import (
     encode_vector,
     inputs_of,
 )
-from strata.server.instance import Instance, instance_of
+from strata.server.instance import Instance
 from strata.server.metrics import track
-from strata.server.request_io import parse_body, request_priority, unless_disconnected
+from strata.server.preamble import client_request
+from strata.server.request_io import unless_disconnected
 from strata.server.serving import ServingContext
 from strata.server.translate import new_id
 from strata.types import RequestId
 
 
 async def embeddings(request: Request) -> Response:
-    instance = instance_of(request)
-    req = await parse_body(request, EmbeddingRequest)
-    instance.admit(req.model)
-    instance.require_task("embed", "/v1/embeddings")
+    instance, req = await client_request(request, EmbeddingRequest, task="embed")
     dimensions = _dimensions(instance, req.dimensions)
     prompts = _prompts(instance, req)
     vectors = await unless_disconnected(
-        request, _embed(instance.serving, prompts, request_priority(request, req.priority)))
+        request, _embed(instance.serving, prompts, req.priority))
     data = [Embedding(index=i, embedding=encode_vector(_truncated(v, dimensions),
                                                        req.encoding_format))
             for i, v in enumerate(vectors)]

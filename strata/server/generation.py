@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+from strata.clock import Clock
 from strata.engine.outputs import RequestOutput
 from strata.engine.request import Logprob, Request
 from strata.protocol.openai import PromptTokensDetails, UsageInfo
@@ -112,7 +113,7 @@ async def _pump(index: int, stream: Outputs,
 
 
 async def start(engine: AsyncEngine, requests: list[Request], prompt_indices: list[int],
-                metrics: ServerMetrics, clock: Callable[[], float],
+                metrics: ServerMetrics, clock: Clock,
                 kv_offload: KVOffload | None = None, prepare: Prepare | None = None
                 ) -> Generation:
     """Queue `requests` (validated synchronously by the engine) and await their first outputs.

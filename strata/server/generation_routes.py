@@ -1,11 +1,8 @@
 """The generation routes: POST /v1/completions and /v1/chat/completions (SSE when stream=true).
 
-Each handler parses the body (request_io.py), puts the caller's tenant into its cache salt
-(translate.tenant_scoped: no prefix-cache or KV-store block is shared across tenants, except a
-leading system message sent with `share_system_prompt`), has the instance admit it
-(instance.py: refused while draining, when the engine is dead or for another model), starts the
-generation
-(serving.py) and answers with JSON or an SSE stream. A chat request with a session id runs as a
+Each handler takes its request through the instance's one door (preamble.py: parse, tenant salt,
+priority clamp, admission, task), starts the generation (serving.py) and answers with JSON or an
+SSE stream. A chat request with a session id runs as a
 session turn (sessions.py): the history is prepended and the answer stored.
 """
 
@@ -18,25 +15,13 @@ from starlette.responses import JSONResponse, Response
 from strata.protocol.openai import ChatCompletionRequest, CompletionRequest
 from strata.server import serving
 from strata.server import sessions as sess
-from strata.server.instance import instance_of
-from strata.server.request_io import (
-    SSEResponse,
-    parse_body,
-    request_priority,
-    unless_disconnected,
-)
+from strata.server.preamble import client_request
+from strata.server.request_io import SSEResponse, unless_disconnected
 from strata.server.resume import marks_for
-from strata.server.sessions import cache_tenant
-from strata.server.translate import tenant_scoped
 
 
 async def completions(request: Request) -> Response:
-    instance = instance_of(request)
-    req = tenant_scoped(await parse_body(request, CompletionRequest),
-                        cache_tenant(request, instance.config))
-    req.priority = request_priority(request, req.priority)
-    instance.admit(req.model)
-    instance.require_task("generate", "/v1/completions")
+    instance, req = await client_request(request, CompletionRequest, task="generate")
     ctx = instance.serving
     started = await unless_disconnected(request, serving.start_completion(ctx, req))
     with_lps = req.logprobs is not None
@@ -49,12 +34,7 @@ async def completions(request: Request) -> Response:
 
 
 async def chat_completions(request: Request) -> Response:
-    instance = instance_of(request)
-    req = tenant_scoped(await parse_body(request, ChatCompletionRequest),
-                        cache_tenant(request, instance.config))
-    req.priority = request_priority(request, req.priority)
-    instance.admit(req.model)
-    instance.require_task("generate", "/v1/chat/completions")
+    instance, req = await client_request(request, ChatCompletionRequest, task="generate")
     session_id = sess.session_id_of(request, await request.body())
     if session_id is None:
         return await _chat(request, instance.serving, req, None)

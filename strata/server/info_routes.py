@@ -28,8 +28,8 @@ from strata.protocol.openai import (
     TokenizeResponse,
 )
 from strata.server.instance import Instance, instance_of
+from strata.server.preamble import client_request
 from strata.server.registration import engine_load
-from strata.server.request_io import parse_body
 from strata.server.translate import chat_prompt
 
 
@@ -81,18 +81,14 @@ async def drain(request: Request) -> JSONResponse:
 
 
 async def tokenize(request: Request) -> dict[str, Any]:
-    instance = instance_of(request)
-    req = await parse_body(request, TokenizeRequest)
-    instance.admit(req.model)
+    instance, req = await client_request(request, TokenizeRequest, task="any")
     tokens = _tokenize(instance, req)
     return TokenizeResponse(tokens=tokens, count=len(tokens),
                             max_model_len=instance.engine.max_model_len).model_dump()
 
 
 async def detokenize(request: Request) -> dict[str, Any]:
-    instance = instance_of(request)
-    req = await parse_body(request, DetokenizeRequest)
-    instance.admit(req.model)
+    instance, req = await client_request(request, DetokenizeRequest, task="any")
     vocab = instance.tokenizer.vocab_size
     if any(not 0 <= t < vocab for t in req.tokens):
         raise InvalidRequestError(f"tokens must be in [0, {vocab})", param="tokens")

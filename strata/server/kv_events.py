@@ -15,7 +15,8 @@ gateway reads from its own cursor, so N gateways cost N cheap reads, not N copie
 
 `epoch` is the process's start time (seconds since 1970, float): an instance that restarts under
 the same id answers with a larger epoch, and the gateway drops what it knew of the old process.
-Hashes travel as one hex string (32 characters a block) per list.
+The answer's wire format, and the `CacheIdentity` both sides share, are
+strata/protocol/kv_events.py.
 """
 
 from __future__ import annotations
@@ -26,33 +27,18 @@ import hashlib
 import json
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+from strata.clock import Clock
 from strata.engine.block_events import BlockChanges, BlockEventLog, watch_blocks
 from strata.engine.engine import Engine
 from strata.model.tokenizer import Tokenizer
+from strata.protocol.kv_events import MAX_WAIT_S, CacheIdentity, EventBatch, EventsAnswer
 from strata.server.async_engine import EngineCore
 from strata.server.translate import ServerTokenizer
 
-MAX_WAIT_S = 5.0
 POLL_STEP_S = 0.02  # how often a waiting poll looks for new batches
 DEFAULT_MAX_BATCHES = 256
-
-
-@dataclass(frozen=True, slots=True)
-class CacheIdentity:
-    """What a gateway needs, besides the tokenizer (GET /v1/strata/tokenizer, whose fingerprint
-    the route adds to each answer), to compute the same block hashes: the block size and the
-    namespace (model name and version; a request's cache salt is appended as `|salt`)."""
-
-    block_size: int
-    namespace: str
-
-
-def hex_hashes(hashes: tuple[bytes, ...]) -> str:
-    return b"".join(hashes).hex()
 
 
 class KVEventFeed:
@@ -78,7 +64,7 @@ class KVEventFeed:
         else:
             self._batches.append(changes)
 
-    def answer(self, epoch: float | None, after: int | None) -> dict[str, Any] | None:
+    def answer(self, epoch: float | None, after: int | None) -> EventsAnswer | None:
         """The answer for this cursor; None when it is up to date (nothing new yet)."""
         self.refresh()
         if epoch != self.epoch or after is None or not self._covers(after):
@@ -86,7 +72,7 @@ class KVEventFeed:
         news = [batch for batch in self._batches if batch.seq > after]
         return self._answer(None, news) if news else None
 
-    def heartbeat(self, after: int) -> dict[str, Any]:
+    def heartbeat(self, after: int) -> EventsAnswer:
         return self._answer(None, [], seq=after)
 
     def _covers(self, after: int) -> bool:
@@ -94,21 +80,16 @@ class KVEventFeed:
         return self._snapshot_seq <= after <= self.log.seq and after >= oldest - 1
 
     def _answer(self, snapshot: BlockChanges | None, batches: list[BlockChanges],
-                seq: int | None = None) -> dict[str, Any]:
+                seq: int | None = None) -> EventsAnswer:
         last = batches[-1].seq if batches else (snapshot.seq if snapshot else seq)
-        body: dict[str, Any] = {
-            "epoch": self.epoch, "seq": last, "block_size": self.identity.block_size,
-            "namespace": self.identity.namespace,
-            "num_dropped": self.log.num_dropped,
-            "batches": [{"seq": b.seq, "stored": hex_hashes(b.stored),
-                         "removed": hex_hashes(b.removed)} for b in batches],
-        }
-        if snapshot is not None:
-            body["snapshot"] = {"seq": snapshot.seq, "stored": hex_hashes(snapshot.stored)}
-        return body
+        assert last is not None
+        return EventsAnswer(
+            self.epoch, last, self.identity, self.log.num_dropped,
+            [EventBatch(b.seq, b.stored, b.removed) for b in batches],
+            None if snapshot is None else EventBatch(snapshot.seq, snapshot.stored))
 
     async def poll(self, epoch: float | None, after: int | None, wait_s: float,
-                   clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+                   clock: Clock = time.monotonic) -> EventsAnswer:
         """`answer`, waiting up to `wait_s` for news; a heartbeat when none came."""
         self.num_polls += 1
         deadline = clock() + min(max(wait_s, 0.0), MAX_WAIT_S)
@@ -171,5 +152,5 @@ def open_prefix_serving(engine: EngineCore, tokenizer: ServerTokenizer) -> Prefi
     return PrefixServing(open_kv_events(engine), spec)
 
 
-__all__ = ["MAX_WAIT_S", "CacheIdentity", "KVEventFeed", "PrefixServing", "TokenizerSpec",
+__all__ = ["KVEventFeed", "PrefixServing", "TokenizerSpec",
            "open_kv_events", "open_prefix_serving"]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from strata.clock import Clock
 from strata.engine.outputs import EngineStats, RequestOutput
 
 if TYPE_CHECKING:
@@ -204,7 +205,7 @@ class RequestTiming:
 
 
 async def track(outputs: AsyncGenerator[RequestOutput, None], metrics: ServerMetrics,
-                arrival_s: float, clock: Callable[[], float]
+                arrival_s: float, clock: Clock
                 ) -> AsyncGenerator[RequestOutput, None]:
     """Pass `outputs` through, recording TTFT, TPOT, latency and counts when it finishes.
 

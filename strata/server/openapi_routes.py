@@ -7,7 +7,7 @@ from typing import Any
 
 from strata.protocol.openapi import OPENAI_OPERATIONS, Operation, openapi_document
 from strata.protocol.resume import RESUME_PATH, ResumeRequest
-from strata.server.pd_routes import PD_OPERATIONS
+from strata.server.pd.routes import PD_OPERATIONS
 
 INSTANCE_OPERATIONS: tuple[Operation, ...] = (
     *OPENAI_OPERATIONS,

@@ -19,11 +19,14 @@ tokenizer.
 
 from __future__ import annotations
 
+import dataclasses
+
 from fastapi.routing import APIRoute
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from strata.errors import InvalidRequestError, NotFoundError
+from strata.protocol.kv_events import EVENTS_PATH, TOKENIZER_PATH
 from strata.server.instance import instance_of
 from strata.server.kv_events import PrefixServing
 
@@ -53,8 +56,9 @@ async def kv_events(request: Request) -> JSONResponse:
     after = _query(request, "after", int)
     wait_s = _query(request, "wait_s", float) or 0.0
     answer = await serving.feed.poll(epoch, None if after is None else int(after), wait_s)
-    answer["tokenizer"] = serving.tokenizer.fingerprint if serving.tokenizer else None
-    return JSONResponse(answer)
+    fingerprint = serving.tokenizer.fingerprint if serving.tokenizer else None
+    identity = dataclasses.replace(answer.identity, tokenizer=fingerprint)
+    return JSONResponse(dataclasses.replace(answer, identity=identity).to_json())
 
 
 async def tokenizer(request: Request) -> Response:
@@ -66,8 +70,8 @@ async def tokenizer(request: Request) -> Response:
 
 def prefix_routes() -> list[APIRoute]:
     return [
-        APIRoute("/v1/strata/kv-events", kv_events, methods=["GET"]),
-        APIRoute("/v1/strata/tokenizer", tokenizer, methods=["GET"]),
+        APIRoute(EVENTS_PATH, kv_events, methods=["GET"]),
+        APIRoute(TOKENIZER_PATH, tokenizer, methods=["GET"]),
     ]
 
 

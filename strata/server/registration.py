@@ -20,10 +20,17 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
+from strata.clock import Clock
 from strata.errors import ConfigError, RegistryError
 from strata.registry import create_registry
-from strata.registry.base import Registry
-from strata.registry.records import InstanceLoad, InstanceRecord, InstanceState, RankInfo, Role
+from strata.registry.instances.base import Registry
+from strata.registry.instances.records import (
+    InstanceLoad,
+    InstanceRecord,
+    InstanceState,
+    RankInfo,
+    Role,
+)
 from strata.server.async_engine import AsyncEngine
 
 log = logging.getLogger("strata.server.registration")
@@ -153,7 +160,7 @@ def build_registration(registry_url: str, *, instance_id: str, advertise_url: st
                        async_engine: AsyncEngine, version: str = "default",
                        role: Role | str = Role.MIXED, pool: str = "default",
                        simulated: bool = False, interval_s: float = 1.0, ttl_s: float = 5.0,
-                       clock: Callable[[], float] = time.time, layout: str = "tp1",
+                       clock: Clock = time.time, layout: str = "tp1",
                        ranks: tuple[RankInfo, ...] = ()) -> Registration:
     """The Registration `strata serve --registry URL ...` runs (ConfigError on a bad URL).
     A parallel instance registers once, with its `layout` and its `ranks`."""

@@ -36,7 +36,8 @@ from strata.server import translate as tr
 from strata.server.constrain import plan_choices
 from strata.server.generation import ChoiceState, Generation, start
 from strata.server.instance import Instance, check_model, instance_of
-from strata.server.request_io import SSEResponse, parse_body, unless_disconnected
+from strata.server.preamble import admitted, parse_body
+from strata.server.request_io import SSEResponse, unless_disconnected
 from strata.server.serving import ServingContext, Started
 from strata.server.stream_marks import Marks
 
@@ -57,8 +58,7 @@ async def resume(request: Request) -> Response:
     instance = instance_of(request)
     body = await parse_body(request, ResumeRequest)
     check_model(instance.config, body.version)
-    req = _client_request(body, sess.cache_tenant(request, instance.config))
-    instance.admit(req.model)
+    req = admitted(request, instance, _client_request(body), task="generate")
     session_id = sess.session_id_of(request, json.dumps(body.request).encode())
     turn = None
     if session_id is not None and isinstance(req, ChatCompletionRequest):
@@ -75,13 +75,14 @@ async def resume(request: Request) -> Response:
     return turn.stream_response(frames, started.generation)
 
 
-def _client_request(body: ResumeRequest, tenant: str | None) -> ClientRequest:
-    """The client's request, in its tenant's cache namespace as a first request is."""
+def _client_request(body: ResumeRequest) -> ClientRequest:
+    """The client's request that the stream answered (the preamble admits it as it admitted the
+    first one: tenant, priority, model, task)."""
     req: ClientRequest
     if body.path.endswith("chat/completions"):
-        req = tr.tenant_scoped(ChatCompletionRequest.model_validate(body.request), tenant)
+        req = ChatCompletionRequest.model_validate(body.request)
     else:
-        req = tr.tenant_scoped(CompletionRequest.model_validate(body.request), tenant)
+        req = CompletionRequest.model_validate(body.request)
     if not req.stream or req.n != 1:
         raise InvalidRequestError("only a stream of one choice is resumed", param="n")
     return req

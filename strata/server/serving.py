@@ -9,10 +9,11 @@ another instance), and a stream sends its finish chunk, then an error event, the
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from strata import __version__
+from strata.clock import Clock
 from strata.engine.constraint import TokenConstraint
 from strata.engine.outputs import RequestOutput
 from strata.engine.request import FinishReason, Request, SamplingParams
@@ -55,7 +56,7 @@ class ServingContext:
     tokenizer: tr.ServerTokenizer
     config: ServerConfig
     metrics: ServerMetrics
-    clock: Callable[[], float] = time.monotonic
+    clock: Clock = time.monotonic
     kv_offload: KVOffload | None = None  # set by the app's lifespan when KV offload is on
     fingerprint: str = field(init=False)  # of every response and chunk: computed once
     grammar: GrammarService = field(init=False)  # structured output and forced tool calls

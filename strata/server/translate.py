@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from itertools import takewhile
 from typing import Protocol, TypeVar
 
+from pydantic import BaseModel
+
 from strata.engine.constraint import TokenConstraint
 from strata.engine.request import INT64_MAX, INT64_MIN, Logprob, Request, SamplingParams
 from strata.errors import InvalidRequestError
@@ -201,7 +203,7 @@ def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
                    cache_salt=req.cache_salt or "", num_public_tokens=num_public_tokens)
 
 
-R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
+R = TypeVar("R", bound=BaseModel)  # a wire request with a `cache_salt` field
 
 
 def tenant_scoped(req: R, tenant: str | None) -> R:
@@ -209,7 +211,8 @@ def tenant_scoped(req: R, tenant: str | None) -> R:
     that no tenant's prompt is ever served from, or probed through, another's KV blocks."""
     if tenant is None:
         return req
-    return req.model_copy(update={"cache_salt": f"{tenant}:{req.cache_salt or ''}"})
+    salt = getattr(req, "cache_salt", None)
+    return req.model_copy(update={"cache_salt": f"{tenant}:{salt or ''}"})
 
 
 def public_prefix_tokens(req: ChatCompletionRequest, prompt: list[int],

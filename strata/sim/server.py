@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from strata.clock import Clock
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.engine import Engine
 from strata.model.tokenizer import Tokenizer
@@ -45,7 +46,7 @@ def build_simulated_engine(
     max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
     max_waiting: int = 1024, namespace: str = "", seed: int = 0,
     sleep: Callable[[float], None] = time.sleep, max_queue_wait_s: float | None = None,
-    clock: Callable[[], float] = time.monotonic,
+    clock: Clock = time.monotonic,
     kv_bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS,
 ) -> SimulatedEngineParts:
     """A real `Engine` whose executor sleeps for the profile's step times (and for a hand-off's

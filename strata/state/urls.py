@@ -1,6 +1,7 @@
 """The store URLs: which URL scheme names which backend, for every store.
 
-A store is a package, strata/state/{store}/ (the registry's: strata/registry/), with a `base`
+A store is a package, strata/state/{store}/ (the registries': strata/registry/instances/ and
+strata/registry/models/), with a `base`
 module (the Protocol and its contract) and one module per backend; `SCHEMES` below says which
 URL form names which backend module and which stores have it. Every factory looks its URL up
 here (`scheme_of`: an unknown one is a ConfigError listing that store's forms) and every
@@ -29,6 +30,10 @@ STORES = {  # store -> what its messages call it
     "model_registry": "model registry",
 }
 EVERY_STORE = tuple(STORES)
+PACKAGES = {  # store -> the package of its backend modules, where not strata.state.{store}
+    "registry": "strata.registry.instances",
+    "model_registry": "strata.registry.models",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +88,11 @@ def scheme_of(store: str, url: str) -> Scheme:
 
 
 def backend_module(store: str, url: str) -> ModuleType:
-    """strata.state.{store}.{backend} for `url`, imported now: the module whose
-    `from_url(url, options)` opens the store."""
-    return importlib.import_module(f"strata.state.{store}.{scheme_of(store, url).backend}")
+    """{package}.{backend} for `url`, imported now (the package is strata.state.{store}, or the
+    registry's, PACKAGES): the module whose `from_url(url, options)` opens the store."""
+    package = PACKAGES.get(store, f"strata.state.{store}")
+    return importlib.import_module(f"{package}.{scheme_of(store, url).backend}")
 
 
-__all__ = ["EVERY_STORE", "SCHEMES", "STORES", "Scheme", "backend_module", "scheme_of",
+__all__ = ["EVERY_STORE", "PACKAGES", "SCHEMES", "STORES", "Scheme", "backend_module", "scheme_of",
            "schemes_help", "schemes_of"]

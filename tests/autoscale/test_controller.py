@@ -5,7 +5,6 @@ nothing while a release runs; inside a gateway: its signals, /metrics and the da
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Any
 
 import httpx
@@ -19,8 +18,14 @@ from strata.autoscale.law import ScalingLaw, Signals
 from strata.clock import ManualClock
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import ClassConfig, GatewayConfig
-from strata.registry.model_registry import create_model_registry
-from strata.registry.models import Deployment, ModelRegistry, ModelRouting, ModelVersion, Release
+from strata.registry.models import (
+    Deployment,
+    ModelRegistry,
+    ModelRouting,
+    ModelVersion,
+    Release,
+    create_model_registry,
+)
 from strata.sim import load_profile
 
 LAW = ScalingLaw(AutoscaleConfig(min_replicas=1, max_replicas=6, window_s=1.0),
@@ -92,7 +97,7 @@ class Racing:
 
     async def put_deployment(self, deployment: Deployment, *,
                              expected_revision: int) -> Deployment:
-        await self.models.put_deployment(dataclasses.replace(deployment, replicas=2),
+        await self.models.put_deployment(deployment.resized(2),
                                          expected_revision=expected_revision)
         return await self.models.put_deployment(deployment,
                                                 expected_revision=expected_revision)

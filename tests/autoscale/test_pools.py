@@ -23,8 +23,14 @@ from strata.clock import ManualClock
 from strata.errors import ConfigError
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import ClassConfig, GatewayConfig
-from strata.registry.model_registry import create_model_registry
-from strata.registry.models import Deployment, ModelRegistry, ModelRouting, ModelVersion, PoolSize
+from strata.registry.models import (
+    Deployment,
+    ModelRegistry,
+    ModelRouting,
+    ModelVersion,
+    PoolSize,
+    create_model_registry,
+)
 from strata.sim import load_profile
 
 PROFILE = load_profile("smollm2-cpu")
@@ -69,7 +75,7 @@ def traffic(rates: dict[str, Rate], window_s: float, recent_s: float) -> object:
         return sum(rate(now - span * (i + 0.5) / steps) for i in range(steps)) / steps
 
     def read(now: float, deployment: Deployment) -> Signals:
-        rate = rates[deployment.pool_sizes[0].label]
+        rate = rates[deployment.pools[0].label]
         recent = mean(rate, now, recent_s)
         return Signals(now=now, desired=deployment.replicas, ready=deployment.replicas,
                        arrival_rate=mean(rate, now, window_s), recent_rate=recent,
@@ -91,7 +97,7 @@ def run(deployment: Deployment, rates: dict[str, Rate], until_s: float,
         while clock() <= until_s:
             await scaler.round()
             (stored,) = await models.list_deployments()
-            for pool in stored.pool_sizes:
+            for pool in stored.pools:
                 seen[pool.label].append(pool.replicas)
             clock.advance(cfg.interval_s)
         return seen, scaler
@@ -215,7 +221,7 @@ def test_strata_up_seeds_its_pools_and_passes_their_bounds_to_the_gateway(tmp_pa
 
 
 def test_a_class_pool_counts_the_requests_placed_in_it_and_no_others() -> None:
-    from strata.gateway.policies.base import RouteRequest
+    from strata.gateway.routing.policies.base import RouteRequest
     from strata.types import PriorityClass
 
     async def story() -> None:

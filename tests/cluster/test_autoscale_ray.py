@@ -21,8 +21,7 @@ from strata.cluster.local import LocalClusterConfig, free_port
 from strata.cluster.ray_launcher import RayLauncher
 from strata.cluster.seed import ClusterSeed
 from strata.registry import InstanceState, create_registry
-from strata.registry.model_registry import create_model_registry
-from strata.registry.models import Deployment, ModelVersion
+from strata.registry.models import Deployment, ModelVersion, create_model_registry
 from strata.sim import load_profile
 
 V1 = ModelVersion("smol", "v1", "sim:smollm2-cpu")

@@ -39,8 +39,10 @@ def test_scaling_down_drains_the_highest_indices_once() -> None:
 
 
 def test_a_draining_id_is_not_reused_until_it_has_exited() -> None:
+    """A draining instance counts for nothing: its replacement starts at once, under an id no
+    process holds; the draining one's id is free again once it has exited."""
     owned = {"m-v1-0": Slot("m@v1", 0), "m-v1-1": Slot("m@v1", 1, is_draining=True)}
-    assert plan([Deployment("m", "v1", 2)], VERSIONS, owned).is_empty
+    assert plan([Deployment("m", "v1", 2)], VERSIONS, owned) == Plan(start=(Start(V1, 2),))
     del owned["m-v1-1"]
     assert plan([Deployment("m", "v1", 2)], VERSIONS, owned) == Plan(start=(Start(V1, 1),))
 

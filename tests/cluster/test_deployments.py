@@ -20,8 +20,7 @@ import pytest
 from strata.cluster.local import LocalClusterConfig, Supervisor, free_port
 from strata.cluster.seed import ClusterSeed, seed_registry
 from strata.registry import InstanceRecord, InstanceState, create_registry
-from strata.registry.model_registry import create_model_registry
-from strata.registry.models import Deployment, DeploymentState, ModelVersion
+from strata.registry.models import Deployment, DeploymentState, ModelVersion, create_model_registry
 
 T = TypeVar("T")
 V1 = ModelVersion("smol", "v1", "sim:smollm2-cpu")

@@ -20,8 +20,7 @@ from strata.cluster.ray_launcher import RayClusterConfig, RayLauncher
 from strata.cluster.seed import ClusterSeed
 from strata.errors import ConfigError
 from strata.registry import InstanceRecord, InstanceState, create_registry
-from strata.registry.model_registry import create_model_registry
-from strata.registry.models import Deployment, DeploymentState, ModelVersion
+from strata.registry.models import Deployment, DeploymentState, ModelVersion, create_model_registry
 
 T = TypeVar("T")
 V1 = ModelVersion("smol", "v1", "sim:smollm2-cpu")

@@ -24,8 +24,7 @@ from strata.cluster.ray_launcher import RayClusterConfig, RayLauncher
 from strata.cluster.seed import ClusterSeed, seed_registry
 from strata.commands.status import format_table
 from strata.registry import InstanceRecord, InstanceState, create_registry
-from strata.registry.model_registry import create_model_registry
-from strata.registry.models import ModelVersion
+from strata.registry.models import ModelVersion, create_model_registry
 
 MODEL = "tiny-nine"
 IDS = {f"{MODEL}-v1-0", f"{MODEL}-v1-1"}

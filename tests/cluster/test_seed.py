@@ -14,7 +14,6 @@ from strata.cluster.seed import ClusterSeed, seed_registry
 from strata.commands.up import seed_version
 from strata.errors import ConfigError
 from strata.registry import InstanceRecord, InstanceState, create_registry
-from strata.registry.model_registry import create_model_registry
 from strata.registry.models import (
     Deployment,
     DeploymentState,
@@ -22,6 +21,7 @@ from strata.registry.models import (
     ModelVersion,
     Release,
     ReleaseState,
+    create_model_registry,
 )
 from strata.store.manifest import write_manifest
 

@@ -22,8 +22,13 @@ from strata.cluster.ports import free_port
 from strata.cluster.registry_link import RegistryLink
 from strata.errors import ConfigError
 from strata.registry import create_registry
-from strata.registry.model_registry import create_model_registry
-from strata.registry.models import Deployment, DeploymentState, ModelRegistry, ModelVersion
+from strata.registry.models import (
+    Deployment,
+    DeploymentState,
+    ModelRegistry,
+    ModelVersion,
+    create_model_registry,
+)
 
 T = TypeVar("T")
 V1 = ModelVersion("m", "v1", "/models/m1")

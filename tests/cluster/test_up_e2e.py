@@ -24,7 +24,7 @@ from harness.procs import http_ok
 from openai import OpenAI
 from serve_process import shared_model_cache
 
-from strata.registry.model_registry import create_model_registry
+from strata.registry.models import create_model_registry
 from strata.sim.profile import LatencyProfile
 
 MODEL = "sim-model"

@@ -16,12 +16,13 @@ from starlette.applications import Starlette
 import strata.gateway
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import GatewayConfig
-from strata.gateway.dashboard import ASSETS, CONTENT_SECURITY_POLICY, dashboard_routes
-from strata.gateway.dashboard_data import AutoscalerStatus, ScalingTarget
+from strata.gateway.control.dashboard.data import AutoscalerStatus, ScalingTarget
+from strata.gateway.control.dashboard.page import ASSETS, CONTENT_SECURITY_POLICY, dashboard_routes
 from strata.gateway.routes import build_routes
-from strata.gateway.sources import RegistrySource
+from strata.gateway.routing.sources import RegistrySource
 from strata.gateway.wiring import build_gateway
-from strata.registry.memory import MemoryRegistry
+from strata.registry.instances.memory import MemoryRegistry
+from strata.registry.instances.records import InstanceRecord, InstanceState
 from strata.registry.models import (
     Deployment,
     DeploymentState,
@@ -31,10 +32,9 @@ from strata.registry.models import (
     ReleaseState,
     Strategy,
 )
-from strata.registry.models_memory import MemoryModelRegistry
-from strata.registry.records import InstanceRecord, InstanceState
+from strata.registry.models.memory import MemoryModelRegistry
 
-STATIC = Path(strata.gateway.__file__).parent / "dashboard_static"
+STATIC = Path(strata.gateway.__file__).parent / "control" / "dashboard" / "static"
 
 
 def calls(app: Any, *requests: tuple[str, str, dict[str, str]]) -> list[httpx.Response]:

@@ -7,9 +7,9 @@ import asyncio
 
 import httpx
 
-from strata.gateway.dashboard_scrape import CounterReader, InstanceCounters, parse_counters
-from strata.gateway.dashboard_series import LiveSeries
-from strata.gateway.instances import DEAD, InstanceView
+from strata.gateway.control.dashboard.scrape import CounterReader, InstanceCounters, parse_counters
+from strata.gateway.control.dashboard.series import LiveSeries
+from strata.gateway.routing.instances import DEAD, InstanceView
 
 
 class Clock:

@@ -23,7 +23,7 @@ from starlette.routing import Route
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import GatewayConfig
 from strata.gateway.openapi_routes import GATEWAY_OPERATIONS
-from strata.gateway.sources import StaticSource
+from strata.gateway.routing.sources import StaticSource
 from strata.protocol.openapi import Operation
 from strata.server.app import build_routes as instance_routes
 from strata.server.openapi_routes import INSTANCE_OPERATIONS

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from strata.gateway.instances import InstanceSet, InstanceView, ReportedLoad
+from strata.gateway.routing.instances import InstanceSet, InstanceView, ReportedLoad
 
 
 def view(instance_id: str, model: str = "m", *, running: int = 0, waiting: int = 0,

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from strata.errors import OverloadedError
-from strata.gateway.admission import Admission
 from strata.gateway.config import AdmissionConfig
+from strata.gateway.path.admission import Admission
 
 
 async def settle() -> None:

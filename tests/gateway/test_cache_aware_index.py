@@ -5,8 +5,8 @@ eviction, restarts (epochs), silence, routing history, bounded memory, and versi
 from __future__ import annotations
 
 from strata.clock import ManualClock
-from strata.gateway.prefix_index import BlockBatch, IndexConfig, PrefixIndex
-from strata.gateway.prefix_index_prompt import Prompt, id_keys
+from strata.gateway.routing.prefix.index import BlockBatch, IndexConfig, PrefixIndex
+from strata.gateway.routing.prefix.prompt import Prompt, id_keys
 from strata.types import hash_blocks
 
 

@@ -24,9 +24,9 @@ from cluster_process import start_cluster
 from live_fleet import free_socket
 from live_server import serve_in_thread
 
-from strata.gateway.instances import InstanceSet, InstanceView
-from strata.gateway.prefix_index import PrefixIndex
-from strata.gateway.prefix_index_feed import FeedConfig, PrefixRouting
+from strata.gateway.routing.instances import InstanceSet, InstanceView
+from strata.gateway.routing.prefix.feed import FeedConfig, PrefixRouting
+from strata.gateway.routing.prefix.index import PrefixIndex
 from strata.server.app import create_app
 from strata.server.config import ServerConfig
 from strata.sim.profile import LatencyProfile

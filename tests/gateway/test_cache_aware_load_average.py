@@ -10,12 +10,12 @@ import math
 import pytest
 
 from strata.clock import ManualClock
-from strata.gateway.instances import InstanceView
-from strata.gateway.policies import CacheAwarePolicy
-from strata.gateway.policies.base import RouteRequest
-from strata.gateway.policies.load_average import LoadAverages
-from strata.gateway.prefix_index import BlockBatch, PrefixIndex
-from strata.gateway.prefix_index_prompt import KeySet, PrefixKeys
+from strata.gateway.routing.instances import InstanceView
+from strata.gateway.routing.policies import CacheAwarePolicy
+from strata.gateway.routing.policies.base import RouteRequest
+from strata.gateway.routing.policies.load_average import LoadAverages
+from strata.gateway.routing.prefix.index import BlockBatch, PrefixIndex
+from strata.gateway.routing.prefix.prompt import KeySet, PrefixKeys
 
 PREFIX = tuple(bytes([i]) * 16 for i in range(60))  # a 960-token system prompt
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import math
 
-from strata.gateway.instances import InstanceView
-from strata.gateway.policies import CacheAwarePolicy, create_policy
-from strata.gateway.policies.base import RouteRequest
-from strata.gateway.prefix_index import BlockBatch, PrefixIndex
-from strata.gateway.prefix_index_prompt import KeySet, PrefixKeys
+from strata.gateway.routing.instances import InstanceView
+from strata.gateway.routing.policies import CacheAwarePolicy, create_policy
+from strata.gateway.routing.policies.base import RouteRequest
+from strata.gateway.routing.prefix.index import BlockBatch, PrefixIndex
+from strata.gateway.routing.prefix.prompt import KeySet, PrefixKeys
 
 BLOCK = 16
 PREFIX = tuple(bytes([i]) * 16 for i in range(60))  # a 960-token system prompt

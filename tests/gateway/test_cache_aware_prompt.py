@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from strata.gateway.prefix_index_prompt import (
+from strata.gateway.routing.prefix.prompt import (
     TEXT_CHUNK_CHARS,
     Prompt,
     PromptHasher,

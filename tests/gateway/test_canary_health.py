@@ -17,13 +17,17 @@ from registry.release_world import CONFIG, World, states
 
 from strata.clock import ManualClock
 from strata.gateway.config import VersionConfig
-from strata.gateway.instances import InstanceSet
-from strata.gateway.releases import HealthPublisher, PooledHealth
-from strata.gateway.versions import VersionRouter, VersionStats
-from strata.registry.model_registry import create_model_registry
-from strata.registry.models import ModelRegistry, ModelRouting, ModelVersion, Strategy
-from strata.registry.release_policy import VersionHealth
-from strata.registry.version_health import (
+from strata.gateway.control.releases import HealthPublisher, PooledHealth
+from strata.gateway.path.versions import VersionRouter, VersionStats
+from strata.gateway.routing.instances import InstanceSet
+from strata.registry.models import (
+    ModelRegistry,
+    ModelRouting,
+    ModelVersion,
+    Strategy,
+    create_model_registry,
+)
+from strata.registry.releases.health import (
     BUCKETS_PER_DOUBLING,
     HealthWindow,
     bucket_upper_ms,
@@ -31,6 +35,7 @@ from strata.registry.version_health import (
     ttft_bucket,
     window_of,
 )
+from strata.registry.releases.policy import VersionHealth
 
 
 def test_buckets_hold_their_values_and_are_nine_percent_wide() -> None:

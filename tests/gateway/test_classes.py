@@ -1,4 +1,4 @@
-"""Priority classes at the gateway (strata/gateway/classes.py) and class-ordered admission:
+"""Priority classes at the gateway (strata/gateway/path/classes.py) and class-ordered admission:
 class -> pool routing, spill-over only with room, flow control by class, shedding."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import pytest
 from gateway_fakes import FixedSource, Upstreams, json_answer, view
 
 from strata.errors import OverloadedError
-from strata.gateway.admission import Admission
 from strata.gateway.app import create_gateway_app
-from strata.gateway.classes import ClassFlow, Placement
 from strata.gateway.config import AdmissionConfig, ClassConfig, GatewayConfig
-from strata.gateway.instances import InstanceSet
-from strata.gateway.policies.base import RouteRequest
+from strata.gateway.path.admission import Admission
+from strata.gateway.path.classes import ClassFlow, Placement
+from strata.gateway.routing.instances import InstanceSet
+from strata.gateway.routing.policies.base import RouteRequest
 from strata.types import PriorityClass
 
 INT, S = PriorityClass.INTERACTIVE, PriorityClass.STANDARD

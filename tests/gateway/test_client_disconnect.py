@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import GatewayConfig
-from strata.gateway.instances import InstanceView
+from strata.gateway.routing.instances import InstanceView
 from strata.gateway.wiring import Gateway
 
 

@@ -20,17 +20,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strata.gateway.config import SessionRoutingConfig
-from strata.gateway.instances import InstanceView
-from strata.gateway.policies import create_policy
-from strata.gateway.policies.base import RouteRequest
-from strata.gateway.policies.consistent_hash import (
+from strata.gateway.path.sessions import SessionRouter
+from strata.gateway.routing.instances import InstanceView
+from strata.gateway.routing.policies import create_policy
+from strata.gateway.routing.policies.base import RouteRequest
+from strata.gateway.routing.policies.consistent_hash import (
     HashRing,
     RingCache,
     bounded_capacity,
     place,
     stable_hash,
 )
-from strata.gateway.sessions import SessionRouter
 from strata.state.pins import MemoryPinStore
 
 EPSILONS = st.sampled_from([0.25, 0.5, 1.0])

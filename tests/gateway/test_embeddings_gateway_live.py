@@ -19,7 +19,7 @@ from tiny_bert import HIDDEN, make_tiny_bert_dir
 from strata.commands import gateway as gateway_command
 from strata.commands.env import CliEnv
 from strata.gateway.app import create_gateway_app
-from strata.gateway.sources import StaticSource
+from strata.gateway.routing.sources import StaticSource
 
 ENV = CliEnv(cache_dir=Path("/nonexistent"), run_dir=Path("/nonexistent"))
 

@@ -1,4 +1,4 @@
-"""The request path (strata/gateway/forward.py) and the wiring around it (wiring.py): steps run
+"""The request path (strata/gateway/path/forward.py) and the wiring around it (wiring.py): steps run
 outermost first, one step per feature that is on, in the documented order; closing a gateway
 closes every part it built, even when one close fails."""
 
@@ -13,11 +13,11 @@ from gateway_fakes import FakeClock, FixedSource, Upstreams, json_answer, view
 from starlette.responses import Response
 
 from strata.gateway.config import GatewayConfig, SessionRoutingConfig
-from strata.gateway.forward import Handler, chain
-from strata.gateway.policies.base import RouteRequest
-from strata.gateway.proxy import ProxyRequest
+from strata.gateway.path.forward import Handler, chain
+from strata.gateway.routing.policies.base import RouteRequest
+from strata.gateway.upstream.proxy import ProxyRequest
 from strata.gateway.wiring import Gateway, build_gateway
-from strata.registry.model_registry import create_model_registry
+from strata.registry.models import create_model_registry
 from strata.state.pins import MemoryPinStore
 
 REQUEST = ProxyRequest("POST", "/v1/completions", b"{}", [], RouteRequest(), 0.0)

@@ -22,7 +22,7 @@ from strata.commands import gateway as gateway_command
 from strata.commands.env import CliEnv
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import EjectionConfig
-from strata.gateway.sources import StaticSource
+from strata.gateway.routing.sources import StaticSource
 from strata.model.loader import LoadedModel
 from strata.protocol.sse import SSEParser
 

@@ -8,8 +8,8 @@ import httpx
 from gateway_fakes import FakeClock, Upstreams, json_answer, view
 
 from strata.gateway.config import EjectionConfig
-from strata.gateway.health import HealthChecker, OutlierDetector
-from strata.gateway.instances import InstanceSet, InstanceView
+from strata.gateway.routing.health import HealthChecker, OutlierDetector
+from strata.gateway.routing.instances import InstanceSet, InstanceView
 
 CONFIG = EjectionConfig(consecutive_failures=3, base_ejection_s=2.0, max_ejection_s=10.0,
                         max_ejected_fraction=0.5)

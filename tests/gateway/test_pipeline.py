@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from gateway_fakes import view
 
-from strata.gateway.instances import InstanceSet
-from strata.gateway.pipeline import RoutingPipeline
-from strata.gateway.policies import LeastLoadPolicy, RouteRequest
+from strata.gateway.routing.instances import InstanceSet
+from strata.gateway.routing.pipeline import RoutingPipeline
+from strata.gateway.routing.policies import LeastLoadPolicy, RouteRequest
 
 
 def pipeline(*views: object) -> RoutingPipeline:

@@ -8,7 +8,7 @@ import pytest
 from gateway_fakes import view
 
 from strata.errors import ConfigError
-from strata.gateway.policies import (
+from strata.gateway.routing.policies import (
     LeastLoadPolicy,
     PowerOfTwoPolicy,
     RoundRobinPolicy,

@@ -1,5 +1,5 @@
-"""The policy table (strata/gateway/policies/__init__.py): the CLI's --policy choices are its
-rows, a policy added with one row is chosen by name and routes requests, and consistent_hash
+"""The policy table (strata/gateway/routing/policies/__init__.py): the CLI's --policy choices are
+its rows, a policy added with one row is chosen by name and routes requests, and consistent_hash
 takes its bound and its ring from the session settings."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from strata.commands.env import CliEnv
 from strata.errors import ConfigError
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import GatewayConfig, SessionRoutingConfig
-from strata.gateway.instances import InstanceView
-from strata.gateway.policies import (
+from strata.gateway.routing.instances import InstanceView
+from strata.gateway.routing.policies import (
     POLICIES,
     ConsistentHashPolicy,
     RouteRequest,
@@ -44,7 +44,7 @@ class LastCandidatePolicy(StatelessPolicy):
 
 @pytest.fixture
 def toy_row() -> Iterator[None]:
-    register_policy("last_candidate", lambda config, rng: LastCandidatePolicy())
+    register_policy("last_candidate", lambda context: LastCandidatePolicy())
     yield
     del POLICIES["last_candidate"]
 
@@ -83,7 +83,7 @@ def test_a_policy_registered_with_one_row_is_a_cli_choice_and_routes_requests(to
 
 def test_a_taken_name_is_refused_and_an_unknown_one_lists_the_table(toy_row) -> None:
     with pytest.raises(ConfigError, match="already registered"):
-        register_policy("round_robin", lambda config, rng: LastCandidatePolicy())
+        register_policy("round_robin", lambda context: LastCandidatePolicy())
     with pytest.raises(ConfigError, match="last_candidate, least_load, power_of_two"):
         create_policy("nope")
 

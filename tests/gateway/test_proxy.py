@@ -12,7 +12,7 @@ from gateway_fakes import FakeClock, FixedSource, Upstreams, json_answer, sse_an
 
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import GatewayConfig, RetryConfig
-from strata.gateway.instances import InstanceView
+from strata.gateway.routing.instances import InstanceView
 from strata.gateway.wiring import Gateway
 from strata.protocol.sse import parse_events
 

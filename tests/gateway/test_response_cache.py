@@ -14,7 +14,7 @@ import pytest
 from redis_server import RedisServer
 
 from strata.errors import ConfigError
-from strata.gateway.response_cache import ResponseCacheLayer, cache_key, is_deterministic
+from strata.gateway.path.response_cache import ResponseCacheLayer, cache_key, is_deterministic
 from strata.state.response_cache import MemoryResponseCache, create_response_cache
 
 CHAT = "/v1/chat/completions"
@@ -188,7 +188,7 @@ def test_a_stopped_redis_is_counted_and_logged_once_never_raised(
         await layer.close()
 
     try:
-        with caplog.at_level(logging.INFO, logger="strata.gateway.response_cache"):
+        with caplog.at_level(logging.INFO, logger="strata.gateway.path.response_cache"):
             asyncio.run(story())
     finally:
         server.stop()

@@ -15,7 +15,7 @@ from gateway_fakes import FakeClock, FixedSource, Upstreams, sse_answer, view
 
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import GatewayConfig, ResumeConfig, RetryConfig
-from strata.gateway.instances import InstanceView
+from strata.gateway.routing.instances import InstanceView
 from strata.gateway.wiring import Gateway
 from strata.protocol.resume import RESUMABLE_HEADER, RESUME_PATH, start_mark, tokens_mark
 from strata.protocol.sse import DONE_FRAME, encode_event, parse_events
@@ -218,7 +218,7 @@ def test_only_streams_are_marked_and_a_client_cannot_ask_for_marks_when_resuming
     (b": strata {}\ndata: x\n\ndata: partial", b"data: x\n\ndata: partial"),
 ])
 def test_marks_are_taken_out_of_the_frames(frames: bytes, expected: bytes) -> None:
-    from strata.gateway.resume import StreamRecord
+    from strata.gateway.upstream.resume import StreamRecord
 
     record = StreamRecord(request=None)  # type: ignore[arg-type]
     assert record.take(frames) == expected
@@ -234,6 +234,6 @@ def test_marks_are_taken_out_of_the_frames(frames: bytes, expected: bytes) -> No
 ])
 def test_a_refusal_is_told_by_its_status_and_message(status: int, body: bytes,
                                                      expected: str) -> None:
-    from strata.gateway.resume import refusal_of
+    from strata.gateway.upstream.resume import refusal_of
 
     assert asyncio.run(refusal_of(httpx.Response(status, content=body))) == expected

@@ -21,7 +21,7 @@ from sim_instances import SimInstance, start_sim_instance
 
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import GatewayConfig, RetryConfig
-from strata.gateway.sources import StaticSource
+from strata.gateway.routing.sources import StaticSource
 from strata.sim.profile import LatencyProfile
 from strata.state.sessions import create_session_store
 

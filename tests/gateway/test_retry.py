@@ -5,7 +5,7 @@ from __future__ import annotations
 from gateway_fakes import FakeClock
 
 from strata.gateway.config import RetryConfig
-from strata.gateway.retry import RetryBudget
+from strata.gateway.upstream.retry import RetryBudget
 
 CONFIG = RetryConfig(backoff_base_s=0.02, backoff_max_s=0.05, budget_ratio=0.5,
                      budget_min_per_s=0.1, budget_window_s=10.0)

@@ -11,7 +11,7 @@ from gateway_fakes import FakeClock, view
 
 from strata.errors import ConfigError
 from strata.gateway.config import SessionRoutingConfig
-from strata.gateway.sessions import MOVED, PINNED, PLACED, SessionRouter
+from strata.gateway.path.sessions import MOVED, PINNED, PLACED, SessionRouter
 from strata.state.pins import MemoryPinStore
 
 

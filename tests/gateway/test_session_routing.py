@@ -14,9 +14,9 @@ from gateway_fakes import FakeClock, FixedSource, Upstreams, json_answer, view
 from strata.errors import PinStoreError
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import GatewayConfig, SessionRoutingConfig
-from strata.gateway.instances import InstanceView
-from strata.gateway.policies import RoundRobinPolicy, RouteRequest
-from strata.gateway.sessions import PinnedSessionPolicy, SessionRouter
+from strata.gateway.path.sessions import PinnedSessionPolicy, SessionRouter
+from strata.gateway.routing.instances import InstanceView
+from strata.gateway.routing.policies import RoundRobinPolicy, RouteRequest
 from strata.state.pins import MemoryPinStore, PinStore
 
 SEEN: list[dict[str, str]] = []

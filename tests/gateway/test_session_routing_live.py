@@ -17,7 +17,7 @@ from tiny_models import make_tiny_model_dir
 from strata.commands import gateway as gateway_command
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import EjectionConfig
-from strata.gateway.sources import StaticSource
+from strata.gateway.routing.sources import StaticSource
 
 
 @pytest.fixture

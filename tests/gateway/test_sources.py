@@ -7,8 +7,8 @@ import asyncio
 import httpx
 from gateway_fakes import FakeClock, Upstreams, json_answer
 
-from strata.gateway.instances import InstanceSet
-from strata.gateway.sources import RegistrySource, StaticSource
+from strata.gateway.routing.instances import InstanceSet
+from strata.gateway.routing.sources import RegistrySource, StaticSource
 from strata.registry import InstanceLoad, InstanceRecord, InstanceState, create_registry
 
 

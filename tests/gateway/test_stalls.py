@@ -10,7 +10,7 @@ import pytest
 from gateway_fakes import FakeClock, view
 
 from strata.gateway.config import ResumeConfig
-from strata.gateway.stalls import StallWatch
+from strata.gateway.upstream.stalls import StallWatch
 
 CONFIG = ResumeConfig(stall_s=0.5, stall_probe_timeout_s=0.2)
 

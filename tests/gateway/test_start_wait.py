@@ -1,5 +1,5 @@
 """A request waiting at the gateway for an instance that is starting waits as long as a start
-takes (`start_wait_s`), not `queue_timeout_s` (strata/gateway/start_wait.py); on an injected
+takes (`start_wait_s`), not `queue_timeout_s` (strata/gateway/path/start_wait.py); on an injected
 clock, each step ordered by the waiter looking at its bound again."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from gateway_fakes import view
 
 from strata.clock import ManualClock
 from strata.errors import OverloadedError
-from strata.gateway.classes import ClassFlow
 from strata.gateway.config import AdmissionConfig, ClassConfig
-from strata.gateway.instances import READY, STARTING, InstanceSet
-from strata.gateway.policies.base import RouteRequest
-from strata.gateway.start_wait import WaitBound
+from strata.gateway.path.classes import ClassFlow
+from strata.gateway.path.start_wait import WaitBound
+from strata.gateway.routing.instances import READY, STARTING, InstanceSet
+from strata.gateway.routing.policies.base import RouteRequest
 
 pytestmark = pytest.mark.timeout(20)
 

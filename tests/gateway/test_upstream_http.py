@@ -1,5 +1,5 @@
-"""The gateway's lean HTTP/1.1 client (strata/gateway/upstream_http.py) against real sockets: a
-raw asyncio server on 127.0.0.1 that answers exactly what each test scripts, so reuse, a close
+"""The gateway's lean HTTP/1.1 client (strata/gateway/upstream/connection.py) against real sockets:
+a raw asyncio server on 127.0.0.1 that answers exactly what each test scripts, so reuse, a close
 while idle, timeouts, the pool bound and broken bodies are all observable on the wire."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
-from strata.gateway.upstream_http import ConnectionPool
+from strata.gateway.upstream.connection import ConnectionPool
 
 Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[bool]]
 CHUNKED_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"

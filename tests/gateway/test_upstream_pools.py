@@ -19,11 +19,11 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from strata.gateway.config import GatewayConfig
-from strata.gateway.instances import InstanceView
-from strata.gateway.policies.base import RouteRequest
-from strata.gateway.proxy import ProxyRequest
-from strata.gateway.upstream import RelayResponse, UpstreamPools
-from strata.gateway.upstream_http import ConnectionPool
+from strata.gateway.routing.instances import InstanceView
+from strata.gateway.routing.policies.base import RouteRequest
+from strata.gateway.upstream.connection import ConnectionPool
+from strata.gateway.upstream.pools import RelayResponse, UpstreamPools
+from strata.gateway.upstream.proxy import ProxyRequest
 from strata.gateway.wiring import Gateway, build_gateway
 
 CONFIG = GatewayConfig(policy="round_robin")

@@ -14,20 +14,19 @@ from gateway_fakes import FakeClock, FixedSource, Upstreams, json_answer, view
 from strata.errors import InvalidRequestError
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import GatewayConfig, RetryConfig
-from strata.gateway.instances import InstanceSet, InstanceView
-from strata.gateway.requests import route_request
-from strata.gateway.versions import VersionRouter, VersionStats
-from strata.registry.model_registry import create_model_registry
-from strata.registry.models import ModelRegistry, ModelRouting, ModelVersion
+from strata.gateway.path.requests import route_request
+from strata.gateway.path.versions import VersionRouter, VersionStats
+from strata.gateway.routing.instances import InstanceSet, InstanceView
+from strata.registry.models import ModelRegistry, ModelRouting, ModelVersion, create_model_registry
 from strata.state.pins import MemoryPinStore
 
 
 def test_model_at_version_names_a_version_like_the_header() -> None:
-    route = route_request(b'{"model": "m@v2"}', {})
+    route, _ = route_request(b'{"model": "m@v2"}', {})
     assert (route.model, route.version) == ("m", "v2")
-    route = route_request(b'{"model": "m"}', {"x-model-version": "v1"})
+    route, _ = route_request(b'{"model": "m"}', {"x-model-version": "v1"})
     assert (route.model, route.version) == ("m", "v1")
-    assert route_request(b'{"model": "m@v1"}', {"x-model-version": "v1"}).version == "v1"
+    assert route_request(b'{"model": "m@v1"}', {"x-model-version": "v1"})[0].version == "v1"
     with pytest.raises(InvalidRequestError, match="asks for 'v2'"):
         route_request(b'{"model": "m@v1"}', {"x-model-version": "v2"})
     with pytest.raises(InvalidRequestError, match="NAME@VERSION"):

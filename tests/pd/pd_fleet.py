@@ -17,15 +17,15 @@ from live_server import serve_in_thread
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.engine import Engine
 from strata.gateway.app import create_gateway_app
-from strata.gateway.config import DisaggConfig, GatewayConfig
-from strata.gateway.instances import InstanceView
+from strata.gateway.config import GatewayConfig, PDRoutingConfig
+from strata.gateway.routing.instances import InstanceView
 from strata.model.executor import TorchExecutor
 from strata.model.loader import LoadedModel
 from strata.protocol.pd import DECODE_PREFIX, HANDOFF_HEADER, PREFILL_PREFIX
 from strata.server.app import create_app
 from strata.server.async_engine import AsyncEngine
 from strata.server.config import ServerConfig
-from strata.server.pd_config import PDConfig
+from strata.server.pd.config import PDConfig
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 256
@@ -84,10 +84,10 @@ def start_instance(model: LoadedModel, *, dtype: str = "float32", version: str =
 def start_gateway(roles: dict[str, tuple[str, str]], policy: str = "round_robin",
                   **pd: Any) -> ServedApp:
     """A real gateway over `roles` (instance id -> (URL, role)), disaggregating every prompt
-    (`pd` overrides DisaggConfig)."""
+    (`pd` overrides PDRoutingConfig)."""
     views = [InstanceView(iid, url, MODEL, role=role) for iid, (url, role) in roles.items()]
     config = GatewayConfig(port=0, policy=policy, read_timeout_s=60.0,
-                           pd=DisaggConfig(**{"mode": "auto", "min_uncached_tokens": 0, **pd}))
+                           pd=PDRoutingConfig(**{"mode": "auto", "min_uncached_tokens": 0, **pd}))
     control = httpx.AsyncClient(timeout=1.0)
     app = create_gateway_app(config, FixedSource(*views), control_client=control,
                              run_background=False)

@@ -11,22 +11,24 @@ from gateway_fakes import FakeClock, FixedSource, view
 from test_forward import steps_of
 
 from strata.errors import ConfigError
-from strata.gateway.config import DisaggConfig, GatewayConfig, SessionRoutingConfig
-from strata.gateway.disagg import Decider, prompt_bytes_estimate
-from strata.gateway.instances import InstanceSet, InstanceView
-from strata.gateway.pipeline import RoutingPipeline
-from strata.gateway.policies import RouteRequest
-from strata.gateway.policies.round_robin import RoundRobinPolicy
-from strata.gateway.proxy import ProxyRequest
+from strata.gateway.config import GatewayConfig, PDRoutingConfig, SessionRoutingConfig
+from strata.gateway.routing.instances import InstanceSet, InstanceView
+from strata.gateway.routing.pd import Decider, HandOffAsk, prompt_bytes_estimate
+from strata.gateway.routing.pipeline import RoutingPipeline
+from strata.gateway.routing.policies import RouteRequest
+from strata.gateway.routing.policies.round_robin import RoundRobinPolicy
+from strata.gateway.upstream.proxy import ProxyRequest
 from strata.gateway.wiring import build_gateway
 
 LONG = "x" * 400  # 100 tokens by the bytes / 4 estimate
 
 
 def request(body: dict[str, Any], path: str = "/v1/chat/completions",
-            **route: Any) -> ProxyRequest:
-    return ProxyRequest("POST", path, json.dumps(body).encode(), [],
-                        RouteRequest(model="m", **route), 0.0)
+            **route: Any) -> HandOffAsk:
+    """The decider's ask for a proxied request, as the HandOff step builds it."""
+    proxied = ProxyRequest("POST", path, json.dumps(body).encode(), [],
+                           RouteRequest(model="m", **route), 0.0, body)
+    return HandOffAsk.of(proxied, prompt_bytes_estimate)
 
 
 def chat(content: str, **fields: Any) -> dict[str, Any]:
@@ -35,7 +37,7 @@ def chat(content: str, **fields: Any) -> dict[str, Any]:
 
 def decider(*views: InstanceView, **config: Any) -> Decider:
     pipeline = RoutingPipeline(InstanceSet(views), RoundRobinPolicy())
-    return Decider(DisaggConfig(**{"mode": "auto", "min_uncached_tokens": 50, **config}),
+    return Decider(PDRoutingConfig(**{"mode": "auto", "min_uncached_tokens": 50, **config}),
                    pipeline)
 
 
@@ -90,11 +92,11 @@ def test_the_step_is_last_before_the_proxy_and_only_when_on() -> None:
                                       clock=FakeClock()))
 
     assert build() == ["Admit", "Proxy.forward"]
-    assert build(pd=DisaggConfig(mode="auto")) == ["Admit", "Disaggregate", "Proxy.forward"]
-    assert build(pd=DisaggConfig(mode="auto"), sessions=SessionRoutingConfig(mode="sticky")) == [
-        "Admit", "PlaceSession", "Disaggregate", "Proxy.forward"]
+    assert build(pd=PDRoutingConfig(mode="auto")) == ["Admit", "HandOff", "Proxy.forward"]
+    assert build(pd=PDRoutingConfig(mode="auto"), sessions=SessionRoutingConfig(mode="sticky")) == [
+        "Admit", "PlaceSession", "HandOff", "Proxy.forward"]
     with pytest.raises(ConfigError, match="unknown --pd mode 'on'; valid: auto, off"):
-        DisaggConfig(mode="on")
+        PDRoutingConfig(mode="on")
 
 
 def test_decode_and_mixed_instances_take_whole_requests_prefill_ones_do_not() -> None:
@@ -107,7 +109,7 @@ def test_decode_and_mixed_instances_take_whole_requests_prefill_ones_do_not() ->
 
 def test_status_sums_up_the_roles_of_each_pool() -> None:
     from strata.commands.status import pools_summary
-    from strata.registry.records import InstanceRecord, InstanceState, Role
+    from strata.registry.instances.records import InstanceRecord, InstanceState, Role
 
     def record(iid: str, role: Role, state: InstanceState = InstanceState.READY,
                pool: str = "default") -> InstanceRecord:
@@ -136,10 +138,10 @@ def test_up_splits_a_prefill_decode_cluster_by_instance_index(tmp_path: Any) -> 
                               "2", "--pd-lease-s", "5"])
     config = up._config(args, env)
     assert (config.replicas, config.num_prefill) == (3, 1)
-    assert [config.role_of(i) for i in range(3)] == ["prefill", "decode", "decode"]
+    assert [(p.role, p.replicas) for p in config.pools] == [("prefill", 1), ("decode", 2)]
     assert "--pd-lease-s" in config.serve_args
     version = ModelVersion("m", "v1", "sim:smollm2-cpu")
-    argv = instance_argv(config, version, "m-v1-1", 9001, "py", 1)
+    argv = instance_argv(config, version, "m-v1-1", 9001, "py", 1, role="decode")
     assert argv[argv.index("--role") + 1] == "decode"
     plain = up._config(parser.parse_args(["up", "--simulate", "smollm2-cpu"]), env)
     assert (plain.replicas, plain.num_prefill) == (2, 0)

@@ -20,9 +20,9 @@ from pd_fleet import stream_mixed as mixed_stream
 from serve_process import ServeProcess, start_serve
 from test_pd_live import LONG, body_of
 
-from strata.gateway.instances import InstanceView
-from strata.gateway.policies import StatelessPolicy, policy_names, register_policy
-from strata.gateway.policies.base import RouteRequest
+from strata.gateway.routing.instances import InstanceView
+from strata.gateway.routing.policies import StatelessPolicy, policy_names, register_policy
+from strata.gateway.routing.policies.base import RouteRequest
 from strata.model.loader import LoadedModel
 
 CHAT = "/v1/chat/completions"

@@ -16,7 +16,7 @@ from test_pd_live import LONG, body_of
 
 from strata.model.loader import LoadedModel
 from strata.protocol.pd import KV_PATH
-from strata.server.pd_faults import FaultConfig
+from strata.server.pd.faults import FaultConfig
 
 
 @pytest.fixture(scope="module")

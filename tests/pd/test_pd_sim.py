@@ -101,7 +101,7 @@ def test_stand_ins_carry_their_modeled_size_and_a_checksum() -> None:
 
 
 def test_a_simulated_peer_is_refused_by_a_real_one() -> None:
-    from strata.server.pd_layout import differences, local_layout
+    from strata.server.pd.layout import differences, local_layout
 
     executor = SimulatedExecutor(PROFILE, 100)
     simulated = local_layout("m", "v1", "m@v1", 16, executor)
@@ -110,13 +110,13 @@ def test_a_simulated_peer_is_refused_by_a_real_one() -> None:
 
 
 def test_the_decider_default_is_fitted_from_the_profile() -> None:
-    from strata.gateway.config import DisaggConfig
+    from strata.gateway.config import PDRoutingConfig
     from strata.sim import load_profile
 
     smollm2 = load_profile("smollm2-cpu")
     # the measured fixed cost of a hand-off (docs/benchmarks.md): 15 ms
     assert fit_min_uncached_tokens(smollm2, handoff_overhead_ms=15) == 368 == \
-        DisaggConfig().min_uncached_tokens
+        PDRoutingConfig().min_uncached_tokens
     # a free hop: the stall bound alone (4 decode steps of a batch of 8 is 112 tokens' prefill)
     assert fit_min_uncached_tokens(smollm2, handoff_overhead_ms=0) == 112
     assert fit_min_uncached_tokens(smollm2, handoff_overhead_ms=20) == 496

@@ -10,10 +10,10 @@ import pytest
 
 from strata.engine.outputs import HeldBlocks
 from strata.errors import ConfigError, InvalidRequestError, KVPayloadError
-from strata.server.pd_faults import FaultConfig, Faults
-from strata.server.pd_layout import differences, explain
-from strata.server.pd_leases import LeaseTable
-from strata.server.pd_wire import (
+from strata.server.pd.faults import FaultConfig, Faults
+from strata.server.pd.layout import differences, explain
+from strata.server.pd.leases import LeaseTable
+from strata.server.pd.wire import (
     BlockReader,
     Handle,
     block_frame,

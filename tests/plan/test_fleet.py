@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterator, Sequence
 
 import pytest
 
+from strata.clock import Clock
 from strata.errors import ConfigError
-from strata.gateway.policies import CacheAwarePolicy
+from strata.gateway.routing.instances import InstanceView
+from strata.gateway.routing.policies import (
+    POLICIES,
+    CacheAwarePolicy,
+    PolicyContext,
+    RouteRequest,
+    register_policy,
+)
 from strata.plan import Architecture, Costs, EngineShape, LengthDist, PlanInputs, Slo, Workload
+from strata.plan.arch import families, replica_policies
 from strata.plan.fleet import Fleet
 from strata.plan.search import simulate
 from strata.sim.profile import LatencyProfile
@@ -117,7 +127,7 @@ def test_cache_aware_keeps_time_on_the_plans_virtual_clock(round_profile: Latenc
                         prompt=LengthDist(16, 16), output=LengthDist(4, 4))
     fleet = Fleet(Architecture("replicas", replicas=2, policy="cache_aware"), round_profile,
                   workload, costs=NO_OVERHEAD)
-    policy = fleet.gateway.policies["mixed"]
+    policy = fleet.gateway.pipeline.policy
     assert isinstance(policy, CacheAwarePolicy)
     run = fleet.run()
     # the load averages' window is the mean request duration in virtual seconds
@@ -150,3 +160,61 @@ def test_an_autoscaled_fleet_grows_under_a_load_one_instance_cannot_serve(
     out, run = simulate(Architecture("autoscaled", replicas=8, autoscale=True), inputs)
     assert run.max_instances > 2
     assert 1.0 < out.instances < 8
+
+
+class StickToFirst:
+    """A toy stateful policy: the first instance it is given until that one has `limit`
+    requests in flight by its own count, then the next; it keeps time only by the clock its
+    row's factory was given (the times it saw land in `seen_at`)."""
+
+    name = "stick_to_first"
+
+    def __init__(self, clock: Clock, limit: int = 2) -> None:
+        self.clock, self.limit = clock, limit
+        self.in_flight: dict[str, int] = {}
+        self.seen_at: list[float] = []
+
+    def choose(self, request: RouteRequest, candidates: Sequence[InstanceView]) -> InstanceView:
+        return next((v for v in candidates if self.in_flight.get(v.instance_id, 0) < self.limit),
+                    candidates[-1])
+
+    def on_request_routed(self, request: RouteRequest, instance: InstanceView) -> None:
+        self.in_flight[instance.instance_id] = self.in_flight.get(instance.instance_id, 0) + 1
+        self.seen_at.append(self.clock())
+
+    def on_request_finished(self, request: RouteRequest, instance: InstanceView, *,
+                            is_success: bool) -> None:
+        self.in_flight[instance.instance_id] -= 1
+
+
+@pytest.fixture
+def toy_policy() -> Iterator[list[StickToFirst]]:
+    built: list[StickToFirst] = []
+
+    def factory(context: PolicyContext) -> StickToFirst:
+        built.append(StickToFirst(context.clock))
+        return built[-1]
+
+    register_policy("stick_to_first", factory)
+    yield built
+    del POLICIES["stick_to_first"]
+
+
+def test_a_policy_added_to_the_table_is_planned_on_the_virtual_clock(
+        round_profile: LatencyProfile, toy_policy: list[StickToFirst]) -> None:
+    workload = Workload(num_requests=12, concurrency=3, prompt=LengthDist(16, 16),
+                        output=LengthDist(4, 4))
+    assert "stick_to_first" in replica_policies(workload)  # found in the table, no other edit
+    assert "stick_to_first" in [f.base.policy for f in families(workload, max_ranks=4)]
+    fleet = Fleet(Architecture("replicas", replicas=2, policy="stick_to_first"), round_profile,
+                  workload, costs=NO_OVERHEAD)
+    run = fleet.run()
+    policy = toy_policy[-1]
+    assert fleet.gateway.pipeline.policy is policy
+    assert len(policy.seen_at) == 12 and policy.in_flight == {"i000": 0, "i001": 0}
+    # its clock is the plan's: the times it read are the turns' arrivals, in virtual seconds
+    assert policy.seen_at == sorted(t.arrival_s for t in run.turns)
+    assert policy.seen_at[-1] == pytest.approx(max(t.arrival_s for t in run.turns))
+    assert max(policy.seen_at) < 60  # a wall clock would read seconds since the epoch
+    # 3 at a time, at most 2 on the first: the second instance served the overflow
+    assert {i.instance_id: i.busy_s > 0 for i in fleet.instances} == {"i000": True, "i001": True}

@@ -17,7 +17,6 @@ import pytest
 import redis
 
 from strata.clock import ManualClock
-from strata.registry.model_registry import create_model_registry
 from strata.registry.models import (
     Deployment,
     DeploymentState,
@@ -27,6 +26,7 @@ from strata.registry.models import (
     Release,
     ReleaseState,
     Strategy,
+    create_model_registry,
 )
 
 BACKENDS = ["memory", "sqlite", "redis"]

@@ -15,7 +15,6 @@ from typing import Any
 
 from strata.clock import ManualClock
 from strata.registry import InstanceRecord, InstanceState, Registry, create_registry
-from strata.registry.model_registry import create_model_registry
 from strata.registry.models import (
     Deployment,
     DeploymentState,
@@ -24,9 +23,10 @@ from strata.registry.models import (
     ModelVersion,
     Release,
     ReleaseState,
+    create_model_registry,
 )
-from strata.registry.release_policy import ReleaseConfig, VersionHealth
-from strata.registry.releases import ReleaseController
+from strata.registry.releases.controller import ReleaseController
+from strata.registry.releases.policy import ReleaseConfig, VersionHealth
 
 CONFIG = ReleaseConfig(ready_timeout_s=10.0, retire_timeout_s=10.0, poll_s=0.2, lease_s=2.0,
                        canary_window_s=3.0, canary_min_requests=20, propagation_s=1.0)

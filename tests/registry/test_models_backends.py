@@ -17,8 +17,7 @@ from redis_server import free_port, redis_server, redis_url  # noqa: F401
 from strata.clock import ManualClock
 from strata.errors import ConfigError, RegistryError
 from strata.registry import InstanceRecord, create_registry
-from strata.registry.model_registry import create_model_registry
-from strata.registry.models import Deployment, ModelRouting, ModelVersion
+from strata.registry.models import Deployment, ModelRouting, ModelVersion, create_model_registry
 
 
 def test_memory_urls_give_fresh_registries_and_bad_urls_say_what_to_use() -> None:
@@ -38,7 +37,7 @@ def test_memory_urls_give_fresh_registries_and_bad_urls_say_what_to_use() -> Non
 
 _INCREMENTS = """
 import asyncio, sys
-from strata.registry.model_registry import create_model_registry
+from strata.registry.models import create_model_registry
 from strata.registry.models import Deployment
 from strata.errors import ConflictError
 

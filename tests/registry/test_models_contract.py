@@ -29,7 +29,7 @@ from strata.registry.models import (
     Release,
     ReleaseState,
 )
-from strata.registry.version_health import HEALTH_RETENTION_S, HealthWindow
+from strata.registry.releases.health import HEALTH_RETENTION_S, HealthWindow
 
 # --- versions ---------------------------------------------------------------------------------
 

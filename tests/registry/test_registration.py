@@ -17,11 +17,11 @@ from strata.registry import (
     InstanceLoad,
     InstanceRecord,
     InstanceState,
-    MemoryRegistry,
     Registry,
     Role,
     create_registry,
 )
+from strata.registry.instances.memory import MemoryRegistry
 from strata.server.async_engine import AsyncEngine
 from strata.server.registration import Registration, build_registration
 

@@ -23,8 +23,8 @@ from strata.registry.models import (
     ReleaseState,
     Strategy,
 )
-from strata.registry.release_policy import ReleaseConfig, VersionHealth, judge_canary
-from strata.registry.releases import ReleaseController
+from strata.registry.releases.controller import ReleaseController
+from strata.registry.releases.policy import ReleaseConfig, VersionHealth, judge_canary
 
 S = ReleaseState
 BLUE_GREEN_PATH = ["pending", "starting", "warming", "flipping", "retiring", "done"]

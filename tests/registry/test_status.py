@@ -12,7 +12,7 @@ import pytest
 from strata.commands import status, up
 from strata.commands.env import CliEnv
 from strata.registry import InstanceLoad, InstanceRecord, InstanceState, Role, create_registry
-from strata.registry.records import RankInfo
+from strata.registry.instances.records import RankInfo
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

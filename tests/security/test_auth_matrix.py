@@ -20,8 +20,8 @@ from starlette.routing import Route
 
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import GatewayConfig
-from strata.gateway.dashboard import DASHBOARD_PATHS, STATIC
-from strata.gateway.sources import StaticSource
+from strata.gateway.control.dashboard.page import DASHBOARD_PATHS, STATIC
+from strata.gateway.routing.sources import StaticSource
 from strata.protocol.auth import ADMIN_PREFIX, EXEMPT_PATHS
 from strata.server.app import build_routes as instance_routes
 

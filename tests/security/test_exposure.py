@@ -14,7 +14,7 @@ from strata.cli import main
 from strata.errors import ConfigError
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import GatewayConfig
-from strata.gateway.sources import StaticSource
+from strata.gateway.routing.sources import StaticSource
 from strata.protocol.auth import check_exposure, is_loopback
 from strata.sim.profile import LatencyProfile
 

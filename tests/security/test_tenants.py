@@ -9,7 +9,7 @@ import httpx
 import pytest
 from sim_stack import ADMIN_KEY, CLIENT_KEY, MODEL, OTHER_CLIENT_KEY, Targets
 
-from strata.gateway.response_cache import cache_key
+from strata.gateway.path.response_cache import cache_key
 from strata.protocol.auth import tenant_of_key
 
 SYSTEM = " ".join(f"rule{i}" for i in range(24))  # several 16-token blocks of its own

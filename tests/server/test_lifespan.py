@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from strata.registry import InstanceLoad, InstanceRecord, InstanceState, MemoryRegistry
+from strata.registry import InstanceLoad, InstanceRecord, InstanceState
+from strata.registry.instances.memory import MemoryRegistry
 from strata.server.app import create_app
 from strata.server.async_engine import AsyncEngine
 from strata.server.config import ServerConfig

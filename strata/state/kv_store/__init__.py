@@ -7,15 +7,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
+from strata.clock import Clock
 from strata.errors import KVStoreUnavailableError
 from strata.state.kv_store.base import KVItem, KVStore, KVStoreLimits, KVStoreOptions
 from strata.state.urls import backend_module
 
 
 def create_kv_store(url: str, *, limits: KVStoreLimits | None = None,
-                    clock: Callable[[], float] = time.monotonic,
+                    clock: Clock = time.monotonic,
                     key_prefix: str = "strata:kv") -> KVStore:
     """The backend named by `url`'s scheme (strata/state/urls.py); the options are
     KVStoreOptions'."""

@@ -13,10 +13,11 @@ block as the end of the usable prefix (block i's KV is useless without blocks 0.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from strata.clock import Clock
 from strata.errors import ConfigError, KVStoreUnavailableError
 from strata.types import BlockHash
 
@@ -81,7 +82,7 @@ class KVStoreOptions:
     memory backend's TTL and the prefix of the Redis backend's keys."""
 
     limits: KVStoreLimits = field(default_factory=KVStoreLimits)
-    clock: Callable[[], float] = time.monotonic
+    clock: Clock = time.monotonic
     key_prefix: str = "strata:kv"
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
+from strata.clock import Clock
 from strata.state.kv_store.base import KVItem, KVStoreLimits, KVStoreOptions
 from strata.types import BlockHash
 
@@ -15,7 +16,7 @@ class MemoryKVStore:
     entries go first once `limits.max_bytes` would be exceeded."""
 
     def __init__(self, limits: KVStoreLimits, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Clock = time.monotonic) -> None:
         self.limits = limits
         self.clock = clock
         self._entries: OrderedDict[BlockHash, tuple[bytes, float | None]] = OrderedDict()

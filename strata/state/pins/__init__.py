@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import time
 
+from strata.clock import Clock
 from strata.errors import PinStoreError
-from strata.state.pins.base import Clock, PinStore, PinStoreOptions
+from strata.state.pins.base import PinStore, PinStoreOptions
 from strata.state.pins.memory import MemoryPinStore  # built directly by tests and one gateway
 from strata.state.pins.sqlite import SqlitePinStore
 from strata.state.urls import backend_module

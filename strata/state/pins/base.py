@@ -13,13 +13,12 @@ Contract (one test suite runs it over all three backends):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from strata.clock import Clock
 from strata.errors import ConfigError, PinStoreError
 
-Clock = Callable[[], float]
 
 class PinStore(Protocol):
     """Session id -> instance id, with compare-and-set writes and sliding expiry."""
@@ -68,4 +67,4 @@ class PinStoreOptions:
         check_namespace(self.namespace)
 
 
-__all__ = ["Clock", "PinStore", "PinStoreError", "PinStoreOptions", "check_namespace"]
+__all__ = ["PinStore", "PinStoreError", "PinStoreOptions", "check_namespace"]

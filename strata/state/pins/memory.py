@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from strata.state.pins.base import Clock, PinStoreOptions
+from strata.clock import Clock
+from strata.state.pins.base import PinStoreOptions
 
 
 class MemoryPinStore:

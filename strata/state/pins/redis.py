@@ -13,8 +13,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from strata.clock import Clock
 from strata.errors import PinStoreError
-from strata.state.pins.base import Clock, PinStoreOptions
+from strata.state.pins.base import PinStoreOptions
 from strata.state.redis_db import RedisDatabase
 
 # KEYS[1] pin key; ARGV: now, prefix, session

@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from strata.clock import Clock
 from strata.errors import PinStoreError
-from strata.state.pins.base import Clock, PinStoreOptions, check_namespace
+from strata.state.pins.base import PinStoreOptions, check_namespace
 from strata.state.sqlite_db import SqliteDatabase, sqlite_path
 
 

@@ -20,13 +20,12 @@ TTL is judged on the injected clock for memory and SQLite; Redis uses the server
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from strata.clock import Clock
 from strata.errors import ConfigError, ResponseCacheError
 
-Clock = Callable[[], float]
 DEFAULT_TTL_S = 3600.0
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_ENTRY_BYTES = 1024 * 1024
@@ -94,4 +93,4 @@ class ResponseCacheOptions:
 
 
 __all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_ENTRIES", "DEFAULT_MAX_ENTRY_BYTES", "DEFAULT_TTL_S",
-           "Clock", "EntryLimits", "ResponseCache", "ResponseCacheError", "ResponseCacheOptions"]
+           "EntryLimits", "ResponseCache", "ResponseCacheError", "ResponseCacheOptions"]

@@ -34,7 +34,6 @@ def create_session_store(url: str, *, clock: Clock = time.time,
 
 __all__ = [
     "APPENDFSYNC",
-    "Clock",
     "Message",
     "SessionConflictError",
     "SessionNotFoundError",

@@ -23,10 +23,11 @@ expired session reads as absent. Values are JSON everywhere (never pickle).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from strata.clock import Clock
 from strata.errors import (
     ConfigError,
     SessionConflictError,
@@ -35,7 +36,6 @@ from strata.errors import (
     StrataError,
 )
 
-Clock = Callable[[], float]
 Message = dict[str, Any]
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +135,6 @@ class SessionStoreOptions:
 
 __all__ = [
     "APPENDFSYNC",
-    "Clock",
     "Message",
     "SessionConflictError",
     "SessionNotFoundError",

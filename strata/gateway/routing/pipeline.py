@@ -1,0 +1,105 @@
+"""Routing pipeline: filters -> policy -> pick, over a snapshot of the instance set.
+
+Filters keep instances that are routable (ready, not ejected, not draining) and match the request's
+model, version, role and pool. The result is narrow: an instance, or the status and reason why
+there is none (404 when no known instance serves the model at all, 503 when some do but none can
+take the request now).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from strata.gateway.routing.instances import InFlight, InstanceSet, InstanceView
+from strata.gateway.routing.policies.base import RouteRequest, RoutingPolicy
+
+Filter = Callable[[RouteRequest, InstanceView], bool]
+
+
+def is_routable(request: RouteRequest, view: InstanceView) -> bool:
+    return view.is_routable
+
+
+def serves_version(request: RouteRequest, view: InstanceView) -> bool:
+    return request.version is None or view.version == request.version
+
+
+def has_role(request: RouteRequest, view: InstanceView) -> bool:
+    """A requested role keeps that role only. Without one, the instances that take whole
+    requests: `mixed` and `decode` (which prefills itself what is not handed over)."""
+    if request.role is not None:
+        return view.role == request.role
+    return view.role != "prefill"
+
+
+def in_pool(request: RouteRequest, view: InstanceView) -> bool:
+    return request.pool is None or view.pool == request.pool
+
+
+def serves_model(request: RouteRequest, view: InstanceView) -> bool:
+    return request.model is None or view.model == request.model
+
+
+FILTERS: tuple[Filter, ...] = (serves_model, is_routable, serves_version, has_role, in_pool)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """`instance`, or `status_code` (404/503) and `reason` when there is none."""
+
+    instance: InstanceView | None
+    status_code: int = 200
+    reason: str = ""
+
+
+class RoutingPipeline:
+    """Filters, then the policy (with pinned sessions, the policy that places them first).
+    `route` does not change any state; the caller says `sent` when it actually sends the
+    request (counted in flight, the policy's hook) and `ended` when that attempt ends."""
+
+    def __init__(self, instances: InstanceSet, policy: RoutingPolicy,
+                 filters: tuple[Filter, ...] = FILTERS) -> None:
+        self.instances = instances
+        self.policy = policy
+        self.filters = filters
+
+    def candidates(self, request: RouteRequest,
+                   exclude: Collection[str] = ()) -> list[InstanceView]:
+        """Views passing every filter, minus `exclude` (ids already tried), by id."""
+        return [view for view in self.instances.snapshot()
+                if view.instance_id not in exclude
+                and all(keep(request, view) for keep in self.filters)]
+
+    def route(self, request: RouteRequest, exclude: Collection[str] = ()) -> RouteDecision:
+        candidates = self.candidates(request, exclude)
+        if candidates:
+            return RouteDecision(self.policy.choose(request, candidates))
+        return self._no_instance(request, exclude)
+
+    def sent(self, request: RouteRequest, view: InstanceView) -> InFlight:
+        """`request` went to `view`: counted in flight there, the policy told."""
+        in_flight = self.instances.begin(view, request.num_tokens)
+        self.policy.on_request_routed(request, view)
+        return in_flight
+
+    def ended(self, request: RouteRequest, in_flight: InFlight, *, is_success: bool) -> None:
+        """The attempt `sent` returned `in_flight` for is over (once: a second call does
+        nothing)."""
+        if self.instances.end(in_flight):
+            self.policy.on_request_finished(request, in_flight.view, is_success=is_success)
+
+    def _no_instance(self, request: RouteRequest, exclude: Collection[str]) -> RouteDecision:
+        known = {view.model for view in self.instances.snapshot() if view.model}
+        if request.model is not None and request.model not in known:
+            listed = ", ".join(sorted(known)) or "none"
+            return RouteDecision(None, 404, f"The model `{request.model}` does not exist; "
+                                            f"models served: {listed}")
+        what = f"model `{request.model}`" if request.model else "this request"
+        detail = f" (version {request.version})" if request.version else ""
+        tried = " that has not already failed" if exclude else ""
+        return RouteDecision(None, 503, f"no instance{tried} is available for {what}{detail}; "
+                                        "retry later")
+
+
+__all__ = ["FILTERS", "Filter", "RouteDecision", "RoutingPipeline"]

@@ -1,0 +1,214 @@
+"""D's side of a hand-off: pull the prompt's blocks from P, check each, hand them to the engine
+with P's first token, answer the client exactly as a mixed instance would, acknowledge.
+
+`HandoffPull` is the `prepare` hook of the request (it runs after validation, before the
+engine sees the request):
+
+1. the handle must name this very prompt (length and digest over tokens, namespace and salt)
+   and P must pass the layout handshake; otherwise the handle is ignored and D prefills
+   locally, sampling its own first token (a token from another prompt or model is never used);
+2. the blocks after D's own prefix-cache hit, the partial last one included, are pulled (a
+   binary stream straight from P) and checked on arrival: chain hash against D's own, crc32 of
+   the bytes. The first bad block and every block after it are recomputed (counted by reason),
+   never imported. With every block in, D computes nothing of the prompt: its first forward
+   is the decode of P's token, as a mixed instance's second step is;
+3. the request carries the blocks (`external_kv`, imported by the engine at admission) and P's
+   first token (`handoff`, appended instead of a sample: usage, `cached_tokens` and logprobs
+   are P's, which are a mixed instance's).
+
+P's blocks are acknowledged (DELETE) once the first output exists, that is once the engine has
+imported them: if D dies before that, the lease still lets another D pull them again. A pull
+that fails leaves D recomputing what is missing, with P's first token still in hand.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+
+import httpx
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from strata.engine.request import Handoff
+from strata.engine.request import Request as EngineRequest
+from strata.errors import KVPayloadError
+from strata.protocol.openai import ChatCompletionRequest, CompletionRequest
+from strata.protocol.pd import HANDOFF_HEADER, KV_PATH
+from strata.server import serving
+from strata.server.pd.state import PD, pd_of
+from strata.server.pd.wire import BlockReader, Handle, checksum_ok, prompt_digest
+from strata.server.preamble import client_request
+from strata.server.request_io import SSEResponse, unless_disconnected
+from strata.types import BlockHash
+
+log = logging.getLogger("strata.server.pd")
+
+
+class HandoffPull:
+    """The `prepare` hook of a request that came with a handle (see the module docstring)."""
+
+    def __init__(self, pd: PD, handle: Handle | None) -> None:
+        self.pd = pd
+        self.handle = handle
+        self.outcome = "local"
+
+    async def __call__(self, requests: list[EngineRequest]) -> None:
+        handle = self.handle
+        if handle is None:
+            return
+        self.pd.faults.reached("decode_before_pull")
+        request = requests[0]
+        why_not = await self._why_not_usable(handle, requests)
+        if why_not is not None:
+            log.info("hand-off %s not used (prefilling here): %s", handle.handle, why_not)
+            self.acknowledge()  # its blocks are of no use to anyone
+            self.handle = None
+            return
+        request.handoff = Handoff(handle.token_id, handle.first_logprob, handle.num_cached_tokens)
+        wanted, start = self._wanted(request, handle)
+        payloads = await self._pull(handle, start, wanted) if wanted else []
+        request.external_kv = {**request.external_kv, **dict(zip(wanted, payloads, strict=False))}
+        self.outcome = "pulled" if len(payloads) == len(wanted) else "partial"
+        self.pd.faults.reached("decode_after_pull")
+
+    async def _why_not_usable(self, handle: Handle, requests: list[EngineRequest]) -> str | None:
+        if len(requests) != 1:
+            return "the request has more than one prompt or choice"
+        request = requests[0]
+        namespace = self.pd.instance.engine.engine.cache_config.namespace
+        digest = prompt_digest(request.prompt_token_ids, namespace, request.cache_salt)
+        if (request.num_prompt_tokens, digest) != (handle.num_prompt_tokens,
+                                                   handle.prompt_digest):
+            return "the handle names another prompt, model version or cache salt"
+        return await self.pd.peers.check(handle.url, handle.epoch)
+
+    def _wanted(self, request: EngineRequest, handle: Handle) -> tuple[list[BlockHash], int]:
+        """The hashes of the blocks to pull, the partial last one included (the engine then
+        computes nothing of the prompt), after D's own prefix hit; and the first one's index."""
+        core = self.pd.instance.engine.engine
+        prompt, salt = request.prompt_token_ids, request.cache_salt
+        hashes = core.block_hashes(prompt, salt, request.num_public_tokens, partial=True)
+        end = min(handle.num_blocks, len(hashes))
+        num_full = min(len(prompt) // core.cache_config.block_size, end)
+        start = core.num_cached_blocks(hashes[:num_full])
+        return hashes[start:end], start
+
+    async def _pull(self, handle: Handle, start: int, wanted: list[BlockHash]) -> list[bytes]:
+        """The checked blocks that arrived, in order (all of `wanted` when nothing failed)."""
+        pd = self.pd
+        payloads: list[bytes] = []
+        url = f"{handle.url}{KV_PATH}/{handle.handle}?start={start}&count={len(wanted)}"
+        reason = "truncated"
+        began = time.perf_counter()
+        try:
+            async with pd.client.stream("GET", url, headers=pd.headers) as response:
+                if response.status_code != 200:
+                    reason = "unavailable"
+                else:
+                    reason = await self._read(response.aiter_raw(), wanted, payloads)
+        except (httpx.HTTPError, KVPayloadError) as exc:  # KVPayloadError: not a block stream
+            log.warning("pull of %s from %s broke: %s", handle.handle, handle.url, exc)
+            pd.peers.forget(handle.url)
+        pd.metrics.pull_s.observe(time.perf_counter() - began)
+        pd.metrics.pull_bytes.labels("decode").inc(sum(len(p) for p in payloads))
+        if len(payloads) < len(wanted):
+            pd.metrics.recomputed.labels(reason).inc(len(wanted) - len(payloads))
+        return payloads
+
+    async def _read(self, chunks: AsyncIterator[bytes], wanted: list[BlockHash],
+                    payloads: list[bytes]) -> str:
+        """Reads blocks into `payloads` until done or the first bad one; why it stopped."""
+        reader = BlockReader()
+        async for chunk in chunks:
+            for block_hash, payload in reader.feed(chunk):
+                index = len(payloads)
+                if index >= len(wanted) or block_hash != wanted[index]:
+                    return "hash"
+                if not checksum_ok(payload):
+                    return "checksum"
+                payloads.append(payload)
+                if index == 0:
+                    self.pd.faults.reached("decode_during_pull")
+            if len(payloads) == len(wanted):
+                return "complete"
+        return "truncated"
+
+    def acknowledge(self) -> None:
+        """P may free the blocks (in the background; a P that is gone lets its lease end)."""
+        handle, pd = self.handle, self.pd
+        if handle is None:
+            return
+
+        async def delete() -> None:
+            try:
+                await pd.client.delete(f"{handle.url}{KV_PATH}/{handle.handle}",
+                                       headers=pd.headers)
+            except httpx.HTTPError as exc:
+                log.info("acknowledging %s failed (its lease will end): %s", handle.handle, exc)
+
+        pd.spawn(delete())
+
+
+def handle_of(request: Request) -> Handle | None:
+    header = request.headers.get(HANDOFF_HEADER)
+    return Handle.from_json(header) if header else None
+
+
+async def decode_chat(request: Request) -> Response:
+    """POST /internal/decode/v1/chat/completions"""
+    return await _decode(request, ChatCompletionRequest, serving.start_chat,
+                         serving.chat_stream, serving.chat_response)
+
+
+async def decode_completion(request: Request) -> Response:
+    """POST /internal/decode/v1/completions"""
+    return await _decode(request, CompletionRequest, serving.start_completion,
+                         serving.completion_stream, serving.completion_response)
+
+
+Start = Callable[..., Awaitable[serving.Started]]
+
+
+async def _decode(request: Request, model: type[ChatCompletionRequest] | type[CompletionRequest],
+                  start: Start, stream: Callable[..., AsyncGenerator[bytes, None]],
+                  respond: Callable[..., Awaitable[BaseModel]]) -> Response:
+    instance, req = await client_request(request, model, task="generate")
+    pd = pd_of(request)
+    hook = HandoffPull(pd, handle_of(request))
+    ctx = instance.serving
+    started = await unless_disconnected(request, start(ctx, req, hook))
+    hook.acknowledge()  # the engine has imported the blocks: its first output exists
+    pd.metrics.handoffs.labels("decode", hook.outcome).inc()
+    with_lps = _with_logprobs(req)
+    if req.stream:
+        frames = _killed_after_first(pd, stream(ctx, started, with_lps, req.include_usage))
+        return SSEResponse(frames, started.generation.close)
+    pd.faults.reached("decode_mid_stream")
+    body = await unless_disconnected(request, respond(ctx, started, with_lps))
+    return JSONResponse(body.model_dump())
+
+
+def _with_logprobs(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    if isinstance(req, ChatCompletionRequest):
+        return bool(req.logprobs)
+    return req.logprobs is not None
+
+
+async def _killed_after_first(pd: PD, frames: AsyncGenerator[bytes, None]
+                              ) -> AsyncGenerator[bytes, None]:
+    """The frames; the `decode_mid_stream` kill point is after the first one went out."""
+    is_first = True
+    try:
+        async for frame in frames:
+            yield frame
+            if is_first:
+                is_first = False
+                pd.faults.reached("decode_mid_stream")
+    finally:
+        await frames.aclose()
+
+
+__all__ = ["HandoffPull", "decode_chat", "decode_completion", "handle_of"]

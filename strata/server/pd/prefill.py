@@ -1,0 +1,184 @@
+"""P's side of a hand-off: answer a prefill-only request with a handle, stream the held blocks
+to the D that pulls them, free them on the acknowledgement (or when the lease ends).
+
+A prefill-only request is the client's request, validated as it is (so P refuses exactly what a
+mixed instance would), then run with max_tokens 1 and its blocks held: P samples the first token
+exactly as a mixed instance's first step would (same prompt, sampling parameters, seed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Send
+
+from strata.engine.executor import KVTransfer
+from strata.engine.outputs import RequestOutput
+from strata.engine.request import Request as EngineRequest
+from strata.errors import InvalidRequestError, OverloadedError
+from strata.protocol.errors import error_json
+from strata.server import serving
+from strata.server.pd.leases import Lease
+from strata.server.pd.state import PD, pd_of
+from strata.server.pd.wire import Handle, block_frame, prompt_digest, stream_head
+from strata.server.preamble import client_request
+from strata.server.request_io import unless_disconnected
+from strata.types import BlockHash
+
+M = TypeVar("M", bound=BaseModel)
+EXPORT_BATCH = 8  # blocks read per hop to a worker thread
+Starter = Callable[[serving.ServingContext, M, Callable[[list[EngineRequest]], Awaitable[None]]],
+                   Awaitable[serving.Started]]
+
+
+class PrefillOnly:
+    """The `prepare` hook of a prefill-only request: one engine request, first token only,
+    blocks held."""
+
+    def __init__(self) -> None:
+        self.request: EngineRequest | None = None
+
+    async def __call__(self, requests: list[EngineRequest]) -> None:
+        if len(requests) != 1:
+            raise InvalidRequestError("a prefill-only request has one prompt and n = 1")
+        request = self.request = requests[0]
+        request.sampling_params = dataclasses.replace(request.sampling_params, max_tokens=1)
+        request.hold_blocks = True
+
+
+async def prefill(request: Request, model: type[M], start: Starter[M]) -> Response:
+    """POST /internal/prefill/v1/...: compute, hold, answer the handle."""
+    instance, req = await client_request(request, model, task="generate")
+    pd = pd_of(request)
+    hook = PrefillOnly()
+    started = await unless_disconnected(request, start(instance.serving, req, hook))
+    first = started.generation.firsts[0]
+    await started.generation.close()
+    if hook.request is None or first.held is None:  # aborted or failed: nothing is held
+        pd.metrics.handoffs.labels("prefill", "refused").inc()
+        raise OverloadedError("the prefill did not finish; prefill locally", status_code=503)
+    handle = grant(pd, hook.request, first)
+    pd.faults.reached("prefill_before_answer")
+    pd.metrics.handoffs.labels("prefill", "answered").inc()
+    return Response(handle.to_json(), media_type="application/json")
+
+
+def grant(pd: PD, request: EngineRequest, first: RequestOutput) -> Handle:
+    assert first.held is not None
+    lease = pd.leases.grant(request.request_id, first.held)
+    pd.note_held()
+    logprob = first.new_logprobs[0] if first.new_logprobs else None
+    namespace = pd.instance.engine.engine.cache_config.namespace
+    return Handle(
+        handle=lease.handle, epoch=pd.epoch, num_prompt_tokens=request.num_prompt_tokens,
+        prompt_digest=prompt_digest(request.prompt_token_ids, namespace, request.cache_salt),
+        num_blocks=len(first.held), token_id=first.new_token_ids[0],
+        num_cached_tokens=first.num_cached_tokens, lease_s=pd.config.lease_s,
+        logprob=logprob.logprob if logprob else None,
+        top_logprobs=list(logprob.top) if logprob else [])
+
+
+async def layout(request: Request) -> JSONResponse:
+    """GET /internal/kv/layout: the handshake."""
+    pd = pd_of(request)
+    return JSONResponse({**pd.layout, "epoch": pd.epoch})
+
+
+async def pull(request: Request) -> Response:
+    """GET /internal/kv/{handle}?start=I&count=N: the held blocks I .. I+N-1 as a stream."""
+    pd = pd_of(request)
+    lease = pd.leases.begin_pull(request.path_params["handle"])
+    if lease is None:
+        return _not_found()
+    try:
+        first = int(request.query_params.get("start", 0))
+        count = int(request.query_params.get("count", len(lease.held)))
+    except ValueError:
+        first, count = -1, -1
+    if first < 0 or count < 0:
+        pd.leases.end_pull(lease, is_complete=True)
+        raise InvalidRequestError("start and count must be non-negative integers")
+    blocks = Blocks(pd, lease, first, count)
+    return ClosingStream(blocks.frames(), blocks.close)
+
+
+async def ack(request: Request) -> Response:
+    """DELETE /internal/kv/{handle}: D is done with the blocks."""
+    pd = pd_of(request)
+    if not pd.leases.ack(request.path_params["handle"]):
+        return _not_found()
+    pd.note_held()
+    return Response(status_code=204)
+
+
+def _not_found() -> Response:
+    message = "unknown hand-off handle (acknowledged, expired, or its instance restarted)"
+    return Response(error_json(404, message), 404, media_type="application/json")
+
+
+class Blocks:
+    """One pull: the stream head, then each block with its chain hash. The lease counts the
+    pull until `close` (whatever ends the stream): a stream cut short is a broken pull."""
+
+    def __init__(self, pd: PD, lease: Lease, first: int, count: int) -> None:
+        self.pd, self.lease = pd, lease
+        self.first = first
+        self.block_ids = list(lease.held.block_ids[first : first + count])
+        self.hashes = list(lease.held.block_hashes[first : first + count])
+        self.is_complete = False
+        self.is_closed = False
+
+    async def frames(self) -> AsyncIterator[bytes]:
+        executor = self.pd.executor  # held blocks are never written: read off the engine thread
+        yield stream_head(len(self.block_ids))
+        for start in range(0, len(self.block_ids), EXPORT_BATCH):
+            batch = self.block_ids[start : start + EXPORT_BATCH]
+            payloads = await asyncio.to_thread(executor.export_blocks, batch) \
+                if isinstance(executor, KVTransfer) else []
+            if len(payloads) != len(batch):
+                return  # cannot export: D sees a truncated stream and recomputes
+            for offset, payload in enumerate(payloads):
+                index = start + offset
+                block_hash, payload = self.pd.faults.damage(
+                    self.first + index, BlockHash(self.hashes[index]), payload)
+                self.pd.metrics.pull_bytes.labels("prefill").inc(len(payload))
+                yield block_frame(block_hash, payload)
+                if index == 0:
+                    self.pd.faults.reached("prefill_during_pull")
+        self.is_complete = True
+
+    async def close(self) -> None:
+        if not self.is_closed:
+            self.is_closed = True
+            self.pd.leases.end_pull(self.lease, is_complete=self.is_complete)
+            self.pd.note_held()
+
+
+class ClosingStream(StreamingResponse):
+    """A binary stream whose `on_close` runs however it ends (done, client gone)."""
+
+    def __init__(self, chunks: AsyncIterator[bytes],
+                 on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(chunks, media_type="application/octet-stream")
+        self._chunks = chunks
+        self._on_close = on_close
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):  # also when the client's leaving cancelled us
+                aclose = getattr(self._chunks, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                await self._on_close()
+
+
+__all__ = ["ClosingStream", "PrefillOnly", "ack", "layout", "prefill", "pull"]

@@ -1,0 +1,71 @@
+"""The hand-off routes of every instance (strata/protocol/pd.py draws the exchange):
+
+    POST   /internal/prefill/v1/chat/completions, /internal/prefill/v1/completions   P
+    POST   /internal/decode/v1/chat/completions, /internal/decode/v1/completions     D
+    GET    /internal/kv/layout                                                       P
+    GET    /internal/kv/{handle}   DELETE /internal/kv/{handle}                      P
+
+They sit behind the same middleware as the OpenAI routes (API keys included).
+"""
+
+from __future__ import annotations
+
+from fastapi.routing import APIRoute
+from starlette.requests import Request
+from starlette.responses import Response
+
+from strata.protocol.openai import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+)
+from strata.protocol.openapi import Operation
+from strata.protocol.pd import DECODE_PREFIX, KV_PATH, LAYOUT_PATH, PREFILL_PREFIX
+from strata.server import serving
+from strata.server.pd.decode import decode_chat, decode_completion
+from strata.server.pd.prefill import ack, layout, prefill, pull
+
+
+async def prefill_chat(request: Request) -> Response:
+    return await prefill(request, ChatCompletionRequest, serving.start_chat)
+
+
+async def prefill_completion(request: Request) -> Response:
+    return await prefill(request, CompletionRequest, serving.start_completion)
+
+
+PD_OPERATIONS: tuple[Operation, ...] = (  # held to the routes by the OpenAPI test
+    Operation("POST", f"{PREFILL_PREFIX}/v1/chat/completions",
+              "Hand-off: prefill a chat prompt, hold its blocks, answer a handle",
+              ChatCompletionRequest),
+    Operation("POST", f"{PREFILL_PREFIX}/v1/completions",
+              "Hand-off: prefill a prompt, hold its blocks, answer a handle", CompletionRequest),
+    Operation("POST", f"{DECODE_PREFIX}/v1/chat/completions",
+              "Hand-off: a chat completion whose prompt is pulled (X-Strata-Handoff)",
+              ChatCompletionRequest, ChatCompletionResponse, streams=True),
+    Operation("POST", f"{DECODE_PREFIX}/v1/completions",
+              "Hand-off: a completion whose prompt is pulled (X-Strata-Handoff)",
+              CompletionRequest, CompletionResponse, streams=True),
+    Operation("GET", LAYOUT_PATH, "Hand-off handshake: what this instance's KV bytes mean"),
+    Operation("GET", KV_PATH + "/{handle}", "Hand-off pull: the held blocks, a binary stream",
+              query=(("start", "integer"), ("count", "integer")),
+              media_type="application/octet-stream"),
+    Operation("DELETE", KV_PATH + "/{handle}", "Hand-off acknowledgement: free the blocks",
+              status=204),
+)
+
+
+def pd_routes() -> list[APIRoute]:
+    return [
+        APIRoute(f"{PREFILL_PREFIX}/v1/chat/completions", prefill_chat, methods=["POST"]),
+        APIRoute(f"{PREFILL_PREFIX}/v1/completions", prefill_completion, methods=["POST"]),
+        APIRoute(f"{DECODE_PREFIX}/v1/chat/completions", decode_chat, methods=["POST"]),
+        APIRoute(f"{DECODE_PREFIX}/v1/completions", decode_completion, methods=["POST"]),
+        APIRoute(LAYOUT_PATH, layout, methods=["GET"]),
+        APIRoute(KV_PATH + "/{handle}", pull, methods=["GET"]),
+        APIRoute(KV_PATH + "/{handle}", ack, methods=["DELETE"]),
+    ]
+
+
+__all__ = ["PD_OPERATIONS", "pd_routes"]
