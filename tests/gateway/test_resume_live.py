@@ -141,6 +141,17 @@ def test_a_stream_whose_instance_fails_is_the_stream_of_no_failure(
     assert broken.max_gap_s < 10.0, broken.max_gap_s
 
 
+def test_an_unseeded_stream_is_resumed_whole(fleet: Fleet) -> None:
+    """Unseeded: other tokens after the break, but one whole resumed stream."""
+    broken = stream(fleet, {**CHAT, "temperature": 0.8}, "reset")
+    assert broken.counters["resumed"] == 1
+    assert b"error" not in broken.raw and broken.raw.endswith(b"data: [DONE]\n\n")
+    got = events_of(frames_of(broken.raw))
+    assert len(logprob_tokens(broken.raw)) == 40 and len({e["id"] for e in got}) == 1
+    usage = usage_of(got)
+    assert usage is not None and usage[1] == 40
+
+
 def test_a_session_turn_resumed_mid_stream_is_stored_once(fleet: Fleet) -> None:
     body = {**CHAT, "temperature": 0, "max_tokens": 30}
     broken = stream(fleet, body, "reset", headers={"X-Session-Id": "s-live"})
