@@ -81,7 +81,7 @@ def feed_drop(root: Path) -> float:
             while not ("i1" in routing.identities and routing.hashers):
                 await asyncio.sleep(0.01)
             body = chat_body(system, "hello there")
-            keys = routing.keys(body, None, [InstanceView("i1", url, MODEL)])
+            keys = routing.keys(json.loads(body), None, [InstanceView("i1", url, MODEL)])
             assert keys is not None
             keyset = keys.for_instance("i1")
             assert keyset is not None
