@@ -223,11 +223,9 @@ class ScalingLaw:
         if s.desired <= cfg.min_replicas:
             return self._hold(s, state, "at_min_replicas", needed)
         smaller = s.desired - 1
-        why_not = (
-            "backlog" if s.backlog else
-            self._slo_broken(s) or
-            "no_headroom_at_n_minus_1"
-            if self.load(s, state.correction) > cfg.down_utilization * smaller else "")
+        is_tight = self.load(s, state.correction) > cfg.down_utilization * smaller
+        why_not = ("backlog" if s.backlog else self._slo_broken(s)
+                   or ("no_headroom_at_n_minus_1" if is_tight else ""))
         if why_not:
             state.down_ok_since = None
             return self._hold(s, state, why_not, needed)

@@ -77,14 +77,15 @@ def local_registry_url(run_dir: Path) -> str:
 
 
 def instance_argv(config: LocalClusterConfig, version: ModelVersion, instance_id: str,
-                  port: int, python: str, index: int = 0, *, role: str = MIXED,
+                  port: int | None, python: str, index: int = 0, *, role: str = MIXED,
                   pool: str = DEFAULT_POOL) -> list[str]:
     """The `strata serve` command line of instance `index` of `version` in the cluster, in
-    `role` and `pool`."""
+    `role` and `pool`, listening on `port` of the cluster's host (None: without where it
+    listens; the caller adds `listen_args`)."""
     c = config
     argv = [python, "-m", "strata.cli", "serve", *serve_model_args(version, c.serve_args),
-            "--host", c.host, "--port", str(port), "--registry", c.registry_url,
-            "--instance-id", instance_id, "--advertise-url", f"http://{c.host}:{port}"]
+            "--registry", c.registry_url, "--instance-id", instance_id,
+            *(listen_args(c.host, port) if port is not None else [])]
     argv += ["--role", role] if role != MIXED else []
     argv += ["--pool", pool] if pool != DEFAULT_POOL else []
     if c.threads_per_instance and not version.is_simulated:
@@ -92,4 +93,9 @@ def instance_argv(config: LocalClusterConfig, version: ModelVersion, instance_id
     return argv
 
 
-__all__ = ["LocalClusterConfig", "instance_argv", "local_registry_url"]
+def listen_args(host: str, port: int) -> list[str]:
+    """Where a `strata serve` listens, and the URL it registers: the same address."""
+    return ["--host", host, "--port", str(port), "--advertise-url", f"http://{host}:{port}"]
+
+
+__all__ = ["LocalClusterConfig", "instance_argv", "listen_args", "local_registry_url"]

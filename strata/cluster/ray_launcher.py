@@ -1,9 +1,12 @@
 """`strata up --ray`: instances as Ray actors, restarted by Ray when they die.
 
 Each actor owns one `strata serve` child process (started with PDEATHSIG so that it dies with the
-actor). When the child exits unexpectedly the actor exits too, and Ray restarts the actor, which
-starts a new child on the same port with the same instance id: it re-registers and the gateway
-sees it rejoin. The gateway itself runs on the driver, supervised like `strata up`.
+actor). The child listens on, and registers, the address of the actor's Ray node: on a local Ray
+(no `--address`: ray_node.py) that is the loopback, on a cluster each node's own address. When
+the child exits unexpectedly the actor exits too, and Ray restarts the actor, which starts a new
+child on the same port (while it is free on the node) with the same instance id: it
+re-registers and the gateway sees it rejoin. The gateway itself runs on the driver, supervised
+like `strata up`.
 
 Which actors exist follows the deployments in the model registry, reconciled by the driver each
 round exactly as the local supervisor does (strata/cluster/deployments.py): one actor per
@@ -17,6 +20,9 @@ one placement group of W bundles made here, one per replica: the instance actor 
 ranks 1 .. W-1 in the other bundles (strata/cluster/ray_ranks.py). The group outlives restarts
 of the actor, which Ray brings back into bundle 0; it is removed when the instance is drained.
 `--num-cpus-per-instance` is shared out over the W bundles.
+
+Replicas spread over the nodes by default (Ray's SPREAD strategy), so that losing a node takes
+out as few of them as it can; `--placement pack` lets Ray fill one node first.
 """
 
 from __future__ import annotations
@@ -34,8 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from strata.cluster import ray_node
 from strata.cluster.deployments import Slot, Start, instance_id_of
-from strata.cluster.local import LocalClusterConfig, Supervisor, free_port, instance_argv
+from strata.cluster.local import LocalClusterConfig, Supervisor, instance_argv
+from strata.cluster.local_config import listen_args
+from strata.cluster.ports import free_port, port_is_free
 from strata.cluster.registry_link import Reconciler, RegistryLink
 from strata.errors import ConfigError
 
@@ -50,10 +59,19 @@ def _die_with_parent() -> None:
 
 
 class InstanceActor:
-    """A Ray actor that keeps one `strata serve` process alive for as long as it lives."""
+    """A Ray actor that keeps one `strata serve` process alive for as long as it lives.
 
-    def __init__(self, argv: list[str], log_path: str) -> None:
+    `argv` is the command line less where it listens: the actor adds its node's address and
+    `port` (a fresh one when `port` is taken there); with `joins_ray` (a parallel instance,
+    whose ranks are Ray actors too) it also says which node the process is a driver of."""
+
+    def __init__(self, argv: list[str], log_path: str, port: int,
+                 joins_ray: bool = False) -> None:
         self._stopping = False
+        node = ray_node.this_node()
+        port = port if port_is_free(port, node.address) else free_port(node.address)
+        argv = [*argv, *listen_args(node.address, port)]
+        argv += ["--ray-node-ip", node.address] if joins_ray else []
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the actor
         self._proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
@@ -75,6 +93,9 @@ class InstanceActor:
     def actor_pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> ray_node.Node:
+        return ray_node.this_node()
+
     def stop(self, timeout_s: float) -> int | None:
         """Graceful stop: SIGTERM (drain, deregister), then SIGKILL after the timeout."""
         self._stopping = True
@@ -86,13 +107,17 @@ class InstanceActor:
             return self._proc.wait()
 
 
+PLACEMENTS = ("spread", "pack")
+
+
 @dataclass(frozen=True, slots=True)
 class RayClusterConfig:
     cluster: LocalClusterConfig
-    address: str | None = None  # None: start (or join) a local Ray
+    address: str | None = None  # None: start a local Ray on the loopback (ray_node.py)
     num_cpus_per_instance: float = 0.5
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    placement: str = "spread"  # of replicas over nodes: spread or pack
 
     @property
     def ranks_per_instance(self) -> int:
@@ -101,6 +126,9 @@ class RayClusterConfig:
     def __post_init__(self) -> None:
         if self.num_cpus_per_instance <= 0:
             raise ConfigError("--num-cpus-per-instance must be > 0 (fractions are allowed)")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"--placement {self.placement!r} is unknown; choose one of "
+                              f"{', '.join(PLACEMENTS)}")
         if self.address and (self.cluster.registry or "").startswith("sqlite"):
             raise ConfigError(
                 "a Ray cluster of several nodes needs a shared registry: pass --registry "
@@ -136,10 +164,7 @@ class RayLauncher:
     def start(self) -> None:
         import ray
 
-        if not ray.is_initialized():
-            ray.init(address=self.config.address, include_dashboard=False,
-                     log_to_driver=False, configure_logging=False)
-            self._started_ray = True
+        self._started_ray = ray_node.connect(self.config.address)
         self.gateway.start()
         link = RegistryLink(self.config.cluster.registry_url)
         self._reconciler = Reconciler(link, start=self._start_instance, drain=self._drain)
@@ -152,15 +177,18 @@ class RayLauncher:
 
         c, version = self.config.cluster, start.version
         instance_id = instance_id_of(version.name, version.version, start.index)
-        argv = instance_argv(c, version, instance_id, free_port(c.host), sys.executable,
+        argv = instance_argv(c, version, instance_id, None, sys.executable,
                              start.index, role=start.role, pool=start.pool)
         options: dict[str, Any] = {"num_cpus": self.config.num_cpus_per_instance}
+        if self.config.placement == "spread":
+            options["scheduling_strategy"] = "SPREAD"
         group = None
         if self.config.ranks_per_instance > 1 and not version.is_simulated:
             group, options = self._replica_group(argv)
         actor = ray.remote(InstanceActor).options(
             name=f"strata-{instance_id}", max_restarts=-1, max_task_retries=-1, **options,
-        ).remote(argv, str(c.log_dir / f"{instance_id}.log"))
+        ).remote(argv, str(c.log_dir / f"{instance_id}.log"), free_port(),
+                 joins_ray=group is not None)
         self.instances[instance_id] = InstanceHandle(actor, start.slot, group=group)
 
     def _replica_group(self, argv: list[str]) -> tuple[Any, dict[str, Any]]:

@@ -10,10 +10,12 @@ An instance is one placement group of W = T x P bundles, bundle i for rank i. Ra
 - a `strata serve` on its own makes the group, bundle 0 pinned to its node (Ray's `node:<ip>`
   resource), and removes it when it stops.
 
-Ranks 1 .. W-1 are `RankActor`s in bundles 1 .. W-1 (the strategy: ray_placement.py). A rank's
-host is its bundle's node, read from Ray's placement group table before any rank
-starts: ranks on rank 0's node share memory, the others talk through gloo with the rendezvous at
-rank 0's node IP (comm.plan_comm).
+`strata serve` joins Ray as a driver of the node it runs on (`node_ip`, which `strata up --ray`
+passes; without an address it starts a local Ray on the loopback: ray_node.py). Ranks 1 .. W-1
+are `RankActor`s in bundles 1 .. W-1 (the strategy: ray_placement.py). A rank's host is its
+bundle's node, read from Ray's placement group table before any rank starts: ranks on rank 0's
+node (the same node id) share memory, the others talk through gloo with the rendezvous at rank
+0's node address (comm.plan_comm).
 
 Failure: a rank actor that dies ends its `serve` call (RayActorError) and the watcher reports it;
 its peers' collectives see its pid gone within ~50 ms. The actors belong to the `strata serve`
@@ -27,8 +29,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from strata.cluster import ray_node
 from strata.cluster.ray_placement import rank_bundles, strategy_of
 from strata.errors import ConfigError, ModelLoadError, RankFailedError
+from strata.model.parallel.comm import Host
 from strata.model.parallel.commands import RankReport, RankSpec
 from strata.model.parallel.launcher import OnExit
 from strata.model.parallel.layout import ParallelLayout
@@ -40,7 +44,8 @@ log = logging.getLogger("strata.cluster.ray_ranks")
 class RayPlacement:
     """Where the ranks of one `strata serve` go on Ray."""
 
-    address: str | None = None  # None: Ray's default (RAY_ADDRESS, else a new local Ray)
+    address: str | None = None  # None: a new local Ray on the loopback
+    node_ip: str | None = None  # the node this process runs on (None: Ray's pick)
     placement_group: str | None = None  # hex id of a group `strata up --ray` made
     cpus_per_rank: float | None = None  # default: the cluster's CPUs shared out, at most 1
 
@@ -87,22 +92,21 @@ class RayRankLauncher:
         self._reports: dict[int, RankReport] = {}
         self._stopping = threading.Event()
 
-    def place(self, layout: ParallelLayout) -> list[str]:
+    def place(self, layout: ParallelLayout) -> list[Host]:
         import ray
 
-        if not ray.is_initialized():
-            ray.init(address=self.placement.address, configure_logging=False)
-        here = ray.util.get_node_ip_address()
-        self._group = self._existing_group() or self._new_group(layout, here)
+        ray_node.connect(self.placement.address, node_ip=self.placement.node_ip)
+        here = ray_node.this_node()
+        self._group = self._existing_group() or self._new_group(layout, here.address)
         ray.get(self._group.ready(), timeout=self.ready_timeout_s)
         self._cpus = [float(b.get("CPU", 0)) for b in self._group.bundle_specs]
         if len(self._cpus) != layout.world_size:
             raise ConfigError(f"placement group {self._group.id.hex()} has {len(self._cpus)} "
                               f"bundles; a {layout.name} instance needs {layout.world_size}")
         hosts = bundle_hosts(self._group)
-        if hosts[0] != here:
-            raise ConfigError(f"bundle 0 of placement group {self._group.id.hex()} is on "
-                              f"{hosts[0]}, but rank 0 runs on {here}")
+        if hosts[0].id != here.id:
+            raise ConfigError(f"bundle 0 of placement group {self._group.id.hex()} is on node "
+                              f"{hosts[0].address}, but rank 0 runs on node {here.address}")
         return hosts
 
     def _existing_group(self) -> Any:
@@ -187,14 +191,14 @@ class RayRankLauncher:
             self._owns_group = False
 
 
-def bundle_hosts(group: Any) -> list[str]:
-    """The node IP of each bundle of a placed group, in bundle order."""
+def bundle_hosts(group: Any) -> list[Host]:
+    """The node of each bundle of a placed group, in bundle order."""
     import ray
 
     table = ray.util.placement_group_table(group)
-    ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
-    nodes = table["bundles_to_node_id"]
-    return [ips[nodes[i]] for i in range(len(nodes))]
+    nodes = {row["NodeID"]: ray_node.Node.of(row) for row in ray.nodes()}
+    placed = [nodes[table["bundles_to_node_id"][i]] for i in range(len(group.bundle_specs))]
+    return [Host(node.id, node.address) for node in placed]
 
 
 def _report_of(ray: Any, ref: Any, rank: int) -> RankReport:

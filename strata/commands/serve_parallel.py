@@ -46,7 +46,11 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="how the ranks other than 0 start: mp (local processes, default) or ray")
     p.add_argument("--ray-address", default=None,
                    help="with --distributed-executor ray: the Ray cluster to join (e.g. auto, "
-                        "HOST:6379; default: Ray's own default)")
+                        "HOST:6379; default: start a local Ray on the loopback)")
+    p.add_argument("--ray-node-ip", default=None, metavar="IP",
+                   help="with --ray-address: the address of the Ray node this process runs "
+                        "on (strata up --ray passes it; default: Ray's pick, the head when it "
+                        "runs here)")
     p.add_argument("--ray-placement-group", default=None, metavar="HEX_ID",
                    help="with --distributed-executor ray: place rank i in bundle i of this "
                         "group (strata up --ray makes one per replica; default: make one)")
@@ -65,9 +69,11 @@ def parallel_layout(args: argparse.Namespace) -> ParallelLayout | None:
         return None
     if args.simulate:
         raise ConfigError("--simulate has no ranks: drop --tensor/--pipeline-parallel-size")
-    ray_flags = [args.ray_address, args.ray_placement_group, args.ray_cpus_per_rank]
+    ray_flags = [args.ray_address, args.ray_node_ip, args.ray_placement_group,
+                 args.ray_cpus_per_rank]
     if args.distributed_executor != "ray" and any(f is not None for f in ray_flags):
-        raise ConfigError("--ray-address, --ray-placement-group and --ray-cpus-per-rank need "
+        raise ConfigError("--ray-address, --ray-node-ip, --ray-placement-group and "
+                          "--ray-cpus-per-rank need "
                           "--distributed-executor ray")
     return layout
 
@@ -142,7 +148,7 @@ def _launcher(args: argparse.Namespace) -> Any:
         return None
     from strata.cluster.ray_ranks import RayPlacement, RayRankLauncher
 
-    return RayRankLauncher(RayPlacement(address=args.ray_address,
+    return RayRankLauncher(RayPlacement(address=args.ray_address, node_ip=args.ray_node_ip,
                                         placement_group=args.ray_placement_group,
                                         cpus_per_rank=args.ray_cpus_per_rank))
 

@@ -91,7 +91,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="registry URL (default: $STRATA_REGISTRY, else SQLite in the run dir; "
                         "Redis for several nodes)")
     p.add_argument("--ray", action="store_true", help="run the instances as Ray actors")
-    p.add_argument("--address", default=None, help="Ray cluster address (default: local Ray)")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to join (e.g. auto, HOST:6379; default: start a local Ray "
+                        "on the loopback)")
+    p.add_argument("--placement", choices=("spread", "pack"), default="spread",
+                   help="with --ray: spread the replicas over the nodes (default) or pack them")
     p.add_argument("--num-cpus-per-instance", type=positive_float, default=0.5,
                    help="Ray CPUs per instance, shared by its ranks (fractions allowed)")
     for flag, kind in _SERVE_FLAGS:

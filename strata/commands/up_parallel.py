@@ -38,7 +38,8 @@ def ray_config(args: argparse.Namespace, cluster: LocalClusterConfig) -> RayClus
     return RayClusterConfig(cluster, address=args.address,
                             num_cpus_per_instance=args.num_cpus_per_instance,
                             tensor_parallel_size=args.tensor_parallel_size or 1,
-                            pipeline_parallel_size=args.pipeline_parallel_size or 1)
+                            pipeline_parallel_size=args.pipeline_parallel_size or 1,
+                            placement=args.placement)
 
 
 __all__ = ["SERVE_FLAGS", "SHORT_FLAGS", "rank_threads", "ranks_per_instance", "ray_config"]

@@ -52,6 +52,17 @@ def test_up_to_the_load_over_target_utilization_then_the_up_dwell() -> None:
     assert law.decide(at(law, 3.0, 4, 4.5), state).desired == 5
 
 
+def test_a_broken_slo_holds_a_scale_down_even_when_the_load_is_low() -> None:
+    """A fleet missing its TTFT target never shrinks, however little work it has (the
+    load test alone would allow it)."""
+    law = make_law(window_s=1.0, down_dwell_s=0.0, down_after_up_s=0.0, ttft_slo_s=2.0)
+    state = LawState(started_at=-10.0)
+    slow = law.decide(at(law, 1.0, 4, 0.5, ttft_p95_s=3.0), state)
+    assert (slow.direction, slow.reason) == (HOLD, "ttft_slo")
+    fine = law.decide(at(law, 2.0, 4, 0.5, ttft_p95_s=1.0), state)
+    assert fine.direction == DOWN
+
+
 def test_down_one_at_a_time_only_with_headroom_at_n_minus_1_for_the_dwell() -> None:
     law = make_law(window_s=1.0, down_dwell_s=30.0, down_after_up_s=60.0)
     state = LawState(last_up_at=0.0, started_at=-10.0)

@@ -78,6 +78,20 @@ def test_actors_serve_and_register_ready(launcher: RayLauncher) -> None:
              "2 ready")
 
 
+def test_the_local_ray_and_every_instance_url_are_on_the_loopback(
+        launcher: RayLauncher) -> None:
+    """The fixture's launcher started its own Ray, as `strata up --ray` without --address
+    does: its one node binds 127.0.0.1, and every instance listens and registers there."""
+    wait_for(launcher, lambda: ready_ids(launcher) == {"smol-v1-0", "smol-v1-1"}, 120,
+             "2 ready")
+    assert [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]] == ["127.0.0.1"]
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+    urls = [r.url for r in records(launcher.config.cluster.registry_url)]
+    assert len(urls) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls), urls
+    nodes = ray.get([a.node.remote() for a in launcher.actors])
+    assert {n.address for n in nodes} == {"127.0.0.1"}
+
+
 def test_a_killed_instance_is_restarted_by_ray_and_rejoins(launcher: RayLauncher) -> None:
     wait_for(launcher, lambda: len(ready_ids(launcher)) == 2, 120, "2 ready")
     actor = launcher.instances["smol-v1-0"].actor

@@ -18,13 +18,14 @@ import httpx
 import pytest
 import ray
 from model.parallel.parallel_helpers import make_nine_head_model
+from ray_cluster import ray_launcher
 
 from strata.cluster.local import LocalClusterConfig, free_port
-from strata.cluster.ray_launcher import RayClusterConfig, RayLauncher
-from strata.cluster.seed import ClusterSeed, seed_registry
+from strata.cluster.ray_launcher import RayLauncher
+from strata.cluster.seed import ClusterSeed
 from strata.commands.status import format_table
 from strata.registry import InstanceRecord, InstanceState, create_registry
-from strata.registry.models import ModelVersion, create_model_registry
+from strata.registry.models import ModelVersion
 
 MODEL = "tiny-nine"
 IDS = {f"{MODEL}-v1-0", f"{MODEL}-v1-1"}
@@ -65,26 +66,9 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayLauncher]:
                     "float32", "--kv-cache-gb", "0.01"),
         reconcile_interval_s=0.25,
     )
-    cluster.run_dir.mkdir()
-
-    async def seed() -> None:
-        models, instances = (create_model_registry(cluster.registry_url),
-                             create_registry(cluster.registry_url))
-        try:
-            await seed_registry(models, instances,
-                                ClusterSeed(ModelVersion(MODEL, "v1", str(model_dir)), 2))
-        finally:
-            await models.close()
-            await instances.close()
-
-    asyncio.run(seed())
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    launched = RayLauncher(RayClusterConfig(cluster, num_cpus_per_instance=0.5,
-                                            tensor_parallel_size=2))
-    launched.start()
-    yield launched
-    launched.stop()
-    ray.shutdown()
+    with ray_launcher(cluster, ClusterSeed(ModelVersion(MODEL, "v1", str(model_dir)), 2),
+                      tensor_parallel_size=2) as launched:
+        yield launched
 
 
 def test_each_replica_is_one_group_and_registers_once_with_its_layout(

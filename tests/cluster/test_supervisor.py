@@ -91,9 +91,10 @@ def test_argv_of_an_instance_names_its_version_port_id_and_the_shared_registry(
                                 serve_args=("--dtype", "float32", "--simulate", "x"))
     assert instance_argv(config, V1, "m-v1-0", 9001, "py") == [
         "py", "-m", "strata.cli", "serve", "/models/m1", "--served-model-name", "m",
-        "--model-version", "v1", "--dtype", "float32", "--host", "127.0.0.1", "--port", "9001",
+        "--model-version", "v1", "--dtype", "float32",
         "--registry", f"sqlite:///{tmp_path.resolve()}/registry.db", "--instance-id", "m-v1-0",
-        "--advertise-url", "http://127.0.0.1:9001", "--threads", "2"]
+        "--host", "127.0.0.1", "--port", "9001", "--advertise-url", "http://127.0.0.1:9001",
+        "--threads", "2"]
     sim = ModelVersion("m", "v2", "sim:smollm2-cpu")
     assert "--threads" not in instance_argv(config, sim, "m-v2-0", 9002, "py")
 

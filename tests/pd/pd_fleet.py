@@ -82,16 +82,19 @@ def start_instance(model: LoadedModel, *, dtype: str = "float32", version: str =
 
 
 def start_gateway(roles: dict[str, tuple[str, str]], policy: str = "round_robin",
-                  **pd: Any) -> ServedApp:
+                  run_background: bool = False, **pd: Any) -> ServedApp:
     """A real gateway over `roles` (instance id -> (URL, role)), disaggregating every prompt
-    (`pd` overrides PDRoutingConfig)."""
+    (`pd` overrides PDRoutingConfig); with `run_background`, its health checks and the prefix
+    index's feed run."""
     views = [InstanceView(iid, url, MODEL, role=role) for iid, (url, role) in roles.items()]
     config = GatewayConfig(port=0, policy=policy, read_timeout_s=60.0,
                            pd=PDRoutingConfig(**{"mode": "auto", "min_uncached_tokens": 0, **pd}))
     control = httpx.AsyncClient(timeout=1.0)
     app = create_gateway_app(config, FixedSource(*views), control_client=control,
-                             run_background=False)
-    return serve_app(app)
+                             run_background=run_background)
+    served = serve_app(app)
+    served.gateway = app.state.gateway  # type: ignore[attr-defined]
+    return served
 
 
 def prefill(p: Instance, body: dict[str, Any], path: str = CHAT) -> str:

@@ -10,12 +10,14 @@ of its pipeline stage: the row-parallel sums and the LM head's gather). A group 
 
 `CommSpec` (picklable: it travels to spawned processes and Ray actors) says which backend each
 group uses; "shm" needs every rank of the group on one host. `plan_comm` picks them from the
-host of every rank, which the launcher knows before any rank starts (mp: this host; Ray: the
+`Host` of every rank, which the launcher knows before any rank starts (mp: this host; Ray: the
 node of each bundle of the placement group): shared memory for a group on one host, gloo (NCCL
-on CUDA) for a group across hosts. A rank learns nothing else about its peers: the
-torch.distributed rendezvous is at rank 0's host (`init_method`), and its store exchanges the
-peers' addresses. Rank 0 creates the segments on its host; the tp segment of a stage on
-another host is created there by the stage's tp rank 0, and its peers wait for it to appear.
+on CUDA) for a group across hosts. "One host" is an explicit identity (a Ray node id), never
+inferred from addresses: two Ray nodes on one machine, each on its own loopback address, are two
+hosts, and one host may be reached by several names. A rank learns nothing else about its peers:
+the torch.distributed rendezvous is at rank 0's address (`init_method`), and its store
+exchanges the peers' addresses. Rank 0 creates the segments on its host; the tp segment of a
+stage on another host is created there by the stage's tp rank 0, and its peers wait for it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,15 @@ from strata.model.parallel.shm import ShmGroup
 from strata.model.parallel.torch_group import TorchDistGroup
 
 BACKENDS = ("shm", "gloo", "nccl")
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    """Where a rank runs: `id` names the machine memory it shares (ranks with one id may use
+    shared memory), `address` is where its peers reach it."""
+
+    id: str
+    address: str
 
 
 class Communicator(Protocol):
@@ -91,7 +102,7 @@ class CommSpec:
     init_method: str | None = None  # torch.distributed rendezvous, e.g. tcp://10.0.0.1:29500
     device: str = "cpu"
     timeout_s: float = 60.0  # one collective
-    hosts: tuple[str, ...] = ()  # of every rank; () means all on rank 0's host
+    hosts: tuple[str, ...] = ()  # the host id of every rank; () means all on rank 0's host
 
     def __post_init__(self) -> None:
         for backend in (self.world_backend, self.tp_backend):
@@ -115,32 +126,36 @@ class CommSpec:
         return bool(self.hosts) and self.hosts[leader] != self.hosts[0]
 
 
-def plan_comm(layout: ParallelLayout, hosts: list[str], *, device: str, timeout_s: float,
+def plan_comm(layout: ParallelLayout, hosts: list[Host], *, device: str, timeout_s: float,
               port: int | None = None) -> CommSpec:
-    """Shared memory for each group whose ranks share a host (on the CPU, where this host can
-    build it), torch.distributed for the others, with the rendezvous at rank 0's host."""
+    """Shared memory for each group whose ranks share a host id (on the CPU, where this host
+    can build it), torch.distributed for the others, with the rendezvous at rank 0's address
+    (this process's: it binds the port there)."""
     if len(hosts) != layout.world_size:
         raise ValueError(f"{len(hosts)} hosts for {layout.world_size} ranks")
+    ids = [h.id for h in hosts]
     local = device == "cpu" and shm.is_available()
     fallback = "nccl" if device.startswith("cuda") else "gloo"
-    stages_local = all(len({hosts[r] for r in layout.stage_ranks(s)}) == 1
+    stages_local = all(len({ids[r] for r in layout.stage_ranks(s)}) == 1
                        for s in range(layout.pipeline_size))
-    world = "shm" if local and len(set(hosts)) == 1 else fallback
+    world = "shm" if local and len(set(ids)) == 1 else fallback
     tp = "shm" if local and stages_local else fallback
     if local:
         shm.sweep_stale_segments()
     init = None
     if world != "shm" or tp != "shm":
-        init = f"tcp://{hosts[0]}:{port or free_port()}"
+        address = hosts[0].address
+        init = f"tcp://{address}:{port or free_port(address)}"
     return CommSpec(layout, shm.new_segment_prefix(), world_backend=world, tp_backend=tp,
-                    init_method=init, device=device, timeout_s=timeout_s, hosts=tuple(hosts))
+                    init_method=init, device=device, timeout_s=timeout_s, hosts=tuple(ids))
 
 
-def free_port() -> int:
+def free_port(address: str) -> int:
+    """A port free now on `address` (of this process's host)."""
     import socket
 
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind((address, 0))
         return int(s.getsockname()[1])
 
 

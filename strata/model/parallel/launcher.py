@@ -23,13 +23,14 @@ from multiprocessing.process import BaseProcess
 from typing import Protocol
 
 from strata.errors import ModelLoadError, RankFailedError
+from strata.model.parallel.comm import Host
 from strata.model.parallel.commands import RankReport, RankSpec
 from strata.model.parallel.layout import ParallelLayout
 from strata.model.parallel.worker import mp_worker_main
 
 log = logging.getLogger("strata.model.parallel")
 OnExit = Callable[[RankFailedError], None]
-LOCAL_HOST = "127.0.0.1"
+LOCAL_HOST = Host("local", "127.0.0.1")
 
 
 class RankLauncher(Protocol):
@@ -44,7 +45,7 @@ class RankLauncher(Protocol):
     thread; `stop` waits up to `timeout_s` for the ranks to exit, then kills them.
     """
 
-    def place(self, layout: ParallelLayout) -> list[str]: ...
+    def place(self, layout: ParallelLayout) -> list[Host]: ...
 
     def start(self, specs: list[RankSpec]) -> None: ...
 
@@ -61,19 +62,19 @@ class MpRankLauncher:
     """Ranks as local processes, spawned from the calling thread (it must live as long as the
     ranks: a rank gets SIGKILL when the thread that spawned it exits).
 
-    `hosts` (tests and benchmarks) names the host of each rank as if they ran on several: every
-    one is this machine, but a group whose ranks name different hosts talks through gloo, as it
-    would across machines. Each name must reach this machine (e.g. 127.0.0.1, localhost).
+    `hosts` (tests and benchmarks) gives each rank a host as if they ran on several: every one
+    is this machine, but a group whose ranks have different host ids talks through gloo, as it
+    would across machines. Rank 0's address must be this machine's (e.g. 127.0.0.1).
     """
 
-    def __init__(self, hosts: list[str] | None = None) -> None:
+    def __init__(self, hosts: list[Host] | None = None) -> None:
         self._ctx = mp.get_context("spawn")
         self._hosts = hosts
         self._procs: dict[int, BaseProcess] = {}
         self._conns: dict[int, Connection] = {}
         self._stopping = threading.Event()
 
-    def place(self, layout: ParallelLayout) -> list[str]:
+    def place(self, layout: ParallelLayout) -> list[Host]:
         return self._hosts or [LOCAL_HOST] * layout.world_size
 
     def start(self, specs: list[RankSpec]) -> None:

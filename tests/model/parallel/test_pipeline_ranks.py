@@ -26,6 +26,7 @@ from strata.engine.executor import AsyncModelExecutor, ModelInput, ScheduledSequ
 from strata.engine.request import SamplingParams
 from strata.model.executor import TorchExecutor
 from strata.model.loader import load_model
+from strata.model.parallel.comm import Host
 from strata.model.parallel.executor import ParallelExecutor
 from strata.model.parallel.launcher import MpRankLauncher
 from strata.model.parallel.shard_loader import PreparedModel
@@ -108,10 +109,10 @@ def test_a_kv_export_drains_the_batches_in_flight(pp2: ParallelExecutor, model_d
 
 def test_stages_on_two_hosts_talk_through_gloo_between_and_shm_within(
         prepared: PreparedModel, reference: list[Greedy]) -> None:
-    """T=2 x P=2 with stage 1 on "another host" (localhost: the same machine by another name):
-    the world group is gloo, each stage's tp group shared memory (stage 1's segment made by
-    rank 2), and the tokens do not change."""
-    hosts = ["127.0.0.1", "127.0.0.1", "localhost", "localhost"]
+    """T=2 x P=2 with stage 1 on "another host" (the same machine under another host id): the
+    world group is gloo, each stage's tp group shared memory (stage 1's segment made by rank 2),
+    and the tokens do not change."""
+    hosts = [Host("a", "127.0.0.1")] * 2 + [Host("b", "127.0.0.1")] * 2
     executor = parallel_executor(prepared, 2, 2, launcher=MpRankLauncher(hosts=hosts))
     in_flight: list[int] = []
     try:

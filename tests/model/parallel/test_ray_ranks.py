@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import ray
+import ray_cluster
 from model.parallel.parallel_helpers import (
     Greedy,
     assert_same,
@@ -32,9 +33,8 @@ from strata.types import RequestId
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with ray_cluster.local_ray(num_cpus=2):
+        yield
 
 
 def ray_executor(prepared: PreparedModel, tensor: int, pipeline: int = 1,

@@ -1,0 +1,187 @@
+"""Strata on a real Ray cluster of several nodes on one machine (tests/ray_cluster.py: a head
+on 127.0.0.1 with no CPUs, two worker nodes on 127.0.0.2 and 127.0.0.3 with one CPU each, one
+cluster for the module): node identities and addresses differ, and everything stays on the
+loopback.
+
+- `strata up --ray --address ...` with a Redis registry spreads its replicas over both
+  workers; each instance listens on, and registers, its own node's address.
+- A pipeline-parallel instance whose two stages land on two nodes talks through gloo (the
+  nodes are two hosts by their node ids, whatever their addresses) and answers greedily what
+  one process answers.
+- A worker node lost (killed, not drained) under load: no request fails (the gateway retries
+  before the first byte), and Ray brings the lost instance back on the remaining worker, where
+  it registers that node's address. Runs last: it takes a node out of the module's cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+from model.parallel.parallel_helpers import (
+    Greedy,
+    assert_same,
+    make_engine,
+    make_nine_head_model,
+    one_process_reference,
+    prompts,
+    run_greedy,
+)
+from ray.cluster_utils import Cluster
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray_cluster import fake_nodes, node_address, ray_launcher
+from redis_server import redis_server, redis_url  # noqa: F401
+
+from strata.cluster.local import LocalClusterConfig, free_port
+from strata.cluster.ray_launcher import RayLauncher
+from strata.cluster.ray_node import Node
+from strata.cluster.ray_ranks import RayPlacement, RayRankLauncher
+from strata.cluster.seed import ClusterSeed
+from strata.model.parallel.executor import ParallelExecutor
+from strata.model.parallel.layout import ParallelLayout
+from strata.model.parallel.shard_loader import prepare_model
+from strata.registry import InstanceRecord, InstanceState, create_registry
+from strata.registry.models import ModelVersion
+
+WORKERS = {node_address(1), node_address(2)}
+SIM = ModelVersion("smol", "v1", "sim:smollm2-cpu")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with fake_nodes(1, 1, head_cpus=0) as nodes:
+        yield nodes
+
+
+def records(url: str) -> list[InstanceRecord]:
+    async def go() -> list[InstanceRecord]:
+        registry = create_registry(url)
+        try:
+            return list(await registry.list_instances())
+        finally:
+            await registry.close()
+
+    return asyncio.run(go())
+
+
+def test_the_nodes_have_their_own_loopback_addresses(cluster: Cluster) -> None:
+    rows = [Node.of(row) for row in ray.nodes() if row["Alive"]]
+    assert sorted(n.address for n in rows) == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    assert len({n.id for n in rows}) == 3
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+
+
+def sim_config(tmp_path: Path, registry: str) -> LocalClusterConfig:
+    return LocalClusterConfig(replicas=2, run_dir=tmp_path / "run", port=free_port(),
+                              stop_timeout_s=10, serve_args=("--log-level", "warning"),
+                              reconcile_interval_s=0.25, registry=registry)
+
+
+def wait_ready(launcher: RayLauncher, registry_url: str, timeout_s: float,
+               on: set[str] | None = None) -> list[InstanceRecord]:
+    """Poll the launcher until both instances are READY (on the nodes at `on`, when given)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready = [r for r in records(registry_url) if r.state == InstanceState.READY]
+        if len(ready) == 2 and (on is None or {host_of(r.url) for r in ready} <= on):
+            return ready
+        launcher.poll()
+        time.sleep(0.25)
+    raise AssertionError(f"not 2 ready instances on {on} within {timeout_s} s: "
+                         f"{records(registry_url)}")
+
+
+def host_of(url: str) -> str:
+    return url.removeprefix("http://").rsplit(":", 1)[0]
+
+
+def complete(gateway: str) -> int:
+    reply = httpx.post(f"{gateway}/v1/completions", timeout=60,
+                       json={"model": "smol", "prompt": "hello", "max_tokens": 3})
+    return reply.status_code
+
+
+def test_replicas_spread_over_both_workers_and_register_their_nodes_addresses(
+        cluster: Cluster, tmp_path: Path, redis_url: str) -> None:  # noqa: F811
+    config = sim_config(tmp_path, redis_url)
+    address = ray.get_runtime_context().gcs_address
+    with ray_launcher(config, ClusterSeed(SIM, replicas=2), address=address) as launched:
+        nodes = ray.get([a.node.remote() for a in launched.actors])
+        assert {n.address for n in nodes} == WORKERS  # one replica on each worker
+        ready = wait_ready(launched, redis_url, 120)
+        assert {host_of(r.url) for r in ready} == WORKERS
+        assert complete(f"http://{config.host}:{config.port}") == 200
+
+
+@pytest.fixture(scope="module")
+def nine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_nine_head_model(tmp_path_factory.mktemp("nine") / "m")
+
+
+@pytest.fixture(scope="module")
+def reference(nine: Path) -> list[Greedy]:
+    return one_process_reference(nine)
+
+
+def test_two_stages_on_two_nodes_talk_gloo_and_answer_what_one_process_answers(
+        cluster: Cluster, nine: Path, reference: list[Greedy]) -> None:
+    """Rank 0 is this process, on the head; rank 1 must go to another node (STRICT_SPREAD)."""
+    group = placement_group([{f"node:{node_address(0)}": 0.001}, {"CPU": 0.5}],
+                            strategy="STRICT_SPREAD")
+    prepared = prepare_model(nine, dtype="float32", cache_dir=None)
+    launcher = RayRankLauncher(RayPlacement(placement_group=group.id.hex()))
+    executor = ParallelExecutor(prepared, ParallelLayout(1, 2), dtype="float32", timeout_s=60,
+                                launcher=launcher)
+    try:
+        spec = executor.comm_spec
+        assert (spec.world_backend, spec.tp_backend) == ("gloo", "shm")
+        assert spec.init_method is not None
+        assert spec.init_method.startswith(f"tcp://{node_address(0)}:")
+        assert len(set(spec.hosts)) == 2
+        got = run_greedy(make_engine(executor, prepared.config.vocab_size), prompts())
+    finally:
+        executor.shutdown()
+        remove_placement_group(group)
+    assert_same(got, reference)
+
+
+def test_a_worker_node_lost_under_load_fails_nothing_and_its_instance_returns_elsewhere(
+        cluster: Cluster, tmp_path: Path, redis_url: str) -> None:  # noqa: F811
+    config = sim_config(tmp_path, redis_url)
+    gateway = f"http://{config.host}:{config.port}"
+    address = ray.get_runtime_context().gcs_address
+    with ray_launcher(config, ClusterSeed(SIM, replicas=2), address=address) as launched:
+        wait_ready(launched, redis_url, 120)
+        statuses: list[int] = []
+        stop = threading.Event()
+
+        def load() -> None:
+            while not stop.is_set() and len(statuses) < 2000:
+                statuses.append(complete(gateway))
+
+        loader = threading.Thread(target=load)
+        loader.start()
+        try:
+            while len(statuses) < 10:
+                time.sleep(0.05)
+            lost = next(n for n in cluster.worker_nodes if n.node_ip_address == node_address(2))
+            lost_at = time.monotonic()
+            cluster.remove_node(lost, allow_graceful=False)
+            ready = wait_ready(launched, redis_url, 180, on={node_address(1)})
+            recovery_s = time.monotonic() - lost_at
+            served_before = len(statuses)
+            while len(statuses) < served_before + 10:
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            loader.join(60)
+        assert {host_of(r.url) for r in ready} == {node_address(1)}
+        assert [s for s in statuses if s != 200] == [], "a request failed"
+        print(f"node lost: both instances ready on the other worker after {recovery_s:.1f} s; "
+              f"{len(statuses)} requests, all 200")
