@@ -38,7 +38,7 @@ class FirstCandidate(StatelessPolicy):
 
 
 if "first_candidate" not in policy_names():
-    register_policy("first_candidate", lambda config, rng: FirstCandidate())
+    register_policy("first_candidate", lambda context: FirstCandidate())
 
 
 def serve(tiny_dir: Path, tmp_path: Path, role: str, **fault: Any) -> ServeProcess:
@@ -149,11 +149,11 @@ def test_blocks_of_a_dead_decode_peer_come_back_within_the_lease(
     p = helpers["p"]
     doomed = serve(tiny_dir, tmp_path, "decode", kill_at="decode_after_pull")
     gateway = start_gateway({"p": (p.url, "prefill"), "d0": (doomed.url, "decode")},
-                            policy="first_candidate")
+                            policy="first_candidate", start_wait_s=1.0)
     try:
         body = body_of(LONG, n=33, temperature=0)
         answer = httpx.post(f"{gateway.url}{CHAT}", json=body, timeout=60)
-        assert answer.status_code == 502  # no decode instance left to finish it
+        assert answer.status_code == 502  # no decode instance comes back to finish it
         dead_at = died(doomed)
         assert p.num_held_blocks > 0  # pulled, never acknowledged: the lease holds them
         assert wait_until(lambda: p.num_held_blocks == 0, timeout_s=3 + 1)
