@@ -4,6 +4,7 @@
 
 in this order, so that no route can skip a step:
 
+  0. task    a generative route on an embed instance (or the reverse) is a 400, whatever the body
   1. parse   the hardened JSON reader (strata/protocol/json_body.py) into the wire model:
              anything else is a 400 through the error table
   2. tenant  the caller's tenant goes into the request's `cache_salt` (translate.tenant_scoped):
@@ -13,7 +14,7 @@ in this order, so that no route can skip a step:
   3. clamp   the priority is `X-Priority`, else the body's, else standard, clamped to the API
              key's ceiling (strata/protocol/priority.py)
   4. admit   refused while draining, when the engine is dead, or for another model's name
-  5. task    a generative route on an embed instance (or the reverse) is a 400
+  5. task    again, for a request parsed by its route (resume)
 
 The plain generation routes, embeddings, tokenize, the P/D hand-off's prefill and decode routes
 and resume all enter here; a route whose body carries the client's request inside another
@@ -48,6 +49,8 @@ async def parse_body(request: Request, model: type[M]) -> M:
 async def client_request(request: Request, model: type[M], *, task: Task) -> tuple[Instance, M]:
     """The instance and the client's request, parsed, scoped, clamped and admitted."""
     instance = instance_of(request)
+    if task != "any":
+        instance.require_task(task, public_path(request.url.path))
     return instance, admitted(request, instance, await parse_body(request, model), task=task)
 
 

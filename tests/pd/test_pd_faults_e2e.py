@@ -21,7 +21,7 @@ from serve_process import ServeProcess, start_serve
 from test_pd_live import LONG, body_of
 
 from strata.gateway.routing.instances import InstanceView
-from strata.gateway.routing.policies import StatelessPolicy, policy_names, register_policy
+from strata.gateway.routing.policies import POLICIES, StatelessPolicy, register_policy
 from strata.gateway.routing.policies.base import RouteRequest
 from strata.model.loader import LoadedModel
 
@@ -37,8 +37,13 @@ class FirstCandidate(StatelessPolicy):
         return candidates[0]
 
 
-if "first_candidate" not in policy_names():
+@pytest.fixture(autouse=True, scope="module")
+def first_candidate_row() -> Iterator[None]:
+    """The toy row for this module's gateways only: a row left in the table would be planned
+    by `strata plan`'s tests running later in the same process."""
     register_policy("first_candidate", lambda context: FirstCandidate())
+    yield
+    del POLICIES["first_candidate"]
 
 
 def serve(tiny_dir: Path, tmp_path: Path, role: str, **fault: Any) -> ServeProcess:

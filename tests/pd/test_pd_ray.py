@@ -29,7 +29,7 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayLauncher]:
                                  port=free_port(), stop_timeout_s=10,
                                  serve_args=("--log-level", "warning"),
                                  reconcile_interval_s=0.25)
-    with ray_launcher(cluster, ClusterSeed(V1, replicas=2)) as launched:
+    with ray_launcher(cluster, ClusterSeed(V1, replicas=2, pools=cluster.pools)) as launched:
         yield launched
 
 
