@@ -72,4 +72,6 @@ class RunKeys:
                 path.unlink(missing_ok=True)
 
 
-__all__ = ["RunKeys", "key_path", "local_admin_key", "write_key_file"]
+NO_RUN_KEYS = RunKeys()  # a run that made none
+
+__all__ = ["NO_RUN_KEYS", "RunKeys", "key_path", "local_admin_key", "write_key_file"]

@@ -35,7 +35,7 @@ from strata.commands.argtypes import (
 from strata.commands.autoscale_flags import add_autoscale_flags, gateway_args
 from strata.commands.cluster_file import check_not_running, cluster_file, write_cluster_file
 from strata.commands.env import CliEnv, read_admin_keys, read_api_keys, read_internal_keys
-from strata.commands.run_keys import RunKeys
+from strata.commands.run_keys import NO_RUN_KEYS, RunKeys
 from strata.commands.up_roles import (
     PD_SERVE_FLAGS,
     add_role_flags,
@@ -235,7 +235,7 @@ def _launcher(args: argparse.Namespace, config: LocalClusterConfig) -> Launcher:
 
 
 def _config(args: argparse.Namespace, env: CliEnv,
-            keys: RunKeys = RunKeys()) -> LocalClusterConfig:
+            keys: RunKeys = NO_RUN_KEYS) -> LocalClusterConfig:
     log_flags = _log_flags(args, env)
     serve_args: list[str] = ["--log-level", "warning", *log_flags]
     for flag, _ in _SERVE_FLAGS:

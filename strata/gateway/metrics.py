@@ -59,6 +59,12 @@ class GatewayMetrics:
         self.stalls = Counter("strata:gateway_stalled_attempts_total",
                               "Attempts ended because their instance went silent and failed a "
                               "probe.", ["instance"], registry=reg)
+        self.recovery_waits = Counter("strata:gateway_recovery_waits_total",
+                                      "Requests that found their model's fleet down and waited "
+                                      "for an instance to come back, by outcome (recovered, "
+                                      "timed_out).", ["outcome"], registry=reg)
+        for outcome in ("recovered", "timed_out"):
+            self.recovery_waits.labels(outcome)
         self.in_flight = Gauge("strata:gateway_requests_in_flight", "Requests admitted.",
                                registry=reg)
         self.queued = Gauge("strata:gateway_requests_queued", "Requests waiting for admission.",

@@ -270,3 +270,55 @@ def test_up_serves_the_default_model_through_the_gateway(tmp_path: Path) -> None
         assert "Paris" in (reply.choices[0].message.content or "")
     finally:
         assert started.stop() == 0
+
+
+def test_every_instance_killed_at_once_under_load_fails_no_request(tmp_path: Path) -> None:
+    """An outage shorter than a start is invisible: both instances SIGKILLed at once while four
+    clients send non-streaming requests; the supervisor restarts them, and every request that
+    found the fleet down waits at the gateway for an instance to come back instead of a 502."""
+    PROFILE.save(tmp_path / "profile.json")
+    two = start_cluster(["--simulate", str(tmp_path / "profile.json"), "--served-model-name",
+                         MODEL], tmp_path, replicas=2)
+    try:
+        wait_until(lambda: sum(i["routable"] for i in two.instances().values()) == 2, 90,
+                   "both instances routable")
+        pids = {name: pid for name, pid in two.pids().items() if name.startswith(MODEL)}
+        assert len(pids) == 2
+        statuses: list[tuple[float, int]] = []
+        stop_at = [time.monotonic() + 600.0]
+
+        async def client_loop(client: httpx.AsyncClient) -> None:
+            while time.monotonic() < stop_at[0]:
+                answer = await client.post("/v1/completions", json={
+                    "model": MODEL, "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
+                statuses.append((time.monotonic(), answer.status_code))
+
+        async def story() -> float:
+            async with httpx.AsyncClient(base_url=two.url, timeout=120) as client:
+                loops = [asyncio.create_task(client_loop(client)) for _ in range(4)]
+                while len(statuses) < 20:  # the load is flowing
+                    await asyncio.sleep(0.05)
+                killed_at = time.monotonic()
+                for pid in pids.values():
+                    os.kill(pid, signal.SIGKILL)
+                while not _restarted(two, pids) or len(
+                        [t for t, _ in statuses if t > killed_at]) < 20:
+                    assert time.monotonic() < killed_at + 180, "the fleet did not come back"
+                    await asyncio.sleep(0.2)
+                stop_at[0] = time.monotonic()
+                await asyncio.gather(*loops)
+                return killed_at
+
+        killed_at = asyncio.run(story())
+        assert [code for _, code in statuses if code != 200] == []
+        assert len([t for t, _ in statuses if t > killed_at]) >= 20  # served after the kill
+        assert gateway_counter(two, "gateway_recovery_waits") >= 1  # some found it down
+        text = httpx.get(f"{two.url}/metrics", timeout=5).text
+        assert 'strata:gateway_recovery_waits_total{outcome="timed_out"} 0.0' in text
+    finally:
+        assert two.stop() == 0
+
+
+def _restarted(cluster: Cluster, killed: dict[str, int]) -> bool:
+    now = cluster.pids()
+    return all(now.get(name) not in (None, pid) for name, pid in killed.items())

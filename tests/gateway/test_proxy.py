@@ -4,6 +4,7 @@ first byte, broken streams, aggregation, drain."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from typing import Any
 
@@ -11,7 +12,7 @@ import httpx
 from gateway_fakes import FakeClock, FixedSource, Upstreams, json_answer, sse_answer, view
 
 from strata.gateway.app import create_gateway_app
-from strata.gateway.config import GatewayConfig, RetryConfig
+from strata.gateway.config import AdmissionConfig, GatewayConfig, RetryConfig
 from strata.gateway.routing.instances import InstanceView
 from strata.gateway.wiring import Gateway
 from strata.protocol.sse import parse_events
@@ -187,7 +188,9 @@ def test_an_unexpected_transport_error_is_the_instance_failing_not_a_500() -> No
                               [("POST", "/v1/completions", {"model": "m"})])
     assert responses[0].status_code == 200 and responses[0].headers["x-strata-instance"] == "b"
     assert _metric(gateway, "strata:gateway_retries_total") == 1.0
-    only_a, _ = call(Upstreams(a=closed), [view("a")], [("POST", "/v1/completions", {"m": 1})])
+    short_wait = dataclasses.replace(CONFIG, admission=AdmissionConfig(start_wait_s=0.2))
+    only_a, _ = call(Upstreams(a=closed), [view("a")], [("POST", "/v1/completions", {"m": 1})],
+                     short_wait)  # its only instance never comes back: 502 after the wait
     assert only_a[0].status_code == 502 and "RuntimeError" in only_a[0].json()["error"]["message"]
 
 
@@ -214,3 +217,30 @@ def test_an_odd_error_of_a_connection_reset_as_it_opens_is_retried_never_a_500()
                                     run_background=False)
     gateway = health_app.state.gateway
     assert asyncio.run(probe()) is False
+
+
+def test_a_fleet_that_is_down_holds_the_request_until_an_instance_is_back() -> None:
+    """Every instance of the model refuses connections (killed, restarting): the request does
+    not get a 502; it waits until an instance passes a health check again, and is served.
+    One whose fleet never comes back gets its 502 after the start wait."""
+    upstreams = Upstreams()  # a and b refuse: both processes are down
+    views = [view("a"), view("b")]
+    app = create_gateway_app(CONFIG, FixedSource(*views), transport=upstreams.transport(),
+                             clock=FakeClock(), run_background=False)
+    gateway: Gateway = app.state.gateway
+
+    async def run() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            waiting = asyncio.create_task(client.post("/v1/completions", json={"model": "m"}))
+            while gateway.proxy.recovery.num_waits == 0:  # type: ignore[union-attr]
+                await asyncio.sleep(0.01)
+            assert not waiting.done() and len(upstreams.calls) == 2  # both tried, then waits
+            upstreams.hosts["b"] = completion  # b restarted ...
+            gateway.proxy.detector.clock.advance(1.0)  # type: ignore[attr-defined]
+            gateway.proxy.detector.record_health(views[1], is_healthy=True)  # ... and is seen
+            return await waiting
+
+    answer = asyncio.run(run())
+    assert answer.status_code == 200 and answer.headers["x-strata-instance"] == "b"
+    assert gateway.proxy.recovery.num_recovered == 1  # type: ignore[union-attr]

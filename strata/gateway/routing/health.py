@@ -71,6 +71,8 @@ class OutlierDetector:
     def record_health(self, view: InstanceView, is_healthy: bool) -> None:
         """Applies one active health check result."""
         view.is_healthy = is_healthy
+        if is_healthy:
+            view.healthy_at = self.clock()
         if not is_healthy:
             self.record_failure(view)
         elif view.is_ejected:

@@ -47,6 +47,7 @@ class InstanceView:
     num_ejections: int = 0
     ejected_until: float = 0.0  # > 0 while ejected; cleared by a passing health check
     is_healthy: bool = True  # the last active health check passed
+    healthy_at: float = 0.0  # when a health check last passed (the detector's clock)
     is_draining: bool = False  # drained through this gateway; stays so until the record goes
 
     @property

@@ -7,7 +7,9 @@ answers, which are read fully before anything is sent). A 429 from an instance i
 counting as a failure. After the first frame has gone out, a failure is resumed on another
 instance when the stream is resumable (strata/gateway/upstream/resume.py), else it ends the stream
 with an error event and [DONE]. When every attempt failed, the client gets the last instance's 5xx
-answer, or a 502 with an OpenAI error body. Every wait on an instance is watched for stalls
+answer, or a 502 with an OpenAI error body; when no instance answered at all and the model's
+fleet is down (restarting), it first waits for an instance to come back, up to the start wait
+(strata/gateway/upstream/recovery.py). Every wait on an instance is watched for stalls
 (strata/gateway/upstream/stalls.py): a dead socket fails its attempt within about a second.
 """
 
@@ -48,6 +50,7 @@ from strata.gateway.upstream.pools import (
     read_frames,
     response_headers,
 )
+from strata.gateway.upstream.recovery import Recovery
 from strata.gateway.upstream.resume import Resumer, StreamRecord
 from strata.gateway.upstream.retry import RetryBudget
 from strata.gateway.upstream.stalls import StallWatch
@@ -60,6 +63,7 @@ class Proxy:
                  detector: OutlierDetector, budget: RetryBudget, metrics: GatewayMetrics,
                  max_retries: int, resumer: Resumer, stalls: StallWatch,
                  clock: Clock = time.perf_counter, stats: GatewayStats | None = None,
+                 recovery: Recovery | None = None,
                  prune_interval_s: float = 1.0) -> None:
         self.pipeline = pipeline
         self.upstreams = upstreams
@@ -71,30 +75,55 @@ class Proxy:
         self.stalls = stalls
         self.clock = clock
         self.stats = stats if stats is not None else GatewayStats()  # first bytes, stream gaps
+        self.recovery = recovery  # None: no wait for a fleet that is coming back
         self.prune_interval_s = prune_interval_s  # how often pools of departed instances go
         self._pruned_at = clock()
         # every attempt's outcome: (instance, is_error, time to the first byte in s or None)
         self.observers: list[Callable[[InstanceView, bool, float | None], None]] = []
 
     async def forward(self, request: ProxyRequest) -> Response:
-        """The client's response (a `RelayResponse` for a relayed stream)."""
+        """The client's response (a `RelayResponse` for a relayed stream). When no instance of
+        the model answered at all, waits for one to come back and tries again (recovery.py)."""
         self.budget.record_request()
-        tried: list[str] = []
+        deadline: float | None = None
+        while True:
+            tried: list[str] = []
+            outcome = await self._attempts(request, tried)
+            if isinstance(outcome, Response):
+                return outcome
+            failure, decision = outcome
+            if self.recovery is None or (failure is not None and failure.response is not None) \
+                    or (decision is not None and decision.status_code == 404):
+                break  # an instance answered, or the model is unknown: nothing to wait for
+            deadline = deadline if deadline is not None else self.recovery.deadline()
+            num_waits = self.recovery.num_waits
+            is_back = await self.recovery.wait(request.route.model, tried, deadline)
+            if self.recovery.num_waits > num_waits:
+                self.metrics.recovery_waits.labels("recovered" if is_back else "timed_out").inc()
+            if not is_back:
+                break
+        if failure is None and decision is not None:
+            return self._no_route(decision)
+        return self._give_up(failure)
+
+    async def _attempts(self, request: ProxyRequest, tried: list[str]
+                        ) -> Response | tuple[Failure | None, RouteDecision | None]:
+        """One round of attempts on instances not tried yet (`tried` fills up): the response,
+        or the last failure (and the routing decision that found no instance, if that ended the
+        round)."""
         failure: Failure | None = None
         for attempt in range(self.max_retries + 1):
             if attempt > 0 and not await self._may_retry(attempt):
                 break
             decision = self.pipeline.route(request.route, exclude=tried)
             if decision.instance is None:
-                if failure is None:
-                    return self._no_route(decision)
-                break
+                return failure, decision if failure is None else None
             tried.append(decision.instance.instance_id)
             outcome = await self._attempt(Attempt(decision.instance, request))
             if isinstance(outcome, Response):
                 return outcome
             failure = outcome
-        return self._give_up(failure)
+        return failure, None
 
     async def _may_retry(self, attempt: int) -> bool:
         if not self.budget.try_spend():

@@ -26,6 +26,7 @@ import hashlib
 import time
 from importlib import resources
 from typing import Any
+from urllib.parse import urlsplit
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -89,7 +90,7 @@ def for_viewer(data: dict[str, Any], *, is_admin: bool) -> dict[str, Any]:
 
 def _alias(row: dict[str, Any]) -> str:
     instance_id = str(row["instance_id"])
-    if instance_id not in str(row["url"]):
+    if instance_id != urlsplit(str(row["url"])).netloc:
         return instance_id
     return "instance-" + hashlib.sha256(instance_id.encode()).hexdigest()[:8]
 
