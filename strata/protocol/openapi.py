@@ -116,13 +116,6 @@ def _operation(op: Operation) -> dict[str, Any]:
     return out
 
 
-def takes(document: dict[str, Any], method: str, path: str) -> frozenset[str]:
-    """The kinds of key the operation of `document` takes, as it documents them (empty: open
-    to anyone)."""
-    security = document["paths"][path][method.lower()].get("security", [])
-    return frozenset(name for requirement in security for name in requirement)
-
-
 def _answer(op: Operation) -> dict[str, Any]:
     if op.media_type != "application/json":
         return {"description": "ok", "content": {op.media_type: {"schema": {"type": "string"}}}}
@@ -143,4 +136,4 @@ def _operation_id(op: Operation) -> str:
     return f"{op.method.lower()}_{words or 'root'}"
 
 
-__all__ = ["OPENAI_OPERATIONS", "SCHEMES", "Operation", "openapi_document", "takes"]
+__all__ = ["OPENAI_OPERATIONS", "SCHEMES", "Operation", "openapi_document"]

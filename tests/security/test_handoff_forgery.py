@@ -6,7 +6,6 @@ the internal key (so the listener would have seen a forgery's request)."""
 
 from __future__ import annotations
 
-import asyncio
 import http.server
 import json
 import threading
@@ -17,12 +16,8 @@ import httpx
 import pytest
 from sim_stack import INTERNAL_KEY, MODEL, Targets
 
-from strata.errors import InvalidRequestError
 from strata.protocol.pd import DECODE_PREFIX, HANDOFF_HEADER, PREFILL_PREFIX
 from strata.protocol.seal import is_sealed, seal
-from strata.registry import create_registry
-from strata.registry.instances.records import InstanceRecord
-from strata.server.pd.trust import HandleTrust
 
 FLEET = {"Authorization": f"Bearer {INTERNAL_KEY}"}
 CHAT = {"model": MODEL, "max_tokens": 2, "temperature": 0,
@@ -121,24 +116,3 @@ def test_the_seal_covers_every_field() -> None:
         assert not is_sealed(sealed | {name: "changed"}, ["k"]), name
     assert not is_sealed({k: v for k, v in sealed.items() if k != "url"}, ["k"])
     assert not is_sealed(sealed, ["other"])
-
-
-def test_without_a_key_only_an_instance_the_registry_lists_is_pulled_from() -> None:
-    handle = {"handle": "h", "epoch": "e", "num_prompt_tokens": 20, "prompt_digest": "d",
-              "num_blocks": 3, "token_id": 7, "num_cached_tokens": 0, "lease_s": 10.0}
-
-    async def story() -> None:
-        registry = create_registry("memory://")
-        await registry.register(InstanceRecord("p-0", "http://10.0.0.5:8000", MODEL))
-        trust = HandleTrust((), registry)
-        listed = await trust.admit(json.dumps(handle | {"instance_id": "p-0",
-                                                        "url": "http://attacker:80"}))
-        assert listed.url == "http://10.0.0.5:8000"  # the registry's, never the handle's
-        with pytest.raises(InvalidRequestError, match="does not list"):
-            await trust.admit(json.dumps(handle | {"instance_id": "p-9",
-                                                   "url": "http://10.0.0.5:8000"}))
-        with pytest.raises(InvalidRequestError, match="internal key .* or a registry"):
-            await HandleTrust((), None).admit(json.dumps(handle | {"url": "http://p:1"}))
-        await registry.close()
-
-    asyncio.run(story())
