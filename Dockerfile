@@ -43,11 +43,20 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 COPY strata ./strata
 RUN pip install --no-cache-dir --no-deps . \
  && if [ -n "${EXTRAS}" ]; then pip install --no-cache-dir ".[${EXTRAS}]"; fi \
- && useradd --system --uid 10001 --home-dir /var/cache/strata --create-home strata
-COPY deploy/docker/probe.py deploy/docker/drain.py /opt/strata/
+ && useradd --system --uid 10001 --home-dir /var/cache/strata --create-home strata \
+ && install -d -o strata -g strata -m 0700 /run/strata-keys
+COPY deploy/docker/probe.py deploy/docker/drain.py deploy/docker/keys.py deploy/docker/entry.py \
+     /opt/strata/
 USER strata
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
     CMD ["python", "/opt/strata/probe.py", "http://127.0.0.1:8000/health"]
-ENTRYPOINT ["strata"]
-CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]
+# `strata ARGS`, with the keys the arguments name under STRATA_KEY_DIR made first when missing
+# (from STRATA_API_KEYS, STRATA_ADMIN_KEYS, STRATA_INTERNAL_KEYS, else random): the default
+# command starts keyed as it is. Read a made key with `docker exec ... cat /run/strata-keys/...`.
+ENV STRATA_KEY_DIR=/run/strata-keys
+ENTRYPOINT ["python", "/opt/strata/entry.py"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8000", \
+     "--api-key-file", "/run/strata-keys/api.keys", \
+     "--admin-key-file", "/run/strata-keys/admin.key", \
+     "--internal-key-file", "/run/strata-keys/internal.key"]

@@ -9,7 +9,8 @@ fast.
 Environment: STRATA_CACHE_DIR (default `$XDG_CACHE_HOME/strata`, else `~/.cache/strata`) holds
 pulled models and dequantized weights; STRATA_RUN_DIR (default `$STRATA_CACHE_DIR/run`) what
 `strata up` keeps; STRATA_API_KEYS (comma separated) the accepted API keys; STRATA_ADMIN_KEYS
-(comma separated) the admin keys (for /admin/*); STRATA_REGISTRY the default registry URL;
+(comma separated) the admin keys (for /admin/*); STRATA_INTERNAL_KEYS (comma separated) the
+fleet's internal keys (strata/protocol/keys.py); STRATA_REGISTRY the default registry URL;
 STRATA_LOG_FORMAT (`text` or `json`) the log format of a command run without `--log-format`.
 Logging is configured here, once per process (strata/logs.py).
 """
@@ -62,6 +63,7 @@ def cli_env_from(env: Mapping[str, str]) -> CliEnv:
     return CliEnv(cache_dir=cache_dir, run_dir=run_dir or cache_dir / "run", api_keys=keys,
                   key_max_priority=tuple(sorted(ceilings.items())),
                   admin_keys=_keys(env, "STRATA_ADMIN_KEYS"),
+                  internal_keys=_keys(env, "STRATA_INTERNAL_KEYS"),
                   registry_url=env.get("STRATA_REGISTRY") or None,
                   log_format=env.get("STRATA_LOG_FORMAT") or "text")
 

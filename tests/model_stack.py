@@ -21,7 +21,7 @@ from pathlib import Path
 
 from harness.procs import Proc, spawn
 from serve_process import ServeProcess, start_serve
-from sim_stack import ADMIN_KEY, CLIENT_KEY
+from sim_stack import ADMIN_KEY, CLIENT_KEY, INTERNAL_KEY
 from tiny_bert import make_tiny_bert_dir
 from tiny_models import make_tiny_model_dir
 
@@ -48,7 +48,9 @@ def model_stack(root: Path) -> Iterator[ModelTargets]:
     bert = make_tiny_bert_dir(root / "tiny-bert")
     (root / "keys").write_text(CLIENT_KEY + "\n")
     (root / "admin-key").write_text(ADMIN_KEY + "\n")
-    auth = ["--api-key-file", str(root / "keys"), "--admin-key-file", str(root / "admin-key")]
+    (root / "internal-key").write_text(INTERNAL_KEY + "\n")
+    auth = ["--api-key-file", str(root / "keys"), "--admin-key-file", str(root / "admin-key"),
+            "--internal-key-file", str(root / "internal-key")]
     common = ["--threads", "1", "--log-level", "warning", *auth]
     instance = start_serve([str(llama), "--served-model-name", MODEL, "--dtype", "float32",
                             "--max-model-len", "256", "--kv-cache-gb", "0.01", *common],

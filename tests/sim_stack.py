@@ -18,6 +18,7 @@ MODEL = "fuzz-sim"
 CLIENT_KEY = "tenant-a-client-key"
 OTHER_CLIENT_KEY = "tenant-b-client-key"
 ADMIN_KEY = "operator-admin-key"
+INTERNAL_KEY = "fleet-internal-key"
 _GATEWAY_READY = r"Strata gateway on (http://127\.0\.0\.1:\d+) "
 
 
@@ -35,7 +36,8 @@ class Targets:
 def sim_stack(root: Path, *, keyed: bool = False) -> Iterator[Targets]:
     """`strata serve --simulate` (no step latency, sessions in memory) and `strata gateway
     --instances` over it; with `keyed`, both take the client keys CLIENT_KEY and
-    OTHER_CLIENT_KEY (two tenants) and the admin key ADMIN_KEY."""
+    OTHER_CLIENT_KEY (two tenants), the admin key ADMIN_KEY and the fleet's internal key
+    INTERNAL_KEY."""
     profile = root / "fuzz-profile.json"
     LatencyProfile(model=MODEL, source="synthetic", prefill_ms_base=0.0,
                    prefill_ms_per_token=0.0, decode_ms_base=0.0, decode_ms_per_seq=0.0
@@ -44,7 +46,9 @@ def sim_stack(root: Path, *, keyed: bool = False) -> Iterator[Targets]:
     if keyed:
         (root / "keys").write_text(f"{CLIENT_KEY}\n{OTHER_CLIENT_KEY}\n")
         (root / "admin-key").write_text(ADMIN_KEY + "\n")
-        auth = ["--api-key-file", str(root / "keys"), "--admin-key-file", str(root / "admin-key")]
+        (root / "internal-key").write_text(INTERNAL_KEY + "\n")
+        auth = ["--api-key-file", str(root / "keys"), "--admin-key-file", str(root / "admin-key"),
+                "--internal-key-file", str(root / "internal-key")]
     instance = start_serve(["--simulate", str(profile), "--max-model-len", "512",
                             "--session-store", "memory://", *auth],
                            cache_dir=root / "cache", timeout_s=60, log_dir=root / "logs")

@@ -1,14 +1,14 @@
 """Drain a Strata instance before it stops (the Kubernetes preStop hook; stdlib only).
 
-    python drain.py [--url http://127.0.0.1:8000] [--timeout-s 60] [--api-key-file FILE]
+    python drain.py [--url http://127.0.0.1:8000] [--timeout-s 60] [--key-file FILE]
 
 POST /admin/drain makes the instance refuse new requests (503, which the gateway retries on
 another instance) and, with a registry, report DRAINING and deregister once idle; this script
 then polls GET /load until no request is in flight, or until --timeout-s. It always exits 0
 when the instance answered the drain, so that the SIGTERM that follows (uvicorn's graceful
-shutdown) still runs; it exits 1 only when the drain itself failed. The key for /admin/drain is
-the first line of --api-key-file, else the first of STRATA_ADMIN_KEYS, else of STRATA_API_KEYS
-(an instance with an admin key takes only that on /admin/drain).
+shutdown) still runs; it exits 1 only when the drain itself failed. An instance's /admin/drain
+takes the fleet's internal key or the admin key: the first line of --key-file, else the first
+of STRATA_INTERNAL_KEYS, else of STRATA_ADMIN_KEYS (a client key never drains an instance).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def api_key(key_file: str | None) -> str | None:
         with open(key_file) as f:
             keys = [line.strip() for line in f if line.strip()]
             return keys[0] if keys else None
-    for name in ("STRATA_ADMIN_KEYS", "STRATA_API_KEYS"):
+    for name in ("STRATA_INTERNAL_KEYS", "STRATA_ADMIN_KEYS"):
         keys = [k.strip() for k in os.environ.get(name, "").split(",") if k.strip()]
         if keys:
             return keys[0]
@@ -71,9 +71,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--timeout-s", type=float, default=60.0)
     parser.add_argument("--poll-s", type=float, default=0.5)
-    parser.add_argument("--api-key-file", default=None)
+    parser.add_argument("--key-file", default=None,
+                        help="the internal or the admin key, first line")
     args = parser.parse_args(argv)
-    return drain(args.url, args.timeout_s, args.poll_s, api_key(args.api_key_file))
+    return drain(args.url, args.timeout_s, args.poll_s, api_key(args.key_file))
 
 
 if __name__ == "__main__":

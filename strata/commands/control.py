@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from strata.commands.env import CliEnv
+from strata.commands.run_keys import local_admin_key
 from strata.errors import StrataError
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8000"
@@ -27,8 +28,8 @@ def add_control_flags(p: argparse.ArgumentParser) -> None:
                    help="the cluster's gateway (default: the local `strata up` cluster, else "
                         f"{DEFAULT_GATEWAY})")
     p.add_argument("--api-key", default=None,
-                   help="admin API key (default: the first of STRATA_ADMIN_KEYS, else of "
-                        "STRATA_API_KEYS)")
+                   help="admin key (default: the first of STRATA_ADMIN_KEYS, else the one the "
+                        "local `strata up` made)")
 
 
 def gateway_url(args: argparse.Namespace, env: CliEnv) -> str:
@@ -51,8 +52,9 @@ class ControlClient:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, env: CliEnv) -> ControlClient:
-        keys = env.admin_keys or env.api_keys
-        key = args.api_key or (keys[0] if keys else None)
+        key = args.api_key or (env.admin_keys[0] if env.admin_keys else None)
+        if key is None and not args.gateway:  # the local cluster's own: never sent elsewhere
+            key = local_admin_key(env.run_dir)
         return cls(gateway_url(args, env), key)
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:

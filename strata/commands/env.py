@@ -18,21 +18,28 @@ class CliEnv:
     api_keys: tuple[str, ...] = ()  # STRATA_API_KEYS, comma separated (ceilings split off)
     key_max_priority: tuple[tuple[str, int], ...] = ()  # KEY:CEILING entries of STRATA_API_KEYS
     admin_keys: tuple[str, ...] = ()  # STRATA_ADMIN_KEYS, comma separated
+    internal_keys: tuple[str, ...] = ()  # STRATA_INTERNAL_KEYS, comma separated
     registry_url: str | None = None  # STRATA_REGISTRY
     log_format: str = "text"  # STRATA_LOG_FORMAT: a command's --log-format default
 
 
 def add_auth_flags(p: argparse.ArgumentParser) -> None:
-    """`--api-key-file`, `--admin-key-file`, `--insecure` and `--rate-limit-per-s`, the same on
-    instances and gateways (strata/protocol/auth.py says what each key may call)."""
+    """`--api-key-file`, `--admin-key-file`, `--internal-key-file`, `--insecure` and
+    `--rate-limit-per-s`, the same on instances and gateways (strata/protocol/auth.py says what
+    each key may call)."""
     p.add_argument("--api-key-file", type=Path, default=None,
                    help="file with one API key per line, KEY or KEY:MAX_PRIORITY (a class "
                         "such as batch, or an integer: the key's requests are clamped to it); "
                         "STRATA_API_KEYS adds more")
     p.add_argument("--admin-key-file", type=Path, default=None,
                    help="file with the admin key(s) for /admin/* (drain, models, releases), "
-                        "one per line (STRATA_ADMIN_KEYS adds more); without one, the client "
-                        "keys open /admin/* too")
+                        "one per line (STRATA_ADMIN_KEYS adds more); a server with client keys "
+                        "and no admin key keeps /admin/* shut")
+    p.add_argument("--internal-key-file", type=Path, default=None,
+                   help="file with the fleet's internal key(s), one per line, the first sent "
+                        "(STRATA_INTERNAL_KEYS adds more): gateways and instances call each "
+                        "other's fleet-only routes with it (hand-offs, resumes, feeds, drains) "
+                        "and the gateway forwards a client's identity under it")
     p.add_argument("--insecure", action="store_true",
                    help="listen beyond the loopback without API keys and an admin key "
                         "(refused otherwise)")
@@ -50,6 +57,11 @@ def read_api_keys(path: Path | None, env_keys: tuple[str, ...]) -> tuple[str, ..
 def read_admin_keys(path: Path | None, env_keys: tuple[str, ...]) -> tuple[str, ...]:
     """Admin keys from the file (as read_api_keys, no priority suffix) then the env."""
     return tuple(dict.fromkeys([*_key_file_lines(path, "--admin-key-file"), *env_keys]))
+
+
+def read_internal_keys(path: Path | None, env_keys: tuple[str, ...]) -> tuple[str, ...]:
+    """Internal keys from the file (as read_admin_keys) then the env."""
+    return tuple(dict.fromkeys([*_key_file_lines(path, "--internal-key-file"), *env_keys]))
 
 
 def read_key_max_priority(path: Path | None,

@@ -31,6 +31,7 @@ from strata.commands.env import (
     add_auth_flags,
     read_admin_keys,
     read_api_keys,
+    read_internal_keys,
     read_key_max_priority,
 )
 from strata.errors import ConfigError
@@ -45,10 +46,12 @@ from strata.gateway.config import (
     SessionRoutingConfig,
     VersionConfig,
 )
+from strata.gateway.control.intake import DEFAULT_MODEL_ROOTS
 from strata.gateway.routing.policies import policy_names
 from strata.gateway.routing.sources import InstanceSource, RegistrySource, StaticSource
 from strata.logs import announce
 from strata.protocol.auth import check_exposure
+from strata.protocol.keys import auth_header
 from strata.registry.models import ModelRegistry
 from strata.registry.releases.policy import ReleaseConfig
 from strata.state.urls import schemes_help
@@ -125,6 +128,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"by model version: {schemes_help('response_cache')}")
     p.add_argument("--response-cache-ttl-s", type=positive_float, default=600.0)
     _add_pd_flags(p)
+    p.add_argument("--model-root", action="append", default=None, metavar="ROOT",
+                   help="where POST /admin/models may take models from, repeatable: alias:, "
+                        "sim:, s3:, s3://BUCKET/PREFIX/ or an absolute directory (default: "
+                        f"{' '.join(DEFAULT_MODEL_ROOTS)}); a version's serve_args come from "
+                        "a fixed table of flags (strata/gateway/control/intake.py)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     add_class_flags(p)
     add_autoscale_flags(p)
@@ -168,6 +176,7 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
                                   batch_max_queue=args.batch_max_queue),
         classes=class_config(args),
         api_keys=api_keys, admin_keys=admin_keys,
+        internal_keys=read_internal_keys(args.internal_key_file, env.internal_keys),
         key_max_priority=read_key_max_priority(args.api_key_file, env),
         rate_limit_per_s=args.rate_limit_per_s, shutdown_timeout_s=args.shutdown_timeout_s,
         sessions=_session_config(args),
@@ -175,6 +184,7 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
                                pin_store_url=args.version_pin_store,
                                release=_release_config(args)),
         response_cache_url=args.response_cache, response_cache_ttl_s=args.response_cache_ttl_s,
+        model_roots=tuple(args.model_root or DEFAULT_MODEL_ROOTS),
         pd=PDRoutingConfig(mode=args.pd, min_uncached_tokens=args.pd_min_uncached_tokens,
                         max_prefill_queue=args.pd_max_prefill_queue,
                         prefill_timeout_s=args.pd_prefill_timeout_s))
@@ -231,11 +241,10 @@ async def _serve(config: GatewayConfig, args: argparse.Namespace, started: float
     from strata.gateway.app import create_gateway_app
     from strata.gateway.control.releases import controller_owner
 
-    # the control plane's calls to instances (model and load of static ones, drains) carry the
-    # key their admin API takes: the admin key, else the first client key
-    keys = config.admin_keys or config.api_keys
+    # the control plane's calls to instances (model and load of static ones, warm-ups) carry
+    # the fleet's internal key; a fleet without one, the first client key
     control = httpx.AsyncClient(timeout=httpx.Timeout(config.health_timeout_s),
-                                headers={"Authorization": f"Bearer {keys[0]}"} if keys else {})
+                                headers=auth_header(config.internal_key or config.client_key))
     log_level = args.log_level
     source, registry = build_source(config, control)
     models = build_model_registry(config)

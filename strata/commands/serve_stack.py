@@ -22,6 +22,7 @@ from strata.commands.env import (
     CliEnv,
     read_admin_keys,
     read_api_keys,
+    read_internal_keys,
     read_key_max_priority,
 )
 from strata.commands.serve_parallel import (
@@ -185,6 +186,8 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
     server_config = ServerConfig(served_model_name=name, host=args.host, port=port,
                                  shutdown_timeout_s=args.shutdown_timeout_s,
                                  api_keys=api_keys, admin_keys=admin_keys,
+                                 internal_keys=read_internal_keys(args.internal_key_file,
+                                                                  env.internal_keys),
                                  key_max_priority=read_key_max_priority(args.api_key_file, env),
                                  rate_limit_per_s=args.rate_limit_per_s, simulated=simulated,
                                  model_version=args.model_version,

@@ -4,7 +4,9 @@ Before it starts anything it seeds the registry (strata/cluster/seed.py): the fl
 becomes NAME@VERSION in the catalogue (NAME: the name `strata serve` would serve it under;
 VERSION: --model-version, default "default"), deployed with --replicas instances and live. Once
 the cluster is ready it writes {run_dir}/cluster.json (gateway and registry URLs, pid), which
-`strata models|release|rollback` read to find the local cluster; stopping removes it.
+`strata models|release|rollback` read to find the local cluster; stopping removes it. Keys: the
+fleet's internal key is made per run unless given, and an admin key when client keys come
+without one (strata/commands/run_keys.py).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from strata.commands.argtypes import (
 )
 from strata.commands.autoscale_flags import add_autoscale_flags, gateway_args
 from strata.commands.cluster_file import check_not_running, cluster_file, write_cluster_file
-from strata.commands.env import CliEnv, read_admin_keys, read_api_keys
+from strata.commands.env import CliEnv, read_admin_keys, read_api_keys, read_internal_keys
+from strata.commands.run_keys import NO_RUN_KEYS, RunKeys
 from strata.commands.up_roles import (
     PD_SERVE_FLAGS,
     add_role_flags,
@@ -106,17 +109,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(STRATA_API_KEYS, inherited, adds more)")
     p.add_argument("--admin-key-file", type=Path, default=None,
                    help="admin key(s) for /admin/*: passed to the gateway and every instance "
-                        "(STRATA_ADMIN_KEYS, inherited, adds more)")
+                        "(STRATA_ADMIN_KEYS, inherited, adds more); with client keys and none "
+                        "given, a new one for this run in {run_dir}/keys/admin.key (0600), "
+                        "which `strata models|release|rollback` here find")
+    p.add_argument("--internal-key-file", type=Path, default=None,
+                   help="the fleet's internal key(s) (STRATA_INTERNAL_KEYS, inherited, adds "
+                        "more); default: a new key for this run in {run_dir}/keys/internal.key "
+                        "(0600), removed at stop")
     p.add_argument("--insecure", action="store_true",
                    help="allow --host beyond the loopback without keys (passed through)")
     add_autoscale_flags(p)
 
 
 def run(args: argparse.Namespace, env: CliEnv) -> int:
-    check_exposure("strata up", args.host, read_api_keys(args.api_key_file, env.api_keys),
-                   read_admin_keys(args.admin_key_file, env.admin_keys), insecure=args.insecure)
-    config = _config(args, env)
-    check_not_running(config.run_dir)
+    client = read_api_keys(args.api_key_file, env.api_keys)
+    admin = read_admin_keys(args.admin_key_file, env.admin_keys)
+    check_exposure("strata up", args.host, client, admin, insecure=args.insecure)
+    check_not_running(env.run_dir)
+    internal = read_internal_keys(args.internal_key_file, env.internal_keys)
+    keys = RunKeys.make(env.run_dir, has_internal=bool(internal), has_client=bool(client),
+                        has_admin=bool(admin))
+    try:
+        return _run(args, env, keys)
+    finally:
+        keys.remove()
+
+
+def _run(args: argparse.Namespace, env: CliEnv, keys: RunKeys) -> int:
+    config = _config(args, env, keys)
     config.run_dir.mkdir(parents=True, exist_ok=True)
     _prefetch(args, env)
     seed = ClusterSeed(seed_version(args), replicas=config.replicas, pools=config.pools)
@@ -214,7 +234,8 @@ def _launcher(args: argparse.Namespace, config: LocalClusterConfig) -> Launcher:
     return RayLauncher(up_parallel.ray_config(args, config))
 
 
-def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
+def _config(args: argparse.Namespace, env: CliEnv,
+            keys: RunKeys = NO_RUN_KEYS) -> LocalClusterConfig:
     log_flags = _log_flags(args, env)
     serve_args: list[str] = ["--log-level", "warning", *log_flags]
     for flag, _ in _SERVE_FLAGS:
@@ -223,12 +244,12 @@ def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             serve_args += [flag, str(value)]
-    serve_args += _auth_args(args)
+    serve_args += _auth_args(args, keys)
     replicas, num_prefill, named = cluster_shape(args)
     threads = up_parallel.rank_threads(args, replicas)  # `strata serve --threads` is per rank
     autoscale = gateway_args(args, _model_name(args), args.simulate) if args.autoscale else []
     gateway = [*(["--policy", args.policy] if args.policy else []), *autoscale,
-               *_auth_args(args), *log_flags, *args.gateway_arg]
+               *_auth_args(args, keys), *log_flags, *args.gateway_arg]
     return LocalClusterConfig(
         replicas=replicas, num_prefill=num_prefill, class_pools=named, run_dir=env.run_dir,
         model=args.model,
@@ -239,14 +260,16 @@ def _config(args: argparse.Namespace, env: CliEnv) -> LocalClusterConfig:
     )
 
 
-def _auth_args(args: argparse.Namespace) -> list[str]:
-    """The key flags every child gets (files by absolute path: children may run elsewhere)."""
+def _auth_args(args: argparse.Namespace, keys: RunKeys) -> list[str]:
+    """The key flags every child gets (files by absolute path: children may run elsewhere),
+    the keys this run made among them."""
     out: list[str] = []
     for flag, path in (("--api-key-file", args.api_key_file),
-                       ("--admin-key-file", args.admin_key_file)):
+                       ("--admin-key-file", args.admin_key_file),
+                       ("--internal-key-file", args.internal_key_file)):
         if path is not None:
             out += [flag, str(Path(path).resolve())]
-    return out + (["--insecure"] if args.insecure else [])
+    return out + keys.flags() + (["--insecure"] if args.insecure else [])
 
 
 def _log_flags(args: argparse.Namespace, env: CliEnv) -> list[str]:

@@ -10,12 +10,15 @@ and admin endpoints.
     GET  /v1/sessions, GET/DELETE /v1/sessions/{id}   passed to any instance (the session store
                                                   is shared); a DELETE also unpins the session
     /admin/models, /admin/releases, ...           models, versions and releases (admin.py)
-    GET  /dashboard, /dashboard/data              the live dashboard, read-only without a key
-                                                  (dashboard.py)
+    GET  /dashboard, /dashboard/data              the live dashboard: the page is open, its data
+                                                  takes a key (control/dashboard/page.py)
 
 Only what routing needs is read from a body (model, stream, max_tokens); the bytes are forwarded
-untouched. `X-Model-Version` (or `model: "name@version"`) names a version, `X-Strata-Pool` a
-pool; with a model registry the gateway otherwise picks the version
+untouched. Each route takes the keys its OpenAPI row documents (strata/protocol/auth.py); what
+the gateway forwards carries its internal key instead of the client's, the client's identity
+beside it (routes.py). `X-Model-Version` (or `model: "name@version"`) names a version,
+`X-Strata-Pool` a pool (from the internal or the admin key only: a client's class decides its
+pool); with a model registry the gateway otherwise picks the version
 (strata/gateway/path/versions.py). Every proxied answer carries `X-Strata-Instance: <instance id>`.
 `--session-routing` decides where requests with a session id go (strata/gateway/path/sessions.py).
 Every answer carries `X-Request-Id`: the client's when sane, else a new one, forwarded to the
@@ -39,13 +42,13 @@ from strata.clock import Clock
 from strata.gateway.config import GatewayConfig
 from strata.gateway.control.admin import admin_routes
 from strata.gateway.control.dashboard.data import StatusReport
-from strata.gateway.control.dashboard.page import DASHBOARD_PATHS, dashboard_routes
+from strata.gateway.control.dashboard.page import dashboard_routes
 from strata.gateway.error_handlers import EXCEPTION_HANDLERS
-from strata.gateway.openapi_routes import openapi_route
+from strata.gateway.openapi_routes import gateway_access, openapi_route
 from strata.gateway.routes import build_routes
 from strata.gateway.routing.sources import InstanceSource
 from strata.gateway.wiring import Gateway, build_gateway
-from strata.protocol.auth import EXEMPT_PATHS, ApiKeyAuth
+from strata.protocol.auth import ApiKeyAuth
 from strata.protocol.request_id import RequestIdMiddleware
 from strata.registry.instances.base import Registry
 from strata.registry.models import ModelRegistry
@@ -108,11 +111,11 @@ def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
                             *dashboard_routes(gateway, autoscaler=status), openapi_route()],
                     lifespan=lifespan, exception_handlers=dict(EXCEPTION_HANDLERS))
     app.state.gateway = gateway
-    if config.api_keys or config.admin_keys:
+    if config.api_keys or config.admin_keys or config.internal_keys:
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
                            admin_keys=list(config.admin_keys),
+                           internal_keys=list(config.internal_keys), access=gateway_access(),
                            rate_limit_per_s=config.rate_limit_per_s,
-                           exempt_paths=EXEMPT_PATHS | DASHBOARD_PATHS,
                            max_priority=dict(config.key_max_priority))
     # outermost: the id (the client's, else a new one) is in the headers the proxy forwards
     app.add_middleware(RequestIdMiddleware)

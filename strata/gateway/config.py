@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from strata.errors import ConfigError
+from strata.gateway.control.intake import DEFAULT_MODEL_ROOTS, check_roots
+from strata.protocol.keys import Keys
 from strata.registry.releases.policy import ReleaseConfig
 from strata.types import PriorityClass
 
@@ -240,7 +242,9 @@ class GatewayConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     classes: ClassConfig = field(default_factory=ClassConfig)
     api_keys: tuple[str, ...] = ()  # client keys
-    admin_keys: tuple[str, ...] = ()  # for /admin/* (and sent to instances' /admin/drain)
+    admin_keys: tuple[str, ...] = ()  # for /admin/*
+    internal_keys: tuple[str, ...] = ()  # the fleet's (strata/protocol/keys.py): the first is
+    # sent to instances on every call, client identity beside it, and seals hand-off handles
     rate_limit_per_s: float | None = None
     key_max_priority: tuple[tuple[str, int], ...] = ()  # (key, priority ceiling) pairs
     shutdown_timeout_s: float = 30.0
@@ -249,6 +253,7 @@ class GatewayConfig:
     response_cache_url: str | None = None  # opt-in: deterministic answers, keyed by version
     response_cache_ttl_s: float = 600.0
     pd: PDRoutingConfig = field(default_factory=PDRoutingConfig)  # prefill/decode disaggregation
+    model_roots: tuple[str, ...] = DEFAULT_MODEL_ROOTS  # what POST /admin/models may register
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -263,8 +268,19 @@ class GatewayConfig:
         if self.rate_limit_per_s is not None and self.rate_limit_per_s <= 0:
             raise ConfigError(f"rate_limit_per_s must be positive, got {self.rate_limit_per_s}")
         _positive(self, "response_cache_ttl_s")
-        if any(not key for key in (*self.api_keys, *self.admin_keys)):
-            raise ConfigError("api keys must not be empty strings")
+        Keys(self.api_keys, self.admin_keys, self.internal_keys)  # validates them
+        check_roots(self.model_roots)
+
+    @property
+    def internal_key(self) -> str | None:
+        """The key this gateway sends to instances (None: a fleet without one)."""
+        return self.internal_keys[0] if self.internal_keys else None
+
+    @property
+    def client_key(self) -> str | None:
+        """Without an internal key, what the gateway's own calls to instances carry: a fleet
+        whose instances take client keys alone still answers them."""
+        return self.api_keys[0] if self.api_keys else None
 
 
 __all__ = ["PD_MODES", "SESSION_ROUTING_MODES", "AdmissionConfig", "ClassConfig", "PDRoutingConfig",

@@ -7,6 +7,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from strata.protocol.auth import AccessTable
 from strata.protocol.openapi import OPENAI_OPERATIONS, Operation, openapi_document
 
 GATEWAY_OPERATIONS: tuple[Operation, ...] = (
@@ -26,10 +27,16 @@ GATEWAY_OPERATIONS: tuple[Operation, ...] = (
     Operation("GET", "/admin/releases/{release_id}", "One release", access="admin"),
     Operation("GET", "/dashboard", "The live dashboard page", access="open",
               media_type="text/html"),
-    Operation("GET", "/dashboard/data", "The dashboard's JSON snapshot", access="open"),
+    Operation("GET", "/dashboard/data", "The dashboard's JSON snapshot (instance URLs, model "
+              "URIs and errors for the admin key only)"),
     Operation("GET", "/dashboard/static/{name}", "The dashboard's script, styles and icon",
               access="open", media_type="text/javascript"),
 )
+
+
+def gateway_access() -> AccessTable:
+    """Who may call each route of the gateway: its documented access."""
+    return AccessTable.of_operations(GATEWAY_OPERATIONS)
 
 
 def openapi_route() -> Route:
@@ -41,4 +48,4 @@ def openapi_route() -> Route:
     return Route("/openapi.json", openapi, methods=["GET"])
 
 
-__all__ = ["GATEWAY_OPERATIONS", "openapi_route"]
+__all__ = ["GATEWAY_OPERATIONS", "gateway_access", "openapi_route"]

@@ -1,4 +1,12 @@
-"""The gateway's route handlers; thin: parse what routing needs, then hand over."""
+"""The gateway's route handlers; thin: parse what routing needs, then hand over.
+
+What goes on to an instance never carries a header only the fleet may set from the client
+(its key, the identity headers, a hand-off handle: strata/protocol/keys.py). With an internal
+key the gateway sends that key instead of the client's, and the caller's identity (tenant,
+priority ceiling) beside it, which the instance trusts from the internal key alone. A header
+that chooses where a request goes (`X-Strata-Pool`) is the operator's: from a client key it is
+a 403 (a client's priority class picks its pool).
+"""
 
 from __future__ import annotations
 
@@ -13,12 +21,23 @@ from starlette.routing import Route
 from strata.errors import InvalidRequestError
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.path.forward import Handler
-from strata.gateway.path.requests import route_request
+from strata.gateway.path.requests import POOL_HEADER, route_request
 from strata.gateway.routing.policies.base import RouteRequest
 from strata.gateway.upstream.pools import error_response
 from strata.gateway.upstream.proxy import ProxyRequest
 from strata.gateway.wiring import Gateway
+from strata.protocol.auth import is_open
+from strata.protocol.keys import (
+    FLEET_HEADERS,
+    Keys,
+    Kind,
+    auth_header,
+    caller_of,
+    forwarded_identity,
+)
 from strata.protocol.priority import MAX_PRIORITY_STATE, PRIORITY_HEADER
+
+OPERATOR_HEADERS = (POOL_HEADER,)  # headers that choose where a request goes
 
 
 def _gateway(request: Request) -> Gateway:
@@ -46,6 +65,9 @@ async def _proxied(request: Request, gateway: Gateway, forward: Handler) -> Resp
     path: str = request.scope["path"]  # request.url.path without building the URL
     gateway.metrics.requests_by_endpoint.inc(path)
     body = await request.body()
+    refused = _refused_routing(request, gateway)
+    if refused is not None:
+        return refused
     try:
         route, data = route_request(
             body, request.headers, max_priority=request.scope.get("state", {}).get(
@@ -53,10 +75,37 @@ async def _proxied(request: Request, gateway: Gateway, forward: Handler) -> Resp
     except InvalidRequestError as exc:
         gateway.metrics.errors.labels("bad_request").inc()
         return error_response(400, str(exc))
-    headers = [(k, v) for k, v in request.headers.items() if k != PRIORITY_HEADER]
+    headers = [(k, v) for k, v in upstream_headers(request, gateway) if k != PRIORITY_HEADER]
     headers.append((PRIORITY_HEADER, str(route.priority)))  # the instance gets it clamped
     preq = ProxyRequest(request.method, path, body, headers, route, received_at, data)
     return await forward(preq)
+
+
+def upstream_headers(request: Request, gateway: Gateway) -> list[tuple[str, str]]:
+    """The request's headers as an instance gets them (see the module docstring)."""
+    key = gateway.config.internal_key
+    dropped = FLEET_HEADERS if key else FLEET_HEADERS - {"authorization"}
+    headers = [(k, v) for k, v in request.headers.items() if k not in dropped]
+    if key:
+        headers.append(("authorization", f"Bearer {key}"))
+    return headers + forwarded_identity(caller_of(request.scope))
+
+
+def _refused_routing(request: Request, gateway: Gateway) -> Response | None:
+    """A 403 for a routing header from a caller who may not choose where requests go."""
+    chosen = [name for name in OPERATOR_HEADERS if name in request.headers]
+    if not chosen or _is_operator(request, gateway):
+        return None
+    gateway.metrics.errors.labels("forbidden").inc()
+    return error_response(403, f"{', '.join(chosen)} chooses where requests go: it takes the "
+                               "admin or the internal key (a client's priority class picks its "
+                               "pool)", kind="permission_error")
+
+
+def _is_operator(request: Request, gateway: Gateway) -> bool:
+    config = gateway.config
+    keys = Keys(config.api_keys, config.admin_keys, config.internal_keys)
+    return caller_of(request.scope).kind in (Kind.ADMIN, Kind.INTERNAL) or is_open("admin", keys)
 
 
 async def session_call(request: Request) -> Response:
@@ -68,7 +117,7 @@ async def session_call(request: Request) -> Response:
     path = quote(request.url.path, safe="/") + (f"?{request.url.query}" if request.url.query
                                                 else "")
     preq = ProxyRequest(request.method, path, await request.body(),
-                        list(request.headers.items()), RouteRequest(), gateway.proxy.clock())
+                        upstream_headers(request, gateway), RouteRequest(), gateway.proxy.clock())
     response = await gateway.proxy.forward(preq)
     session_id = request.path_params.get("session_id")
     if (request.method == "DELETE" and response.status_code < 300 and session_id
@@ -136,9 +185,9 @@ async def drain_instance(request: Request) -> Response:
 
 
 def _admin_auth(gateway: Gateway) -> dict[str, str]:
-    """What the instances' admin API takes: the gateway's admin key, else its client key."""
-    keys = gateway.config.admin_keys or gateway.config.api_keys
-    return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+    """What an instance's /admin/drain takes: the fleet's internal key, else the admin key."""
+    config = gateway.config
+    return auth_header(config.internal_key or (config.admin_keys or (None,))[0])
 
 
 def build_routes() -> list[Route]:
@@ -159,4 +208,4 @@ def build_routes() -> list[Route]:
     ]
 
 
-__all__ = ["build_routes"]
+__all__ = ["OPERATOR_HEADERS", "build_routes", "upstream_headers"]

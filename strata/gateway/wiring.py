@@ -121,7 +121,8 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
         _close_with(exits, classes.close)
     pd = None if config.pd.mode == "off" else PDRouter(
         config.pd, proxy.pipeline, proxy.upstreams, proxy.detector, metrics.registry,
-        stats=proxy.stats, index=prefix.index if prefix is not None else None)
+        stats=proxy.stats, index=prefix.index if prefix is not None else None,
+        seal_key=config.internal_key)
     steps = path_steps(admission=admission, metrics=metrics, proxy=proxy, versions=versions,
                        cache=cache, sessions=sessions, prefix=prefix, classes=classes, pd=pd)
     forward = chain(steps, proxy.forward)
@@ -171,7 +172,7 @@ def _release_service(config: GatewayConfig, models: ModelRegistry, instances: Re
     releases = build_release_service(
         models, instances, stats, versions, control, owner=controller_owner(config.port),
         warm_timeout_s=config.versions.warm_timeout_s,
-        api_key=config.api_keys[0] if config.api_keys else None,
+        api_key=config.internal_key or config.client_key,
         publish_interval_s=config.versions.health_publish_s, config=config.versions.release)
     _close_with(exits, releases.close)
     return releases
@@ -212,8 +213,7 @@ def _prefix_routing(config: GatewayConfig, policy: RoutingPolicy, instances: Ins
         return None
     client = httpx.AsyncClient(timeout=httpx.Timeout(config.health_timeout_s))
     prefix = PrefixRouting(index, instances, client,
-                           api_key=config.api_keys[0] if config.api_keys else None,
-                           is_per_tenant=bool(config.api_keys))
+                           api_key=config.internal_key, is_per_tenant=bool(config.api_keys))
     _close_with(exits, client.aclose)
     _close_with(exits, prefix.close)
     return prefix

@@ -6,8 +6,9 @@ instance's API; its own in server/openapi_routes.py and gateway/openapi_routes.p
 each document to its app's route table, so a route cannot go undocumented. Request bodies are
 the models' validation schemas, answers their serialization schemas; every error is the one
 OpenAI error body (`ErrorResponse`, the `default` response); a route that can stream says
-`text/event-stream` beside its JSON. Security: `bearer` for client keys, `admin` for the admin
-key (strata/protocol/auth.py).
+`text/event-stream` beside its JSON. Security: an operation's `access` (strata/protocol/auth.py)
+is both what its side's middleware enforces and what the document says: the schemes `client`,
+`admin` and `internal` (one per kind of key) that open it, none for an open route.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
@@ -23,8 +24,16 @@ from pydantic.json_schema import JsonSchemaMode, models_json_schema
 from strata import __version__
 from strata.protocol import embeddings
 from strata.protocol import openai as wire
+from strata.protocol.auth import TAKES, Access
 
-Access = Literal["open", "client", "admin"]
+SCHEMES = {  # kind of key -> its security scheme
+    "client": {"type": "http", "scheme": "bearer", "description": "a client API key"},
+    "admin": {"type": "http", "scheme": "bearer",
+              "description": "an admin key (--admin-key-file)"},
+    "internal": {"type": "http", "scheme": "bearer",
+                 "description": "the fleet's internal key (--internal-key-file): gateways "
+                                "and instances only"},
+}
 REF = "#/components/schemas/{model}"
 
 
@@ -81,9 +90,7 @@ def openapi_document(title: str, operations: Sequence[Operation]) -> dict[str, A
         "paths": paths,
         "components": {
             "schemas": {**defs.get("$defs", {}), **errors.get("$defs", {})},
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
-                                "admin": {"type": "http", "scheme": "bearer",
-                                          "description": "an admin key (--admin-key-file)"}},
+            "securitySchemes": SCHEMES,
         },
     }
 
@@ -104,7 +111,8 @@ def _operation(op: Operation) -> dict[str, Any]:
     if op.request is not None:
         out["requestBody"] = {"required": True, "content": _json(op.request)}
     if op.access != "open":
-        out["security"] = [{op.access if op.access == "admin" else "bearer": []}]
+        out["security"] = [{kind.value: []} for kind in sorted(TAKES[op.access],
+                                                               key=lambda k: k.value)]
     return out
 
 
@@ -128,4 +136,4 @@ def _operation_id(op: Operation) -> str:
     return f"{op.method.lower()}_{words or 'root'}"
 
 
-__all__ = ["OPENAI_OPERATIONS", "Operation", "openapi_document"]
+__all__ = ["OPENAI_OPERATIONS", "SCHEMES", "Operation", "openapi_document"]

@@ -12,8 +12,9 @@
 
 Every route reaches the instance's parts through one typed object (`Instance`, instance.py);
 every error leaves through one table (errors.py). Middleware, outermost first: `X-Request-Id`
-(`strata.protocol.request_id`), API keys (`strata.protocol.auth`), `X-Model-Version`, the body
-limit (body_limit.py).
+(`strata.protocol.request_id`), API keys (`strata.protocol.auth`: each route takes the kinds
+of key its OpenAPI row documents; the fleet's own routes only the internal key), `X-Model-Version`,
+the body limit (body_limit.py).
 
 Draining (`Instance.is_draining`, set by POST /admin/drain, by `strata serve` as soon as it is
 told to stop, or by the lifespan shutdown): new requests get 503 with Retry-After while in-flight
@@ -43,7 +44,7 @@ from strata.server.instance import Instance
 from strata.server.kv_events import open_prefix_serving
 from strata.server.kv_offload import open_kv_offload
 from strata.server.metrics import ServerMetrics
-from strata.server.openapi_routes import instance_openapi
+from strata.server.openapi_routes import instance_access, instance_openapi
 from strata.server.pd.routes import pd_routes
 from strata.server.pd.state import PD
 from strata.server.prefix_routes import prefix_routes
@@ -90,9 +91,10 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
     app.add_middleware(ModelVersionHeader,
                        value=f"{config.served_model_name}@{config.model_version}")
-    if config.api_keys or config.admin_keys:
+    if config.api_keys or config.admin_keys or config.internal_keys:
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
                            admin_keys=list(config.admin_keys),
+                           internal_keys=list(config.internal_keys), access=instance_access(),
                            rate_limit_per_s=config.rate_limit_per_s,
                            max_priority=dict(config.key_max_priority))
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer and log line has the id

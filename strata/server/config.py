@@ -54,8 +54,9 @@ class ServerConfig:
     retry_after_s: float = 1.0
     drain_poll_s: float = 0.05  # how often a drain checks whether in-flight requests are done
     simulated: bool = False  # a latency model stands in for the maths: always labelled
-    api_keys: tuple[str, ...] = ()  # client keys; empty (and no admin key): no authentication
-    admin_keys: tuple[str, ...] = ()  # for /admin/*; empty: the client keys open it too
+    api_keys: tuple[str, ...] = ()  # client keys; no key of any kind: no authentication
+    admin_keys: tuple[str, ...] = ()  # the operator's (strata/protocol/keys.py)
+    internal_keys: tuple[str, ...] = ()  # the fleet's: hand-offs, resumes, feeds, drains
     rate_limit_per_s: float | None = None  # per API key
     key_max_priority: tuple[tuple[str, int], ...] = ()  # (key, priority ceiling) pairs
     model_version: str = "default"  # stored with each session

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from strata.protocol.auth import AccessTable
 from strata.protocol.openapi import OPENAI_OPERATIONS, Operation, openapi_document
 from strata.protocol.resume import RESUME_PATH, ResumeRequest
 from strata.server.pd.routes import PD_OPERATIONS
@@ -13,12 +14,14 @@ INSTANCE_OPERATIONS: tuple[Operation, ...] = (
     *OPENAI_OPERATIONS,
     Operation("GET", "/load", "The load the registry heartbeats carry", access="open"),
     Operation("POST", "/admin/drain", "Refuse new requests; deregister once idle", status=202,
-              access="admin"),
-    Operation("GET", "/v1/strata/kv-events", "Prefix-cache events for cache-aware gateways"),
-    Operation("GET", "/v1/strata/tokenizer", "The tokenizer, for cache-aware gateways"),
+              access="fleet"),
+    Operation("GET", "/v1/strata/kv-events", "Prefix-cache events for cache-aware gateways",
+              access="internal"),
+    Operation("GET", "/v1/strata/tokenizer", "The tokenizer, for cache-aware gateways",
+              access="internal"),
     *PD_OPERATIONS,
     Operation("POST", RESUME_PATH, "Go on with a stream another instance began (gateways)",
-              ResumeRequest, streams=True),
+              ResumeRequest, streams=True, access="internal"),
 )
 
 
@@ -26,4 +29,9 @@ def instance_openapi() -> dict[str, Any]:
     return openapi_document("Strata instance", INSTANCE_OPERATIONS)
 
 
-__all__ = ["INSTANCE_OPERATIONS", "instance_openapi"]
+def instance_access() -> AccessTable:
+    """Who may call each route of the instance: its documented access."""
+    return AccessTable.of_operations(INSTANCE_OPERATIONS)
+
+
+__all__ = ["INSTANCE_OPERATIONS", "instance_access", "instance_openapi"]

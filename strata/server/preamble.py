@@ -7,7 +7,9 @@ in this order, so that no route can skip a step:
   0. task    a generative route on an embed instance (or the reverse) is a 400, whatever the body
   1. parse   the hardened JSON reader (strata/protocol/json_body.py) into the wire model:
              anything else is a 400 through the error table
-  2. tenant  the caller's tenant goes into the request's `cache_salt` (translate.tenant_scoped):
+  2. tenant  the caller's tenant (the auth middleware's `Caller`: a client key's, or the one the
+             gateway forwards with the internal key) goes into the request's `cache_salt`
+             (translate.tenant_scoped):
              no prefix-cache or KV-store block is shared across tenants, except a leading system
              message sent with `share_system_prompt`; a server without client keys has one
              tenant, and the namespace is the request's own salt alone
@@ -58,7 +60,7 @@ def admitted(request: Request, instance: Instance, body: M, *, task: Task) -> M:
     """Steps 2-5 for a request already parsed: `body` in its tenant's namespace, its priority
     clamped; raises when the instance refuses it."""
     if "cache_salt" in type(body).model_fields:
-        body = tenant_scoped(body, cache_tenant(request, instance.config))
+        body = tenant_scoped(body, cache_tenant(request))
     if "priority" in type(body).model_fields:
         clamped: Any = body  # every model with the field: a completion's, a chat's, an embedding's
         clamped.priority = request_priority(request, clamped.priority)

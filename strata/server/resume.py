@@ -145,7 +145,7 @@ async def _resumed_turn(instance: Instance, request: Request, req: ChatCompletio
     if revision is None or revision < 1:
         raise InvalidRequestError("a session's stream is resumed with the revision its first "
                                   "answer announced", param="session_revision")
-    tenant = sess.tenant_of(request, instance.config)
+    tenant = sess.tenant_of(request)
     await sessions.locks.acquire((tenant, session_id))
     return ResumedTurn(sessions, session_id, tenant, revision - 1, tr.chat_messages(req.messages),
                        req, 0)

@@ -35,14 +35,14 @@ async def list_sessions(request: Request, limit: int = 100) -> dict[str, Any]:
     sessions = instance_of(request).require_sessions()
     if not 1 <= limit <= 1000:
         raise InvalidRequestError("limit must be in 1..1000", param="limit")
-    tenant = tenant_of(request, sessions.config)
+    tenant = tenant_of(request)
     records = await sessions.store.list(tenant=tenant, limit=limit)
     return {"object": "list", "data": [record_json(r, with_messages=False) for r in records]}
 
 
 async def get_session(request: Request, session_id: str) -> dict[str, Any]:
     sessions = instance_of(request).require_sessions()
-    tenant = tenant_of(request, sessions.config)
+    tenant = tenant_of(request)
     record = await sessions.store.get(session_id, tenant=tenant)
     if record is None:
         raise SessionNotFoundError(session_id)
@@ -51,7 +51,7 @@ async def get_session(request: Request, session_id: str) -> dict[str, Any]:
 
 async def delete_session(request: Request, session_id: str) -> Response:
     sessions = instance_of(request).require_sessions()
-    tenant = tenant_of(request, sessions.config)
+    tenant = tenant_of(request)
     if not await sessions.store.delete(session_id, tenant=tenant):
         raise SessionNotFoundError(session_id)
     return Response(status_code=204)

@@ -42,7 +42,7 @@ from strata.errors import (
     ContextLengthError,
     InvalidRequestError,
 )
-from strata.protocol.auth import tenant_of_key
+from strata.protocol.keys import caller_of
 from strata.protocol.openai import ChatCompletionRequest, ChatMessage
 from strata.protocol.sse import DONE_FRAME, encode_event
 from strata.server import translate as tr
@@ -90,18 +90,17 @@ class KeyedLocks:
             self._locks[key] = (lock, users - 1)
 
 
-def tenant_of(request: Request, config: ServerConfig) -> str:
-    """sha256 prefix of the bearer key (the auth middleware has checked it); never the key."""
-    if not config.api_keys:
-        return ANONYMOUS
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    return tenant_of_key(key.strip())
+def tenant_of(request: Request) -> str:
+    """The caller's tenant as the auth middleware found it (a client key's sha256 prefix, or
+    the one the gateway forwards with the internal key: strata/protocol/keys.py); ANONYMOUS on
+    a server without client keys."""
+    return cache_tenant(request) or ANONYMOUS
 
 
-def cache_tenant(request: Request, config: ServerConfig) -> str | None:
-    """The tenant whose cache namespace a request uses; None on a server without client keys
-    (one tenant: the namespace is the request's own `cache_salt` alone)."""
-    return tenant_of(request, config) if config.api_keys else None
+def cache_tenant(request: Request) -> str | None:
+    """The tenant whose cache namespace a request uses; None for the one tenant of a server
+    without client keys (the namespace is the request's own `cache_salt` alone)."""
+    return caller_of(request.scope).tenant
 
 
 def session_id_of(request: Request, body: bytes) -> str | None:
@@ -213,7 +212,7 @@ class Sessions:
         if req.n != 1:
             raise InvalidRequestError("n must be 1 in a session (one answer is stored)",
                                       param="n")
-        tenant = tenant_of(request, self.config)
+        tenant = tenant_of(request)
         await self.locks.acquire((tenant, session_id))
         try:
             return await self._read(req, session_id, tenant)

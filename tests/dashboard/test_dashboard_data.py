@@ -17,7 +17,12 @@ import strata.gateway
 from strata.autoscale.status import AutoscalerStatus, ScalingTarget
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import GatewayConfig
-from strata.gateway.control.dashboard.page import ASSETS, CONTENT_SECURITY_POLICY, dashboard_routes
+from strata.gateway.control.dashboard.page import (
+    ASSETS,
+    CONTENT_SECURITY_POLICY,
+    HIDDEN,
+    dashboard_routes,
+)
 from strata.gateway.routes import build_routes
 from strata.gateway.routing.sources import RegistrySource
 from strata.gateway.wiring import build_gateway
@@ -80,20 +85,21 @@ def test_nothing_shipped_names_another_host_and_uplot_is_the_pinned_release() ->
     assert "MIT License" in (STATIC / "uPlot.LICENSE").read_text()
 
 
-def test_with_api_keys_the_dashboard_is_read_only_without_the_key() -> None:
+def test_with_api_keys_the_data_takes_one_and_a_client_key_reads_it_only() -> None:
     key = {"authorization": "Bearer k1"}
-    page, anonymous, wrong, admin, asset, unknown, drain, listing = calls(
+    page, anonymous, wrong, client, asset, unknown, drain, listing = calls(
         keyed_app(("k0", "k1")), ("GET", "/dashboard", {}), ("GET", "/dashboard/data", {}),
         ("GET", "/dashboard/data", {"authorization": "Bearer nope"}),
         ("GET", "/dashboard/data", key), ("GET", "/dashboard/static/dashboard.js", {}),
-        ("GET", "/dashboard/static/other.js", {}), ("POST", "/admin/instances/a/drain", {}),
+        ("GET", "/dashboard/static/other.js", {}), ("POST", "/admin/instances/a/drain", key),
         ("GET", "/admin/instances", {}))
-    assert page.status_code == 200 and asset.status_code == 200
-    assert anonymous.json()["access"] == {"admin": False, "keyed": True}
-    assert wrong.json()["access"] == {"admin": False, "keyed": True}
-    assert admin.json()["access"] == {"admin": True, "keyed": True}
-    assert [r.status_code for r in (unknown, drain, listing)] == [401, 401, 401]
-    assert anonymous.json()["instances"][0]["instance_id"] == "a"  # read-only, not blind
+    assert page.status_code == 200 and asset.status_code == 200  # the page asks for a key
+    assert [anonymous.status_code, wrong.status_code] == [401, 401]
+    assert client.json()["access"] == {"admin": False, "keyed": True}
+    [row] = client.json()["instances"]  # read-only, not blind: but its address is hidden
+    assert row["status"] == "ready" and row["url"] == HIDDEN
+    assert row["instance_id"].startswith("instance-")  # "a" is its address (http://a)
+    assert [r.status_code for r in (unknown, drain, listing)] == [404, 403, 401]
 
 
 def test_a_gateway_without_keys_has_an_open_admin_api_and_says_so() -> None:

@@ -13,6 +13,7 @@ import re
 import tomllib
 from fnmatch import fnmatch
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -33,8 +34,15 @@ def services() -> dict[str, dict[str, Any]]:
     return found
 
 
+def one_shot() -> dict[str, dict[str, Any]]:
+    """Services that run once before the rest (the keys)."""
+    return {name: s for name, s in services().items() if s.get("restart") == "no"}
+
+
 def strata_services() -> dict[str, dict[str, Any]]:
-    return {name: s for name, s in services().items() if s.get("image", "").startswith("strata")}
+    """The long-running Strata services."""
+    return {name: s for name, s in services().items()
+            if s.get("image", "").startswith("strata") and name not in one_shot()}
 
 
 def instances() -> dict[str, dict[str, Any]]:
@@ -71,7 +79,7 @@ def test_the_schema_check_can_fail() -> None:
 
 def test_the_stack_has_redis_a_registry_a_gateway_instances_prometheus_and_grafana() -> None:
     found = services()
-    assert {"redis", "registry", "gateway", "prometheus", "grafana"} <= set(found)
+    assert {"keys", "redis", "registry", "gateway", "prometheus", "grafana"} <= set(found)
     assert len(instances()) >= 2
     for name, service in found.items():
         assert "image" in service, f"{name}: no image"
@@ -87,7 +95,13 @@ def test_strata_services_are_built_from_the_dockerfile() -> None:
 
 def test_every_service_has_a_health_check_strata_ones_on_health_or_ready() -> None:
     for name, service in services().items():
+        if name in one_shot():
+            continue  # done when it exits 0
         test = service["healthcheck"]["test"]
+        if name in ("redis", "registry"):  # redis-cli with the password (REDISCLI_AUTH)
+            assert test[0] == "CMD-SHELL" and "REDISCLI_AUTH" in test[1], name
+            assert "redis.password" in test[1] and "PONG" in test[1], name
+            continue
         assert test[0] == "CMD", name
         if name in strata_services():
             assert test[1:3] == ["python", "/opt/strata/probe.py"], name
@@ -95,14 +109,45 @@ def test_every_service_has_a_health_check_strata_ones_on_health_or_ready() -> No
             assert test[3] == f"http://127.0.0.1:{STRATA_PORT}{expected}", name
 
 
-def test_start_order_waits_for_health() -> None:
+def test_start_order_waits_for_health_and_the_keys() -> None:
     found = services()
     for name, service in found.items():
         for dependency, condition in service.get("depends_on", {}).items():
             assert dependency in found, f"{name} depends on unknown {dependency}"
-            assert condition == {"condition": "service_healthy"}, f"{name} -> {dependency}"
+            wanted = "service_completed_successfully" if dependency in one_shot() \
+                else "service_healthy"
+            assert condition == {"condition": wanted}, f"{name} -> {dependency}"
     gateway_needs = set(found["gateway"]["depends_on"])
     assert {"registry", "redis", *instances()} <= gateway_needs
+    for name in ("registry", "redis"):
+        assert "keys" in found[name]["depends_on"]  # and so everything after them
+
+
+KEY_DIR = "/run/strata-keys"
+PASSWORD = "{{redis.password}}"  # filled in by the image's entry point (deploy/docker/entry.py)
+
+
+def test_every_strata_service_takes_the_three_keys_from_the_keys_volume() -> None:
+    for name, service in strata_services().items():
+        args = parsed(service)
+        assert (args.api_key_file, args.admin_key_file, args.internal_key_file) == (
+            Path(f"{KEY_DIR}/api.keys"), Path(f"{KEY_DIR}/admin.key"),
+            Path(f"{KEY_DIR}/internal.key")), name
+        assert f"strata-keys:{KEY_DIR}:ro" in service["volumes"], name
+        assert not args.insecure, name
+    keys = services()["keys"]
+    assert keys["entrypoint"] == ["python", "/opt/strata/keys.py"]
+    assert keys["command"][0] == KEY_DIR and f"strata-keys:{KEY_DIR}" in keys["volumes"]
+    for name in ("STRATA_API_KEYS", "STRATA_ADMIN_KEYS", "STRATA_INTERNAL_KEYS",
+                 "STRATA_REDIS_PASSWORD"):
+        assert keys["environment"][name] == f"${{{name}:-}}"  # supplied, else generated
+
+
+def test_both_redis_servers_require_the_password() -> None:
+    for name in ("registry", "redis"):
+        command = services()[name]["command"]
+        assert command[:2] == ["redis-server", f"{KEY_DIR}/redis.conf"], name
+        assert f"strata-keys:{KEY_DIR}:ro" in services()[name]["volumes"]
 
 
 @pytest.mark.parametrize("model", ["smollm2", "--simulate=smollm2-cpu"])
@@ -130,8 +175,8 @@ def test_instances_register_where_they_are_reached_and_scraped() -> None:
         assert (args.host, args.port) == ("0.0.0.0", STRATA_PORT)
         assert args.advertise_url == f"http://{name}:{STRATA_PORT}"
         assert args.model_version == instance_targets["labels"]["model_version"]
-        assert args.registry == "redis://registry:6379/0"
-        assert args.session_store == "redis://redis:6379/1"
+        assert args.registry == f"redis://:{PASSWORD}@registry:6379/0"
+        assert args.session_store == f"redis://:{PASSWORD}@redis:6379/1"
         ids.append(args.instance_id)
     assert len(ids) == len(set(ids))
     assert sorted(instance_targets["targets"]) == sorted(f"{n}:{STRATA_PORT}"
@@ -143,9 +188,9 @@ def test_the_gateway_shares_the_registry_and_is_published_on_loopback() -> None:
     gateway = services()["gateway"]
     args = parsed(gateway)
     assert (args.host, args.port) == ("0.0.0.0", STRATA_PORT)
-    assert args.registry == "redis://registry:6379/0"
-    assert args.session_store == "redis://redis:6379/1"
-    assert args.response_cache == "redis://redis:6379/2"
+    assert args.registry == f"redis://:{PASSWORD}@registry:6379/0"
+    assert args.session_store == f"redis://:{PASSWORD}@redis:6379/1"
+    assert args.response_cache == f"redis://:{PASSWORD}@redis:6379/2"
     assert gateway["ports"] == [f"127.0.0.1:{STRATA_PORT}:{STRATA_PORT}"]
     for name in ("prometheus", "grafana"):
         for port in services()[name]["ports"]:
@@ -219,7 +264,8 @@ def test_the_image_pins_the_torch_of_pyproject_and_picks_cpu_or_cuda() -> None:
 
 
 @pytest.mark.parametrize("line", [
-    'ENTRYPOINT ["strata"]',
+    'ENTRYPOINT ["python", "/opt/strata/entry.py"]',
+    "ENV STRATA_KEY_DIR=/run/strata-keys",
     'HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \\\n'
     '    CMD ["python", "/opt/strata/probe.py", "http://127.0.0.1:8000/health"]',
     "USER strata",

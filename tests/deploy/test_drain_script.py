@@ -24,14 +24,17 @@ from serve_process import ServeProcess, start_serve
 
 DRAIN = DEPLOY / "docker" / "drain.py"
 PROBE = DEPLOY / "docker" / "probe.py"
-KEY = "drain-test-key"
+KEY = "drain-test-key"  # a client's
+INTERNAL_KEY = "drain-test-internal-key"  # the fleet's: what drains an instance
 
 
 @pytest.fixture()
 def instance(tmp_path: Path) -> Iterator[ServeProcess]:
-    key_file = tmp_path / "keys"
+    key_file, internal_file = tmp_path / "keys", tmp_path / "internal-key"
     key_file.write_text(f"{KEY}\n")
+    internal_file.write_text(f"{INTERNAL_KEY}\n")
     served = start_serve(["--simulate", "smollm2-cpu", "--api-key-file", str(key_file),
+                          "--internal-key-file", str(internal_file),
                           "--log-level", "warning"], cache_dir=tmp_path / "cache",
                          timeout_s=120)
     yield served
@@ -39,10 +42,11 @@ def instance(tmp_path: Path) -> Iterator[ServeProcess]:
 
 
 def run_script(script: Path, *args: str, key: str | None = None,
+               key_env: str = "STRATA_INTERNAL_KEYS",
                timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "STRATA_API_KEYS"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
     if key is not None:
-        env["STRATA_API_KEYS"] = key
+        env[key_env] = key
     return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
                           timeout=timeout_s, env=env, check=False)
 
@@ -88,10 +92,13 @@ def test_drain_waits_for_the_request_in_flight_then_the_instance_is_not_ready(
 
     refused = run_script(DRAIN, f"--url={instance.url}", "--timeout-s=30")
     assert refused.returncode == 1 and "401" in refused.stderr
+    by_a_client = run_script(DRAIN, f"--url={instance.url}", "--timeout-s=30", key=KEY,
+                             key_env="STRATA_ADMIN_KEYS")
+    assert by_a_client.returncode == 1 and "403" in by_a_client.stderr
     assert httpx.get(f"{instance.url}/ready", timeout=5).status_code == 200
 
     drained = run_script(DRAIN, f"--url={instance.url}", "--timeout-s=30", "--poll-s=0.05",
-                         key=KEY)
+                         key=INTERNAL_KEY)
     assert drained.returncode == 0, drained.stderr
     assert drained.stdout.splitlines() == ["drain: draining, 1 request(s) in flight",
                                            "drain: idle"]

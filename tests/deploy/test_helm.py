@@ -12,6 +12,7 @@ itself accepts.
 
 from __future__ import annotations
 
+import base64
 import copy
 import re
 from typing import Any
@@ -33,7 +34,11 @@ from deploy_files import (
 
 K8S_VERSION = "1.30.0"  # the oldest version the chart is meant for that the schemas cover
 CUSTOM_KINDS = {("keda.sh/v1alpha1", "ScaledObject"), ("ray.io/v1", "RayCluster")}
-VALUES = {"default": (), "all-options": (ALL_OPTIONS,)}
+VALUES = {"default": (), "all-options": (ALL_OPTIONS,), "pd": (CHART / "ci" / "pd-values.yaml",),
+          "autoscaled": (CHART / "ci" / "autoscaled-values.yaml",),
+          "external-redis": (CHART / "ci" / "external-redis-values.yaml",)}
+KEY_NAMES = ["STRATA_API_KEYS", "STRATA_ADMIN_KEYS", "STRATA_INTERNAL_KEYS",
+             "STRATA_REDIS_PASSWORD"]
 
 Manifest = dict[str, Any]
 
@@ -97,14 +102,15 @@ def test_the_schema_check_can_fail(rendered: list[Manifest]) -> None:
 
 def test_default_values_render_what_a_small_fleet_needs() -> None:
     kinds = sorted(m["kind"] for m in render_chart())
-    assert kinds == ["Deployment", "Deployment", "PodDisruptionBudget", "PodDisruptionBudget",
-                     "Service", "Service", "StatefulSet"]
+    assert kinds == ["Deployment", "Deployment", "NetworkPolicy", "NetworkPolicy",
+                     "PodDisruptionBudget", "PodDisruptionBudget", "Secret", "Service",
+                     "Service", "StatefulSet"]
 
 
 def test_all_options_render_every_kind(everything: list[Manifest]) -> None:
     assert {m["kind"] for m in everything} == {
         "Deployment", "Service", "PodDisruptionBudget", "StatefulSet", "Secret",
-        "HorizontalPodAutoscaler", "ScaledObject", "RayCluster"}
+        "HorizontalPodAutoscaler", "ScaledObject", "RayCluster", "NetworkPolicy"}
     assert len(instance_deployments(everything)) == 3
 
 
@@ -167,7 +173,8 @@ def test_ray_head_runs_strata_up_with_a_command_strata_accepts(
     args = parse_strata([arg.strip('"') for arg in strata_up])
     assert (args.command, args.ray, args.address) == ("up", True, "auto")
     assert (args.host, args.port, args.replicas) == ("0.0.0.0", 8000, 4)
-    assert args.registry == "redis://strata-redis:6379/3"  # not the chart's instances' DB 0
+    # not the chart's instances' DB 0; the password from the keys Secret
+    assert args.registry == "redis://:$(STRATA_REDIS_PASSWORD)@strata-redis:6379/3"
 
 
 # --- what the schemas cannot know ------------------------------------------------------------
@@ -253,7 +260,8 @@ def test_gateway_command_line_is_one_strata_accepts(rendered: list[Manifest]) ->
                  if m["metadata"]["name"] == "strata-gateway"]
     args = parse_strata(container(gateway)["args"])
     assert (args.command, args.host, args.port) == ("gateway", "0.0.0.0", 8000)
-    assert args.registry == "redis://strata-redis:6379/0"
+    assert re.fullmatch(r"redis://:\$\(STRATA_REDIS_PASSWORD\)@(strata-redis|redis\.state\.svc)"
+                        r":6379/0", args.registry), args.registry
 
 
 def test_selectors_select_the_pods_they_are_for(rendered: list[Manifest]) -> None:
@@ -293,14 +301,80 @@ def test_pods_are_annotated_for_prometheus_discovery(rendered: list[Manifest]) -
                                "prometheus.io/path": "/metrics"}
 
 
-def test_api_keys_reach_gateway_and_instances_from_one_secret(
+def secret_values(manifests: list[Manifest]) -> dict[str, str]:
+    [secret] = of_kind(manifests, "Secret")
+    return {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+
+
+def test_every_key_reaches_every_strata_container_from_one_secret(
         everything: list[Manifest]) -> None:
+    assert secret_values(everything) == {
+        "STRATA_API_KEYS": "key-one,key-two", "STRATA_ADMIN_KEYS": "the-admin-key",
+        "STRATA_INTERNAL_KEYS": "the-internal-key", "STRATA_REDIS_PASSWORD": "the-redis-password"}
     [secret] = of_kind(everything, "Secret")
-    assert secret["stringData"] == {"STRATA_API_KEYS": "key-one,key-two"}
-    for deployment in of_kind(everything, "Deployment"):
-        env = {e["name"]: e for e in container(deployment)["env"]}
-        ref = env["STRATA_API_KEYS"]["valueFrom"]["secretKeyRef"]
-        assert ref == {"name": secret["metadata"]["name"], "key": "STRATA_API_KEYS"}
+    [cluster] = of_kind(everything, "RayCluster")
+    containers = [container(d) for d in of_kind(everything, "Deployment")]
+    containers.append(container({"spec": cluster["spec"]["headGroupSpec"]}))
+    for c in containers:
+        env = {e["name"]: e for e in c["env"]}
+        for name in KEY_NAMES:
+            ref = env[name]["valueFrom"]["secretKeyRef"]
+            assert ref == {"name": secret["metadata"]["name"], "key": name}, (c["name"], name)
+
+
+def test_keys_not_given_are_generated_and_kept_across_upgrades() -> None:
+    made = secret_values(render_chart())
+    assert sorted(made) == sorted(KEY_NAMES)
+    assert all(re.fullmatch(r"[A-Za-z0-9]{40}", v) for v in made.values())
+    assert len(set(made.values())) == 4
+    template = (CHART / "templates" / "keys-secret.yaml").read_text()
+    assert '(lookup "v1" "Secret" .Release.Namespace $name)' in template  # an upgrade keeps them
+    given = render_chart("keys.existingSecret=mine")
+    assert of_kind(given, "Secret") == []
+    refs = {e["valueFrom"]["secretKeyRef"]["name"] for d in of_kind(given, "Deployment")
+            for e in container(d)["env"] if e["name"] in KEY_NAMES}
+    assert refs == {"mine"}
+
+
+def test_redis_requires_the_password_and_every_url_carries_it(
+        rendered: list[Manifest]) -> None:
+    for redis in of_kind(rendered, "StatefulSet"):
+        c = container(redis)
+        assert c["args"][:3] == ["redis-server", "--requirepass", "$(STRATA_REDIS_PASSWORD)"]
+        env = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in c["env"]}
+        assert env == {"STRATA_REDIS_PASSWORD": "STRATA_REDIS_PASSWORD",
+                       "REDISCLI_AUTH": "STRATA_REDIS_PASSWORD"}  # the probe's redis-cli
+    for deployment in of_kind(rendered, "Deployment"):
+        args = parse_strata(container(deployment)["args"])
+        for url in (args.registry, args.session_store):
+            assert url.startswith("redis://:$(STRATA_REDIS_PASSWORD)@"), url
+
+
+def test_network_policies_let_only_the_fleet_reach_instances_and_redis(
+        rendered: list[Manifest]) -> None:
+    pods = {m["metadata"]["name"]: m["spec"]["template"]["metadata"]["labels"]
+            for m in of_kind(rendered, "Deployment") + of_kind(rendered, "StatefulSet")}
+
+    def selected(selector: dict[str, Any]) -> set[str]:
+        return {name for name, labels in pods.items()
+                if selector["matchLabels"].items() <= labels.items()}
+
+    policies = {p["metadata"]["name"]: p["spec"] for p in of_kind(rendered, "NetworkPolicy")}
+    instances = {m["metadata"]["name"] for m in instance_deployments(rendered)}
+    gateway = {"strata-gateway"}
+    spec = policies["strata-instances"]
+    assert selected(spec["podSelector"]) == instances and spec["policyTypes"] == ["Ingress"]
+    [rule] = spec["ingress"]
+    peers = [p for p in rule["from"] if "podSelector" in p and "namespaceSelector" not in p]
+    assert set().union(*(selected(p["podSelector"]) for p in peers)) == gateway | instances
+    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+    redis = {m["metadata"]["name"] for m in of_kind(rendered, "StatefulSet")}
+    if redis:
+        [rule] = policies["strata-redis"]["ingress"]
+        assert selected(policies["strata-redis"]["podSelector"]) == redis
+        assert set().union(*(selected(p["podSelector"]) for p in rule["from"])) == \
+            gateway | instances
+    assert not any(selected(p["podSelector"]) & gateway for p in policies.values())
 
 
 # --- Prometheus finds the chart's pods ---------------------------------------------------------

@@ -48,7 +48,7 @@ def test_models_are_added_once_and_listed_with_their_instances() -> None:
     v1 = {"name": "m", "version": "v1", "uri": "sim:smollm2-cpu"}
     added, again, conflict, listing = _calls(
         _app(), ("POST", "/admin/models", v1), ("POST", "/admin/models", v1),
-        ("POST", "/admin/models", v1 | {"uri": "/elsewhere"}), ("GET", "/admin/models", None))
+        ("POST", "/admin/models", v1 | {"uri": "sim:elsewhere"}), ("GET", "/admin/models", None))
     assert added.status_code == 201 and added.json()["uri"] == "sim:smollm2-cpu"
     assert again.status_code == 201  # the same record again: nothing changes
     assert conflict.status_code == 409

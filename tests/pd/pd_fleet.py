@@ -1,5 +1,7 @@
 """Instances of the tiny model (float32, CPU) in this process, each a real uvicorn server on
-127.0.0.1 with the hand-off routes, and the two calls a gateway makes for a hand-off."""
+127.0.0.1 with the hand-off routes, and the two calls a gateway makes for a hand-off. The fleet
+shares INTERNAL_KEY: the hand-off routes take only it, and a decode instance follows only a
+handle sealed with it (strata/server/pd/trust.py), as the gateway seals them."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from strata.gateway.routing.instances import InstanceView
 from strata.model.executor import TorchExecutor
 from strata.model.loader import LoadedModel
 from strata.protocol.pd import DECODE_PREFIX, HANDOFF_HEADER, PREFILL_PREFIX
+from strata.protocol.seal import seal
 from strata.server.app import create_app
 from strata.server.async_engine import AsyncEngine
 from strata.server.config import ServerConfig
@@ -31,6 +34,8 @@ MODEL = "tiny-llama"
 MAX_MODEL_LEN = 256
 BLOCK = 8
 CHAT = "/v1/chat/completions"
+INTERNAL_KEY = "pd-fleet-internal-key"
+FLEET = {"authorization": f"Bearer {INTERNAL_KEY}"}  # what the fleet's own calls carry
 
 
 @dataclass
@@ -73,7 +78,8 @@ def start_instance(model: LoadedModel, *, dtype: str = "float32", version: str =
                     SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256,
                                     max_model_len=MAX_MODEL_LEN),
                     loaded.tokenizer, vocab_size=loaded.config.vocab_size)
-    config = ServerConfig(served_model_name=MODEL, model_version=version, pd=PDConfig(**pd))
+    config = ServerConfig(served_model_name=MODEL, model_version=version, pd=PDConfig(**pd),
+                          internal_keys=(INTERNAL_KEY,))
     app = create_app(AsyncEngine(engine, max_model_len=MAX_MODEL_LEN), loaded.tokenizer, config)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
@@ -90,6 +96,7 @@ def start_gateway(roles: dict[str, tuple[str, str]], policy: str = "round_robin"
     views = [InstanceView(iid, url, MODEL, version="v1", role=role)  # start_instance's version
              for iid, (url, role) in roles.items()]
     config = GatewayConfig(port=0, policy=policy, read_timeout_s=60.0,
+                           internal_keys=(INTERNAL_KEY,),
                            admission=AdmissionConfig(start_wait_s=start_wait_s),
                            pd=PDRoutingConfig(**{"mode": "auto", "min_uncached_tokens": 0, **pd}))
     control = httpx.AsyncClient(timeout=1.0)
@@ -101,24 +108,25 @@ def start_gateway(roles: dict[str, tuple[str, str]], policy: str = "round_robin"
 
 
 def prefill(p: Instance, body: dict[str, Any], path: str = CHAT) -> str:
-    """What the gateway does first: P's handle, with P's URL added (the header's value)."""
-    response = httpx.post(f"{p.url}{PREFILL_PREFIX}{path}", json=body, timeout=60)
+    """What the gateway does first: P's handle, with P's id and URL added and sealed (the
+    header's value)."""
+    response = httpx.post(f"{p.url}{PREFILL_PREFIX}{path}", json=body, headers=FLEET,
+                          timeout=60)
     assert response.status_code == 200, response.text
-    handle: dict[str, Any] = response.json()
-    handle["url"] = p.url
-    return json.dumps(handle)
+    handle: dict[str, Any] = response.json() | {"url": p.url, "instance_id": "p"}
+    return json.dumps(seal(handle, INTERNAL_KEY))
 
 
 def decode(d: Instance, body: dict[str, Any], handle: str | None,
            path: str = CHAT) -> httpx.Response:
     """... then D, with the handle."""
-    headers = {HANDOFF_HEADER: handle} if handle is not None else {}
+    headers = FLEET | ({HANDOFF_HEADER: handle} if handle is not None else {})
     return httpx.post(f"{d.url}{DECODE_PREFIX}{path}", json=body, headers=headers, timeout=60)
 
 
 def stream_decode(d: Instance, body: dict[str, Any], handle: str | None,
                   path: str = CHAT) -> list[dict[str, Any]]:
-    headers = {HANDOFF_HEADER: handle} if handle is not None else {}
+    headers = FLEET | ({HANDOFF_HEADER: handle} if handle is not None else {})
     return _events(httpx.post(f"{d.url}{DECODE_PREFIX}{path}", json={**body, "stream": True},
                               headers=headers, timeout=60))
 

@@ -15,7 +15,15 @@ from typing import Any
 import httpx
 import pytest
 from live_server import wait_until
-from pd_fleet import MODEL, Instance, comparable, mixed, start_gateway, start_instance
+from pd_fleet import (
+    INTERNAL_KEY,
+    MODEL,
+    Instance,
+    comparable,
+    mixed,
+    start_gateway,
+    start_instance,
+)
 from pd_fleet import stream_mixed as mixed_stream
 from serve_process import ServeProcess, start_serve
 from test_pd_live import LONG, body_of
@@ -49,10 +57,13 @@ def first_candidate_row() -> Iterator[None]:
 def serve(tiny_dir: Path, tmp_path: Path, role: str, **fault: Any) -> ServeProcess:
     config = tmp_path / f"faults-{role}.json"
     config.write_text(json.dumps(fault))
+    key = tmp_path / "internal-key"
+    key.write_text(INTERNAL_KEY + "\n")
     return start_serve([str(tiny_dir), "--served-model-name", MODEL, "--model-version", "v1",
                         "--dtype", "float32", "--block-size", "8", "--max-model-len", "256",
                         "--threads", "1", "--registry", "none", "--role", role,
                         "--pd-lease-s", "3", "--fault-config", str(config),
+                        "--internal-key-file", str(key),
                         "--log-level", "warning"], cache_dir=tmp_path)
 
 

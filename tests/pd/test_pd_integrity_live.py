@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 from live_server import wait_until
-from pd_fleet import Instance, comparable, decode, mixed, prefill, start_instance
+from pd_fleet import FLEET, Instance, comparable, decode, mixed, prefill, start_instance
 from test_pd_live import LONG, body_of
 
 from strata.model.loader import LoadedModel
@@ -78,7 +78,7 @@ def test_blocks_nobody_pulls_are_freed_when_the_lease_ends(tiny_model: LoadedMod
         assert time.monotonic() - granted <= 0.5 + 1.0  # lease + 1 s
         assert p.num_free_blocks == 64
         assert p.metric("pd_lease_releases_total", reason="unpulled") == 1  # nobody pulled
-        pulled = httpx.get(f"{p.url}{KV_PATH}/{handle['handle']}")
+        pulled = httpx.get(f"{p.url}{KV_PATH}/{handle['handle']}", headers=FLEET)
         assert pulled.status_code == 404
     finally:
         p.stop()

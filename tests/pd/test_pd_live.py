@@ -14,6 +14,7 @@ import pytest
 from live_server import wait_until
 from pd_fleet import (
     BLOCK,
+    FLEET,
     Instance,
     comparable,
     decode,
@@ -132,9 +133,9 @@ def test_a_stale_handle_still_hands_over_the_first_token(trio: dict[str, Instanc
     body = body_of(LONG, n=500, temperature=0)
     handle = prefill(p, body)
     url = f"{p.url}{KV_PATH}/{json.loads(handle)['handle']}"
-    assert httpx.delete(url).status_code == 204
-    assert httpx.delete(url).status_code == 404
-    assert httpx.get(url).status_code == 404
+    assert httpx.delete(url, headers=FLEET).status_code == 204
+    assert httpx.delete(url, headers=FLEET).status_code == 404
+    assert httpx.get(url, headers=FLEET).status_code == 404
     unavailable = d.metric("pd_blocks_recomputed_total", reason="unavailable")
     answer = decode(d, body, handle)
     assert comparable(answer.json()) == comparable(mixed(m, body).json())
@@ -142,12 +143,13 @@ def test_a_stale_handle_still_hands_over_the_first_token(trio: dict[str, Instanc
 
 
 def test_layout_names_what_the_bytes_depend_on(trio: dict[str, Instance]) -> None:
-    layout = httpx.get(trio["p"].url + LAYOUT_PATH).json()
+    layout = httpx.get(trio["p"].url + LAYOUT_PATH, headers=FLEET).json()
     assert {k: layout[k] for k in ("model", "version", "dtype", "block_size", "num_layers",
                                    "namespace", "parallel")} == {
         "model": "tiny-llama", "version": "v1", "dtype": "float32", "block_size": BLOCK,
         "num_layers": 2, "namespace": "tiny-llama@v1", "parallel": "tp1-pp1"}
-    assert layout["epoch"] != httpx.get(trio["d"].url + LAYOUT_PATH).json()["epoch"]
+    other = httpx.get(trio["d"].url + LAYOUT_PATH, headers=FLEET).json()
+    assert layout["epoch"] != other["epoch"]
 
 
 def test_a_malformed_handle_is_a_400(trio: dict[str, Instance]) -> None:
@@ -158,8 +160,9 @@ def test_a_malformed_handle_is_a_400(trio: dict[str, Instance]) -> None:
 
 def test_prefill_refuses_what_a_mixed_instance_refuses(trio: dict[str, Instance]) -> None:
     body = {**body_of(LONG, temperature=0), "max_tokens": 10_000}
-    response = httpx.post(f"{trio['p'].url}/internal/prefill/v1/chat/completions", json=body)
+    response = httpx.post(f"{trio['p'].url}/internal/prefill/v1/chat/completions", json=body,
+                          headers=FLEET)
     assert response.status_code == mixed(trio["m"], body).status_code == 400
     many = httpx.post(f"{trio['p'].url}/internal/prefill/v1/chat/completions",
-                      json={**body_of("x", temperature=0), "n": 2})
+                      json={**body_of("x", temperature=0), "n": 2}, headers=FLEET)
     assert many.status_code == 400 and trio["p"].num_held_blocks == 0

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from live_server import serve_in_thread, wait_until
-from pd_fleet import comparable, decode, mixed, prefill
+from pd_fleet import INTERNAL_KEY, comparable, decode, mixed, prefill
 
 from strata.engine.engine import Engine
 from strata.server.app import create_app
@@ -40,7 +40,8 @@ def start_sim(bandwidth_gbps: float = BANDWIDTH_GBPS) -> Sim:
                                    namespace="sim-model@v1", kv_bandwidth_gbps=bandwidth_gbps)
     async_engine, tokenizer = build_simulated_async_engine(parts)
     app = create_app(async_engine, tokenizer, ServerConfig(
-        served_model_name="sim-model", model_version="v1", simulated=True))
+        served_model_name="sim-model", model_version="v1", simulated=True,
+        internal_keys=(INTERNAL_KEY,)))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     server, thread = serve_in_thread(app, sock)

@@ -1,7 +1,8 @@
 """The hand-off and resume routes take a client's request through the instance's one door, as the
 plain routes do: two API keys on one real instance (tiny model, float32), every route's engine
 request in its tenant's cache namespace and at its key's clamped priority, and one tenant's
-blocks never serving the other's prompt.
+blocks never serving the other's prompt. The fleet's routes take only the internal key: a call
+to them carries the client's identity as the gateway forwards it (strata/protocol/keys.py).
 
 Routes: POST /v1/completions (the reference), /internal/prefill/v1/completions,
 /internal/decode/v1/completions (no handle: the decode instance prefills locally) and
@@ -19,11 +20,14 @@ from live_server import MODEL_NAME, LiveServer, start_server
 
 from strata.engine.request import Request as EngineRequest
 from strata.model.loader import LoadedModel
+from strata.protocol.keys import Caller, Kind, forwarded_identity, tenant_of_key
 from strata.protocol.pd import DECODE_PREFIX, PREFILL_PREFIX
 from strata.protocol.resume import RESUME_PATH
 from strata.types import PriorityClass
 
 KEY_A, KEY_B = "k-tenant-a", "k-tenant-b"  # B's ceiling is batch
+INTERNAL_KEY = "k-fleet"
+CEILINGS = {KEY_B: int(PriorityClass.BATCH)}
 PROMPT = " ".join(f"w{i}" for i in range(40))  # several full blocks of 8 tokens
 
 
@@ -36,7 +40,8 @@ class Seen:
 @pytest.fixture()
 def server(tiny_model: LoadedModel) -> Iterator[LiveServer]:
     served = start_server(tiny_model, api_keys=(KEY_A, KEY_B),
-                          key_max_priority=((KEY_B, int(PriorityClass.BATCH)),))
+                          key_max_priority=tuple(CEILINGS.items()),
+                          internal_keys=(INTERNAL_KEY,))
     yield served
     served.stop()
 
@@ -60,9 +65,18 @@ def body(**extra: Any) -> dict[str, Any]:
             "priority": "interactive", **extra}
 
 
+def as_sent(path: str, key: str) -> dict[str, str]:
+    """The headers of a call for the client of `key`: its key on a plain route; on the fleet's,
+    the internal key and the client's identity, as the gateway forwards them."""
+    if not path.startswith(("/internal/", "/v1/strata/")):
+        return {"authorization": f"Bearer {key}"}
+    client = Caller(Kind.CLIENT, tenant_of_key(key), CEILINGS.get(key))
+    return {"authorization": f"Bearer {INTERNAL_KEY}", **dict(forwarded_identity(client))}
+
+
 def post(server: LiveServer, path: str, key: str, payload: dict[str, Any]) -> httpx.Response:
     answer = httpx.post(server.base_url + path, json=payload, timeout=60,
-                        headers={"authorization": f"Bearer {key}"})
+                        headers=as_sent(path, key))
     assert answer.status_code == 200, answer.text
     return answer
 

@@ -3,6 +3,8 @@ clock, the fault config, the layout comparison."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import zlib
 from pathlib import Path
 
@@ -10,9 +12,12 @@ import pytest
 
 from strata.engine.outputs import HeldBlocks
 from strata.errors import ConfigError, InvalidRequestError, KVPayloadError
+from strata.registry import create_registry
+from strata.registry.instances.records import InstanceRecord
 from strata.server.pd.faults import FaultConfig, Faults
 from strata.server.pd.layout import differences, explain
 from strata.server.pd.leases import LeaseTable
+from strata.server.pd.trust import HandleTrust
 from strata.server.pd.wire import (
     BlockReader,
     Handle,
@@ -210,3 +215,24 @@ def test_layouts_differ_by_named_fields_in_order() -> None:
     assert fields == ["version", "dtype"]
     assert explain(local, peer, fields) == ("version: 'v1' here, 'v2' at the peer, "
                                             "dtype: 'float32' here, 'bfloat16' at the peer")
+
+
+def test_without_a_key_only_an_instance_the_registry_lists_is_pulled_from() -> None:
+    handle = {"handle": "h", "epoch": "e", "num_prompt_tokens": 20, "prompt_digest": "d",
+              "num_blocks": 3, "token_id": 7, "num_cached_tokens": 0, "lease_s": 10.0}
+
+    async def story() -> None:
+        registry = create_registry("memory://")
+        await registry.register(InstanceRecord("p-0", "http://10.0.0.5:8000", "m"))
+        trust = HandleTrust((), registry)
+        listed = await trust.admit(json.dumps(handle | {"instance_id": "p-0",
+                                                        "url": "http://attacker:80"}))
+        assert listed.url == "http://10.0.0.5:8000"  # the registry's, never the handle's
+        with pytest.raises(InvalidRequestError, match="does not list"):
+            await trust.admit(json.dumps(handle | {"instance_id": "p-9",
+                                                   "url": "http://10.0.0.5:8000"}))
+        with pytest.raises(InvalidRequestError, match="internal key .* or a registry"):
+            await HandleTrust((), None).admit(json.dumps(handle | {"url": "http://p:1"}))
+        await registry.close()
+
+    asyncio.run(story())

@@ -1,10 +1,11 @@
 """Security defaults: a server that listens beyond the loopback needs client keys and an admin
-key (or --insecure); the dashboard offers its buttons to whoever holds what the admin API
-takes."""
+key (or --insecure); the dashboard's data takes a key, and only what the admin API takes sees
+the buttons and the fleet's insides (instance URLs)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import httpx
@@ -14,6 +15,7 @@ from strata.cli import main
 from strata.errors import ConfigError
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import GatewayConfig
+from strata.gateway.control.dashboard.page import HIDDEN
 from strata.gateway.routing.sources import StaticSource
 from strata.protocol.auth import check_exposure, is_loopback
 from strata.sim.profile import LatencyProfile
@@ -50,23 +52,35 @@ def test_serve_and_gateway_refuse_to_start_open_beyond_the_loopback(
     assert "strata up listens on 0.0.0.0" in capsys.readouterr().err
 
 
-def access(config: GatewayConfig, key: str | None) -> dict[str, bool]:
-    app = create_gateway_app(config, StaticSource((), httpx.AsyncClient()), run_background=False)
+def snapshot(config: GatewayConfig, key: str | None) -> httpx.Response:
+    source = StaticSource(("http://10.0.0.7:8000",), httpx.AsyncClient())
+    app = create_gateway_app(config, source, run_background=False)
 
-    async def call() -> dict[str, bool]:
+    async def call() -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://gw") as client:
-            answer = await client.get("/dashboard/data", headers=headers)
-            return dict(answer.json()["access"])
+            await app.state.gateway.source.refresh()
+            return await client.get("/dashboard/data", headers=headers)
 
     return asyncio.run(call())
 
 
-def test_the_dashboard_offers_its_buttons_to_the_admin_key_only() -> None:
-    config = GatewayConfig(api_keys=("client",), admin_keys=("admin",))
-    assert access(config, "admin") == {"admin": True, "keyed": True}
-    assert access(config, "client") == {"admin": False, "keyed": True}
-    assert access(config, None) == {"admin": False, "keyed": True}
-    admin_only = GatewayConfig(admin_keys=("admin",))
-    assert access(admin_only, None) == {"admin": False, "keyed": True}
+def test_the_dashboards_data_takes_a_key_and_shows_the_insides_to_the_admin_only() -> None:
+    config = GatewayConfig(api_keys=("client",), admin_keys=("admin",),
+                           internal_keys=("internal",))
+    assert snapshot(config, None).status_code == 401
+    assert snapshot(config, "nobody's").status_code == 401
+    admin = snapshot(config, "admin").json()
+    assert admin["access"] == {"admin": True, "keyed": True}
+    assert admin["instances"][0]["url"] == "http://10.0.0.7:8000"
+    for key in ("client", "internal"):
+        viewer = snapshot(config, key).json()
+        assert viewer["access"] == {"admin": False, "keyed": True}
+        assert viewer["instances"][0]["url"] == HIDDEN
+        assert "10.0.0.7" not in json.dumps(viewer)
+    open_gateway = snapshot(GatewayConfig(), None).json()  # loopback, no keys: its admin API too
+    assert open_gateway["access"] == {"admin": True, "keyed": False}
+    admin_only = GatewayConfig(admin_keys=("admin",))  # no client keys: the data is open ...
+    assert snapshot(admin_only, None).json()["access"] == {"admin": False, "keyed": True}
+    assert snapshot(admin_only, None).json()["instances"][0]["url"] == HIDDEN  # ... read-only

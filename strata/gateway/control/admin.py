@@ -1,7 +1,9 @@
 """The control-plane admin API of a gateway with a model registry (behind its API keys).
 
     GET  /admin/models                      every model: routing pointer, versions, instances
-    POST /admin/models                      register name@version -> URI (201; 409 if it differs)
+    POST /admin/models                      register name@version -> URI (201; 409 if it differs;
+                                            400 for a URI outside --model-root or a flag
+                                            outside the table: control/intake.py)
     POST /admin/releases                    start a release (202); 404 unknown version, 409 busy
     GET  /admin/releases[?model=NAME]       releases, oldest first
     GET  /admin/releases/{release_id}       one release (its state, history and stats)
@@ -23,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from strata.errors import ConfigError, ConflictError, RequestError, StrataError
+from strata.gateway.control.intake import check_serve_args, check_uri
 from strata.gateway.control.releases import ReleaseService
 from strata.gateway.upstream.pools import error_response
 from strata.gateway.wiring import Gateway
@@ -93,6 +96,8 @@ async def add_model(request: Request, models: ModelRegistry,
         name=str(data["name"]), version=str(data["version"]), uri=str(data["uri"]),
         manifest_sha256=str(data.get("manifest_sha256") or ""),
         serve_args=tuple(str(a) for a in data.get("serve_args") or ()), created_at=time.time())
+    check_uri(version.uri, _gateway(request).config.model_roots)
+    check_serve_args(version.serve_args)
     stored = await models.add_version(version)
     return JSONResponse(stored.to_json(), status_code=201)
 

@@ -52,7 +52,7 @@ from strata.gateway.routing.policies.base import RouteRequest
 from strata.gateway.routing.prefix.feed import PrefixRouting
 from strata.gateway.upstream.pools import INSTANCE_HEADER, RelayResponse, error_response
 from strata.gateway.upstream.proxy import Proxy, ProxyRequest
-from strata.protocol.auth import bearer_key, tenant_of_key
+from strata.protocol.keys import TENANT_HEADER
 
 Handler = Callable[[ProxyRequest], Awaitable[Response]]
 
@@ -206,7 +206,7 @@ class CacheAnswers:
             return None
         tenant = ""
         if self.cache.is_per_tenant:
-            tenant = tenant_of_key(bearer_key(dict(request.headers).get("authorization", "")))
+            tenant = dict(request.headers).get(TENANT_HEADER, "")
         return cache_key(request.path, body, model=model, version=route.version, tenant=tenant)
 
 
@@ -256,7 +256,7 @@ class KeyPrefix:
         route = request.route
         tenant = ""
         if self.prefix.is_per_tenant:
-            tenant = tenant_of_key(bearer_key(dict(request.headers).get("authorization", "")))
+            tenant = dict(request.headers).get(TENANT_HEADER, "")
         keys = self.prefix.keys(request.body_json, route.session_id,
                                 self.pipeline.candidates(route), tenant)
         if keys is not None:

@@ -10,6 +10,9 @@ handle, send the request on to a decode instance with it (the exchange: strata/p
                 (strata/plan/routing.py)
     PDRouter    the `HandOff` step's work (strata/gateway/path/forward.py)
 
+The handle the decode instance gets names P by instance id and URL, sealed with the fleet's
+internal key over every field (strata/protocol/seal.py): D follows no other (pd/trust.py).
+
 Failures never reach the client as errors: a prefill instance that fails (connect error, error
 answer, timeout) means the decode instance prefills locally; a decode instance that fails before
 the first byte is retried by the proxy on another one with the same handle, which pulls the
@@ -41,6 +44,7 @@ from strata.gateway.stats import GatewayStats
 from strata.gateway.upstream.pools import UpstreamPools, close_quietly, forwarded_headers
 from strata.gateway.upstream.proxy import ProxyRequest
 from strata.protocol.pd import DECODE_PREFIX, GENERATION_PATHS, HANDOFF_HEADER, PREFILL_PREFIX
+from strata.protocol.seal import seal
 
 log = logging.getLogger("strata.gateway.pd")
 BYTES_PER_TOKEN = 4
@@ -152,9 +156,11 @@ class PDRouter:
     def __init__(self, config: PDRoutingConfig, pipeline: RoutingPipeline,
                  upstreams: UpstreamPools, detector: OutlierDetector, reg: CollectorRegistry,
                  estimate: UncachedEstimate = prompt_bytes_estimate,
-                 stats: GatewayStats | None = None, index: PrefixIndex | None = None) -> None:
+                 stats: GatewayStats | None = None, index: PrefixIndex | None = None,
+                 seal_key: str | None = None) -> None:
         self.config = config
         self.index = index  # the prefix index the decision reads (None: bytes / 4 only)
+        self.seal_key = seal_key  # the fleet's internal key: D follows only sealed handles
         self.stats = stats if stats is not None else GatewayStats()
         self.decider = Decider(config, pipeline, estimate)
         self.pipeline = pipeline
@@ -207,8 +213,9 @@ class PDRouter:
                      response.status_code)
             return None
         self.detector.record_success(view)
-        data = json.loads(body)
-        data["url"] = view.url
+        data = json.loads(body) | {"url": view.url, "instance_id": view.instance_id}
+        if self.seal_key is not None:
+            data = seal(data, self.seal_key)
         return json.dumps(data, separators=(",", ":"))
 
 

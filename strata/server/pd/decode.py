@@ -4,6 +4,9 @@ with P's first token, answer the client exactly as a mixed instance would, ackno
 `HandoffPull` is the `prepare` hook of the request (it runs after validation, before the
 engine sees the request):
 
+0. the handle must be one this fleet wrote (pd/trust.py): sealed by the gateway with the
+   internal key, or naming an instance the registry lists; a forged one is a 400 and nothing
+   is contacted;
 1. the handle must name this very prompt (length and digest over tokens, namespace and salt)
    and P must pass the layout handshake; otherwise the handle is ignored and D prefills
    locally, sampling its own first token (a token from another prompt or model is never used);
@@ -153,9 +156,11 @@ class HandoffPull:
         pd.spawn(delete())
 
 
-def handle_of(request: Request) -> Handle | None:
+async def handle_of(request: Request) -> Handle | None:
+    """The request's handle, admitted by this instance's trust (pd/trust.py): a forged one is
+    a 400 before anything is contacted."""
     header = request.headers.get(HANDOFF_HEADER)
-    return Handle.from_json(header) if header else None
+    return await pd_of(request).trust.admit(header) if header else None
 
 
 async def decode_chat(request: Request) -> Response:
@@ -178,7 +183,7 @@ async def _decode(request: Request, model: type[ChatCompletionRequest] | type[Co
                   respond: Callable[..., Awaitable[BaseModel]]) -> Response:
     instance, req = await client_request(request, model, task="generate")
     pd = pd_of(request)
-    hook = HandoffPull(pd, handle_of(request))
+    hook = HandoffPull(pd, await handle_of(request))
     ctx = instance.serving
     started = await unless_disconnected(request, start(ctx, req, hook))
     hook.acknowledge()  # the engine has imported the blocks: its first output exists

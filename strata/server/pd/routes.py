@@ -5,7 +5,9 @@
     GET    /internal/kv/layout                                                       P
     GET    /internal/kv/{handle}   DELETE /internal/kv/{handle}                      P
 
-They sit behind the same middleware as the OpenAI routes (API keys included).
+They sit behind the same middleware as the OpenAI routes and take only the fleet's internal key
+(strata/protocol/auth.py): the gateway and the other instances call them, never a client. The
+client's identity comes with the gateway's call (strata/protocol/keys.py).
 """
 
 from __future__ import annotations
@@ -38,21 +40,23 @@ async def prefill_completion(request: Request) -> Response:
 PD_OPERATIONS: tuple[Operation, ...] = (  # held to the routes by the OpenAPI test
     Operation("POST", f"{PREFILL_PREFIX}/v1/chat/completions",
               "Hand-off: prefill a chat prompt, hold its blocks, answer a handle",
-              ChatCompletionRequest),
+              ChatCompletionRequest, access="internal"),
     Operation("POST", f"{PREFILL_PREFIX}/v1/completions",
-              "Hand-off: prefill a prompt, hold its blocks, answer a handle", CompletionRequest),
+              "Hand-off: prefill a prompt, hold its blocks, answer a handle", CompletionRequest,
+              access="internal"),
     Operation("POST", f"{DECODE_PREFIX}/v1/chat/completions",
               "Hand-off: a chat completion whose prompt is pulled (X-Strata-Handoff)",
-              ChatCompletionRequest, ChatCompletionResponse, streams=True),
+              ChatCompletionRequest, ChatCompletionResponse, streams=True, access="internal"),
     Operation("POST", f"{DECODE_PREFIX}/v1/completions",
               "Hand-off: a completion whose prompt is pulled (X-Strata-Handoff)",
-              CompletionRequest, CompletionResponse, streams=True),
-    Operation("GET", LAYOUT_PATH, "Hand-off handshake: what this instance's KV bytes mean"),
+              CompletionRequest, CompletionResponse, streams=True, access="internal"),
+    Operation("GET", LAYOUT_PATH, "Hand-off handshake: what this instance's KV bytes mean",
+              access="internal"),
     Operation("GET", KV_PATH + "/{handle}", "Hand-off pull: the held blocks, a binary stream",
               query=(("start", "integer"), ("count", "integer")),
-              media_type="application/octet-stream"),
+              media_type="application/octet-stream", access="internal"),
     Operation("DELETE", KV_PATH + "/{handle}", "Hand-off acknowledgement: free the blocks",
-              status=204),
+              status=204, access="internal"),
 )
 
 

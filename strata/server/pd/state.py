@@ -4,7 +4,8 @@ prefill for another or decode a hand-off; `--role` only tells the gateway what t
     PD
       leases    P: the blocks each answered handle holds (pd/leases.py)
       peers     D: the layouts of the P instances it pulls from (pd/layout.py)
-      client    D: HTTP to P (layout, pull, acknowledgement)
+      client    D: HTTP to P (layout, pull, acknowledgement), with the fleet's internal key
+      trust     D: which handles it follows (pd/trust.py)
       faults    kill points and damaged blocks for tests (pd/faults.py)
       metrics   strata:pd_* on the server's registry (pd/metrics.py)
 
@@ -31,6 +32,7 @@ from strata.server.pd.faults import Faults
 from strata.server.pd.layout import PeerLayouts, local_layout
 from strata.server.pd.leases import Lease, LeaseTable
 from strata.server.pd.metrics import PDMetrics
+from strata.server.pd.trust import HandleTrust
 
 log = logging.getLogger("strata.server.pd")
 
@@ -55,8 +57,10 @@ class PD:
                                    cache.block_size, self.executor)
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(
             config.pull_timeout_s, connect=config.connect_timeout_s))
-        keys = instance.config.api_keys
+        keys = instance.config.internal_keys
         self.headers = {"authorization": f"Bearer {keys[0]}"} if keys else {}
+        registration = instance.registration
+        self.trust = HandleTrust(keys, registration.registry if registration else None)
         self.peers = PeerLayouts(self.layout, self.client, self.metrics,
                                  ttl_s=config.peer_ttl_s, timeout_s=config.connect_timeout_s
                                  + 1.0, headers=self.headers)

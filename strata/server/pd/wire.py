@@ -2,7 +2,9 @@
 
 Handle: compact JSON (`Handle.to_json`), passed by the gateway to D in `X-Strata-Handoff`.
 It names the prompt by its length and a digest over its tokens, the hash namespace (model and
-version) and the cache salt, so D never uses a token P sampled for another prompt or model.
+version) and the cache salt, so D never uses a token P sampled for another prompt or model. The
+gateway adds P's instance id and URL and seals every field with the fleet's internal key
+(strata/protocol/seal.py); D follows only a handle its fleet wrote (pd/trust.py).
 
 Pull stream (`GET {P}/internal/kv/{handle}`), binary, never JSON or base64:
 
@@ -22,6 +24,7 @@ import zlib
 from array import array
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from strata.engine.request import Logprob
 from strata.errors import InvalidRequestError, KVPayloadError
@@ -59,6 +62,8 @@ class Handle:
     logprob: float | None = None  # of token_id, when logprobs were asked for
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
     url: str = ""  # P's URL: the gateway fills it in
+    instance_id: str = ""  # P's instance id: the gateway fills it in
+    seal: str = ""  # the gateway's seal over every other field (strata/protocol/seal.py)
 
     @property
     def first_logprob(self) -> Logprob | None:
@@ -72,15 +77,32 @@ class Handle:
     @classmethod
     def from_json(cls, text: str) -> Handle:
         """Parses a handle; a malformed one is a 400 naming what is wrong."""
+        return cls.of(parse_handle_json(text))
+
+    @classmethod
+    def of(cls, data: dict[str, Any]) -> Handle:
+        """The handle of a parsed JSON object; a malformed one is a 400."""
         try:
-            data = json.loads(text)
-            data["top_logprobs"] = [(int(t), float(v)) for t, v in data.get("top_logprobs", [])]
-            handle = cls(**data)
+            fields = dict(data)
+            fields["top_logprobs"] = [(int(t), float(v))
+                                      for t, v in fields.get("top_logprobs", [])]
+            handle = cls(**fields)
         except (ValueError, TypeError, KeyError) as exc:
             raise InvalidRequestError(f"malformed hand-off handle: {exc}") from None
         if not handle.url.startswith(("http://", "https://")):
             raise InvalidRequestError("hand-off handle without the prefill instance's URL")
         return handle
+
+
+def parse_handle_json(text: str) -> dict[str, Any]:
+    """The JSON object of a handle's text; anything else is a 400."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequestError(f"malformed hand-off handle: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError("malformed hand-off handle: not a JSON object")
+    return data
 
 
 def stream_head(num_blocks: int) -> bytes:
@@ -137,4 +159,4 @@ class BlockReader:
 
 
 __all__ = ["HASH_BYTES", "BlockReader", "Handle", "KVPayloadError", "block_frame", "checksum_ok",
-           "prompt_digest", "stream_head"]
+           "parse_handle_json", "prompt_digest", "stream_head"]

@@ -39,10 +39,11 @@ annotations:
 {{- end -}}
 {{- end -}}
 
-{{/* State URLs: redis://HOST:PORT of the release's Redis (or the external one), then a DB. */}}
+{{/* State URLs: redis://:PASSWORD@HOST:PORT of the release's Redis (the password from the keys
+     Secret, expanded by Kubernetes from the container's env), or the external one, then a DB. */}}
 {{- define "strata.redisBase" -}}
 {{- if .Values.redis.enabled -}}
-{{- printf "redis://%s-redis:6379" (include "strata.fullname" .) -}}
+{{- printf "redis://:$(STRATA_REDIS_PASSWORD)@%s-redis:6379" (include "strata.fullname" .) -}}
 {{- else -}}
 {{- required "redis.enabled is false: set redis.externalUrl (redis://HOST:PORT)" .Values.redis.externalUrl | trimSuffix "/" -}}
 {{- end -}}
@@ -64,23 +65,25 @@ annotations:
 {{- .Values.ray.registryUrl | default (printf "%s/3" (include "strata.redisBase" .)) -}}
 {{- end -}}
 
-{{/* The Secret holding STRATA_API_KEYS, or nothing when the fleet has no keys. */}}
-{{- define "strata.apiKeysSecret" -}}
-{{- if .Values.apiKeys.existingSecret -}}
-{{- .Values.apiKeys.existingSecret -}}
-{{- else if .Values.apiKeys.keys -}}
-{{- printf "%s-api-keys" (include "strata.fullname" .) -}}
-{{- end -}}
+{{/* The Secret holding the fleet's keys and Redis's password: the one named, else the chart's. */}}
+{{- define "strata.keysSecret" -}}
+{{- .Values.keys.existingSecret | default (printf "%s-keys" (include "strata.fullname" .)) -}}
 {{- end -}}
 
-{{- define "strata.apiKeysEnv" -}}
-{{- $secret := include "strata.apiKeysSecret" . -}}
-{{- if $secret -}}
-- name: STRATA_API_KEYS
+{{- define "strata.keyNames" -}}
+STRATA_API_KEYS STRATA_ADMIN_KEYS STRATA_INTERNAL_KEYS STRATA_REDIS_PASSWORD
+{{- end -}}
+
+{{/* Every key as an env var from the Secret (strata reads STRATA_*_KEYS; the Redis URLs and the
+     Redis server take $(STRATA_REDIS_PASSWORD)). */}}
+{{- define "strata.keysEnv" -}}
+{{- $secret := include "strata.keysSecret" . -}}
+{{- range $name := splitList " " (include "strata.keyNames" .) }}
+- name: {{ $name }}
   valueFrom:
     secretKeyRef:
       name: {{ $secret }}
-      key: {{ .Values.apiKeys.secretKey }}
+      key: {{ $name }}
 {{- end }}
 {{- end -}}
 

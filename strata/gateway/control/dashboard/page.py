@@ -3,16 +3,18 @@
     GET /dashboard                the page (static HTML; its script polls the data endpoint)
     GET /dashboard/data           the JSON snapshot (strata/gateway/control/dashboard/data.py) and
                                   `access`: {"admin": may this caller use the buttons,
-                                  "keyed": does the gateway check keys at all}
+                                  "keyed": does the gateway check keys at all}; it takes a
+                                  key like the OpenAI API, and shows the fleet's insides
+                                  (instance URLs, model URIs, error texts) to the admin only
     GET /dashboard/static/NAME    the page's script and styles, and uPlot 1.6.32 (MIT, taken
                                   from the npm registry; LICENSE beside it), all package data
 
 Everything the page uses comes from this process: it loads nothing from another origin, and
-its Content-Security-Policy forbids it to. These paths need no API key, so without one the
-dashboard is read-only. Its buttons (drain, release, rollback) call the admin API
+its Content-Security-Policy forbids it to. The page and its files need no key; the data does
+(the page asks for one). Its buttons (drain, release, rollback) call the admin API
 (strata/gateway/routes.py, admin.py) with the key typed into the page, which that API checks
 like any other call: the page never grants more than the API does. `is_admin` is the one place
-that decides whom the page offers the buttons to.
+that decides whom the page offers the buttons and the fleet's insides to.
 
 Cost: one more proxy observer (an O(1) update of the current second's slot per attempt); the
 instances' counters are read only while a dashboard polls (dashboard_scrape.py).
@@ -20,9 +22,11 @@ instances' counters are read only while a dashboard polls (dashboard_scrape.py).
 
 from __future__ import annotations
 
-import hmac
+import hashlib
 import time
 from importlib import resources
+from typing import Any
+from urllib.parse import urlsplit
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -34,7 +38,8 @@ from strata.gateway.control.dashboard.scrape import CounterReader
 from strata.gateway.control.dashboard.series import LiveSeries
 from strata.gateway.upstream.pools import error_response
 from strata.gateway.wiring import Gateway
-from strata.protocol.auth import bearer_key, match_key
+from strata.protocol.auth import is_open
+from strata.protocol.keys import Keys, Kind, caller_of
 
 CONTENT_SECURITY_POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
@@ -49,20 +54,45 @@ ASSETS = {  # file in static/ -> media type
     "favicon.svg": "image/svg+xml",
 }
 PAGE, DATA, STATIC = "/dashboard", "/dashboard/data", "/dashboard/static"
-# served without an API key (the ApiKeyAuth middleware lets these through)
-DASHBOARD_PATHS = frozenset({PAGE, DATA, *(f"{STATIC}/{name}" for name in ASSETS)})
+# served without a key (their OpenAPI rows say `open`); the data takes one
+DASHBOARD_PATHS = frozenset({PAGE, *(f"{STATIC}/{name}" for name in ASSETS)})
+HIDDEN = "hidden: the admin key shows it"
 
 
 def is_admin(request: Request) -> bool:
-    """Whether the page offers this caller its buttons: when the request carries what the admin
-    API takes (strata/protocol/auth.py): an admin key, or with no admin key set one of the
-    client keys, or anything when the gateway has no key at all (its admin API is open)."""
+    """Whether the page offers this caller its buttons and the fleet's insides: when the
+    request carries what the admin API takes (strata/protocol/auth.py): the admin key, or
+    anything while the admin API is open (a gateway without keys)."""
     config = _gateway(request).config
-    keys = config.admin_keys or config.api_keys
-    if not keys:
-        return True
-    presented = bearer_key(request.headers.get("authorization", "")).encode()
-    return match_key(presented, [key.encode() for key in keys], hmac.compare_digest) is not None
+    keys = Keys(config.api_keys, config.admin_keys, config.internal_keys)
+    return caller_of(request.scope).kind is Kind.ADMIN or is_open("admin", keys)
+
+
+def for_viewer(data: dict[str, Any], *, is_admin: bool) -> dict[str, Any]:
+    """The snapshot as this viewer sees it: without the admin key, no instance URL, model URI
+    or error text (they name the fleet's insides: hosts, buckets, stores), and an instance whose
+    id is its address (a static one) under an alias."""
+    if is_admin:
+        return data
+    alias = {row["instance_id"]: _alias(row) for row in data["instances"]}
+    instances = [row | {"url": HIDDEN, "instance_id": alias[row["instance_id"]]}
+                 for row in data["instances"]]
+    models = [model | {"versions": [v | {"uri": HIDDEN if v.get("uri") else v.get("uri")}
+                                    for v in model["versions"]]} for model in data["models"]]
+    errors = [f"{len(data['errors'])} part(s) could not be read ({HIDDEN})"] \
+        if data["errors"] else []
+    sessions = dict(data["sessions"])
+    if sessions.get("pinned"):
+        sessions["pinned"] = {alias.get(iid, iid): n for iid, n in sessions["pinned"].items()}
+    return data | {"instances": instances, "models": models, "errors": errors,
+                   "sessions": sessions}
+
+
+def _alias(row: dict[str, Any]) -> str:
+    instance_id = str(row["instance_id"])
+    if instance_id != urlsplit(str(row["url"])).netloc:
+        return instance_id
+    return "instance-" + hashlib.sha256(instance_id.encode()).hexdigest()[:8]
 
 
 def dashboard_routes(gateway: Gateway, *, autoscaler: AutoscalerSource | None = None,
@@ -81,10 +111,11 @@ def dashboard_routes(gateway: Gateway, *, autoscaler: AutoscalerSource | None = 
                         headers=_HEADERS | {"cache-control": "no-cache"})
 
     async def snapshot(request: Request) -> Response:
-        body = await data.snapshot()
-        keyed = bool(gateway.config.api_keys or gateway.config.admin_keys)
-        access = {"admin": is_admin(request), "keyed": keyed}
-        return JSONResponse(body | {"access": access},
+        admin = is_admin(request)
+        body = for_viewer(await data.snapshot(), is_admin=admin)
+        config = gateway.config
+        keyed = bool(config.api_keys or config.admin_keys or config.internal_keys)
+        return JSONResponse(body | {"access": {"admin": admin, "keyed": keyed}},
                             headers=_HEADERS | {"cache-control": "no-store"})
 
     async def asset(request: Request) -> Response:
@@ -107,5 +138,5 @@ def _gateway(request: Request) -> Gateway:
     return gateway
 
 
-__all__ = ["ASSETS", "CONTENT_SECURITY_POLICY", "DASHBOARD_PATHS", "dashboard_routes",
-           "is_admin"]
+__all__ = ["ASSETS", "CONTENT_SECURITY_POLICY", "DASHBOARD_PATHS", "HIDDEN", "dashboard_routes",
+           "for_viewer", "is_admin"]

@@ -1,8 +1,9 @@
 /* The Strata dashboard: polls GET /dashboard/data every second and draws it.
  *
  * No framework and nothing from another origin. Every value goes in with textContent (instance
- * ids, URIs and reasons come from the registry). The admin key stays in this page's memory and
- * is sent to this gateway only; the admin API checks it on every button press. */
+ * ids, URIs and reasons come from the registry). The data takes a key: an API key shows the
+ * fleet read-only, the admin key adds the buttons, instance URLs and model URIs. The key stays in
+ * this page's memory and is sent to this gateway only; the gateway checks it on every call. */
 (() => {
   "use strict";
 
@@ -45,6 +46,12 @@
   async function refresh() {
     try {
       const response = await fetch("/dashboard/data", {headers: authHeaders(), cache: "no-store"});
+      if (response.status === 401 || response.status === 403) {
+        document.body.classList.add("stale");
+        $("summary").textContent = state.key ? "that key is not accepted: enter another"
+          : "enter a key: an API key shows the fleet, the admin key adds the buttons";
+        return null;
+      }
       if (!response.ok) throw new Error(`the gateway answered ${response.status}`);
       const data = await response.json();
       render(data);
@@ -315,10 +322,10 @@
     event.preventDefault();
     state.key = $("admin-key").value.trim();
     const data = await refresh();
-    if (data && state.key) {
-      if (data.access.admin) say("ok", "key accepted: the buttons are on");
-      else say("error", "that key is not accepted: the dashboard stays read-only");
-    }
+    if (!state.key) return;
+    if (!data) say("error", "that key is not accepted");
+    else if (data.access.admin) say("ok", "key accepted: the buttons are on");
+    else say("error", "that key shows the fleet but is not the admin key: read-only");
   });
 
   loop();
