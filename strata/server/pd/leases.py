@@ -6,10 +6,11 @@
        '--ack (DELETE) or expiry---------> released: the engine frees the blocks
 
 A lease lasts `lease_s` (default 10 s) from its grant. Blocks are released exactly once, and
-never while a pull is reading them (a held block is never written: the export reads it off the
-engine thread). A pull cut off by D's death shrinks the lease to `broken_grace_s`, long enough
-for the gateway to send the request to another D that pulls again, short enough that a dead
-peer's blocks are back in the free pool within that grace (after `expire` sees them).
+never while a pull is reading them (a held block is never written: the engine thread reads it
+between two steps, whatever runs meanwhile). A pull cut off by D's death shrinks the lease to
+`broken_grace_s`, long enough for the gateway to send the request to another D that pulls
+again, short enough that a dead peer's blocks are back in the free pool within that grace
+(after `expire` sees them).
 """
 
 from __future__ import annotations
