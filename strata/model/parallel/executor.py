@@ -22,7 +22,8 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from dataclasses import asdict
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -30,7 +31,7 @@ from torch import Tensor
 from strata.engine.executor import BatchHandle, ModelInput, ModelOutput
 from strata.errors import ConfigError, RankFailedError
 from strata.model.config import DTYPE_BYTES
-from strata.model.kv_codec import KVCodec, KVLayout, KVPayloadError
+from strata.model.kv_codec import FORMAT_VERSION, KVCodec, KVLayout, KVPayloadError
 from strata.model.parallel import shm
 from strata.model.parallel.comm import connect, create_segments, plan_comm
 from strata.model.parallel.commands import (
@@ -150,6 +151,14 @@ class ParallelExecutor:
         return self.collect(self.submit(model_input))
 
     # --- KVTransfer ----------------------------------------------------------------------------
+
+    def kv_layout(self) -> dict[str, Any]:
+        """What an exported block's bytes depend on: the whole model's layout, as a T=1
+        instance's (so instances of any layout exchange blocks), and how the KV splits over
+        these ranks (`parallel`: shown in the P/D handshake, not compared)."""
+        assert self.kv_codec is not None, "invariant kv_cache_allocated"
+        return {**asdict(self.kv_codec.layout), "codec_format": FORMAT_VERSION,
+                "parallel": self.layout.describe(self.config)}
 
     def export_blocks(self, block_ids: list[int]) -> list[bytes]:
         """Whole-model payloads (as a T=1 instance writes them), assembled from every rank."""
