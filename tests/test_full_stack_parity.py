@@ -37,26 +37,29 @@ class Reference:
     prompt_ids: list[int]
     ids: list[int]
     logprobs: list[float]
+    margins: list[float]  # top-1 minus top-2 logit at each position
 
 
 class HFReference:
     """HF transformers on the same directory: its tokenizer and a greedy loop over the full
     forward (no KV cache, no generation config: the plainest reference)."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32) -> None:
         self.tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(model_dir)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32).eval()
+            model_dir, dtype=dtype).eval()
 
     @torch.no_grad()
     def greedy(self, prompt_ids: list[int], num_tokens: int = MAX_TOKENS) -> Reference:
-        ids, logprobs = list(prompt_ids), []
+        ids, logprobs, margins = list(prompt_ids), [], []
         for _ in range(num_tokens):
             logits = self.model(torch.tensor([ids])).logits[0, -1].float()
             token = int(torch.argmax(logits))
             logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
+            top = torch.topk(logits, 2).values
+            margins.append(float(top[0] - top[1]))
             ids.append(token)
-        return Reference(list(prompt_ids), ids[len(prompt_ids):], logprobs)
+        return Reference(list(prompt_ids), ids[len(prompt_ids):], logprobs, margins)
 
     def of_text(self, prompt: str) -> Reference:
         return self.greedy(self.tokenizer.encode(prompt, add_special_tokens=True))

@@ -18,7 +18,10 @@ class AutoscaleConfig:
     needs, only when N-1 replicas stay under `down_utilization` with nothing queued. Dwell: ups at
     least `up_dwell_s` apart (not the fast path), downs `down_dwell_s` apart and `down_after_up_s`
     after an up. Each pool of a deployment (prefill, decode, a class's) is sized on its own
-    with these settings; `pool_bounds` (label, min, max) gives a pool other bounds."""
+    with these settings; `pool_bounds` (label, min, max) gives a pool other bounds, and
+    `class_slos` (class, TTFT p95 s, ITL p95 s) a priority class its own targets: a pool is held
+    to the strictest targets of the classes that live in it (`class_pools`, the gateway's
+    `--class-pool CLASS=POOL`; a class without one lives in the pools no class names)."""
 
     min_replicas: int = 1
     max_replicas: int = 8
@@ -39,6 +42,19 @@ class AutoscaleConfig:
     drain_backlog_s: float = 10.0  # the fast path sizes the fleet to clear the backlog in this
     lease_s: float = 5.0
     pool_bounds: tuple[tuple[str, int, int], ...] = ()  # --pool-replicas LABEL=MIN:MAX
+    class_slos: tuple[tuple[str, float, float], ...] = ()  # --class-slo CLASS=TTFT_S:ITL_S
+    class_pools: tuple[tuple[str, str], ...] = ()  # --class-pool CLASS=POOL
+
+    def slos_of(self, pool: str) -> tuple[float, float]:
+        """(TTFT p95, ITL p95) targets of the pool named `pool`: the strictest of the classes
+        living in it that have targets of their own, else the deployment's."""
+        homes = dict(self.class_pools)
+        named = set(homes.values())
+        living = [(ttft, itl) for klass, ttft, itl in self.class_slos
+                  if homes.get(klass) == pool or (klass not in homes and pool not in named)]
+        if not living:
+            return self.ttft_slo_s, self.itl_slo_s
+        return min(t for t, _ in living), min(i for _, i in living)
 
     def bounds_of(self, label: str) -> tuple[int, int]:
         """(min, max) replicas of the pool `label`."""
@@ -70,6 +86,10 @@ class AutoscaleConfig:
             if low < 0 or high < max(1, low):
                 raise ConfigError(f"--pool-replicas {label}={low}:{high}: need 0 <= MIN <= MAX "
                                   "and MAX >= 1")
+        for klass, ttft_s, itl_s in self.class_slos:
+            if ttft_s <= 0 or itl_s <= 0:
+                raise ConfigError(f"--class-slo {klass}: targets must be positive, got "
+                                  f"{ttft_s}:{itl_s}")
         if self.lease_s < 2 * self.interval_s:
             raise ConfigError(f"the autoscaler's lease ({self.lease_s}s) must outlast two "
                               f"decision intervals ({self.interval_s}s each)")

@@ -139,10 +139,13 @@ class Autoscaler:
         return self.last
 
     def law_of(self, pool: PoolSize) -> ScalingLaw:
-        """The law of one pool: its role's capacity, its bounds (`--pool-replicas`)."""
+        """The law of one pool: its role's capacity, its bounds (`--pool-replicas`), the
+        targets of the classes that live in it (`--class-slo`)."""
         if pool.label not in self._laws:
             low, high = self.config.bounds_of(pool.label)
-            config = replace(self.config, min_replicas=low, max_replicas=high)
+            ttft_s, itl_s = self.config.slos_of(pool.pool)
+            config = replace(self.config, min_replicas=low, max_replicas=high,
+                             ttft_slo_s=ttft_s, itl_slo_s=itl_s)
             model = replace(self.law.model, role=pool.role)
             self._laws[pool.label] = self.law if (config, model) == (
                 self.config, self.law.model) else ScalingLaw(config, model)

@@ -201,12 +201,18 @@ class ScalingLaw:
         return abs(s.num_recent - expected) > 2 * math.sqrt(max(expected, 1.0))
 
     def _slo_broken(self, s: Signals) -> str:
-        """"ttft_slo", "itl_slo" (decode: the step of the batch each instance runs), or ""."""
+        """"ttft_slo", "itl_slo", or "". ITL is the gaps the gateway measured between relayed
+        chunks when it has some; else, for a decode pool, the profile's step at the batch each
+        instance runs. A prefill pool has no ITL of its own."""
         cfg = self.config
         if s.ttft_p95_s is not None and s.ttft_p95_s > cfg.ttft_slo_s:
             return "ttft_slo"
-        if self.model.role == "decode" and s.ready and self.model.itl_s(
-                s.running / s.ready, cfg.prompt_tokens, cfg.output_tokens) > cfg.itl_slo_s:
+        if self.model.role == "prefill":
+            return ""
+        itl_s = s.itl_p95_s
+        if itl_s is None and self.model.role == "decode" and s.ready:
+            itl_s = self.model.itl_s(s.running / s.ready, cfg.prompt_tokens, cfg.output_tokens)
+        if itl_s is not None and itl_s > cfg.itl_slo_s:
             return "itl_slo"
         return ""
 

@@ -50,6 +50,10 @@ def add_autoscale_flags(p: argparse.ArgumentParser) -> None:
                    help="the instances' --max-num-seqs")
     for flag, kind, default, text in _FLAGS:
         p.add_argument(flag, type=kind, default=default, help=text)
+    p.add_argument("--class-slo", action="append", default=[], metavar="CLASS=TTFT_S:ITL_S",
+                   help="a priority class's own targets (TTFT and ITL p95, seconds): the pool "
+                        "it lives in (--class-pool) is sized to the strictest targets of its "
+                        "classes, e.g. interactive=0.5:0.05. Repeatable")
     p.add_argument("--pool-replicas", action="append", default=[], metavar="POOL=MIN:MAX",
                    help="other bounds for one pool (prefill, decode, a class pool's name), "
                         "repeatable; the others take --min-replicas and --max-replicas")
@@ -68,6 +72,26 @@ def pool_bounds(specs: list[str]) -> tuple[tuple[str, int, int], ...]:
     return tuple(out)
 
 
+def class_slos(specs: list[str]) -> tuple[tuple[str, float, float], ...]:
+    """`["interactive=0.5:0.05"]` -> `(("interactive", 0.5, 0.05),)`."""
+    from strata.protocol.priority import CLASS_NAMES
+
+    out = []
+    for spec in specs:
+        klass, _, targets = spec.partition("=")
+        ttft, _, itl = targets.partition(":")
+        try:
+            ttft_s, itl_s = float(ttft), float(itl)
+        except ValueError:
+            raise ConfigError(f"--class-slo wants CLASS=TTFT_S:ITL_S (e.g. "
+                              f"interactive=0.5:0.05), got {spec!r}") from None
+        if klass.strip().lower() not in CLASS_NAMES:
+            raise ConfigError(f"--class-slo {spec!r}: the class is one of "
+                              f"{', '.join(CLASS_NAMES)}")
+        out.append((klass.strip().lower(), ttft_s, itl_s))
+    return tuple(out)
+
+
 def autoscale_config(args: argparse.Namespace) -> Any:
     from strata.autoscale.config import AutoscaleConfig
 
@@ -79,7 +103,10 @@ def autoscale_config(args: argparse.Namespace) -> Any:
         output_tokens=round(args.autoscale_output_tokens),
         max_num_seqs=args.autoscale_max_num_seqs, up_dwell_s=args.scale_up_dwell_s,
         down_dwell_s=args.scale_down_dwell_s, down_after_up_s=args.scale_down_after_up_s,
-        window_s=args.autoscale_window_s, pool_bounds=pool_bounds(args.pool_replicas))
+        window_s=args.autoscale_window_s, pool_bounds=pool_bounds(args.pool_replicas),
+        class_slos=class_slos(getattr(args, "class_slo", [])),
+        class_pools=tuple((k.strip().lower(), p.strip()) for k, _, p in
+                          (spec.partition("=") for spec in getattr(args, "class_pool", []))))
 
 
 def build_autoscaler(args: argparse.Namespace, models: Any, owner: str) -> Any:
@@ -119,8 +146,10 @@ def gateway_args(args: argparse.Namespace, model: str, profile: str | None) -> l
         out += [flag, str(getattr(args, flag.lstrip("-").replace("-", "_")))]
     for spec in args.pool_replicas:
         out += ["--pool-replicas", spec]
+    for spec in args.class_slo:
+        out += ["--class-slo", spec]
     return out
 
 
-__all__ = ["add_autoscale_flags", "autoscale_config", "build_autoscaler", "gateway_args",
-           "pool_bounds"]
+__all__ = ["add_autoscale_flags", "autoscale_config", "build_autoscaler", "class_slos",
+           "gateway_args", "pool_bounds"]

@@ -132,6 +132,9 @@ def _add_pd_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-lease-s", type=positive_float, default=10.0,
                    help="prefill/decode hand-off: how long this instance holds a prompt's blocks "
                         "for a decode instance that has not acknowledged them")
+    p.add_argument("--pd-unpulled-s", type=positive_float, default=2.0,
+                   help="prefill/decode hand-off: how long the blocks are held when no decode "
+                        "instance has begun to pull them (it died, or never got the request)")
     p.add_argument("--sim-kv-bandwidth-gbps", type=positive_float, default=0.5,
                    help="with --simulate: the modeled KV transfer rate of a hand-off (GB/s; "
                         "the default is the measured loopback pull rate)")

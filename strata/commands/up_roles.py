@@ -10,7 +10,7 @@ from strata.commands.argtypes import positive_float, positive_int
 from strata.errors import ConfigError
 
 PD_SERVE_FLAGS: tuple[tuple[str, Any], ...] = (
-    ("--pd-lease-s", positive_float), ("--fault-config", str),
+    ("--pd-lease-s", positive_float), ("--pd-unpulled-s", positive_float), ("--fault-config", str),
     ("--sim-kv-bandwidth-gbps", positive_float),
 )
 

@@ -9,6 +9,10 @@ from strata.engine.constraint import TokenConstraint
 from strata.errors import InvalidRequestError
 from strata.types import BlockHash, RequestId
 
+# A temperature below this samples greedily (as vLLM's sampling epsilon): 1 / 1e-5 scales a
+# logit of 30 to 3e6, still finite in float32, where 5e-324 made it inf and the draw NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # OpenAI's `seed` is an int64
 
 
@@ -96,7 +100,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or so close to it that logits divided by it overflow float32 (an
+        inf, then NaN probabilities): such a draw is the argmax anyway."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

@@ -33,6 +33,7 @@ from strata.gateway.routing.pd import PDRouter
 from strata.gateway.routing.pipeline import RoutingPipeline
 from strata.gateway.routing.policies import CacheAwarePolicy, RoutingPolicy, create_policy
 from strata.gateway.routing.prefix.feed import PrefixRouting
+from strata.gateway.routing.prefix.index import PrefixIndex
 from strata.gateway.routing.sources import InstanceSource
 from strata.gateway.stats import GatewayStats
 from strata.gateway.upstream.pools import UpstreamPools
@@ -96,7 +97,7 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
     metrics = GatewayMetrics()
     instances = source.instances
     sessions = _session_router(config, pin_store, clock, exits)
-    prefix = _prefix_routing(config, policy, instances, exits)
+    prefix = _prefix_routing(config, policy, instances, clock, exits)
     if sessions is not None:
         policy = PinnedSessionPolicy(sessions, policy)
     control = control_client or httpx.AsyncClient(
@@ -120,7 +121,7 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
         _close_with(exits, classes.close)
     pd = None if config.pd.mode == "off" else PDRouter(
         config.pd, proxy.pipeline, proxy.upstreams, proxy.detector, metrics.registry,
-        stats=proxy.stats)
+        stats=proxy.stats, index=prefix.index if prefix is not None else None)
     steps = path_steps(admission=admission, metrics=metrics, proxy=proxy, versions=versions,
                        cache=cache, sessions=sessions, prefix=prefix, classes=classes, pd=pd)
     forward = chain(steps, proxy.forward)
@@ -199,12 +200,18 @@ def _session_router(config: GatewayConfig, pin_store: PinStore | None,
 
 
 def _prefix_routing(config: GatewayConfig, policy: RoutingPolicy, instances: InstanceSet,
-                    exits: contextlib.AsyncExitStack) -> PrefixRouting | None:
-    """The cache-aware policy's feed: polls the instances' KV events over its own client."""
-    if not isinstance(policy, CacheAwarePolicy):
+                    clock: Clock, exits: contextlib.AsyncExitStack) -> PrefixRouting | None:
+    """The prefix index's feed: polls the instances' KV events over its own client. The
+    cache-aware policy's index, or, with the P/D hand-off on, one that only the hand-off's
+    decision reads (what each decode instance holds of a prompt)."""
+    if isinstance(policy, CacheAwarePolicy):
+        index = policy.index
+    elif config.pd.mode != "off":
+        index = PrefixIndex(clock=clock)
+    else:
         return None
     client = httpx.AsyncClient(timeout=httpx.Timeout(config.health_timeout_s))
-    prefix = PrefixRouting(policy.index, instances, client,
+    prefix = PrefixRouting(index, instances, client,
                            api_key=config.api_keys[0] if config.api_keys else None,
                            is_per_tenant=bool(config.api_keys))
     _close_with(exits, client.aclose)

@@ -14,8 +14,9 @@ instance rendered it (a chat template, a session's history).
 
 Resume. `POST /v1/strata/resume` with a `ResumeRequest`: the original body, the envelope (`id`,
 `created`), the prompt and the tokens sent. The instance continues the generation with those
-tokens already generated (same seed and position, the remaining max_tokens, stop strings across
-the hand-over) and streams only what comes next, under the same id; a session turn is stored
+tokens already generated (none, when only the first frame had gone out: it starts from the
+prompt; same seed and position, the remaining max_tokens, stop strings across the hand-over)
+and streams only what comes next, under the same id; a session turn is stored
 with the revision the broken stream announced, once. With `finish` (the stream broke after its
 last token), nothing is generated: the instance sends what remained (usage, [DONE]) and stores
 the session turn unless the first instance already had.
@@ -52,7 +53,7 @@ class ResumeRequest(BaseModel):
     created: int
     version: str  # name@version of the instance that started the stream: no other may go on
     prompt_token_ids: list[int] = Field(min_length=1)
-    output_token_ids: list[int] = Field(min_length=1)
+    output_token_ids: list[int]  # may be empty: the stream broke after its first frame only
     finish: ResumeFinish | None = None
     session_revision: int | None = None  # X-Session-Revision of the first answer
 

@@ -173,3 +173,25 @@ def test_after_a_burst_down_goes_to_what_the_load_needs_in_one_step() -> None:
     down = law.decide(at(law, 61.0, 10, 4.2), state)
     assert (held.reason, down.direction, down.desired) == ("down_after_up", DOWN, 5)
     assert law.decide(at(law, 62.0, 5, 4.2), state).direction == HOLD  # 4.2 / 0.9 needs 5
+
+
+def test_each_pool_is_held_to_the_targets_of_the_classes_that_live_in_it() -> None:
+    config = AutoscaleConfig(ttft_slo_s=2.0, itl_slo_s=0.1,
+                             class_slos=(("interactive", 0.5, 0.05), ("batch", 8.0, 0.4)),
+                             class_pools=(("interactive", "fast"),))
+    assert config.slos_of("fast") == (0.5, 0.05)  # interactive's home
+    assert config.slos_of("default") == (8.0, 0.4)  # batch lives where no class is named
+    assert AutoscaleConfig(class_slos=(("interactive", 0.5, 0.05),)).slos_of("default") == (
+        0.5, 0.05)  # no class pools: every class lives everywhere, the strictest wins
+    with pytest.raises(ConfigError, match="must be positive"):
+        AutoscaleConfig(class_slos=(("batch", 0.0, 1.0),))
+
+
+def test_a_measured_itl_over_the_pools_target_scales_it_up_never_down() -> None:
+    """The gaps the gateway measured between relayed chunks are the ITL the law keeps, for a
+    mixed pool as for a decode one: over the target, more instances, however low the load."""
+    law = make_law(window_s=1.0, down_dwell_s=0.0, down_after_up_s=0.0, itl_slo_s=0.05)
+    state = LawState(started_at=-10.0)
+    slow = law.decide(at(law, 1.0, 4, 0.5, itl_p95_s=0.08), state)
+    assert (slow.direction, slow.reason) == (UP, "itl_slo")
+    assert law.decide(at(law, 5.0, 5, 0.5, itl_p95_s=0.03), state).direction == DOWN

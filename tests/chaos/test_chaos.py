@@ -7,6 +7,11 @@ Each test checks what the fault may cost: no acknowledged session turn is ever l
 system can hide the fault (a frozen instance, a registry outage) no request fails, and under
 latency and resets between gateway and instances no stream fails; where it cannot (the
 session store or the gateway itself down), requests fail only while the fault lasts.
+
+Each also checks that the fault hit (the frozen instance was running requests, connections
+were reset, the gateway came back as a new process). Where a bound is in seconds it keeps at
+least 5x headroom over what bench/chaos.py measured (docs/reliability.md): a test asserts the
+cause, the benchmark the speed.
 """
 
 from __future__ import annotations
@@ -52,24 +57,32 @@ def test_a_registry_down_for_10s_fails_no_request(tmp_path: Path) -> None:
 def test_a_frozen_instance_fails_no_request_and_stalls_no_stream_2s(tmp_path: Path) -> None:
     timing = Timing(before_s=2.0, fault_s=3.0, after_s=3.0)
     report = show(scenarios.instance_freeze(place(tmp_path), timing, SIZE))
+    # the freeze caught requests: the instance ran some as it stopped, and the stall watch
+    # ended the gateway's waits on it (each resumed or retried elsewhere)
+    assert report.extra["in_flight_at_fault"] >= 1, report.extra
+    assert report.extra["stalled_attempts"] >= 1, report.extra
     assert report.failed == 0, report.errors
-    assert report.max_stream_gap_s < 2.0
+    assert report.max_stream_gap_s < 3.5  # bench/chaos.py: 0.65 s
 
 
-def test_latency_and_resets_between_gateway_and_instances_fail_no_request(
+def test_latency_and_resets_between_gateway_and_instances_fail_no_stream(
         tmp_path: Path) -> None:
+    """Not "no request": a non-streamed session turn is not idempotent (docs/reliability.md).
+    Its answer lost to a reset after the instance stored it, it is sent again and meets its
+    own stored copy (409); a non-streamed request whose every retry meets a reset is a 502.
+    Those are the only failures allowed, and never a stream's."""
     timing = Timing(before_s=2.0, fault_s=6.0, after_s=2.0)
     report = show(scenarios.network_faults(place(tmp_path), timing, SIZE))
     assert report.extra["connections_reset"] > 0
-    # no stream fails: a reset is resumed or retried. A non-streamed session turn is not
-    # idempotent (docs/reliability.md): its answer lost to a reset after it was stored, it is
-    # sent again and may meet its own stored copy (409): rare, and never a lost turn
     failed = report.extra["failed_by_kind"]
     assert not [kind for kind in failed if "streamed" in kind], report.errors
-    assert sum(failed.values()) <= report.sent // 20, report.errors
+    assert all(error[:4] in ("409:", "502:") for error in report.errors), report.errors
 
 
 def test_a_gateway_sigkilled_under_load_is_back_within_seconds(tmp_path: Path) -> None:
     timing = Timing(before_s=2.0, fault_s=0.5, after_s=5.0)
     report = show(scenarios.gateway_restart(place(tmp_path), timing, SIZE))
-    assert report.recovery_s < 5.0, report.recovery_s
+    assert report.extra["restarted"] is True
+    # what it carried failed, and what was sent before it listened again; nothing after
+    assert report.extra["failed_after_back"] == 0, report.errors
+    assert report.recovery_s < 15.0, report.recovery_s  # bench/chaos.py: 2.92 s

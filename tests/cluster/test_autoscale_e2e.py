@@ -1,6 +1,7 @@
 """`strata up --autoscale` end to end: real processes (supervisor, gateway with the autoscaler,
 simulated instances that take 2 s to start), an open-loop load that steps up and back down.
-The fleet goes 1 -> 3 -> 1 and not one request fails."""
+The fleet goes 1 -> 3 -> 1 and not one request fails: every answer, whichever instance (old or
+started by the autoscaler) gave it, is the greedy answer of the first instance, 20 tokens long."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -22,19 +24,32 @@ PROFILE = LatencyProfile(model=MODEL, source="synthetic", prefill_ms_base=1.0,
 PHASES = ((10.0, 4.0), (35.0, 36.0), (45.0, 4.0))  # (seconds, requests/s)
 
 
-async def drive(url: str) -> tuple[list[int], list[tuple[float, int]]]:
-    """Send the phases' load (open loop); returns every status and (time, desired replicas)."""
+BODY = {"model": MODEL, "prompt": "the world of", "max_tokens": 20, "ignore_eos": True,
+        "temperature": 0}
+
+
+def answer_of(body: dict[str, Any]) -> tuple[str, str, int]:
+    """(text, finish reason, completion tokens) of a completion."""
+    choice = body["choices"][0]
+    return choice["text"], choice["finish_reason"], body["usage"]["completion_tokens"]
+
+
+async def drive(url: str) -> tuple[list[int], list[tuple[str, str, int]],
+                                   list[tuple[float, int]]]:
+    """Send the phases' load (open loop); returns every status, every answer and (time,
+    desired replicas)."""
     statuses: list[int] = []
+    answers: list[tuple[str, str, int]] = []
     desired: list[tuple[float, int]] = []
     async with httpx.AsyncClient(base_url=url, timeout=60,
                                  limits=httpx.Limits(max_connections=200)) as client:
 
         async def one() -> None:
             try:
-                answer = await client.post("/v1/completions", json={
-                    "model": MODEL, "prompt": "the world of", "max_tokens": 20,
-                    "ignore_eos": True})
+                answer = await client.post("/v1/completions", json=BODY)
                 statuses.append(answer.status_code)
+                if answer.status_code == 200:
+                    answers.append(answer_of(answer.json()))
             except httpx.HTTPError:
                 statuses.append(0)
 
@@ -58,7 +73,7 @@ async def drive(url: str) -> tuple[list[int], list[tuple[float, int]]]:
                 at += 1.0 / rate
         await asyncio.gather(*tasks)
         await watcher
-    return statuses, desired
+    return statuses, answers, desired
 
 
 @pytest.mark.timeout(400)
@@ -73,9 +88,13 @@ def test_the_fleet_grows_and_shrinks_with_a_load_step_and_loses_no_request(
         "--autoscale-output-tokens", "20", "--autoscale-window-s", "5",
         "--scale-down-dwell-s", "5", "--scale-down-after-up-s", "10"], tmp_path, replicas=1)
     try:
-        statuses, desired = asyncio.run(drive(cluster.url))
+        first = answer_of(httpx.post(f"{cluster.url}/v1/completions", json=BODY,
+                                     timeout=60).json())
+        assert first[1:] == ("length", 20) and len(first[0].split()) >= 10, first
+        statuses, answers, desired = asyncio.run(drive(cluster.url))
         counts = [n for _, n in desired]
         assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in statuses}
+        assert len(answers) == len(statuses) and set(answers) == {first}, set(answers) - {first}
         assert counts[0] == 1 and max(counts) == 3, counts
         assert counts[-1] == 1, counts  # back to one once the load fell
         peak = counts.index(3)

@@ -9,7 +9,6 @@ flip and v2 everything sent after the gateway switched; only v2's actor is left.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,8 +17,7 @@ import pytest
 from cluster.test_release_e2e import FAST, MODEL, Load, entered, releases, strata, switched_at
 from cluster_process import Cluster, start_cluster, wait_until
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                                reason="Ray is not installed (the dev extra has it)")
+pytestmark = pytest.mark.needs("ray")
 BLUE_GREEN_PATH = ["pending", "starting", "warming", "flipping", "retiring", "done"]
 
 

@@ -2,8 +2,9 @@
 a few tokens and the client's stream goes on, token for token the stream of a run with no
 failure (compared through the logprobs' token bytes), with the original usage and id.
 
-Simulated instances for greedy and seeded sampling; then the tiny real model (two instances,
-float32 on the CPU), greedy.
+Simulated instances for greedy and seeded sampling (and an unseeded stream, resumed whole but
+not to the same tokens); then the tiny real model (two instances, float32 on the CPU), greedy
+and seeded.
 """
 
 from __future__ import annotations
@@ -113,6 +114,22 @@ def test_sigkill_mid_stream_gives_the_stream_of_no_failure(
         wait_until(lambda: all_routable(sim_cluster, 3), 60, "the victim back")
 
 
+def test_an_unseeded_stream_is_resumed_as_a_whole_stream(sim_cluster: Cluster) -> None:
+    """Unseeded sampling draws other tokens after the break (docs/reliability.md): not the same
+    tokens, but one whole stream, resumed, of every token asked for."""
+    wait_until(lambda: all_routable(sim_cluster, 3), 60, "three routable instances")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "tell me about the sea"}],
+            "max_tokens": 50, "stream": True, "logprobs": True, "temperature": 0.9,
+            "stream_options": {"include_usage": True}}
+    resumed_before = num_resumed(sim_cluster)
+    broken = stream(sim_cluster, body, kill_after=10)
+    assert broken.was_killed and num_resumed(sim_cluster) == resumed_before + 1
+    assert b"error" not in broken.raw and broken.raw.endswith(b"data: [DONE]\n\n")
+    assert len(broken.token_bytes) == 50 and len({e["id"] for e in broken.events}) == 1
+    usage = usage_of(broken.events)
+    assert usage is not None and usage[1] == 50
+
+
 def test_sigkill_mid_stream_of_a_real_model_gives_the_stream_of_no_failure(
         tmp_path: Path) -> None:
     model_dir = make_tiny_model_dir(tmp_path / "tiny", initializer_range=0.2)
@@ -126,5 +143,12 @@ def test_sigkill_mid_stream_of_a_real_model_gives_the_stream_of_no_failure(
         broken = stream(cluster, body, kill_after=3)  # of 200 tokens: well before the end
         assert_same_stream(broken, unbroken, 200)
         assert num_resumed(cluster) == 1
+        # seeded: the resumed instance's sampler continues at the same position
+        wait_until(lambda: all_routable(cluster, 2), 120, "the victim back")
+        seeded = {**body, "temperature": 0.9, "seed": 77}
+        unbroken = stream(cluster, seeded)
+        broken = stream(cluster, seeded, kill_after=3)
+        assert_same_stream(broken, unbroken, 200)
+        assert num_resumed(cluster) == 2
     finally:
         assert cluster.stop() == 0

@@ -2,8 +2,9 @@
 
 Playwright's own browser builds are never used (`playwright install` is never run): the system
 `chromium` is launched directly, with a fresh profile and no background networking. Tests skip
-only when no chromium binary exists. Every request the page makes is watched: one to a host
-other than the loopback is recorded and refused.
+only when no chromium binary exists, and fail instead where STRATA_REQUIRE names chromium.
+Every request the page makes is watched: one to a host other than the loopback is recorded and
+refused.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import pytest
 from playwright.sync_api import BrowserContext, ConsoleMessage, Page, Route, sync_playwright
+from required import require
 
 CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update",
@@ -35,9 +36,10 @@ def chromium_binary() -> str | None:
 
 
 def require_chromium() -> str:
+    """The binary; without one, a skip (or a failure where STRATA_REQUIRE names chromium)."""
+    require("chromium")
     binary = chromium_binary()
-    if binary is None:
-        pytest.skip(INSTALL_HINT)
+    assert binary is not None, "invariant chromium_found: require() returned"
     return binary
 
 

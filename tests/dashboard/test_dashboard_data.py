@@ -14,9 +14,9 @@ from gateway_fakes import FakeClock, FixedSource, Upstreams, json_answer, view
 from starlette.applications import Starlette
 
 import strata.gateway
+from strata.autoscale.status import AutoscalerStatus, ScalingTarget
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import GatewayConfig
-from strata.gateway.control.dashboard.data import AutoscalerStatus, ScalingTarget
 from strata.gateway.control.dashboard.page import ASSETS, CONTENT_SECURITY_POLICY, dashboard_routes
 from strata.gateway.routes import build_routes
 from strata.gateway.routing.sources import RegistrySource

@@ -9,7 +9,6 @@ test_metrics_referenced.py's job.
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -104,8 +103,7 @@ def test_kubernetes_discovery_keeps_the_labels_the_rules_group_by() -> None:
     assert {"model_version", "role", "pool"} <= set(labels)
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None,
-                    reason="promtool not installed (Debian: apt-get install prometheus)")
+@pytest.mark.needs("promtool")
 def test_promtool_accepts_the_rules_and_the_static_config(tmp_path: Path) -> None:
     done = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True,
                           text=True, timeout=60, check=False)
@@ -120,8 +118,7 @@ def test_promtool_accepts_the_rules_and_the_static_config(tmp_path: Path) -> Non
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None,
-                    reason="promtool not installed (Debian: apt-get install prometheus)")
+@pytest.mark.needs("promtool")
 def test_promtool_unit_tests_of_the_rules_pass() -> None:
     """Synthetic series through the real rule engine: p99 from buckets, the error ratio, and
     the alerts firing (and not firing) when they should."""

@@ -9,7 +9,6 @@ test_prometheus.py.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,8 +31,7 @@ from serve_process import start_serve
 
 from strata.cluster.local import free_port
 
-pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
-                                reason="no prometheus binary (Debian: apt-get install prometheus)")
+pytestmark = pytest.mark.needs("prometheus")
 
 
 def prometheus_config(gateway: str, instance: str, rules: Path) -> dict[str, Any]:

@@ -56,7 +56,7 @@ def keyed_targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Targets]
         yield running
 
 
-def run_schemathesis(url: str) -> tuple[int, list[str]]:
+def run_schemathesis(url: str, timeout_s: float = 15.0) -> tuple[int, list[str]]:
     """Every operation of the document at `url`, EXAMPLES generated cases each (Schemathesis's
     strategies driven by Hypothesis here, without its pytest plugin); (cases sent, failures)."""
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json", headers=AUTH)
@@ -69,7 +69,7 @@ def run_schemathesis(url: str) -> tuple[int, list[str]]:
         def one(case: schemathesis.Case) -> None:
             nonlocal sent
             sent += 1
-            case.call_and_validate(headers=AUTH, checks=CHECKS, timeout=15)
+            case.call_and_validate(headers=AUTH, checks=CHECKS, timeout=timeout_s)
 
         try:
             one()

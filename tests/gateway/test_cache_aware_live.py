@@ -68,7 +68,7 @@ def chat_body(system: str, user: str) -> bytes:
     }).content
 
 
-def test_the_feed_mirrors_the_instance_and_forgets_it_within_a_second() -> None:
+def test_the_feed_mirrors_the_instance_and_forgets_it_when_its_poll_fails() -> None:
     sock = free_socket()
     port = sock.getsockname()[1]
     stop = start_instance(sock)
@@ -99,10 +99,14 @@ def test_the_feed_mirrors_the_instance_and_forgets_it_within_a_second() -> None:
                         "the instance's events")
             old_epoch = index._reported["i1"].epoch
 
+            failures = routing.num_poll_failures
             await asyncio.to_thread(stop)  # the instance goes away
-            waited = await until(lambda: index.match("i1", keyset.keys) == 0, 5,
-                                 "the entries to go")
-            assert waited < 1.0
+            # its entries go because the feed's poll failed (the instance is gone), not because
+            # they aged out; bench/fault_detection.py measures how soon, and the wait here
+            # keeps far more than 5x headroom over that
+            await until(lambda: index.match("i1", keyset.keys) == 0, 10, "the entries to go")
+            assert routing.num_poll_failures > failures
+            assert not index.is_reporting("i1") and index.num_blocks("i1") == 0
 
             stop = start_instance(free_socket(port))  # back on the same port: a new process
             await until(lambda: index.is_reporting("i1"), 10, "the restarted instance")

@@ -7,6 +7,7 @@
     faults, fault_scenarios   the chaos suite's faults, each verified as applied
     mutations, fuzz the mutation fuzzer and its judge
     checks          what a completion's answer must look like
+    default_parallel  the default model split across ranks against one process (its rule)
 
 The bench scripts reach them through the `bench/harness` link.
 """

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+
 from harness.chaos_load import gateway_counter
 from harness.faults import (
     MODEL,
@@ -108,20 +110,53 @@ def heartbeats_resumed_s(url: str, since: float, num: int, timeout_s: float = 30
 
 
 def instance_freeze(place: Place, timing: Timing, size: LoadSize) -> FaultReport:
-    """An instance SIGSTOPped for `fault_s` (its sockets stay open), then SIGCONTed."""
+    """An instance SIGSTOPped for `fault_s` (its sockets stay open), then SIGCONTed. It is
+    frozen while it runs requests (`extra.in_flight_at_fault`, read from its /metrics just
+    before); `extra.stalled_attempts` counts the gateway's attempts on it that the stall watch
+    ended: the requests the freeze caught, which had to be resumed or retried elsewhere."""
     root = place.root
     args = up_args(root, 3, ["--session-store", f"sqlite:///{root}/sessions.db"])
     up = start_cluster(place, args)
+    name = f"{MODEL}-default-1"
     try:
-        victim = pids(root)[f"{MODEL}-default-1"]
-        before = gateway_counter(up.url, *RESUMED)
-        load, result, fault_at = run_with_load(
-            up.url, size, timing, lambda: os.kill(victim, signal.SIGSTOP),
-            lambda: os.kill(victim, signal.SIGCONT))
+        victim, victim_url = pids(root)[name], instance_url(up.url, name)
+        stalled = ("strata:gateway_stalled_attempts_total", f'instance="{name}"')
+        before, stalled_before = gateway_counter(up.url, *RESUMED), gateway_counter(up.url,
+                                                                                    *stalled)
+        in_flight: list[float] = []
+
+        def freeze() -> None:
+            in_flight.append(wait_for_running(victim_url))
+            os.kill(victim, signal.SIGSTOP)
+
+        load, result, fault_at = run_with_load(up.url, size, timing, freeze,
+                                               lambda: os.kill(victim, signal.SIGCONT))
         return report("instance frozen (SIGSTOP)", command_line(args), up.url, load, result,
-                      fault_at, resumed_since(up.url, before), {"frozen_s": timing.fault_s})
+                      fault_at, resumed_since(up.url, before),
+                      {"frozen_s": timing.fault_s, "in_flight_at_fault": in_flight[0],
+                       "stalled_attempts": gateway_counter(up.url, *stalled) - stalled_before})
     finally:
         stop_cluster(up)
+
+
+def instance_url(gateway_url: str, instance_id: str) -> str:
+    views = httpx.get(f"{gateway_url}/admin/instances", timeout=5).json()["instances"]
+    url: str = next(v["url"] for v in views if v["instance_id"] == instance_id)
+    return url
+
+
+def wait_for_running(url: str, timeout_s: float = 10.0) -> float:
+    """Wait until the instance at `url` runs a request; return how many it runs."""
+    found: list[float] = []
+
+    def running() -> bool:
+        text = httpx.get(f"{url}/metrics", timeout=2).text
+        found[:] = [sum(float(line.split()[-1]) for line in text.splitlines()
+                        if line.startswith("strata:num_requests_running"))]
+        return found[0] > 0
+
+    wait_until(running, timeout_s, "a request running on the instance", interval_s=0.01)
+    return found[0]
 
 
 def network_faults(place: Place, timing: Timing, size: LoadSize, *, latency_s: float = 0.05,
@@ -186,16 +221,38 @@ def _heal(proxies: list[ChaosProxy]) -> None:
 
 
 def gateway_restart(place: Place, timing: Timing, size: LoadSize) -> FaultReport:
-    """The gateway SIGKILLed under load; `strata up` restarts it on the same port."""
+    """The gateway SIGKILLed under load; `strata up` restarts it on the same port.
+    `extra.restarted` says a new gateway process answers; `extra.failed_after_back` counts
+    the failed tries that started once it answered (what a restart may not cost)."""
     root = place.root
     args = up_args(root, 2, ["--session-store", f"sqlite:///{root}/sessions.db"])
     up = start_cluster(place, args)
+    killed: list[int] = []
+    back_at: list[float] = []
+
+    def kill() -> None:
+        killed.append(pids(root)["gateway"])
+        os.kill(killed[0], signal.SIGKILL)
+
+    def answering() -> bool:
+        try:
+            return pids(root)["gateway"] != killed[0] and \
+                httpx.get(f"{up.url}/health", timeout=1).status_code == 200
+        except (httpx.HTTPError, KeyError, ValueError):
+            return False
+
+    def wait_back() -> None:
+        wait_until(answering, 60, "the restarted gateway", interval_s=0.05)
+        back_at.append(time.monotonic())
+
     try:
-        load, result, fault_at = run_with_load(
-            up.url, size, timing, lambda: os.kill(pids(root)["gateway"], signal.SIGKILL),
-            lambda: None)
+        load, result, fault_at = run_with_load(up.url, size, timing, kill, wait_back)
+        failed_after = [o for o in result.failures if o.started_at >= back_at[0]]
         return report("gateway SIGKILLed, restarted", command_line(args), up.url, load,
-                      result, fault_at, gateway_counter(up.url, *RESUMED))
+                      result, fault_at, gateway_counter(up.url, *RESUMED),
+                      {"restarted": pids(root)["gateway"] != killed[0],
+                       "back_after_s": round(back_at[0] - fault_at, 2),
+                       "failed_after_back": len(failed_after)})
     finally:
         stop_cluster(up)
 

@@ -1,6 +1,7 @@
 """Hostile request bodies: valid OpenAI requests mutated as a careless or hostile client would.
 
-`Mutator(seed).mutants(n)` yields `n` bodies, each one valid request (SEEDS) with one mutation:
+`Mutator(seed).mutants(n)` yields `n` bodies, each one valid request (SEEDS; MODEL_SEEDS adds
+structured output, tools, logit bias and embeddings for a real model) with one mutation:
 
     wrong_type      a field (top level or nested) gets a value of another JSON type
     extreme_number  a field gets 2**63, -2**63-1, 10**30, 1e308, a 5000-digit integer, 1e999,
@@ -39,6 +40,35 @@ SEEDS: dict[str, dict[str, Any]] = {
     "/tokenize": {"model": "MODEL", "prompt": "hello world"},
     "/detokenize": {"model": "MODEL", "tokens": [1, 2, 3]},
 }
+# What only a real model answers: structured output and tools through the chat template, logit
+# bias on the real vocabulary, embeddings from an embed instance (EMBED_MODEL).
+MODEL_SEEDS: dict[str, dict[str, Any]] = {
+    **SEEDS,
+    "/v1/chat/completions#json_schema": {
+        "model": "MODEL", "max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "user", "content": "Give a number."}],
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "answer", "strict": True, "schema": {
+                "type": "object", "properties": {"n": {"type": "integer"},
+                                                 "tags": {"type": "array",
+                                                          "items": {"type": "string"}}},
+                "required": ["n"], "additionalProperties": False}}},
+    },
+    "/v1/chat/completions#tools": {
+        "model": "MODEL", "max_tokens": 8, "temperature": 0, "tool_choice": "required",
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [{"type": "function", "function": {
+            "name": "weather", "description": "the weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}}}],
+    },
+    "/v1/completions#logit_bias": {
+        "model": "MODEL", "prompt": "the sea", "max_tokens": 4, "temperature": 0,
+        "logit_bias": {"5": 10, "7": -100, "40": 1.5},
+    },
+    "/v1/embeddings": {"model": "EMBED_MODEL", "input": ["hello world", "the quick fox"],
+                       "encoding_format": "float"},
+}
 KINDS = ("wrong_type", "extreme_number", "odd_unicode", "missing_field", "unknown_field",
          "deep_nesting", "truncated", "not_an_object")
 OTHER_TYPES: list[Any] = [None, True, False, 0, -1, 1.5, "", "x", [], [1, "a"], {}, {"a": 1}]
@@ -66,20 +96,27 @@ class Mutant:
 
 
 class Mutator:
-    """Mutated bodies for every path of SEEDS (`model` set to `model_name`)."""
+    """Mutated bodies for every seed of `seeds` (SEEDS, or MODEL_SEEDS for a real model), with
+    `model` set to `model_name` (`embed_model_name` for embeddings). A seed's key is its path,
+    with `#name` after it where one path has several seeds."""
 
-    def __init__(self, seed: int, model_name: str = "MODEL") -> None:
+    def __init__(self, seed: int, model_name: str = "MODEL", *,
+                 seeds: dict[str, dict[str, Any]] | None = None,
+                 embed_model_name: str = "EMBED_MODEL") -> None:
         self.rng = random.Random(seed)
         self.model_name = model_name
+        self.embed_model_name = embed_model_name
+        self.seeds = SEEDS if seeds is None else seeds
 
     def mutants(self, num: int, start: int = 0) -> Iterator[Mutant]:
         for index in range(start, start + num):
-            path = self.rng.choice(sorted(SEEDS))
+            seed = self.rng.choice(sorted(self.seeds))
             kind = KINDS[index % len(KINDS)]
-            yield Mutant(index, path, kind, self.mutate(path, kind))
+            yield Mutant(index, seed.split("#")[0], kind, self.mutate(seed, kind))
 
-    def mutate(self, path: str, kind: str) -> bytes:
-        body = json.loads(json.dumps(SEEDS[path]).replace("MODEL", self.model_name))
+    def mutate(self, seed: str, kind: str) -> bytes:
+        text = json.dumps(self.seeds[seed]).replace("EMBED_MODEL", self.embed_model_name)
+        body = json.loads(text.replace('"MODEL"', json.dumps(self.model_name)))
         if kind == "truncated":
             text = json.dumps(body).encode()
             return text[: self.rng.randrange(len(text))]
@@ -125,4 +162,4 @@ class Mutator:
         return container, key
 
 
-__all__ = ["KINDS", "SEEDS", "Mutant", "Mutator"]
+__all__ = ["KINDS", "MODEL_SEEDS", "SEEDS", "Mutant", "Mutator"]

@@ -4,8 +4,9 @@ Story: a weight of 40 output columns (two and a half tiles) and 96 input positio
 blocks) is quantized with Strata's `quantize`, which must give the very bytes of the `gguf`
 package's reference quantizer; packed into the kernel's tile layout, it multiplies batches of 1
 to 37 rows (every pass width and every remainder), with and without a bias, and each result must
-equal the float64 product of the dequantized weight, to bf16's rounding of the output. The
-portable loop over the same layout, and the AMX kernel where the CPU has AMX, must agree too.
+equal the float64 product of the dequantized weight, to bf16's rounding of the output. Each
+branch of the kernel (the vector loop, the portable loop, the AMX tiles) is its own test: one the
+CPU cannot run (AMX, AVX512-BF16) is reported as a skip that names it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 from model.built_kernels import require_kernels
+from required import require
 from torch import Tensor
 
 from strata.errors import ConfigError
@@ -24,6 +26,8 @@ from strata.model.quant import QUANT_KINDS, QuantWeight, cat_rows, quantize
 
 N, K = 40, 96
 ROW_COUNTS = [1, 2, 3, 4, 5, 8, 15, 16, 17, 37]
+QUANT_BRANCHES = ["vector", "portable", "amx"]  # every branch of gemm.matmul for GGUF blocks
+BF16_BRANCHES = ["vector", "amx"]
 
 
 def weight(n: int = N, k: int = K, seed: int = 5) -> Tensor:
@@ -54,39 +58,42 @@ def test_quantize_gives_ggufs_bytes(kind: str) -> None:
     assert ours.nbytes == theirs.nbytes
 
 
-@pytest.mark.parametrize("kind", QUANT_KINDS)
-def test_quantized_matmul_equals_the_dequantized_product(kind: str) -> None:
+def require_branch(kernel: str) -> None:
+    """The kernels build here; the AMX branch runs only where the CPU has AMX: elsewhere the
+    skip names the branch that was not run (a failure where STRATA_REQUIRE names amx)."""
     require_kernels()
+    if kernel == "amx":
+        require("amx")
+
+
+@pytest.mark.parametrize("kernel", QUANT_BRANCHES)
+@pytest.mark.parametrize("kind", QUANT_KINDS)
+def test_quantized_matmul_equals_the_dequantized_product(kind: str, kernel: str) -> None:
+    require_branch(kernel)
     q = quantize(weight(), kind)
     w = q.dequantize()
+    if kernel == "amx":  # it rounds the dequantized weights to bf16 first
+        w = w.bfloat16().float()
     packed = gemm.pack(q)
     bias = torch.randn(N, generator=torch.Generator().manual_seed(2)).bfloat16()
     for m in ROW_COUNTS:
         x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).bfloat16()
         for b in (None, bias):
-            want = reference(x, w, b)
-            vector = gemm.matmul(x, packed, b, kernel="vector")
-            assert_bf16_close(vector, want)
-            assert_bf16_close(gemm.matmul(x, packed, b, kernel="portable"), want)
-            if gemm.has_amx():  # it rounds the dequantized weights to bf16 first
-                assert_bf16_close(gemm.matmul(x, packed, b, kernel="amx"),
-                                  reference(x, w.bfloat16().float(), b))
+            assert_bf16_close(gemm.matmul(x, packed, b, kernel=kernel), reference(x, w, b))
 
 
-def test_bf16_matmul_equals_the_product() -> None:
-    require_kernels()
-    if not gemm.supports_bf16():
-        pytest.skip("no AVX512-BF16 on this CPU: bf16 weights run oneDNN")
+@pytest.mark.parametrize("kernel", BF16_BRANCHES)
+def test_bf16_matmul_equals_the_product(kernel: str) -> None:
+    require_branch(kernel)
+    require("avx512_bf16")  # without it bf16 weights run oneDNN: the skip names the branch
     w = weight().bfloat16()
     packed = gemm.pack(w)
     bias = torch.randn(N).bfloat16()
     for m in [*ROW_COUNTS, 64, 70]:
         x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).bfloat16()
         want = reference(x, w.float(), bias)
-        assert_bf16_close(gemm.matmul(x, packed, bias, kernel="vector"), want)
-        if gemm.has_amx():
-            assert_bf16_close(gemm.matmul(x, packed, bias, kernel="amx"), want)
-    assert gemm.matmul(torch.empty(0, K).bfloat16(), packed).shape == (0, N)
+        assert_bf16_close(gemm.matmul(x, packed, bias, kernel=kernel), want)
+    assert gemm.matmul(torch.empty(0, K).bfloat16(), packed, kernel=kernel).shape == (0, N)
 
 
 @pytest.mark.parametrize("kind", QUANT_KINDS)

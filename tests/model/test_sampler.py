@@ -28,6 +28,17 @@ def test_temperature_zero_is_argmax() -> None:
     assert tokens == logits.argmax(-1).tolist()
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy_even_with_logits_masked() -> None:
+    """Found by the fuzzer against a real model: temperature 5e-324 with structured output
+    scaled the allowed logits to inf and the masked ones stayed -inf: a NaN draw and a 500."""
+    logits = random_logits(4, seed=9)
+    logits[:, ::2] = float("-inf")  # what a grammar's mask leaves: half the vocabulary
+    params = [SamplingParams(temperature=t, seed=1) for t in (5e-324, 1e-300, 1e-8, 9e-6)]
+    assert all(p.is_greedy for p in params)
+    assert sample_ids(Sampler(seed=0), logits, params) == logits.argmax(-1).tolist()
+    assert not SamplingParams(temperature=1e-5).is_greedy
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy_at_any_temperature() -> None:
     logits = random_logits(8, seed=1)
     params = [SamplingParams(temperature=1.5, top_k=1)] * 4 + [

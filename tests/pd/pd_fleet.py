@@ -18,7 +18,7 @@ from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.engine import Engine
 from strata.engine.executor import ModelExecutor
 from strata.gateway.app import create_gateway_app
-from strata.gateway.config import GatewayConfig, PDRoutingConfig
+from strata.gateway.config import AdmissionConfig, GatewayConfig, PDRoutingConfig
 from strata.gateway.routing.instances import InstanceView
 from strata.model.executor import TorchExecutor
 from strata.model.loader import LoadedModel
@@ -86,16 +86,22 @@ def start_instance(model: LoadedModel, *, dtype: str = "float32", version: str =
 
 
 def start_gateway(roles: dict[str, tuple[str, str]], policy: str = "round_robin",
+                  run_background: bool = False, start_wait_s: float = 60.0,
                   **pd: Any) -> ServedApp:
     """A real gateway over `roles` (instance id -> (URL, role)), disaggregating every prompt
-    (`pd` overrides PDRoutingConfig)."""
-    views = [InstanceView(iid, url, MODEL, role=role) for iid, (url, role) in roles.items()]
+    (`pd` overrides PDRoutingConfig); with `run_background`, its health checks and the prefix
+    index's feed run."""
+    views = [InstanceView(iid, url, MODEL, version="v1", role=role)  # start_instance's version
+             for iid, (url, role) in roles.items()]
     config = GatewayConfig(port=0, policy=policy, read_timeout_s=60.0,
+                           admission=AdmissionConfig(start_wait_s=start_wait_s),
                            pd=PDRoutingConfig(**{"mode": "auto", "min_uncached_tokens": 0, **pd}))
     control = httpx.AsyncClient(timeout=1.0)
     app = create_gateway_app(config, FixedSource(*views), control_client=control,
-                             run_background=False)
-    return serve_app(app)
+                             run_background=run_background)
+    served = serve_app(app)
+    served.gateway = app.state.gateway  # type: ignore[attr-defined]
+    return served
 
 
 def prefill(p: Instance, body: dict[str, Any], path: str = CHAT) -> str:

@@ -38,7 +38,7 @@ class FirstCandidate(StatelessPolicy):
 
 
 if "first_candidate" not in policy_names():
-    register_policy("first_candidate", lambda config, rng: FirstCandidate())
+    register_policy("first_candidate", lambda context: FirstCandidate())
 
 
 def serve(tiny_dir: Path, tmp_path: Path, role: str, **fault: Any) -> ServeProcess:
@@ -126,6 +126,31 @@ def test_a_decode_instance_killed_mid_stream(tiny_dir: Path, tmp_path: Path,
         doomed.stop()
 
 
+def test_a_decode_stream_cut_mid_stream_is_resumed_on_another_decode_instance(
+        tiny_dir: Path, tmp_path: Path, helpers: dict[str, Instance]) -> None:
+    """The decode instance of a hand-off is SIGKILLed after its first frame reached the client:
+    the gateway resumes the stream on the other decode instance (POST /v1/strata/resume from the
+    prompt and the tokens sent), and the client's stream is token for token the mixed one."""
+    p, d, m = helpers["p"], helpers["d"], helpers["m"]
+    doomed = serve(tiny_dir, tmp_path, "decode", kill_at="decode_mid_stream")
+    gateway = start_gateway({"p": (p.url, "prefill"), "d0": (doomed.url, "decode"),
+                             "d1": (d.url, "decode")}, policy="first_candidate")
+    try:
+        body = {**body_of(LONG, n=36, temperature=0), "stream": True,
+                "stream_options": {"include_usage": True}}
+        answer = httpx.post(f"{gateway.url}{CHAT}", json=body, timeout=60)
+        assert answer.headers["x-strata-instance"] == "d0"  # where it began
+        assert '"error"' not in answer.text and answer.text.endswith("data: [DONE]\n\n")
+        expected = [comparable(e) for e in mixed_stream(m, body)]
+        assert [comparable(e) for e in events(answer)] == expected
+        died(doomed)
+        metrics = httpx.get(f"{gateway.url}/metrics").text
+        assert 'strata:gateway_stream_resumes_total{outcome="resumed"} 1.0' in metrics
+    finally:
+        gateway.stop()
+        doomed.stop()
+
+
 def test_a_stream_cut_after_its_first_frame_ends_with_an_error_event(
         tiny_dir: Path, tmp_path: Path, helpers: dict[str, Instance]) -> None:
     p = helpers["p"]
@@ -149,11 +174,11 @@ def test_blocks_of_a_dead_decode_peer_come_back_within_the_lease(
     p = helpers["p"]
     doomed = serve(tiny_dir, tmp_path, "decode", kill_at="decode_after_pull")
     gateway = start_gateway({"p": (p.url, "prefill"), "d0": (doomed.url, "decode")},
-                            policy="first_candidate")
+                            policy="first_candidate", start_wait_s=1.0)
     try:
         body = body_of(LONG, n=33, temperature=0)
         answer = httpx.post(f"{gateway.url}{CHAT}", json=body, timeout=60)
-        assert answer.status_code == 502  # no decode instance left to finish it
+        assert answer.status_code == 502  # no decode instance comes back to finish it
         dead_at = died(doomed)
         assert p.num_held_blocks > 0  # pulled, never acknowledged: the lease holds them
         assert wait_until(lambda: p.num_held_blocks == 0, timeout_s=3 + 1)

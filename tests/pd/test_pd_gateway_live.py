@@ -15,6 +15,7 @@ from live_server import wait_until
 from pd_fleet import Instance, comparable, mixed, start_gateway, start_instance, stream_mixed
 from test_pd_live import LONG, SAMPLING, body_of
 
+from strata.gateway.routing.pd import prompt_bytes_estimate
 from strata.model.loader import LoadedModel
 
 CHAT = "/v1/chat/completions"
@@ -98,6 +99,36 @@ def test_short_prompts_prefill_locally(fleet: dict[str, Instance]
         metrics = httpx.get(f"{served.url}/metrics").text
         assert 'strata:gateway_pd_decisions_total{reason="short"} 1.0' in metrics
         assert 'strata:gateway_pd_prefills_total{outcome="ok"} 0.0' in metrics
+    finally:
+        served.stop()
+
+
+def test_a_conversation_whose_history_the_decode_instance_holds_is_prefilled_there(
+        fleet: dict[str, Instance]) -> None:
+    """Multi-turn, the client resending its history: turn 1's long prompt is prefilled remotely
+    and its blocks enter the decode instance's prefix cache; turn 2 (turn 1, its answer and a
+    short new message) leaves few tokens uncached on that decode instance, as the gateway's
+    prefix index (fed by the instances' KV events) says: the decider keeps it there."""
+    served = start_gateway(roles(fleet, "p1", "d1"), min_uncached_tokens=40,
+                           run_background=True)
+    try:
+        gateway = served.gateway  # type: ignore[attr-defined]
+        turn1 = {**body_of(LONG, n=4242, temperature=0), "max_tokens": 4}
+        first = post(served, turn1)
+        assert first.status_code == 200, first.text
+        assert gateway_metric(served, "gateway_pd_decisions_total", 'reason="remote"') == 1.0
+        prefix = gateway.prefix
+        assert wait_until(lambda: prefix.hashers and prefix.index.num_blocks("d1") > 0, 30)
+        answer = first.json()["choices"][0]["message"]["content"]
+        turn2 = {**turn1, "messages": [*turn1["messages"],
+                                       {"role": "assistant", "content": answer},
+                                       {"role": "user", "content": "and then?"}]}
+        assert prompt_bytes_estimate(turn2, []) > 40  # bytes / 4 alone would hand it off
+        second = post(served, turn2)
+        assert second.status_code == 200, second.text
+        assert gateway_metric(served, "gateway_pd_decisions_total", 'reason="short"') == 1.0
+        assert gateway_metric(served, "gateway_pd_decisions_total", 'reason="remote"') == 1.0
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 120
     finally:
         served.stop()
 

@@ -90,11 +90,11 @@ class Clock:
         return self.now
 
 
-def table(clock: Clock) -> tuple[LeaseTable, list[RequestId], list[str]]:
+def table(clock: Clock, unpulled_s: float = 10.0) -> tuple[LeaseTable, list[RequestId], list[str]]:
     released: list[RequestId] = []
     reasons: list[str] = []
-    leases = LeaseTable(released.append, lease_s=10, broken_grace_s=2, clock=clock,
-                        on_release=lambda lease: reasons.append(lease.why))
+    leases = LeaseTable(released.append, lease_s=10, broken_grace_s=2, unpulled_s=unpulled_s,
+                        clock=clock, on_release=lambda lease: reasons.append(lease.why))
     return leases, released, reasons
 
 
@@ -108,12 +108,35 @@ def test_a_lease_ends_once_acked_or_expired() -> None:
     b = leases.grant(RequestId("b"), HELD)
     assert leases.num_held_blocks == 6
     assert leases.ack(a.handle) and not leases.ack(a.handle)
+    pull = leases.begin_pull(b.handle)  # pulled (completely), never acknowledged
+    assert pull is not None
+    leases.end_pull(pull, is_complete=True)
     clock.now += 9.9
     assert leases.expire() == 0
     clock.now += 0.1
     assert leases.expire() == 3 and leases.expire() == 0
     assert released == ["a", "b"] and reasons == ["acked", "expired"]
     assert leases.begin_pull(b.handle) is None and len(leases) == 0
+
+
+def test_a_handle_nobody_pulls_is_released_after_the_unpulled_grace() -> None:
+    """A decode instance that died before it pulled: its blocks are back within the grace,
+    not the whole lease; a pull begun in time gets the whole lease."""
+    clock = Clock()
+    leases, released, reasons = table(clock, unpulled_s=2.0)
+    idle = leases.grant(RequestId("idle"), HELD)
+    pulled = leases.grant(RequestId("pulled"), HELD)
+    clock.now += 1.9
+    lease = leases.begin_pull(pulled.handle)
+    assert lease is not None
+    leases.end_pull(lease, is_complete=True)
+    clock.now += 0.1
+    assert leases.expire() == 3 and released == ["idle"] and reasons == ["unpulled"]
+    assert leases.begin_pull(idle.handle) is None  # a D that comes later recomputes
+    clock.now += 7.9  # 9.9 s after the grant: the pulled one is held for its whole lease
+    assert leases.expire() == 0
+    clock.now += 0.1
+    assert leases.expire() == 3 and reasons == ["unpulled", "expired"]
 
 
 def test_blocks_are_never_released_while_a_pull_reads_them() -> None:

@@ -5,6 +5,8 @@ the admin key, against real keyed processes:
     probes and the dashboard       open to all
     /admin/*                       401 without a key, 403 with a client key, served to the admin
     everything else                401 without a key, served to any client key and the admin
+
+and no call, whatever its key, is answered with a 5xx.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ def test_every_route_asks_for_the_right_key(keyed: Targets, target: str, method:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         response = httpx.request(method, url, json=BODIES.get(path), headers=headers,
                                  timeout=15)
+        assert response.status_code < 500, (key_name, response.status_code, response.text)
         want = expected(kind, key_name)
         if want is None:
             assert response.status_code not in (401, 403), (key_name, response.text)

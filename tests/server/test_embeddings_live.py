@@ -150,6 +150,11 @@ def test_an_embed_instance_refuses_generation(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="for embeddings only"):
         client.chat.completions.create(model="tiny-bert", max_tokens=2,
                                        messages=[{"role": "user", "content": "hi"}])
+    # nor does it prefill for a decode instance (the fuzzer found a 503 here)
+    for path in ("/internal/prefill/v1/completions", "/internal/prefill/v1/chat/completions"):
+        answer = httpx.post(f"{client.base_url}".removesuffix("/v1/") + path,
+                            json={"prompt": ""}, timeout=10)
+        assert answer.status_code == 400 and "for embeddings only" in answer.text, answer.text
 
 
 def test_a_generate_instance_refuses_embeddings(live: LiveServer) -> None:

@@ -1,11 +1,13 @@
 """Prefill/decode hand-off ("P/D") on the gateway: decide per request, ask a prefill instance for a
 handle, send the request on to a decode instance with it (the exchange: strata/protocol/pd.py).
 
-    Decider     remote or local (`HandOffAsk` -> `Decision`), from the estimated uncached prompt
-                tokens and the prefill pool's backlog; the estimate is a seam
-                (`UncachedEstimate`): prompt bytes / 4 today, the decode candidates'
-                prefix-cache state once the gateway has an index. The capacity planner asks
-                this same decider (strata/plan/routing.py)
+    Decider     remote or local (`HandOffAsk` -> `Decision`), from the uncached prompt tokens
+                and the prefill pool's backlog. Uncached is what the best decode candidate would
+                compute: the prompt's tokens less the leading blocks the gateway's prefix index
+                says it holds (the index of `--policy cache_aware`, or one fed by the instances'
+                KV events for this step alone), else prompt bytes / 4 when the gateway has no
+                keys for the prompt. The capacity planner asks this same decider
+                (strata/plan/routing.py)
     PDRouter    the `HandOff` step's work (strata/gateway/path/forward.py)
 
 Failures never reach the client as errors: a prefill instance that fails (connect error, error
@@ -33,6 +35,8 @@ from strata.gateway.routing.health import OutlierDetector
 from strata.gateway.routing.instances import InstanceView
 from strata.gateway.routing.pipeline import RoutingPipeline
 from strata.gateway.routing.policies.base import RouteRequest
+from strata.gateway.routing.prefix.index import PrefixIndex
+from strata.gateway.routing.prefix.prompt import uncached_tokens
 from strata.gateway.stats import GatewayStats
 from strata.gateway.upstream.pools import UpstreamPools, close_quietly, forwarded_headers
 from strata.gateway.upstream.proxy import ProxyRequest
@@ -75,12 +79,19 @@ class HandOffAsk:
     uncached_tokens: Callable[[Sequence[InstanceView]], int]
 
     @classmethod
-    def of(cls, request: ProxyRequest, estimate: UncachedEstimate) -> HandOffAsk:
-        """The gateway's ask for a proxied request (its body parsed once, on the request)."""
-        body = request.body_json
+    def of(cls, request: ProxyRequest, estimate: UncachedEstimate,
+           index: PrefixIndex | None = None) -> HandOffAsk:
+        """The gateway's ask for a proxied request (its body parsed once, on the request; its
+        prefix keys, when the KeyPrefix step computed them, against `index`)."""
+        body, route = request.body_json, request.route
         is_one = body is not None and body.get("n", 1) == 1 and not _is_batch(body.get("prompt"))
-        return cls(request.route, request.path in GENERATION_PATHS, is_one,
-                   lambda decodes: estimate(body or {}, decodes))
+
+        def uncached(decodes: Sequence[InstanceView]) -> int:
+            known = [n for v in decodes if index is not None
+                     and (n := uncached_tokens(index, route.prefix, v.instance_id)) is not None]
+            return min(known) if known else estimate(body or {}, decodes)
+
+        return cls(route, request.path in GENERATION_PATHS, is_one, uncached)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,8 +152,9 @@ class PDRouter:
     def __init__(self, config: PDRoutingConfig, pipeline: RoutingPipeline,
                  upstreams: UpstreamPools, detector: OutlierDetector, reg: CollectorRegistry,
                  estimate: UncachedEstimate = prompt_bytes_estimate,
-                 stats: GatewayStats | None = None) -> None:
+                 stats: GatewayStats | None = None, index: PrefixIndex | None = None) -> None:
         self.config = config
+        self.index = index  # the prefix index the decision reads (None: bytes / 4 only)
         self.stats = stats if stats is not None else GatewayStats()
         self.decider = Decider(config, pipeline, estimate)
         self.pipeline = pipeline
@@ -152,7 +164,7 @@ class PDRouter:
 
     async def forward(self, request: ProxyRequest, call_next: Handler) -> Response:
         request = _without_handle(request)  # only this gateway gives one
-        decision = self.decider.decide(HandOffAsk.of(request, self.decider.estimate))
+        decision = self.decider.decide(HandOffAsk.of(request, self.decider.estimate, self.index))
         self.metrics.decisions.labels(decision.reason).inc()
         if decision.prefill is None:
             return await call_next(request)

@@ -8,10 +8,11 @@ instances is strata/protocol/resume.py).
     Resumer.next_request  the POST /v1/strata/resume that continues a broken record, or None
 
 What is resumed: a streamed /v1/completions or /v1/chat/completions with one choice (instances
-mark only those) whose instance failed after its first frame (a reset or closed connection, a
-read timeout, a stall that a failed probe ended: strata/gateway/upstream/stalls.py; or its engine
-failed and it ended the stream with finish reason "error": that frame and what follows it are not
-relayed), at most
+mark only those), a prefill/decode hand-off's decode leg included (/internal/decode/...: it is
+resumed on any decode or mixed instance, from the prompt and the tokens sent, as a plain stream)
+whose instance failed after its first frame (a reset or closed connection, a read timeout, a stall
+that a failed probe ended: strata/gateway/upstream/stalls.py; or its engine failed and it ended the
+stream with finish reason "error": that frame and what follows it are not relayed), at most
 `max_resumes` times per stream, each time on an instance of the same model version that this
 stream has not tried. The proxy routes the resume like a request (filters, policy, retries on
 another instance while nothing came back), and relays the continuation under the frames
@@ -40,6 +41,7 @@ from strata.gateway.config import ResumeConfig
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.path.requests import ProxyRequest
 from strata.gateway.upstream.pools import UpstreamAnswer
+from strata.protocol.pd import HANDOFF_HEADER, public_path
 from strata.protocol.resume import (
     MARK,
     RESUMABLE_HEADER,
@@ -110,7 +112,7 @@ class StreamRecord:
         body = self.request.body_json
         if body is None:
             return None
-        return {"path": self.request.path, "request": body,
+        return {"path": public_path(self.request.path), "request": body,
                 "id": start["id"], "created": start["created"], "version": start["version"],
                 "prompt_token_ids": start["prompt"], "output_token_ids": sent,
                 "finish": finish, "session_revision": self.session_revision}
@@ -126,8 +128,8 @@ class Resumer:
     def is_resumable(self, request: ProxyRequest) -> bool:
         if self.config.max_resumes == 0:
             return False
-        return request.path == RESUME_PATH or (request.route.is_stream
-                                               and request.path in RESUMABLE_PATHS)
+        return request.path == RESUME_PATH or (
+            request.route.is_stream and public_path(request.path) in RESUMABLE_PATHS)
 
     def headers(self, request: ProxyRequest,
                 headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -154,8 +156,9 @@ class Resumer:
         original = record.request
         model, _, version = str(body["version"]).partition("@")
         route = dataclasses.replace(original.route, model=model, version=version)
+        dropped = ("content-type", HANDOFF_HEADER)  # a P/D stream goes on without its handle
         return ProxyRequest("POST", RESUME_PATH, json.dumps(body).encode(),
-                            [(k, v) for k, v in original.headers if k.lower() != "content-type"]
+                            [(k, v) for k, v in original.headers if k.lower() not in dropped]
                             + [("content-type", "application/json")], route, now)
 
     async def refused(self, record: StreamRecord, instance_id: str,

@@ -15,13 +15,14 @@ class PDConfig:
 
     lease_s: float = 10.0  # P holds a handle's blocks this long unless acknowledged
     broken_grace_s: float = 2.0  # ... or this long after a pull broke off (D died)
+    unpulled_s: float = 2.0  # ... or this long after the grant while no pull has begun
     peer_ttl_s: float = 2.0  # D forgets a peer's layout this long after fetching it
     connect_timeout_s: float = 1.0
     pull_timeout_s: float = 30.0  # the longest silence in a pull
     faults: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
-        for name in ("lease_s", "broken_grace_s", "peer_ttl_s", "connect_timeout_s",
+        for name in ("lease_s", "broken_grace_s", "unpulled_s", "peer_ttl_s", "connect_timeout_s",
                      "pull_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

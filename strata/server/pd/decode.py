@@ -42,6 +42,7 @@ from strata.server.pd.state import PD, pd_of
 from strata.server.pd.wire import BlockReader, Handle, checksum_ok, prompt_digest
 from strata.server.preamble import client_request
 from strata.server.request_io import SSEResponse, unless_disconnected
+from strata.server.resume import marks_for
 from strata.types import BlockHash
 
 log = logging.getLogger("strata.server.pd")
@@ -184,7 +185,8 @@ async def _decode(request: Request, model: type[ChatCompletionRequest] | type[Co
     pd.metrics.handoffs.labels("decode", hook.outcome).inc()
     with_lps = _with_logprobs(req)
     if req.stream:
-        frames = _killed_after_first(pd, stream(ctx, started, with_lps, req.include_usage))
+        frames = _killed_after_first(pd, stream(ctx, started, with_lps, req.include_usage,
+                                                marks_for(request, ctx, started)))
         return SSEResponse(frames, started.generation.close)
     pd.faults.reached("decode_mid_stream")
     body = await unless_disconnected(request, respond(ctx, started, with_lps))

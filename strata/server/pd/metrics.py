@@ -42,7 +42,7 @@ class PDMetrics:
                                 registry=reg)
         for side in ("prefill", "decode"):
             self.pull_bytes.labels(side)
-        for reason in ("acked", "expired", "broken"):
+        for reason in ("acked", "expired", "unpulled", "broken"):
             self.releases.labels(reason)  # shown (as 0) before the first event
 
 

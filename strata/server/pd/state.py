@@ -45,6 +45,7 @@ class PD:
         self.faults = Faults(config.faults)
         self.leases = LeaseTable(instance.engine.release_held, lease_s=config.lease_s,
                                  broken_grace_s=config.broken_grace_s,
+                                 unpulled_s=config.unpulled_s,
                                  on_release=self._released)
         core = instance.engine.engine
         cache = core.cache_config

@@ -33,7 +33,7 @@ from strata.model.parallel.shard_loader import PreparedModel
 from strata.model.parallel.shm import SHM_DIR
 from strata.types import RequestId
 
-pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm")
+pytestmark = pytest.mark.needs("shm")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from serve_process import ServeProcess, start_serve
 from strata.commands.serve_stack import ENGINE_DIED_EXIT_STATUS
 from strata.model.parallel.shm import SHM_DIR
 
-pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm")
+pytestmark = pytest.mark.needs("shm")
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,14 @@ def test_a_rank_killed_mid_stream_ends_the_stream_and_the_process(
         assert "error" in error_event, events[-4:]  # the finish chunk, an error event, [DONE]
         assert last["choices"][0]["finish_reason"] == "error", events[-4:]
         assert 3 < len(events) < 200  # it stopped early, after some tokens
-        assert ended_at - killed_at < 2.0
+        # found as a death (by the watch on its process, or by rank 0 through the shared
+        # memory group), never by a collective timing out (60 s)
+        message = error_event["error"]["message"]
+        assert "RankFailedError: rank 1 " in message, message
+        assert "did not reach the collective" not in message, message
+        # bench/fault_detection.py measures kill -> end of stream; 10 s keeps 5x headroom over
+        # the 2 s that docs/reliability.md promises
+        assert ended_at - killed_at < 10.0
         assert server.proc.wait(timeout=60) != 0
     finally:
         server.stop()

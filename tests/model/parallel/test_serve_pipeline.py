@@ -18,9 +18,8 @@ from model.parallel.parallel_helpers import make_nine_head_model, rank_processes
 from serve_process import ServeProcess, start_serve
 
 from strata.commands.serve_stack import ENGINE_DIED_EXIT_STATUS
-from strata.model.parallel.shm import SHM_DIR
 
-pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm")
+pytestmark = pytest.mark.needs("shm")
 MODEL = "tiny-nine"
 
 

@@ -20,7 +20,7 @@ from model.parallel import shm_workers as workers
 from strata.errors import RankFailedError
 from strata.model.parallel.shm import SHM_DIR, ShmGroup, new_segment_prefix, sweep_stale_segments
 
-pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm")
+pytestmark = pytest.mark.needs("shm")
 CTX = mp.get_context("spawn")
 
 

@@ -59,6 +59,7 @@ from strata.gateway.routing.policies.base import RouteRequest
 from strata.gateway.routing.policies.consistent_hash import DEFAULT_EPSILON, bounded_capacity
 from strata.gateway.routing.policies.load_average import LoadAverages
 from strata.gateway.routing.prefix.index import PrefixIndex
+from strata.gateway.routing.prefix.prompt import uncached_tokens
 
 
 class CacheAwarePolicy:
@@ -95,11 +96,7 @@ class CacheAwarePolicy:
     def uncached_tokens(self, request: RouteRequest, view: InstanceView) -> int:
         """The prompt tokens `view` would compute for this request (a decode-only estimate
         when the request has no keys)."""
-        keyset = request.prefix.for_instance(view.instance_id) if request.prefix else None
-        if keyset is None:
-            return 0
-        hit = self.index.match(view.instance_id, keyset.keys) * keyset.tokens_per_key
-        return max(0, keyset.num_prompt_tokens - hit)
+        return uncached_tokens(self.index, request.prefix, view.instance_id) or 0
 
     def on_request_routed(self, request: RouteRequest, instance: InstanceView) -> None:
         prefix = request.prefix

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from strata.gateway.routing.prefix.index import Key
+from strata.gateway.routing.prefix.index import Key, PrefixIndex
 from strata.protocol.chat_template import compile_chat_template, render_chat
 from strata.types import BlockHash, hash_block
 
@@ -257,5 +257,17 @@ def _remember(memo: OrderedDict[Any, Any], key: Any, value: Any) -> None:
         memo.popitem(last=False)
 
 
-__all__ = ["CHARS_PER_TOKEN", "KeySet", "PrefixKeys", "Prompt", "PromptHasher",
+def uncached_tokens(index: PrefixIndex, prefix: PrefixKeys | None, instance_id: str
+                    ) -> int | None:
+    """The prompt tokens `instance_id` would compute for a request with `prefix` keys: its
+    prompt less the leading blocks the index says the instance holds; None without keys for
+    it (the gateway knows nothing of that prompt on that instance)."""
+    keyset = prefix.for_instance(instance_id) if prefix is not None else None
+    if keyset is None:
+        return None
+    hit = index.match(instance_id, keyset.keys) * keyset.tokens_per_key
+    return max(0, keyset.num_prompt_tokens - hit)
+
+
+__all__ = ["uncached_tokens", "CHARS_PER_TOKEN", "KeySet", "PrefixKeys", "Prompt", "PromptHasher",
            "TEXT_CHUNK_CHARS", "id_keys", "prompt_of", "text_keys"]

@@ -1,0 +1,75 @@
+"""Real tiny models behind a gateway, as real processes: what the fuzzers send the requests to
+that only a real model answers (the chat template, structured output, tools, logit bias on
+its vocabulary, embeddings).
+
+    with model_stack(root) as running:
+        running.urls["instance"], running.urls["embed"], running.urls["gateway"]
+
+`strata serve` of the tiny random Llama (ChatML template; float32, one thread), `strata serve
+--task embed` of the tiny BERT, and `strata gateway --instances` over both (it routes by
+`model`), all keyed as sim_stack's (a fuzzer's client key cannot drain them). Everything is
+written by the tests: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.procs import Proc, spawn
+from serve_process import ServeProcess, start_serve
+from sim_stack import ADMIN_KEY, CLIENT_KEY
+from tiny_bert import make_tiny_bert_dir
+from tiny_models import make_tiny_model_dir
+
+MODEL = "fuzz-tiny"
+EMBED_MODEL = "fuzz-embed"
+_GATEWAY_READY = r"Strata gateway on (http://127\.0\.0\.1:\d+) "
+
+
+@dataclass
+class ModelTargets:
+    instance: ServeProcess
+    embed: ServeProcess
+    gateway: Proc
+
+    @property
+    def urls(self) -> dict[str, str]:
+        return {"instance": self.instance.url, "embed": self.embed.url,
+                "gateway": self.gateway.url}
+
+
+@contextmanager
+def model_stack(root: Path) -> Iterator[ModelTargets]:
+    llama = make_tiny_model_dir(root / "tiny-llama", seed=3, initializer_range=0.2)
+    bert = make_tiny_bert_dir(root / "tiny-bert")
+    (root / "keys").write_text(CLIENT_KEY + "\n")
+    (root / "admin-key").write_text(ADMIN_KEY + "\n")
+    auth = ["--api-key-file", str(root / "keys"), "--admin-key-file", str(root / "admin-key")]
+    common = ["--threads", "1", "--log-level", "warning", *auth]
+    instance = start_serve([str(llama), "--served-model-name", MODEL, "--dtype", "float32",
+                            "--max-model-len", "256", "--kv-cache-gb", "0.01", *common],
+                           cache_dir=root / "cache", timeout_s=120, log_dir=root / "logs",
+                           name="instance")
+    embed = gateway = None
+    try:
+        embed = start_serve([str(bert), "--task", "embed", "--served-model-name", EMBED_MODEL,
+                             *common], cache_dir=root / "cache", timeout_s=120,
+                            log_dir=root / "logs", name="embed")
+        argv = [sys.executable, "-m", "strata.cli", "gateway", "--instances", instance.url,
+                embed.url, "--port", "0", *auth]
+        gateway = spawn("gateway", argv, root / "logs")
+        gateway.url = gateway.wait_for_output(_GATEWAY_READY, 60).group(1)
+        yield ModelTargets(instance, embed, gateway)
+    finally:
+        if gateway is not None:
+            gateway.kill()
+        if embed is not None:
+            embed.stop()
+        instance.stop()
+
+
+__all__ = ["EMBED_MODEL", "MODEL", "ModelTargets", "model_stack"]
