@@ -25,6 +25,8 @@
     ├── EngineDeadError                 the engine loop died; the instance is unhealthy
     ├── RankFailedError                 a parallel rank died or a collective timed out: fatal,
     │                                   the instance restarts whole (its ranks no longer agree)
+    ├── ShareFailedError                a rank could not run its share of one parallel step; the
+    │                                   ranks still agree: the request at fault fails alone
     ├── RequestFailedError              500: the executor failed on this request alone
     └── ChatError                       `strata chat`: the server refused or is unreachable
 
@@ -198,6 +200,18 @@ class RankFailedError(StrataError):
         self.rank = rank
 
 
+class ShareFailedError(StrataError):
+    """A rank of a tensor-parallel instance could not run its share of one step, and made the
+    collectives it still owed on a placeholder, so the ranks still agree on where they are. The
+    step's results are void; the engine runs its sequences again in halves
+    (strata/engine/isolation.py) until the one at fault fails alone. `ranks` are the ranks that
+    could not run their share."""
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
 class RequestFailedError(StrataError):
     """The executor failed on this request's sequence alone (strata/engine/isolation.py); the
     request ended with finish_reason "error" and the instance goes on."""
@@ -235,6 +249,7 @@ __all__ = [
     "SessionConflictError",
     "SessionNotFoundError",
     "SessionStoreUnavailableError",
+    "ShareFailedError",
     "StoreUnavailableError",
     "StrataError",
 ]

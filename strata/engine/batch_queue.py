@@ -2,9 +2,10 @@
 
 A plain `ModelExecutor` runs one batch at a time: `submit` runs it at once and the queue holds one
 batch, so a step is schedule -> execute -> update. Its failures are isolated (isolation.py): a
-request whose sequence fails alone is named in `Collected.failed`. An `AsyncModelExecutor`
-(pipeline parallel) takes up to `max_concurrent_batches`; `collect_oldest` blocks on the oldest,
-the order in which the executor finishes them.
+request whose sequence fails alone is named in `Collected.failed`. So are those of an
+`AsyncModelExecutor` that keeps one batch in flight (tensor parallel: its `execute`). One with
+more (pipeline parallel) takes up to `max_concurrent_batches`; `collect_oldest` blocks on the
+oldest, the order in which the executor finishes them.
 """
 
 from __future__ import annotations
@@ -62,9 +63,11 @@ class _RunAtOnce:
 
 class BatchQueue:
     def __init__(self, executor: ModelExecutor) -> None:
-        self._executor: AsyncModelExecutor = (
-            executor if isinstance(executor, AsyncModelExecutor) else _RunAtOnce(executor)
-        )
+        self._executor: AsyncModelExecutor
+        if isinstance(executor, AsyncModelExecutor) and executor.max_concurrent_batches != 1:
+            self._executor = executor
+        else:
+            self._executor = _RunAtOnce(executor)
         self.max_batches = self._executor.max_concurrent_batches
         if self.max_batches < 1:
             raise ConfigError(f"max_concurrent_batches must be >= 1, got {self.max_batches}")

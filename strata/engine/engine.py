@@ -5,8 +5,10 @@ batches in flight: it schedules and submits while the executor has room and some
 run, then waits for the oldest batch and returns its outputs, so each step returns one batch's
 news. A plain `ModelExecutor` is the same loop with one batch.
 
-Not thread-safe: one thread owns it (the server runs it off the event loop). Only
-`validate_request`, `block_hashes` and `num_cached_blocks` may be called from other threads.
+Not thread-safe: one thread owns it (the server runs it off the event loop), and through it
+the executor: nothing else calls the executor (a parallel executor's ranks take commands from
+one driver). Only `validate_request`, `block_hashes` and `num_cached_blocks` may be called from
+other threads.
 
 KV offload stays I/O-free here: a request may arrive with fetched KV payloads
 (`Request.external_kv`), imported by the executor when the request is admitted, and a request
@@ -14,8 +16,9 @@ with `kv_export` leaves with the payloads of its full blocks on its final output
 does the fetching and publishing.
 
 So does the prefill/decode hand-off: a request with `hold_blocks` leaves its blocks held when it
-finishes (`RequestOutput.held`) until `release_held`; one with a `handoff` gets the prefill
-instance's first token instead of a sample and, its whole prompt imported, computes none of it.
+finishes (`RequestOutput.held`), readable with `export_held`, until `release_held`; one with a
+`handoff` gets the prefill instance's first token instead of a sample and, its whole prompt
+imported, computes none of it.
 """
 
 from __future__ import annotations
@@ -118,6 +121,16 @@ class Engine:
     def release_held(self, request_id: RequestId) -> int:
         """Return the blocks a finished request left held to the free pool; how many."""
         return self.kv.release_finished(request_id)
+
+    def export_held(self, request_id: RequestId, block_ids: list[int]) -> list[bytes]:
+        """The KV payloads of `block_ids`, in order, while the finished `request_id` holds every
+        one of them (a held block is never written, so any moment between steps reads the same
+        bytes); [] once the hold is released or when the executor cannot export."""
+        held = set(self.kv.held_block_ids(request_id))
+        if not block_ids or not held.issuperset(block_ids) \
+                or not isinstance(self.executor, KVTransfer):
+            return []
+        return self.executor.export_blocks(block_ids)
 
     def step(self) -> list[RequestOutput]:
         """Submit batches while the executor has room and a request can run, then wait for the

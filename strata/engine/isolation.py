@@ -17,9 +17,15 @@ process exits and its launcher restarts it):
                                                               cannot both be at fault)
     a batch of one failed after a good batch               -> that request fails alone
 
-Only a plain `ModelExecutor` (one batch at a time) is isolated this way; for an
-`AsyncModelExecutor` (batches in flight) an error in `submit` or `collect` stays fatal, as its
-contract says.
+An executor of one batch at a time is isolated this way: a plain `ModelExecutor`, and a
+tensor-parallel one (one pipeline stage), whose ranks keep their collectives matched when one of
+them cannot run its share of a step and tell rank 0 so (`ShareFailedError`, see
+strata/model/parallel/rank.py): the halves then run on every rank again, and the sequence at
+fault is dropped on every rank. An error that says the executor cannot go on
+(`RankFailedError`: a rank died, or the ranks no longer agree) is fatal at once, without a
+retry. For an `AsyncModelExecutor` with batches in flight (pipeline parallel) an error in
+`submit` or `collect` stays fatal, as its contract says: a later batch in flight may already
+read the KV of the failed one.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from strata.engine.executor import ModelExecutor, ModelInput, ModelOutput
+from strata.errors import RankFailedError
 from strata.types import RequestId
 
 logger = logging.getLogger("strata.engine")
@@ -44,9 +51,12 @@ class IsolatedOutput:
 
 
 def execute_isolated(execute: Execute, model_input: ModelInput) -> IsolatedOutput:
-    """Run `model_input`; when it raises, bisect it to find the sequences that fail alone."""
+    """Run `model_input`; when it raises, bisect it to find the sequences that fail alone
+    (a `RankFailedError` is the executor's end, not a sequence's: raised as is)."""
     try:
         return IsolatedOutput(execute(model_input))
+    except RankFailedError:
+        raise
     except Exception as exc:
         sequences = model_input.sequences
         if len(sequences) == 1:

@@ -226,6 +226,10 @@ class KVCacheManager:
         self.pool.free_blocks(list(reversed(blocks)))
         return len(blocks)
 
+    def held_block_ids(self, request_id: RequestId) -> list[int]:
+        """The blocks the finished `request_id` holds, in order ([] once released)."""
+        return [b.block_id for b in self._finished_holds.get(request_id, ())]
+
     @property
     def num_held_blocks(self) -> int:
         """Blocks held for finished requests (not those of batches in flight)."""

@@ -28,6 +28,7 @@ from strata.model.config import ModelConfig
 from strata.model.kv_codec import FORMAT_VERSION, KVCodec, KVLayout
 from strata.model.llama import LlamaModel, Weights
 from strata.model.masks import MaskWorker
+from strata.model.parallel.layout import ParallelLayout
 from strata.model.sampler import Sampler
 from strata.model.shard import RankShard, ShardComm
 
@@ -88,9 +89,11 @@ class TorchExecutor:
 
     def kv_layout(self) -> dict[str, Any]:
         """What an exported block's bytes depend on; a P/D hand-off compares it with the peer's
-        before the first transfer."""
+        before the first transfer. `parallel` shows the one rank that holds every head and
+        layer (strata.model.parallel.layout)."""
         _, codec = self._kv_transfer()
-        return {**asdict(codec.layout), "codec_format": FORMAT_VERSION, "parallel": "tp1-pp1"}
+        return {**asdict(codec.layout), "codec_format": FORMAT_VERSION,
+                "parallel": ParallelLayout().describe(self.config)}
 
     def export_blocks(self, block_ids: list[int]) -> list[bytes]:
         """One `kv_codec` payload per block: K and V of every layer (see `ModelExecutor`)."""

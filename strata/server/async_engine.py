@@ -5,6 +5,12 @@ thread-safe). Coroutines hand it commands through a thread-safe queue and receiv
 per-request `asyncio.Queue`, fed with `loop.call_soon_threadsafe`. When there is no work the
 thread sleeps on an Event; every command sets it.
 
+The executor has one driver, this thread: it runs every step, and between two steps the reads
+of KV that others ask for (`export_held`, a hand-off's pull: an awaitable answered by the
+engine thread) and the imports (fetched or pulled KV, imported by the engine when it admits the
+request). A parallel executor's ranks take their commands in one order from one thread, which
+is what keeps their collectives matched.
+
 Failures. A request whose sequence the executor cannot run fails alone inside `step()`
 (strata/engine/isolation.py: finish_reason "error", the others go on). If `step()` itself raises
 (the executor can run nothing, or an invariant broke), every in-flight
@@ -61,6 +67,8 @@ class EngineCore(Protocol):
 
     def release_held(self, request_id: RequestId) -> int: ...
 
+    def export_held(self, request_id: RequestId, block_ids: list[int]) -> list[bytes]: ...
+
 
 @dataclass(slots=True)
 class _Stream:
@@ -74,7 +82,31 @@ class _Stream:
             pass
 
 
-_Command = tuple[str, Request | RequestId | Exception | None]
+@dataclass(slots=True)
+class _Export:
+    """A read of held blocks for a coroutine, answered from the engine thread."""
+
+    request_id: RequestId
+    block_ids: list[int]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[list[bytes]]
+
+    def answer(self, result: list[bytes] | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._settle, result)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    def _settle(self, result: list[bytes] | BaseException) -> None:
+        if self.future.done():  # the reader left (its pull was cancelled)
+            return
+        if isinstance(result, BaseException):
+            self.future.set_exception(result)
+        else:
+            self.future.set_result(result)
+
+
+_Command = tuple[str, Request | RequestId | Exception | _Export | None]
 
 
 class AsyncEngine:
@@ -92,6 +124,7 @@ class AsyncEngine:
         self._stopping = False
         self.dead_reason: str | None = None
         self._death_hooks: list[Callable[[str], None]] = []
+        self._is_closed = False  # the engine thread left: no command is read any more
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -181,6 +214,19 @@ class AsyncEngine:
         thread, at its next command pass)."""
         self._post(("release", request_id))
 
+    async def export_held(self, request_id: RequestId, block_ids: list[int]) -> list[bytes]:
+        """The KV payloads of blocks the finished `request_id` holds (`Engine.export_held`),
+        read by the engine thread between two steps. Raises EngineDeadError when the engine
+        died or stopped before it read them."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        export = _Export(request_id, list(block_ids), loop, loop.create_future())
+        with self._lock:  # posted before the thread closes, or refused: never left unanswered
+            if self._is_closed:
+                raise EngineDeadError(self.dead_reason or "the engine thread is not running")
+            self._post(("export", export))
+        return await export.future
+
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -205,6 +251,8 @@ class AsyncEngine:
                 self._stats = self.engine.stats()
         except Exception as exc:
             self._die(exc)
+        finally:
+            self._close()
 
     def _apply_commands(self) -> None:
         applied = False
@@ -222,10 +270,36 @@ class AsyncEngine:
                 self.engine.release_held(RequestId(str(arg)))
             elif kind == "fail" and isinstance(arg, Exception):
                 raise arg
+            elif isinstance(arg, _Export):
+                self._export(arg)
             elif isinstance(arg, Request):
                 self._add(arg)
         if applied:
             self._stats = self.engine.stats()
+
+    def _export(self, export: _Export) -> None:
+        """A failed read of the engine's own held blocks is the executor's fault: fatal, as a
+        failed step is (the reader gets EngineDeadError)."""
+        try:
+            payloads = self.engine.export_held(export.request_id, export.block_ids)
+        except Exception as exc:
+            export.answer(EngineDeadError(f"{type(exc).__name__}: {exc}"))
+            raise
+        export.answer(payloads)
+
+    def _close(self) -> None:
+        """The thread leaves: answer the reads still queued (the other commands no longer
+        matter) and refuse new ones."""
+        with self._lock:
+            self._is_closed = True
+        reason = self.dead_reason or "the engine thread stopped"
+        while True:
+            try:
+                _, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(arg, _Export):
+                arg.answer(EngineDeadError(reason))
 
     def _add(self, request: Request) -> None:
         try:

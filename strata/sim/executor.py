@@ -80,13 +80,16 @@ class SimulatedExecutor:
 
     def kv_layout(self) -> dict[str, object]:
         return {"dtype": "simulated", "kv_bytes_per_token": self.kv_bytes_per_token(),
-                "parallel": "tp1-pp1", "codec_format": "simulated-1"}
+                "codec_format": "simulated-1"}
 
     def export_blocks(self, block_ids: list[int]) -> list[bytes]:
-        """Stand-ins, after the time their modeled bytes take over the modeled link (this runs
-        off the engine thread: the stream waits, not the engine)."""
-        self.sleep(transfer_s(self.block_bytes * len(block_ids), self.kv_bandwidth_gbps))
+        """Stand-ins, at once: the time their bytes take is the link's (`link_s`)."""
         return [stand_in(self.block_bytes) for _ in block_ids]
+
+    def link_s(self, num_blocks: int) -> float:
+        """The time `num_blocks` modeled blocks take over the modeled link; the pull waits it
+        (the stream waits, not the engine)."""
+        return transfer_s(self.block_bytes * num_blocks, self.kv_bandwidth_gbps)
 
     def import_blocks(self, block_ids: list[int], payloads: list[bytes]) -> int:
         for i, payload in enumerate(payloads):

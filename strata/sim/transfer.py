@@ -2,9 +2,9 @@
 decider's default fitted from a latency profile.
 
 A simulated instance has no KV bytes. It exports each held block as a stand-in payload naming
-the bytes the profiled model's block would have (`kv_bytes_per_token * block_size`), and its
-export takes the time those bytes need at `--sim-kv-bandwidth-gbps` (it runs off the engine
-thread, as a real pull does, so the decode instance waits for the stream, not its engine). A
+the bytes the profiled model's block would have (`kv_bytes_per_token * block_size`), and the
+pull waits the time those bytes need at `--sim-kv-bandwidth-gbps` (`SimulatedExecutor.link_s`,
+awaited by the stream, not by the engine, so the decode instance waits for the stream). A
 simulated decode instance imports stand-ins of its own size: the blocks count as computed and
 its step times skip those prompt tokens, exactly what a real import buys.
 

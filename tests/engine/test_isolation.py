@@ -17,6 +17,7 @@ from strata.engine.executor import ModelInput, ModelOutput
 from strata.engine.isolation import execute_isolated
 from strata.engine.outputs import RequestOutput
 from strata.engine.request import FinishReason
+from strata.errors import RankFailedError
 from strata.types import RequestId
 
 
@@ -116,6 +117,23 @@ def test_an_executor_that_fails_every_batch_is_fatal_at_once() -> None:
         engine.step()
     assert failure.value.__notes__ == [
         "no sequence of a batch of 2 could run: the executor is at fault, not a request"]
+
+
+class DeadRankExecutor(FakeExecutor):
+    """A rank died: the executor cannot go on, whatever the batch."""
+
+    def execute(self, model_input: ModelInput) -> ModelOutput:
+        self.num_steps += 1
+        raise RankFailedError("rank 1 died", rank=1)
+
+
+def test_a_dead_rank_is_fatal_without_a_retry() -> None:
+    engine, executor = make_engine(executor=DeadRankExecutor())
+    for n in (4, 6, 8):
+        engine.add_request(make_request(prompt_of(n), max_tokens=4))
+    with pytest.raises(RankFailedError, match="rank 1 died"):
+        engine.step()
+    assert executor.num_steps == 1  # no half was run again
 
 
 def test_a_lone_failure_fails_its_request_and_a_second_in_a_row_is_fatal() -> None:

@@ -18,6 +18,7 @@ from live_server import serve_in_thread
 
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.engine import Engine
+from strata.engine.executor import ModelExecutor
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import AdmissionConfig, GatewayConfig, PDRoutingConfig
 from strata.gateway.routing.instances import InstanceView
@@ -68,10 +69,13 @@ class Instance:
 
 
 def start_instance(model: LoadedModel, *, dtype: str = "float32", version: str = "v1",
-                   num_blocks: int = 128, **pd: Any) -> Instance:
+                   num_blocks: int = 128, executor: ModelExecutor | None = None,
+                   **pd: Any) -> Instance:
+    """An instance of `model` (a TorchExecutor unless `executor` is given: the caller shuts a
+    given one down after `stop`)."""
     loaded = model
-    executor = TorchExecutor(loaded.config, loaded.weights, dtype=dtype, model_name=MODEL,
-                             model_version=version)
+    executor = executor or TorchExecutor(loaded.config, loaded.weights, dtype=dtype,
+                                         model_name=MODEL, model_version=version)
     engine = Engine(executor,
                     CacheConfig(block_size=BLOCK, num_blocks=num_blocks,
                                 namespace=f"{MODEL}@{version}"),

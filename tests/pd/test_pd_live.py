@@ -147,7 +147,9 @@ def test_layout_names_what_the_bytes_depend_on(trio: dict[str, Instance]) -> Non
     assert {k: layout[k] for k in ("model", "version", "dtype", "block_size", "num_layers",
                                    "namespace", "parallel")} == {
         "model": "tiny-llama", "version": "v1", "dtype": "float32", "block_size": BLOCK,
-        "num_layers": 2, "namespace": "tiny-llama@v1", "parallel": "tp1-pp1"}
+        "num_layers": 2, "namespace": "tiny-llama@v1",
+        "parallel": {"name": "tp1", "tensor_size": 1, "pipeline_size": 1,
+                     "kv_heads_per_rank": [[0, 2]], "layers_per_stage": [[0, 2]]}}
     other = httpx.get(trio["d"].url + LAYOUT_PATH, headers=FLEET).json()
     assert layout["epoch"] != other["epoch"]
 

@@ -94,7 +94,8 @@ def test_stand_ins_carry_their_modeled_size_and_a_checksum() -> None:
     executor = SimulatedExecutor(PROFILE, 100, sleep=slept.append, kv_bandwidth_gbps=2.0)
     executor.allocate_kv_cache(8, 16)
     exported = executor.export_blocks([0, 1, 2])
-    assert slept == [pytest.approx(3 * 16 * 20_000 / 2e9)]
+    assert slept == []  # the engine thread exports: the modeled link is the stream's wait
+    assert executor.link_s(3) == pytest.approx(3 * 16 * 20_000 / 2e9)
     assert executor.import_blocks([3, 4, 5], exported) == 3
     other = SimulatedExecutor(PROFILE, 100)
     other.allocate_kv_cache(8, 32)  # other block size: other block bytes

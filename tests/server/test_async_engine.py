@@ -1,15 +1,26 @@
-"""AsyncEngine with the fake executor: outputs, abort on close, and the engine's death."""
+"""AsyncEngine with the fake executor: outputs, abort on close, the engine's death, and reads of
+held blocks by the engine thread."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from array import array
 
 import pytest
-from engine_fakes import make_engine, make_request, prompt_of, reference_tokens
+from engine_fakes import (
+    KV_TAG,
+    KVFakeExecutor,
+    make_engine,
+    make_request,
+    prompt_of,
+    reference_tokens,
+)
 from harness.procs import wait_until
 
 from strata.engine.executor import ModelInput, ModelOutput
+from strata.engine.request import Request
 from strata.errors import EngineDeadError, InvalidRequestError
 from strata.server.async_engine import AsyncEngine
 
@@ -181,3 +192,94 @@ def test_a_request_the_executor_cannot_run_fails_alone_and_the_engine_lives() ->
                                     ("length", reference_tokens(prompt_of(5), 12)),
                                     ("length", reference_tokens(prompt_of(5), 12))]
     assert deaths == [] and async_engine.dead_reason is None
+
+
+class OneDriverExecutor(KVFakeExecutor):
+    """Records which thread runs each step and each export, and whether an export ever ran
+    while a step was running (a parallel executor's ranks would then get two commands at once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: set[str] = set()
+        self.is_stepping = False
+        self.num_overlaps = 0
+
+    def execute(self, model_input: ModelInput) -> ModelOutput:
+        self.threads.add(threading.current_thread().name)
+        self.is_stepping = True
+        try:
+            time.sleep(0.002)  # a step long enough for a read from elsewhere to land in it
+            return super().execute(model_input)
+        finally:
+            self.is_stepping = False
+
+    def export_blocks(self, block_ids: list[int]) -> list[bytes]:
+        self.threads.add(threading.current_thread().name)
+        self.num_overlaps += self.is_stepping
+        return super().export_blocks(block_ids)
+
+
+def test_held_blocks_are_read_by_the_engine_thread_between_steps() -> None:
+    executor = OneDriverExecutor()
+    engine, _ = make_engine(executor=executor)
+    async_engine = AsyncEngine(engine, max_model_len=256)
+    async_engine.start()
+    held = make_request(prompt_of(12), 1)  # 3 full blocks (the fake exports no partial one)
+    held.hold_blocks = True
+
+    async def story() -> tuple[list[list[bytes]], list[bytes], list[int]]:
+        block_ids: list[int] = []
+        async for out in async_engine.generate(held):
+            block_ids = list(out.held.block_ids) if out.held else block_ids
+        busy = asyncio.ensure_future(_drain(async_engine, make_request(prompt_of(9), 40,
+                                                                      ignore_eos=True)))
+        reads = await asyncio.gather(*[async_engine.export_held(held.request_id, block_ids)
+                                       for _ in range(20)])
+        async_engine.release_held(held.request_id)
+        after_release = await async_engine.export_held(held.request_id, block_ids)
+        tokens = await busy
+        await async_engine.shutdown(timeout_s=5)
+        return reads, after_release, tokens
+
+    reads, after_release, tokens = asyncio.run(story())
+    assert len(reads[0]) == 3 and all(r == reads[0] for r in reads)
+    assert reads[0][0] == KV_TAG + array("q", prompt_of(12)[:4]).tobytes()
+    assert after_release == []  # the hold is gone: nothing is read from reused blocks
+    assert tokens == reference_tokens(prompt_of(9), 40)
+    assert executor.threads == {"strata-engine"} and executor.num_overlaps == 0
+    with pytest.raises(EngineDeadError):
+        asyncio.run(async_engine.export_held(held.request_id, [0]))
+
+
+def test_a_read_that_breaks_the_executor_is_fatal_and_answered() -> None:
+    executor = KVFakeExecutor()
+    engine, _ = make_engine(executor=executor)
+
+    def broken(block_ids: list[int]) -> list[bytes]:
+        raise Boom("the cache is gone")
+
+    executor.export_blocks = broken  # type: ignore[method-assign]
+    async_engine = AsyncEngine(engine, max_model_len=256)
+    deaths: list[str] = []
+    async_engine.on_death(deaths.append)
+    async_engine.start()
+    held = make_request(prompt_of(6), 1)
+    held.hold_blocks = True
+
+    async def story() -> None:
+        async for out in async_engine.generate(held):
+            assert out.held is not None
+            block_ids = list(out.held.block_ids)
+        with pytest.raises(EngineDeadError, match="the cache is gone"):
+            await async_engine.export_held(held.request_id, block_ids)
+
+    asyncio.run(story())
+    wait_until(lambda: bool(deaths), 5, "the death hook")
+    assert deaths == ["Boom: the cache is gone"] and not async_engine.is_healthy
+
+
+async def _drain(async_engine: AsyncEngine, request: Request) -> list[int]:
+    tokens: list[int] = []
+    async for out in async_engine.generate(request):
+        tokens += out.new_token_ids
+    return tokens

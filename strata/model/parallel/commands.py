@@ -32,6 +32,7 @@ from strata.model.config import ModelConfig
 from strata.model.parallel.comm import CommSpec
 from strata.model.parallel.layout import ParallelLayout
 from strata.model.parallel.shard_loader import WeightFiles
+from strata.model.parallel.share import ShareFault
 from strata.types import RequestId
 
 
@@ -49,6 +50,7 @@ class RankSpec:
     model_name: str
     model_version: str
     parent_pid: int
+    faults: tuple[ShareFault, ...] = ()  # tests only: shares that cannot run (share.py)
 
     @property
     def layout(self) -> ParallelLayout:

@@ -13,7 +13,9 @@ Failure: a rank that dies makes the collectives of the others raise within ~50 m
 (`RankFailedError`, also raised by `submit`, `collect` and `execute`), and the launcher's watcher
 reports it even while the instance is idle (`on_failure`, set by the server to stop the engine).
 Either way the executor is failed for good: the ranks no longer agree where they are, so the
-instance must be restarted whole.
+instance must be restarted whole. With one pipeline stage, a rank that only could not run its
+share of a step keeps the ranks in step and says so (share.py): `execute` raises
+`ShareFailedError`, the executor stays healthy, and the engine isolates the request at fault.
 """
 
 from __future__ import annotations
@@ -22,15 +24,16 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from dataclasses import asdict
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from strata.engine.executor import BatchHandle, ModelInput, ModelOutput
-from strata.errors import ConfigError, RankFailedError
+from strata.errors import ConfigError, RankFailedError, ShareFailedError
 from strata.model.config import DTYPE_BYTES
-from strata.model.kv_codec import KVCodec, KVLayout, KVPayloadError
+from strata.model.kv_codec import FORMAT_VERSION, KVCodec, KVLayout, KVPayloadError
 from strata.model.parallel import shm
 from strata.model.parallel.comm import connect, create_segments, plan_comm
 from strata.model.parallel.commands import (
@@ -49,6 +52,7 @@ from strata.model.parallel.layout import ParallelLayout
 from strata.model.parallel.pipeline import InFlight, PipelineStats, RankMemory, StepStats
 from strata.model.parallel.rank import Rank
 from strata.model.parallel.shard_loader import PreparedModel
+from strata.model.parallel.share import ShareFault
 
 log = logging.getLogger("strata.model.parallel")
 T = TypeVar("T")
@@ -60,7 +64,9 @@ class ParallelExecutor:
     def __init__(self, model: PreparedModel, layout: ParallelLayout, *, dtype: str = "bfloat16",
                  device: str = "cpu", threads: int = 1, model_name: str = "",
                  model_version: str = "default", launcher: RankLauncher | None = None,
-                 timeout_s: float = 60.0, startup_timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 60.0, startup_timeout_s: float = 600.0,
+                 faults: tuple[ShareFault, ...] = ()) -> None:
+        """`faults` are for tests: ranks whose share of some steps cannot run (share.py)."""
         layout.validate(model.config)
         if dtype not in DTYPE_BYTES:
             raise ConfigError(f"dtype {dtype!r} is not supported; choose one of "
@@ -85,7 +91,7 @@ class ParallelExecutor:
         self._segments = create_segments(self.comm_spec)
         specs = [RankSpec(r, self.comm_spec, model.config, model.weights, dtype,
                           _rank_device(device, r), threads, model_name, model_version,
-                          os.getpid())
+                          os.getpid(), faults)
                  for r in range(layout.world_size)]
         self._start(specs, timeout_s, startup_timeout_s)
         self.launcher.watch(self._rank_exited)
@@ -150,6 +156,14 @@ class ParallelExecutor:
         return self.collect(self.submit(model_input))
 
     # --- KVTransfer ----------------------------------------------------------------------------
+
+    def kv_layout(self) -> dict[str, Any]:
+        """What an exported block's bytes depend on: the whole model's layout, as a T=1
+        instance's (so instances of any layout exchange blocks), and how the KV splits over
+        these ranks (`parallel`: shown in the P/D handshake, not compared)."""
+        assert self.kv_codec is not None, "invariant kv_cache_allocated"
+        return {**asdict(self.kv_codec.layout), "codec_format": FORMAT_VERSION,
+                "parallel": self.layout.describe(self.config)}
 
     def export_blocks(self, block_ids: list[int]) -> list[bytes]:
         """Whole-model payloads (as a T=1 instance writes them), assembled from every rank."""
@@ -226,12 +240,15 @@ class ParallelExecutor:
         return self._guarded(run)
 
     def _guarded(self, call: Callable[[], T]) -> T:
-        """Run a share of rank 0's work; any failure fails the executor for good."""
+        """Run a share of rank 0's work; any failure but a void step (`ShareFailedError`: the
+        ranks still agree) fails the executor for good."""
         if self.failure is not None:
             raise self.failure
         try:
             with torch.inference_mode():
                 return call()
+        except ShareFailedError:
+            raise
         except RankFailedError as exc:
             self._fail(exc)
             raise

@@ -16,6 +16,7 @@ A size that cannot work is refused with the sizes that can.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from strata.errors import ConfigError
 from strata.model.config import ModelConfig
@@ -112,6 +113,15 @@ class ParallelLayout:
         starts = [sum(self.pipeline_layers[:i]) for i in range(self.pipeline_size + 1)]
         return [range(a, b) for a, b in zip(starts, starts[1:], strict=False)]
 
+    def describe(self, config: ModelConfig) -> dict[str, Any]:
+        """How `config`'s KV splits over the ranks: the KV heads of each tp rank and the layers
+        of each stage, as [start, stop) (what a P/D handshake shows of an instance)."""
+        return {"name": self.name, "tensor_size": self.tensor_size,
+                "pipeline_size": self.pipeline_size,
+                "kv_heads_per_rank": [_bounds(self.shard(t, config).kv_heads)
+                                      for t in range(self.tensor_size)],
+                "layers_per_stage": [_bounds(r) for r in self.stage_layers(config)]}
+
     def shard(self, rank: int, config: ModelConfig) -> RankShard:
         """What `rank` holds of `config`'s model (validate first)."""
         stage, tp = self.coords(rank).stage, self.coords(rank).tp_rank
@@ -126,6 +136,10 @@ class ParallelLayout:
             layers=self.stage_layers(config)[stage],
             num_layers=config.num_hidden_layers, group_size=group,
         )
+
+
+def _bounds(r: range) -> list[int]:
+    return [r.start, r.stop]
 
 
 def _sizes(limit: int) -> str:

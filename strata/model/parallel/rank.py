@@ -7,12 +7,18 @@ times on, and the sampling rank sends them to rank 0 with the sampled tokens (`S
 Rank 0 runs its share with `forward` and receives the tokens with `receive_output`, later, so
 that it can submit the next batch first (pipeline parallel).
 
+With one pipeline stage (tensor parallel), a share that raises does not end the rank: it makes
+the collectives it still owes and reports the failure to rank 0, which voids the step
+(share.py); every rank reports after every step. With several stages a share that raises ends
+the rank's process, and the instance restarts.
+
 KV blocks cross the instance's boundary in the whole model's layout (kv_codec's body: layers x
 K/V x slots x KV heads x head_dim), so a block exported by a T=2 instance imports into a T=1 one.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import socket
@@ -22,6 +28,8 @@ import torch
 from torch import Tensor
 
 from strata.engine.executor import ModelInput, ModelOutput
+from strata.errors import RankFailedError, ShareFailedError
+from strata.model.attention import PagedKVCache
 from strata.model.config import ModelConfig
 from strata.model.executor import TorchExecutor
 from strata.model.gemm import PackedWeight
@@ -40,11 +48,15 @@ from strata.model.parallel.commands import (
 )
 from strata.model.parallel.layout import ParallelLayout, even_split
 from strata.model.parallel.shard_loader import load_shard
+from strata.model.parallel.share import CallCount, ShareFault, placeholder_batch, report_shares
 from strata.model.shard import RankShard
+
+log = logging.getLogger("strata.model.parallel")
 
 
 class RankShardComm:
-    """The `ShardComm` hooks of a rank, over its two groups."""
+    """The `ShardComm` hooks of a rank, over its two groups. Each collective is counted
+    (`calls`), so that a replay makes only those a failed share still owes (share.py)."""
 
     def __init__(self, comms: RankComms, layout: ParallelLayout, rank: int,
                  config: ModelConfig) -> None:
@@ -55,28 +67,51 @@ class RankShardComm:
         self.prev = layout.rank_of(coords.stage - 1, coords.tp_rank) if coords.stage else -1
         self.next = layout.rank_of(coords.stage + 1, coords.tp_rank)
         self.wait_ns = 0  # in recv_hidden / send_hidden: the stage waits, it is not busy
+        self.calls = CallCount()
+        self.fault: ShareFault | None = None  # armed for this share (tests)
 
     def all_reduce(self, x: Tensor) -> Tensor:
-        return self.comms.tp.all_reduce(x) if self.is_split else x
+        if not self.is_split or self._skips():
+            return x
+        out = self.comms.tp.all_reduce(x)
+        self.calls.num_made += 1
+        return out
 
     def gather_vocab(self, logits: Tensor) -> Tensor | None:
         if not self.is_split:
             return logits
-        return self.comms.tp.gather(logits, self.vocab_widths, root=0)
+        if self._skips():
+            return None
+        out = self.comms.tp.gather(logits, self.vocab_widths, root=0)
+        self.calls.num_made += 1
+        return out
 
     def recv_hidden(self, like: Tensor) -> Tensor:
+        if self._skips():
+            return like
         start = time.perf_counter_ns()
         try:
-            return self.comms.world.recv(like, self.prev)
+            out = self.comms.world.recv(like, self.prev)
         finally:
             self.wait_ns += time.perf_counter_ns() - start
+        self.calls.num_made += 1
+        return out
 
     def send_hidden(self, x: Tensor) -> None:
+        if self._skips():
+            return
         start = time.perf_counter_ns()
         try:
             self.comms.world.send(x, self.next)
         finally:
             self.wait_ns += time.perf_counter_ns() - start
+        self.calls.num_made += 1
+
+    def _skips(self) -> bool:
+        skips = self.calls.skips()
+        if self.fault is not None and self.calls.num_calls == self.fault.at_call:
+            self.fault.trip(f"collective {self.calls.num_calls}")
+        return skips
 
 
 class Rank:
@@ -96,6 +131,8 @@ class Rank:
         weights.clear()
         self.weight_bytes = _weight_bytes(self.executor)
         self.busy_ns = 0  # time in `forward`, less the waits for the stages around
+        self.isolates = spec.layout.pipeline_size == 1  # a failed share is not the end
+        self._scratch: PagedKVCache | None = None  # what a replay writes to
 
     def report(self) -> RankReport:
         return RankReport(self.spec.rank, os.getpid(), socket.gethostname(), self.weight_bytes)
@@ -120,9 +157,54 @@ class Rank:
         The stage is busy from start to end, less its waits for the stages around it."""
         waited = self.comm.wait_ns
         start = time.perf_counter_ns()
-        output = self.executor.execute(model_input)
-        self.busy_ns += time.perf_counter_ns() - start - (self.comm.wait_ns - waited)
+        try:
+            if self.isolates:
+                return self._isolated_share(model_input)
+            return self.executor.execute(model_input)
+        finally:
+            self.busy_ns += time.perf_counter_ns() - start - (self.comm.wait_ns - waited)
+
+    def _isolated_share(self, model_input: ModelInput) -> ModelOutput:
+        """The share of a one-stage step, whose failure is the step's, not the rank's
+        (share.py); rank 0 raises ShareFailedError when any rank's share failed."""
+        self.comm.fault = next((f for f in self.spec.faults
+                                if f.is_armed(self.spec.rank, model_input)), None)
+        self.comm.calls.begin_share()
+        failure: Exception | None = None
+        output: ModelOutput = {}
+        try:
+            if self.comm.fault is not None and self.comm.fault.at_call == 0:
+                self.comm.fault.trip("before the forward")
+            output = self.executor.execute(model_input)
+        except RankFailedError:
+            raise
+        except Exception as exc:
+            failure = exc
+            log.error("rank %d could not run its share of a step of %d sequences: %r",
+                      self.spec.rank, len(model_input.sequences), exc)
+            self._replay(model_input)
+        failed = report_shares(self.comms.tp, failure is not None)
+        if failed:
+            raise ShareFailedError(
+                f"rank(s) {failed} could not run their share of the step"
+                + (f": {failure!r}" if failure is not None else " (their logs say why)"),
+                ranks=tuple(failed)) from failure
         return output
+
+    def _replay(self, model_input: ModelInput) -> None:
+        """Make the collectives the failed share still owes, over a placeholder of the step's
+        shape; a replay that fails too leaves the rank unable to go on (it raises)."""
+        fault, self.comm.fault = self.comm.fault, None
+        self.comm.calls.begin_replay()
+        if fault is not None and fault.is_fatal:
+            fault.trip("its replay")
+        if self._scratch is None:
+            self._scratch = PagedKVCache(
+                self.spec.config, 1, 1, self.executor.model.dtype, self.spec.device,
+                num_layers=len(self.shard.layers), kv_heads=len(self.shard.kv_heads))
+        with torch.inference_mode():
+            self.executor.model.forward(placeholder_batch(model_input, self.spec.device),
+                                        self._scratch)
 
     def receive_output(self) -> StageOutput:
         """Rank 0: the next Step's tokens from the sampling rank (the oldest batch in flight)."""

@@ -3,11 +3,19 @@ first pull from it.
 
 An instance describes its KV as `local_layout`: the served model and version, the hash namespace,
 the block size, and what the executor says its payloads depend on (dtype, layers, KV heads, head
-dim, parallel layout, payload format). D fetches P's (`GET {P}/internal/kv/layout`) and refuses a
-peer whose layout differs in any field, by name; a refused P's blocks and first token are never
-used (D prefills locally). Answers are cached per peer URL and process epoch (a restarted P is
-asked again), dropped on the first error talking to that peer, and forgotten `ttl_s` after they
-were fetched, so nothing of a dead peer outlives it by more than that.
+dim, payload format). D fetches P's (`GET {P}/internal/kv/layout`) and refuses a peer whose
+layout differs in any compared field (`FIELDS`), by name; a refused P's blocks and first token
+are never used (D prefills locally). Answers are cached per peer URL and process epoch (a
+restarted P is asked again), dropped on the first error talking to that peer, and forgotten
+`ttl_s` after they were fetched, so nothing of a dead peer outlives it by more than that.
+
+How the instance splits its KV over tensor- and pipeline-parallel ranks (`parallel`: T, P, the KV
+heads of each tp rank, the layers of each stage) travels too, and is not compared: a block leaves
+and enters in the whole model's layout (`num_layers` and `num_kv_heads` are the model's; the
+payload's header says the same), assembled from every rank on export and sliced to each rank's
+heads and layers on import, so a T=2 prefill instance feeds a T=1 or a P=2 decode instance:
+
+    P (T=2): rank 0 heads 0-1, rank 1 heads 1-2  -> whole block (3 heads) ->  D (T=1): heads 0-2
 """
 
 from __future__ import annotations
@@ -26,14 +34,15 @@ from strata.server.pd.wire import FORMAT
 
 log = logging.getLogger("strata.server.pd")
 
-# the fields compared, in the order a refusal names them
+# the fields compared, in the order a refusal names them (`parallel` is shown, not compared)
 FIELDS = ("format", "model", "version", "namespace", "dtype", "block_size", "num_layers",
-          "num_kv_heads", "head_dim", "parallel", "codec_format", "kv_bytes_per_token")
+          "num_kv_heads", "head_dim", "codec_format", "kv_bytes_per_token")
 
 
 @runtime_checkable
 class DescribesKV(Protocol):
-    """An executor that says what its exported blocks depend on (TorchExecutor, the simulator)."""
+    """An executor that says what its exported blocks depend on (TorchExecutor,
+    ParallelExecutor, the simulator)."""
 
     def kv_layout(self) -> dict[str, Any]: ...
 

@@ -11,9 +11,10 @@ live D starts its pull as the request enters its route, so a handle nobody pulle
 grace belongs to a D that died (or never got it): its blocks are back in the free pool within
 the grace (a D that comes later finds the handle gone and recomputes the prompt, P's first token
 in hand). Blocks are released exactly once, and never while a pull is reading them (a held block
-is never written). A pull cut off by D's death shrinks the lease to `broken_grace_s`, long
-enough for the gateway to send the request to another D that pulls again, short enough that a
-dead peer's blocks are back in the free pool within that grace (after `expire` sees them).
+is never written: the engine thread reads it between two steps, whatever runs meanwhile). A
+pull cut off by D's death shrinks the lease to `broken_grace_s`, long enough for the gateway to
+send the request to another D that pulls again, short enough that a dead peer's blocks are back
+in the free pool within that grace (after `expire` sees them).
 """
 
 from __future__ import annotations

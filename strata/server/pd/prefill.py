@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
 import anyio
 from pydantic import BaseModel
@@ -19,10 +19,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Send
 
-from strata.engine.executor import KVTransfer
 from strata.engine.outputs import RequestOutput
 from strata.engine.request import Request as EngineRequest
-from strata.errors import InvalidRequestError, OverloadedError
+from strata.errors import EngineDeadError, InvalidRequestError, OverloadedError
 from strata.protocol.errors import error_json
 from strata.server import serving
 from strata.server.pd.leases import Lease
@@ -33,7 +32,7 @@ from strata.server.request_io import unless_disconnected
 from strata.types import BlockHash
 
 M = TypeVar("M", bound=BaseModel)
-EXPORT_BATCH = 8  # blocks read per hop to a worker thread
+EXPORT_BATCH = 8  # blocks read per visit of the engine thread
 Starter = Callable[[serving.ServingContext, M, Callable[[list[EngineRequest]], Awaitable[None]]],
                    Awaitable[serving.Started]]
 
@@ -123,9 +122,21 @@ def _not_found() -> Response:
     return Response(error_json(404, message), 404, media_type="application/json")
 
 
+@runtime_checkable
+class ModeledLink(Protocol):
+    """An executor whose exported blocks stand for bytes on a modeled link (the simulator's
+    stand-ins): the pull waits the time they take, off the engine thread."""
+
+    def link_s(self, num_blocks: int) -> float: ...
+
+
 class Blocks:
     """One pull: the stream head, then each block with its chain hash. The lease counts the
-    pull until `close` (whatever ends the stream): a stream cut short is a broken pull."""
+    pull until `close` (whatever ends the stream): a stream cut short is a broken pull.
+
+    The engine thread reads the blocks, `EXPORT_BATCH` at a time between two of its steps
+    (`AsyncEngine.export_held`): the executor has one driver. The next batch is asked for
+    before the current one is sent, so the wait for the engine overlaps the send."""
 
     def __init__(self, pd: PD, lease: Lease, first: int, count: int) -> None:
         self.pd, self.lease = pd, lease
@@ -136,23 +147,45 @@ class Blocks:
         self.is_closed = False
 
     async def frames(self) -> AsyncIterator[bytes]:
-        executor = self.pd.executor  # held blocks are never written: read off the engine thread
         yield stream_head(len(self.block_ids))
-        for start in range(0, len(self.block_ids), EXPORT_BATCH):
-            batch = self.block_ids[start : start + EXPORT_BATCH]
-            payloads = await asyncio.to_thread(executor.export_blocks, batch) \
-                if isinstance(executor, KVTransfer) else []
-            if len(payloads) != len(batch):
-                return  # cannot export: D sees a truncated stream and recomputes
-            for offset, payload in enumerate(payloads):
-                index = start + offset
-                block_hash, payload = self.pd.faults.damage(
-                    self.first + index, BlockHash(self.hashes[index]), payload)
-                self.pd.metrics.pull_bytes.labels("prefill").inc(len(payload))
-                yield block_frame(block_hash, payload)
-                if index == 0:
-                    self.pd.faults.reached("prefill_during_pull")
-        self.is_complete = True
+        starts = range(0, len(self.block_ids), EXPORT_BATCH)
+        reads = [self._read(start) for start in starts[:1]]
+        try:
+            for start in starts:
+                payloads = await reads.pop()
+                if start + EXPORT_BATCH < len(self.block_ids):
+                    reads.append(self._read(start + EXPORT_BATCH))
+                if len(payloads) != len(self.block_ids[start : start + EXPORT_BATCH]):
+                    return  # cannot export: D sees a truncated stream and recomputes
+                for index, payload in enumerate(payloads, start):
+                    yield self._frame(index, payload)
+                    if index == 0:
+                        self.pd.faults.reached("prefill_during_pull")
+            self.is_complete = True
+        finally:
+            for read in reads:
+                read.cancel()
+
+    def _read(self, start: int) -> asyncio.Task[list[bytes]]:
+        return asyncio.ensure_future(self._export(self.block_ids[start : start + EXPORT_BATCH]))
+
+    async def _export(self, block_ids: list[int]) -> list[bytes]:
+        """The payloads of `block_ids`; [] when the engine can no longer read them."""
+        try:
+            payloads = await self.pd.instance.engine.export_held(self.lease.request_id,
+                                                                 block_ids)
+        except EngineDeadError:
+            return []
+        link = self.pd.executor
+        if payloads and isinstance(link, ModeledLink):
+            await asyncio.sleep(link.link_s(len(payloads)))
+        return payloads
+
+    def _frame(self, index: int, payload: bytes) -> bytes:
+        block_hash, payload = self.pd.faults.damage(
+            self.first + index, BlockHash(self.hashes[index]), payload)
+        self.pd.metrics.pull_bytes.labels("prefill").inc(len(payload))
+        return block_frame(block_hash, payload)
 
     async def close(self) -> None:
         if not self.is_closed:

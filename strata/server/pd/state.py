@@ -51,7 +51,7 @@ class PD:
                                  on_release=self._released)
         core = instance.engine.engine
         cache = core.cache_config
-        self.executor: object = getattr(core, "executor", None)  # exports held blocks
+        self.executor: object = getattr(core, "executor", None)  # describes its KV layout
         self.layout = local_layout(instance.config.served_model_name,
                                    instance.config.model_version, cache.namespace,
                                    cache.block_size, self.executor)
