@@ -152,6 +152,8 @@ def cluster(tmp_path: Path, v1_profile: LatencyProfile) -> Iterator[Cluster]:
     started = start_cluster(
         ["--simulate", str(tmp_path / "v1.json"), "--served-model-name", MODEL,
          "--model-version", "v1", "--session-store", f"sqlite:///{tmp_path / 'sessions.db'}",
+         # room for a session's whole history: converse's 200 turns at most, ~31 tokens each
+         "--max-model-len", "8192",
          *(f"--gateway-arg={flag}" for flag in gateway_flags)], tmp_path, replicas=2)
     yield started
     assert started.stop() == 0
