@@ -15,7 +15,7 @@ import httpx
 import pytest
 from live_server import wait_until
 from model.parallel.parallel_helpers import make_nine_head_model
-from pd_fleet import MODEL, Instance, comparable, decode, mixed, prefill, start_instance
+from pd_fleet import FLEET, MODEL, Instance, comparable, decode, mixed, prefill, start_instance
 
 from strata.model.loader import load_model
 from strata.model.parallel.executor import ParallelExecutor
@@ -82,7 +82,8 @@ def test_a_hand_off_across_layouts_answers_as_one_mixed_t1_instance(
 
 def test_the_handshake_shows_the_split_and_compares_the_whole_layout(
         fleet: dict[str, Instance]) -> None:
-    layouts = {name: httpx.get(i.url + LAYOUT_PATH).json() for name, i in fleet.items()}
+    layouts = {name: httpx.get(i.url + LAYOUT_PATH, headers=FLEET).json()
+               for name, i in fleet.items()}
     assert layouts["t2"]["parallel"] == {
         "name": "tp2", "tensor_size": 2, "pipeline_size": 1,
         "kv_heads_per_rank": [[0, 2], [1, 3]], "layers_per_stage": [[0, 2]]}
