@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from cluster_process import Cluster, start_cluster, wait_until
+from harness.procs import http_ok
 from resume_streams import events_of, frames_of, text_of, usage_of
 from tiny_models import make_tiny_model_dir
 
@@ -35,7 +36,11 @@ pytestmark = pytest.mark.timeout(300)
 class Streamed:
     raw: bytes
     instance: str
-    was_killed: bool
+    killed_pid: int | None  # the instance's process, SIGKILLed mid-stream; None: not killed
+
+    @property
+    def was_killed(self) -> bool:
+        return self.killed_pid is not None
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -49,7 +54,7 @@ class Streamed:
 
 def stream(cluster: Cluster, body: dict[str, Any], kill_after: int | None = None) -> Streamed:
     """A chat stream through the gateway; after `kill_after` chunks its instance is SIGKILLed."""
-    raw, was_killed = b"", False
+    raw, killed_pid = b"", None
     with httpx.stream("POST", f"{cluster.url}/v1/chat/completions", json=body,
                       timeout=120) as response:
         assert response.status_code == 200, response.read()
@@ -57,9 +62,9 @@ def stream(cluster: Cluster, body: dict[str, Any], kill_after: int | None = None
         for i, chunk in enumerate(response.iter_raw()):
             raw += chunk
             if i == kill_after:
-                os.kill(cluster.pids()[served_by], signal.SIGKILL)
-                was_killed = True
-    return Streamed(raw, served_by, was_killed)
+                killed_pid = cluster.pids()[served_by]
+                os.kill(killed_pid, signal.SIGKILL)
+    return Streamed(raw, served_by, killed_pid)
 
 
 def num_resumed(cluster: Cluster) -> float:
@@ -79,7 +84,8 @@ def all_routable(cluster: Cluster, num: int) -> bool:
 
 def assert_same_stream(broken: Streamed, unbroken: Streamed, num_tokens: int) -> None:
     assert broken.was_killed and not unbroken.was_killed
-    assert b"error" not in broken.raw and broken.raw.endswith(b"data: [DONE]\n\n")
+    assert b"error" not in broken.raw and broken.raw.endswith(b"data: [DONE]\n\n"), \
+        broken.raw[-700:]
     assert broken.token_bytes == unbroken.token_bytes
     assert len(broken.token_bytes) == num_tokens
     assert text_of(broken.events) == text_of(unbroken.events)
@@ -124,7 +130,8 @@ def test_an_unseeded_stream_is_resumed_as_a_whole_stream(sim_cluster: Cluster) -
     resumed_before = num_resumed(sim_cluster)
     broken = stream(sim_cluster, body, kill_after=10)
     assert broken.was_killed and num_resumed(sim_cluster) == resumed_before + 1
-    assert b"error" not in broken.raw and broken.raw.endswith(b"data: [DONE]\n\n")
+    assert b"error" not in broken.raw and broken.raw.endswith(b"data: [DONE]\n\n"), \
+        broken.raw[-700:]
     assert len(broken.token_bytes) == 50 and len({e["id"] for e in broken.events}) == 1
     usage = usage_of(broken.events)
     assert usage is not None and usage[1] == 50
@@ -143,8 +150,18 @@ def test_sigkill_mid_stream_of_a_real_model_gives_the_stream_of_no_failure(
         broken = stream(cluster, body, kill_after=3)  # of 200 tokens: well before the end
         assert_same_stream(broken, unbroken, 200)
         assert num_resumed(cluster) == 1
-        # seeded: the resumed instance's sampler continues at the same position
-        wait_until(lambda: all_routable(cluster, 2), 120, "the victim back")
+        # seeded: the resumed instance's sampler continues at the same position. The victim
+        # is back once its new process answers; until its heartbeat went stale the gateway may
+        # still count the dead record as routable
+        dead_pid = broken.killed_pid
+
+        def victim_back() -> bool:
+            if cluster.pids().get(broken.instance) in (None, dead_pid):
+                return False
+            url = cluster.instances().get(broken.instance, {}).get("url")
+            return url is not None and http_ok(f"{url}/health") and all_routable(cluster, 2)
+
+        wait_until(victim_back, 120, "the victim back as a new process")
         seeded = {**body, "temperature": 0.9, "seed": 77}
         unbroken = stream(cluster, seeded)
         broken = stream(cluster, seeded, kill_after=3)
