@@ -101,6 +101,22 @@ def host_of(url: str) -> str:
     return url.removeprefix("http://").rsplit(":", 1)[0]
 
 
+def wait_routed(gateway: str, num: int, timeout_s: float = 60) -> None:
+    """Until the gateway routes to `num` instances (the registry lists them a moment before the
+    gateway's next poll sees them: a request in between is a 404 for an unknown model)."""
+    def routed() -> int:
+        try:
+            views = httpx.get(f"{gateway}/admin/instances", timeout=5).json()["instances"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return 0
+        return sum(1 for v in views if v["routable"])
+
+    deadline = time.monotonic() + timeout_s
+    while routed() < num:
+        assert time.monotonic() < deadline, f"the gateway routes to fewer than {num} instances"
+        time.sleep(0.1)
+
+
 def complete(gateway: str) -> int:
     reply = httpx.post(f"{gateway}/v1/completions", timeout=60,
                        json={"model": "smol", "prompt": "hello", "max_tokens": 3})
@@ -116,6 +132,7 @@ def test_replicas_spread_over_both_workers_and_register_their_nodes_addresses(
         assert {n.address for n in nodes} == WORKERS  # one replica on each worker
         ready = wait_ready(launched, redis_url, 120)
         assert {host_of(r.url) for r in ready} == WORKERS
+        wait_routed(f"http://{config.host}:{config.port}", 2)
         assert complete(f"http://{config.host}:{config.port}") == 200
 
 
@@ -158,6 +175,7 @@ def test_a_worker_node_lost_under_load_fails_nothing_and_its_instance_returns_el
     address = ray.get_runtime_context().gcs_address
     with ray_launcher(config, ClusterSeed(SIM, replicas=2), address=address) as launched:
         wait_ready(launched, redis_url, 120)
+        wait_routed(gateway, 2)
         statuses: list[int] = []
         stop = threading.Event()
 
