@@ -35,12 +35,13 @@ def answer_of(body: dict[str, Any]) -> tuple[str, str, int]:
 
 
 async def drive(url: str) -> tuple[list[int], list[tuple[str, str, int]],
-                                   list[tuple[float, int]]]:
-    """Send the phases' load (open loop); returns every status, every answer and (time,
-    desired replicas)."""
+                                   list[tuple[float, int]], list[str]]:
+    """Send the phases' load (open loop); returns every status (0: no answer), every answer,
+    (time, desired replicas) and why each request without an answer had none."""
     statuses: list[int] = []
     answers: list[tuple[str, str, int]] = []
     desired: list[tuple[float, int]] = []
+    errors: list[str] = []
     async with httpx.AsyncClient(base_url=url, timeout=60,
                                  limits=httpx.Limits(max_connections=200)) as client:
 
@@ -50,8 +51,9 @@ async def drive(url: str) -> tuple[list[int], list[tuple[str, str, int]],
                 statuses.append(answer.status_code)
                 if answer.status_code == 200:
                     answers.append(answer_of(answer.json()))
-            except httpx.HTTPError:
+            except httpx.HTTPError as exc:
                 statuses.append(0)
+                errors.append(f"{type(exc).__name__}: {exc}")
 
         async def watch(until: float) -> None:
             while time.monotonic() < until:
@@ -73,7 +75,7 @@ async def drive(url: str) -> tuple[list[int], list[tuple[str, str, int]],
                 at += 1.0 / rate
         await asyncio.gather(*tasks)
         await watcher
-    return statuses, answers, desired
+    return statuses, answers, desired, errors
 
 
 def wait_desired(url: str, num: int, timeout_s: float) -> bool:
@@ -103,9 +105,10 @@ def test_the_fleet_grows_and_shrinks_with_a_load_step_and_loses_no_request(
         first = answer_of(httpx.post(f"{cluster.url}/v1/completions", json=BODY,
                                      timeout=60).json())
         assert first[1:] == ("length", 20) and len(first[0].split()) >= 10, first
-        statuses, answers, desired = asyncio.run(drive(cluster.url))
+        statuses, answers, desired, errors = asyncio.run(drive(cluster.url))
         counts = [n for _, n in desired]
-        assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in statuses}
+        assert statuses and set(statuses) == {200}, ({s: statuses.count(s) for s in statuses},
+                                                     errors)
         assert len(answers) == len(statuses) and set(answers) == {first}, set(answers) - {first}
         assert counts[0] == 1 and max(counts) == 3, counts
         # back to one once the load fell (on a busy machine the last phase can end first:
