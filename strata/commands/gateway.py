@@ -88,6 +88,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--health-check-interval-s", type=positive_float, default=1.0)
     add_auth_flags(p)
     p.add_argument("--shutdown-timeout-s", type=positive_float, default=30.0)
+    p.add_argument("--keep-alive-s", type=positive_float, default=75.0,
+                   help="a client's idle kept-alive connection is closed after this long; keep "
+                        "it above the clients' own idle expiry (httpx: 5 s)")
     p.add_argument("--session-routing", choices=SESSION_ROUTING_MODES, default="none",
                    help="requests with a session id: none/external (normal policy), sticky "
                         "(pinned, bounded-load consistent hash), hybrid (sticky; moves rebuild "
@@ -179,6 +182,7 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
         internal_keys=read_internal_keys(args.internal_key_file, env.internal_keys),
         key_max_priority=read_key_max_priority(args.api_key_file, env),
         rate_limit_per_s=args.rate_limit_per_s, shutdown_timeout_s=args.shutdown_timeout_s,
+        keep_alive_s=args.keep_alive_s,
         sessions=_session_config(args),
         versions=VersionConfig(routing_poll_s=args.routing_poll_s,
                                pin_store_url=args.version_pin_store,
@@ -255,7 +259,8 @@ async def _serve(config: GatewayConfig, args: argparse.Namespace, started: float
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=log_level,
         access_log=log_level == "debug", log_config=None,  # through strata/logs.py's handler
-        timeout_graceful_shutdown=math.ceil(config.shutdown_timeout_s)))
+        timeout_graceful_shutdown=math.ceil(config.shutdown_timeout_s),
+        timeout_keep_alive=math.ceil(config.keep_alive_s)))
     # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown; absorb it: exit 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)

@@ -77,6 +77,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "general.sampling.*) fill fields a request leaves out; none: Strata's")
     p.add_argument("--shutdown-timeout-s", type=non_negative_float, default=30.0,
                    help="on SIGTERM/SIGINT, how long in-flight requests may finish")
+    p.add_argument("--keep-alive-s", type=positive_float, default=75.0,
+                   help="a client's idle kept-alive connection is closed after this long; keep "
+                        "it above the clients' own idle expiry (httpx: 5 s), or a request sent "
+                        "as the server closes it gets no answer")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     add_parallel_flags(p)
     _add_cluster_flags(p)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 import socket
 import time
@@ -203,6 +204,7 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
         app, log_level=args.log_level, access_log=args.log_level == "debug",
         log_config=None,  # its loggers go through strata/logs.py's handler
         timeout_graceful_shutdown=args.shutdown_timeout_s,
+        timeout_keep_alive=math.ceil(args.keep_alive_s),
     ), app.state.instance.begin_drain)
     # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown; these handlers
     # absorb it so that a requested stop exits 0.

@@ -248,6 +248,10 @@ class GatewayConfig:
     rate_limit_per_s: float | None = None
     key_max_priority: tuple[tuple[str, int], ...] = ()  # (key, priority ceiling) pairs
     shutdown_timeout_s: float = 30.0
+    # how long a client's idle kept-alive connection stays open: above the idle expiry of the
+    # common clients (httpx 5 s, aiohttp 15 s), so that a client never sends on a connection
+    # the gateway is closing at that moment (that request would fail with no answer); nginx's 75
+    keep_alive_s: float = 75.0
     sessions: SessionRoutingConfig = field(default_factory=SessionRoutingConfig)
     versions: VersionConfig = field(default_factory=VersionConfig)
     response_cache_url: str | None = None  # opt-in: deterministic answers, keyed by version

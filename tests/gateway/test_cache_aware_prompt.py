@@ -69,6 +69,14 @@ def test_prompt_of_reads_chat_completion_batches_and_ids() -> None:
     assert prompt_of({"prompt": []}) is None and prompt_of({"model": "m"}) is None
 
 
+@pytest.mark.parametrize("ids", [[1, 2**70], [5, -1], [True, 2], [3, 2**31]])
+def test_integers_that_are_no_token_ids_are_not_keyed(ids: list[int]) -> None:
+    # a 65-bit id crashed the block hash (a 500 that schemathesis found); the instance answers
+    # such a prompt with a 400, the gateway routes it by load
+    assert prompt_of({"prompt": ids}) is None
+    assert prompt_of({"prompt": [ids]}) is None
+
+
 def test_text_keys_share_a_prefix_and_count_tokens_roughly() -> None:
     system = "x" * (TEXT_CHUNK_CHARS * 3)
     a = text_keys(Prompt(messages=[{"role": "system", "content": system},

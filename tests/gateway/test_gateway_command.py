@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import http.client
 import json
 import re
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,6 +113,32 @@ def test_sigterm_lets_the_stream_in_flight_finish_then_exits_0(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def test_an_idle_client_connection_outlives_the_clients_own_idle_expiry() -> None:
+    # uvicorn's default closes an idle connection after 5 s, httpx's pool reuses one up to 5 s:
+    # a request sent as the gateway closed it got no answer (a ReadError in the autoscale test)
+    assert parse_flags().keep_alive_s == 75.0
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, "gateway", "--port", "0",
+                             "--instances", "http://127.0.0.1:1", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        host, port = _wait_for_url(proc).removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        try:
+            conn.request("GET", "/health")
+            first = conn.getresponse()
+            first.read()
+            time.sleep(6.5)  # past httpx's and uvicorn's default 5 s
+            conn.request("GET", "/health")  # on the same connection, or it fails
+            assert conn.getresponse().status == first.status
+        finally:
+            conn.close()
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
         assert proc.stdout is not None
         proc.stdout.close()
 

@@ -36,8 +36,9 @@ SERVE_ARGS: dict[str, bool] = {
     "--max-num-seqs": True, "--max-num-batched-tokens": True, "--no-prefix-cache": False,
     "--no-chunked-prefill": False, "--prefill-stretch": True, "--max-waiting": True,
     "--max-queue-wait-s": True, "--threads": True, "--generation-config": True,
-    "--shutdown-timeout-s": True, "--log-level": True, "--sim-start-s": True,
-    "--sim-kv-bandwidth-gbps": True, "--pd-lease-s": True, "--kv-ttl-s": True,
+    "--shutdown-timeout-s": True, "--keep-alive-s": True, "--log-level": True,
+    "--sim-start-s": True, "--sim-kv-bandwidth-gbps": True, "--pd-lease-s": True,
+    "--kv-ttl-s": True,
     "--kv-min-fetch-tokens": True, "--kv-max-put-mb": True, "--tensor-parallel-size": True,
     "--pipeline-parallel-size": True, "--pipeline-layers": True,
 }

@@ -38,6 +38,9 @@ from strata.protocol.chat_template import compile_chat_template, render_chat
 from strata.types import BlockHash, hash_block
 
 TEXT_CHUNK_CHARS = 256
+# a token id the gateway keys: a vocabulary index (no tokenizer has 2**31 entries); a prompt
+# with another integer is not keyed (routed by load) and its instance answers 400
+MAX_TOKEN_ID = 2**31 - 1
 CHARS_PER_TOKEN = 4
 MEMO_ENTRIES = 4096
 PROBE_TEXTS = ("Hello, world! ", "  two  spaces\n\nand lines\t", "digits 12345 and ünïcödé")
@@ -85,9 +88,14 @@ def prompt_of(data: dict[str, Any]) -> Prompt | None:
         prompt = prompt[0]  # a batch: routed by its first prompt
     if isinstance(prompt, str):
         return Prompt(text=prompt, cache_salt=str(salt))
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
         return Prompt(token_ids=list(prompt), cache_salt=str(salt))
     return None
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) \
+        and 0 <= value <= MAX_TOKEN_ID
 
 
 def _message(message: dict[str, Any]) -> dict[str, Any]:
