@@ -99,7 +99,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", default=DEFAULT_URL)
     p.add_argument("--model", default=None, help="default: the first model of /v1/models")
     p.add_argument("--workload", choices=WORKLOADS, default="fixed")
-    p.add_argument("--num-requests", type=positive_int, default=32)
+    p.add_argument("--num-requests", type=positive_int, default=None,
+                   help="default 32; with --check-determinism: the prompts checked, default 12")
     p.add_argument("--input-len", type=positive_int, default=128,
                    help="prompt tokens (multi-turn: words per user turn)")
     p.add_argument("--output-len", type=positive_int, default=64)
@@ -116,6 +117,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="bound on the whole run")
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--api-key", default=None,
+                   help="sent as Authorization: Bearer KEY (default: $STRATA_API_KEYS' first)")
+    p.add_argument("--check-determinism", action="store_true",
+                   help="instead of a load: send the same prompts alone, again with their "
+                        "prefix cached, and inside a concurrent batch, greedy and seeded, and "
+                        "report how many answers are identical (exit 1 if any is not)")
+    p.add_argument("--batch-size", type=positive_int, default=36,
+                   help="with --check-determinism: the concurrent batch the prompts join")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,12 +173,16 @@ def cmd_chat(args: argparse.Namespace, env: CliEnv) -> int:
     return run_chat(options, once=args.once)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def cmd_bench(args: argparse.Namespace, env: CliEnv) -> int:
     from strata.bench.loadgen import BenchConfig, run_benchmark
     from strata.bench.report import format_table, write_json
 
+    api_key = args.api_key or (env.api_keys[0] if env.api_keys else None)
+    if args.check_determinism:
+        return cmd_check_determinism(args, api_key)
     config = BenchConfig(
-        url=args.url, model=args.model, workload=args.workload, num_requests=args.num_requests,
+        url=args.url, model=args.model, workload=args.workload, api_key=api_key,
+        num_requests=args.num_requests or 32,
         input_len=args.input_len, output_len=args.output_len, prefix_len=args.prefix_len,
         num_sessions=args.sessions, num_turns=args.turns, concurrency=args.concurrency,
         request_rate=args.request_rate, seed=args.seed, timeout_s=args.timeout_s,
@@ -183,13 +196,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if report["num_completed"] else 1
 
 
+def cmd_check_determinism(args: argparse.Namespace, api_key: str | None) -> int:
+    from strata.bench.determinism import (
+        DeterminismConfig,
+        check_determinism,
+        format_determinism,
+    )
+    from strata.bench.report import write_json
+
+    config = DeterminismConfig(
+        url=args.url, model=args.model, api_key=api_key, num_prompts=args.num_requests or 12,
+        output_len=args.output_len, batch_size=args.batch_size, seed=args.seed,
+        timeout_s=args.timeout_s, show_progress=not args.no_progress)
+    report = asyncio.run(check_determinism(config))
+    print(format_determinism(report))
+    if args.out is not None:
+        write_json(report, args.out)
+        print(f"wrote {args.out}")
+    return 0 if report["all_identical"] else 1
+
+
 def _run(args: argparse.Namespace, env: CliEnv) -> int:
     if args.command in COMMAND_MODULES:
         module = _command_modules()[COMMAND_MODULES.index(args.command)]
         return int(module.run(args, env))
     if args.command == "chat":
         return cmd_chat(args, env)
-    return cmd_bench(args)
+    return cmd_bench(args, env)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,11 +35,23 @@ class ModelTargets:
     instance: ServeProcess
     embed: ServeProcess
     gateway: Proc
+    log_dir: Path
 
     @property
     def urls(self) -> dict[str, str]:
         return {"instance": self.instance.url, "embed": self.embed.url,
                 "gateway": self.gateway.url}
+
+    def errors(self) -> str:
+        """What the processes logged at ERROR (with the traces that follow), for a failure's
+        message: a 5xx's cause is in the log of whoever answered it."""
+        found = []
+        for log in sorted(self.log_dir.glob("*.log")):
+            lines = log.read_text(errors="replace").splitlines()
+            starts = [i for i, line in enumerate(lines) if line.startswith("ERROR")]
+            for i in starts[:5]:
+                found.append(f"{log.name}: " + "\n".join(lines[i:i + 40]))
+        return "\n".join(found) or "no process logged an error"
 
 
 @contextmanager
@@ -65,7 +77,7 @@ def model_stack(root: Path) -> Iterator[ModelTargets]:
                 embed.url, "--port", "0", *auth]
         gateway = spawn("gateway", argv, root / "logs")
         gateway.url = gateway.wait_for_output(_GATEWAY_READY, 60).group(1)
-        yield ModelTargets(instance, embed, gateway)
+        yield ModelTargets(instance, embed, gateway, root / "logs")
     finally:
         if gateway is not None:
             gateway.kill()

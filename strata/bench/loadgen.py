@@ -12,7 +12,7 @@ import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
@@ -52,6 +52,7 @@ class BenchConfig:
     seed: int = 0
     timeout_s: float = 600.0
     show_progress: bool = True
+    api_key: str | None = field(default=None, repr=False)  # sent as a bearer token
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -81,8 +82,9 @@ async def run_benchmark(
     """Run the workload against `config.url` and return the JSON-ready report."""
     timeout = httpx.Timeout(config.timeout_s, connect=10.0)
     limits = httpx.Limits(max_connections=None)  # the load policy bounds what is in flight
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     async with httpx.AsyncClient(base_url=config.url, timeout=timeout, limits=limits,
-                                 transport=transport) as client:
+                                 headers=headers, transport=transport) as client:
         try:
             model = config.model or await first_model(client)
         except httpx.HTTPError as e:
@@ -101,13 +103,16 @@ async def run_benchmark(
             duration_s = time.perf_counter() - start
     missing = config.num_expected - len(results)
     results += [RequestResult(error="not finished within --timeout-s")] * missing
-    return {"model": model, "config": asdict(config), **summarize(results, duration_s)}
+    described = {k: v for k, v in asdict(config).items() if k != "api_key"}
+    return {"model": model, "config": described, **summarize(results, duration_s)}
 
 
 async def first_model(client: httpx.AsyncClient) -> str:
     """The first model id that the server lists at /v1/models."""
     resp = await client.get("/v1/models")
-    resp.raise_for_status()
+    if resp.status_code != 200:
+        raise ConfigError(f"{client.base_url}/v1/models answered {resp.status_code}: "
+                          f"{resp.text[:200]} (a key: --api-key; or name the model: --model)")
     data = resp.json().get("data") or []
     if not data:
         raise ConfigError(f"{client.base_url}/v1/models lists no model; pass --model")

@@ -39,7 +39,7 @@ def test_mutated_bodies_to_a_real_model_get_answers_never_5xx_resets_or_hangs(
     assert {m.path for m in mutants} == {s.split("#")[0] for s in MODEL_SEEDS}
     report = asyncio.run(run_fuzz(real.urls[target], mutants, timeout_s=30.0,
                                   headers=AUTH))
-    assert report.findings == []
+    assert report.findings == [], real.errors()
     assert report.num_sent == NUM_MUTANTS
     assert report.counts["ok"] > 0 and report.counts["refused"] > NUM_MUTANTS // 2
 
@@ -57,5 +57,5 @@ def test_embedding_bodies_to_the_embed_instance_never_5xx(real: ModelTargets) ->
 def test_schemathesis_finds_nothing_against_real_models(real: ModelTargets,
                                                         target: str) -> None:
     sent, failures = run_schemathesis(real.urls[target], timeout_s=30.0)
-    assert failures == []
+    assert failures == [], real.errors()
     assert sent > 100
