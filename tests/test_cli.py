@@ -36,8 +36,10 @@ def test_serve_defaults() -> None:
 def test_bench_and_chat_defaults_talk_to_loopback() -> None:
     bench = build_parser().parse_args(["bench"])
     assert bench.url == "http://127.0.0.1:8000"
+    # no --num-requests: 32 for a load, 12 prompts for --check-determinism
     assert (bench.workload, bench.num_requests, bench.input_len, bench.output_len) == (
-        "fixed", 32, 128, 64)
+        "fixed", None, 128, 64)
+    assert (bench.check_determinism, bench.batch_size, bench.api_key) == (False, 36, None)
     assert (bench.concurrency, bench.request_rate, bench.timeout_s) == (8, None, 600.0)
     chat = build_parser().parse_args(["chat", "--once", "hi"])
     assert (chat.url, chat.once, chat.model) == ("http://127.0.0.1:8000", "hi", None)
