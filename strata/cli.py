@@ -175,7 +175,7 @@ def cmd_chat(args: argparse.Namespace, env: CliEnv) -> int:
 
 def cmd_bench(args: argparse.Namespace, env: CliEnv) -> int:
     from strata.bench.loadgen import BenchConfig, run_benchmark
-    from strata.bench.report import format_table, write_json
+    from strata.bench.report import format_table
 
     api_key = args.api_key or (env.api_keys[0] if env.api_keys else None)
     if args.check_determinism:
@@ -189,11 +189,18 @@ def cmd_bench(args: argparse.Namespace, env: CliEnv) -> int:
         show_progress=not args.no_progress,
     )
     report = asyncio.run(run_benchmark(config))
-    print(format_table(report))
-    if args.out is not None:
-        write_json(report, args.out)
-        print(f"wrote {args.out}")
+    _print_report(format_table(report), report, args.out)
     return 0 if report["num_completed"] else 1
+
+
+def _print_report(table: str, report: dict[str, object], out: Path | None) -> None:
+    """A bench report on stdout, and as JSON at `out` when given."""
+    from strata.bench.report import write_json
+
+    print(table)
+    if out is not None:
+        write_json(report, out)
+        print(f"wrote {out}")
 
 
 def cmd_check_determinism(args: argparse.Namespace, api_key: str | None) -> int:
@@ -202,17 +209,12 @@ def cmd_check_determinism(args: argparse.Namespace, api_key: str | None) -> int:
         check_determinism,
         format_determinism,
     )
-    from strata.bench.report import write_json
-
     config = DeterminismConfig(
         url=args.url, model=args.model, api_key=api_key, num_prompts=args.num_requests or 12,
         output_len=args.output_len, batch_size=args.batch_size, seed=args.seed,
         timeout_s=args.timeout_s, show_progress=not args.no_progress)
     report = asyncio.run(check_determinism(config))
-    print(format_determinism(report))
-    if args.out is not None:
-        write_json(report, args.out)
-        print(f"wrote {args.out}")
+    _print_report(format_determinism(report), report, args.out)
     return 0 if report["all_identical"] else 1
 
 
