@@ -1,5 +1,6 @@
 """The scaling law: from one snapshot of signals to the number of replicas a deployment wants.
-Pure: the controller (controller.py) and the virtual fleet (virtual.py) feed it the same way.
+Pure: the controller (controller.py) and the planner's fleet (strata/plan/autoscaled.py) feed it
+the same way.
 
     capacity   mu = requests/s one instance serves at its SLO batch (capacity.py, the profile)
     correction k = measured / modelled requests in flight (Little's law, averages over the

@@ -4,10 +4,11 @@ latency profile, on a virtual clock (`strata plan`).
     workload.py   the workload (jobs, turns, shared prefixes, sessions) and the SLO
     arch.py       the architectures: one step of the evolution each, sized by the search
     instance.py   one simulated instance: the real Engine over a non-sleeping executor
+    modelled.py   an instance as the capacity model sees it (hours of traffic in seconds)
     fleet.py      the discrete-event simulation of one architecture
     routing.py    the gateway's part: the real policies, in-flight accounting, the KV store
     watch.py      stopping a run once its SLO is surely missed
-    autoscaled.py the real scaling law deciding over a simulated fleet
+    autoscaled.py the real scaling law deciding over a simulated fleet (also the law's stories)
     costs.py      what a plan charges outside engine steps (overheads, KV transfer)
     outcome.py    percentiles, throughput, the SLO check and the bottleneck
     search.py     sizing each family to the SLO; the cheapest configuration

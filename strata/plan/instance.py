@@ -10,12 +10,13 @@ export paths: an imported block is a prefix hit, as on a real instance.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from strata.clock import Clock
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.engine import Engine
 from strata.engine.executor import ModelInput, ModelOutput, SampledToken, ScheduledSequence
-from strata.engine.outputs import RequestOutput
+from strata.engine.outputs import EngineStats, RequestOutput
 from strata.engine.request import Request
 from strata.gateway.routing.instances import InstanceView
 from strata.plan.workload import VOCAB_SIZE
@@ -92,6 +93,39 @@ class _NoText:
         return ""
 
 
+class FleetInstance(Protocol):
+    """What the fleet (fleet.py) asks of an instance: this module's `SimInstance` (the real
+    engine) or a `ModelledInstance` (modelled.py: the capacity model, for hours of traffic)."""
+
+    view: InstanceView
+    started_at: float
+    stopped_at: float | None
+
+    @property
+    def instance_id(self) -> str: ...
+
+    @property
+    def has_work(self) -> bool: ...
+
+    @property
+    def busy_s(self) -> float: ...
+
+    @property
+    def num_preemptions(self) -> int: ...
+
+    def add(self, request: Request) -> None: ...
+
+    def advance(self, now: float) -> list[tuple[float, list[RequestOutput]]]:
+        """Start what can start now; what it releases, each after how many seconds."""
+        ...
+
+    def released(self, now: float, outputs: list[RequestOutput]) -> None:
+        """A release of `advance` came due (the fleet handles its outputs)."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+
 class SimInstance:
     """An engine, its executor and the gateway's view of it."""
 
@@ -119,11 +153,24 @@ class SimInstance:
     def add(self, request: Request) -> None:
         self.engine.add_request(request)
 
-    def step(self) -> tuple[float, list[RequestOutput]]:
-        """Run one engine step now; (its modelled duration in s, its outputs)."""
+    def advance(self, now: float) -> list[tuple[float, list[RequestOutput]]]:
+        """When idle with work, run one engine step now: [(its modelled duration in s, its
+        outputs)], released when it ends; else nothing (the step under way ends first)."""
+        if self.is_busy or not self.has_work:
+            return []
         self.executor.last_step_s = 0.0
         outputs = self.engine.step()
-        return self.executor.last_step_s, outputs
+        if self.executor.last_step_s <= 0 and not outputs:
+            return []  # nothing could run: the next admission or finish kicks it again
+        self.is_busy = True
+        return [(self.executor.last_step_s, outputs)]
+
+    def released(self, now: float, outputs: list[RequestOutput]) -> None:
+        """The step under way ended."""
+        self.is_busy = False
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
 
     @property
     def has_work(self) -> bool:
@@ -138,4 +185,4 @@ class SimInstance:
         return self.engine.scheduler.num_preemptions
 
 
-__all__ = ["EngineShape", "PlanExecutor", "SimInstance", "TensorParallel"]
+__all__ = ["EngineShape", "FleetInstance", "PlanExecutor", "SimInstance", "TensorParallel"]

@@ -29,7 +29,7 @@ from strata.gateway.routing.policies import CacheAwarePolicy, create_policy
 from strata.gateway.routing.policies.base import RouteRequest
 from strata.gateway.routing.prefix.prompt import KeySet, PrefixKeys
 from strata.plan.costs import Costs
-from strata.plan.instance import PAYLOAD, SimInstance
+from strata.plan.instance import PAYLOAD, FleetInstance, SimInstance
 from strata.types import BlockHash
 
 
@@ -37,7 +37,7 @@ from strata.types import BlockHash
 class Routed:
     """A request on its way to `instance`, counted in flight until `SimGateway.finished`."""
 
-    instance: SimInstance
+    instance: FleetInstance
     route: RouteRequest
     in_flight: InFlight
     is_told: bool  # the policy was told (a whole request); a prefill leg is only counted
@@ -55,14 +55,14 @@ class SimGateway:
             policy, rng=random.Random(rng.random()), clock=clock))
         self.decider = Decider(PDRoutingConfig(mode="auto", min_uncached_tokens=pd_min_tokens),
                                self.pipeline)
-        self._sims: dict[str, SimInstance] = {}
+        self._sims: dict[str, FleetInstance] = {}
         self.stored: set[BlockHash] = set()  # the KV store's block hashes
 
-    def add(self, instance: SimInstance) -> None:
+    def add(self, instance: FleetInstance) -> None:
         self.instances.add(instance.view)
         self._sims[instance.instance_id] = instance
 
-    def prefill_for(self, request: Request, session_id: str | None) -> SimInstance | None:
+    def prefill_for(self, request: Request, session_id: str | None) -> FleetInstance | None:
         """The prefill instance the gateway's decider hands `request` to; None: not handed off
         (every prompt token counts as uncached, as the gateway's estimate of a prompt of ids)."""
         ask = HandOffAsk(self._route(request, session_id), True, True,
@@ -70,7 +70,7 @@ class SimGateway:
         chosen = self.decider.decide(ask).prefill
         return None if chosen is None else self._sims[chosen.instance_id]
 
-    def send_prefill(self, instance: SimInstance, request: Request) -> Routed:
+    def send_prefill(self, instance: FleetInstance, request: Request) -> Routed:
         """The prefill leg on `instance`: counted in flight, the policy not told."""
         route = self._route(request, None, role="prefill")
         return Routed(instance, route, self.instances.begin(instance.view, route.num_tokens),
@@ -108,14 +108,15 @@ class SimGateway:
         if not candidates:
             return None
         ids = [view.instance_id for view in candidates]
-        hashes = self._sims[ids[0]].engine.block_hashes(request.prompt_token_ids)
+        hashes = _engine_of(self._sims[ids[0]]).engine.block_hashes(request.prompt_token_ids)
         keyset = KeySet(tuple(hashes), self.block_size, request.num_prompt_tokens)
         return PrefixKeys(dict.fromkeys(ids, keyset), request.sampling_params.max_tokens)
 
-    def attach_stored_kv(self, instance: SimInstance, request: Request) -> int:
+    def attach_stored_kv(self, fleet_instance: FleetInstance, request: Request) -> int:
         """As the server's KV offload: the stored run of blocks past the instance's local hit
         is fetched (attached to the request) when the prompt is long enough; the request
         exports the blocks not stored yet. Returns the tokens fetched."""
+        instance = _engine_of(fleet_instance)
         hashes = instance.engine.block_hashes(request.prompt_token_ids)
         num_local = instance.engine.num_cached_blocks(hashes)
         num_stored = next((n for n, h in enumerate(hashes) if h not in self.stored), len(hashes))
@@ -125,6 +126,14 @@ class SimGateway:
             return 0
         request.external_kv = dict.fromkeys(hashes[num_local:num_stored], PAYLOAD)
         return (num_stored - num_local) * self.block_size
+
+
+def _engine_of(instance: FleetInstance) -> SimInstance:
+    """Block hashes come from a real engine: cache-aware routing and KV offload are planned over
+    the engine's instances, never over the capacity model's (modelled.py), which has no blocks."""
+    if not isinstance(instance, SimInstance):
+        raise TypeError("cache-aware routing and KV offload need the engine's instances")
+    return instance
 
 
 __all__ = ["Routed", "SimGateway"]

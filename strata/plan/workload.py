@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,34 @@ def build_jobs(workload: Workload) -> list[Job]:
     return jobs
 
 
+def poisson_jobs(rate: Callable[[float], float], duration_s: float, *, prompt_tokens: int,
+                 output_tokens: int, rng: random.Random) -> list[Job]:
+    """Single-turn jobs arriving as a Poisson process whose rate (requests/s) is `rate(t)`,
+    held for each second, over `duration_s`. Every job sends the same prompt: only the number
+    of its tokens matters to a fleet without prefix routing (the autoscaler's stories)."""
+    turn = Turn(_ids(rng, prompt_tokens), output_tokens)
+    jobs: list[Job] = []
+    for second in range(math.ceil(duration_s)):
+        for offset in sorted(rng.random() for _ in range(_poisson(rng, rate(second)))):
+            if second + offset < duration_s:
+                jobs.append(Job(len(jobs), [], [turn], start_s=second + offset))
+    return jobs
+
+
+def _poisson(rng: random.Random, mean: float) -> int:
+    """A Poisson draw (Knuth's for small means, a rounded normal for large ones)."""
+    if mean <= 0:
+        return 0
+    if mean > 50:
+        return max(0, round(rng.gauss(mean, math.sqrt(mean))))
+    limit, k, p = math.exp(-mean), 0, 1.0
+    while True:
+        p *= rng.random()
+        if p <= limit:
+            return k
+        k += 1
+
+
 def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB_SIZE) for _ in range(n)]
 
@@ -185,5 +214,5 @@ def workload_from_bench_report(path: Path) -> tuple[Workload, dict[str, Any]]:
     return workload, measured
 
 
-__all__ = ["Job", "LengthDist", "Slo", "Turn", "Workload", "build_jobs",
+__all__ = ["Job", "LengthDist", "Slo", "Turn", "Workload", "build_jobs", "poisson_jobs",
            "workload_from_bench_report"]

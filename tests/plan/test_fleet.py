@@ -21,6 +21,8 @@ from strata.plan import Architecture, Costs, EngineShape, LengthDist, PlanInputs
 from strata.plan.arch import families, replica_policies
 from strata.plan.fleet import Fleet
 from strata.plan.search import simulate
+from strata.plan.workload import Job
+from strata.plan.workload import Turn as WorkloadTurn
 from strata.sim.profile import LatencyProfile
 
 NO_OVERHEAD = Costs(request_overhead_ms=0.0)
@@ -218,3 +220,41 @@ def test_a_policy_added_to_the_table_is_planned_on_the_virtual_clock(
     assert max(policy.seen_at) < 60  # a wall clock would read seconds since the epoch
     # 3 at a time, at most 2 on the first: the second instance served the overflow
     assert {i.instance_id: i.busy_s > 0 for i in fleet.instances} == {"i000": True, "i001": True}
+
+
+def _jobs_at_zero(n: int, prompt: int, output: int) -> list[Job]:
+    turn = WorkloadTurn(list(range(prompt)), output)
+    return [Job(i, [], [turn], start_s=0.0) for i in range(n)]
+
+
+def test_a_modelled_instance_runs_its_slots_and_queues_the_rest(
+        round_profile: LatencyProfile) -> None:
+    """The capacity model's instance (modelled.py), by hand: a request that starts as the b-th
+    of a batch has its first token after a prefill (10 + 0.5 x 100 ms) and one decode step
+    (20 + b ms), and leaves after b prefills and 5 decode steps; the third waits for a slot."""
+    fleet = Fleet(ONE, round_profile, fixed(3, 100, 5, rate_per_s=1.0),
+                  shape=EngineShape(max_num_seqs=2), costs=NO_OVERHEAD,
+                  jobs=_jobs_at_zero(3, 100, 5), modelled=True)
+    run = fleet.run()
+    times = [(t.first_token_s, t.finish_s) for t in run.turns]
+    assert times == [pytest.approx(x) for x in
+                     [(0.081, 0.165), (0.082, 0.230), (0.165 + 0.082, 0.165 + 0.230)]]
+    assert all(t.num_output_tokens == 5 for t in run.turns)
+    assert run.busy_seconds == pytest.approx(0.395)
+
+
+def test_instance_slots_hold_arrivals_at_the_gateway_until_an_instance_is_ready(
+        round_profile: LatencyProfile) -> None:
+    """With no instance, arrivals wait at the gateway (as --instance-slots with none routable);
+    the one that starts at 1 s takes two (its slots), the third when the first finishes."""
+    fleet = Fleet(ONE, round_profile, fixed(3, 100, 5, rate_per_s=1.0),
+                  shape=EngineShape(max_num_seqs=2), costs=NO_OVERHEAD,
+                  jobs=_jobs_at_zero(3, 100, 5), modelled=True, instance_slots=2,
+                  initial_replicas=0)
+    fleet.add_instance(ready_s=1.0)
+    run = fleet.run()
+    assert [t.first_token_s for t in run.turns] == [
+        pytest.approx(x) for x in (1.081, 1.082, 1.165 + 0.082)]
+    assert not fleet.held
+    with pytest.raises(ValueError, match="slots"):
+        Fleet(ONE, round_profile, fixed(1, 100, 5, rate_per_s=1.0), initial_replicas=0)
