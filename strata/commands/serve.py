@@ -102,6 +102,10 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="a session expires this long after its last stored turn")
     p.add_argument("--session-redis-appendfsync", choices=("always", "everysec", "no"),
                    default=None, help="set Redis AOF fsync for the session store (CONFIG SET)")
+    p.add_argument("--session-redis-replicas", type=non_negative_int, default=0, metavar="N",
+                   help="acknowledge a stored turn only once N Redis replicas hold it (WAIT, "
+                        "2 s): with a redis+sentinel:// store, a failover loses no "
+                        "acknowledged turn (docs/consistency.md)")
     _add_kv_flags(p)
     _add_pd_flags(p)
     p.add_argument("--simulate", default=None, metavar="PROFILE",

@@ -195,6 +195,7 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
                                  session_store_url=args.session_store,
                                  session_ttl_s=args.session_ttl_s,
                                  session_redis_appendfsync=args.session_redis_appendfsync,
+                                 session_redis_replicas=args.session_redis_replicas,
                                  generation_defaults=built.generation_defaults, pd=_pd_config(args),
                                  embed=built.embed,
                                  **_kv_options(args))

@@ -119,7 +119,8 @@ def _open_parts(instance: Instance, stack: AsyncExitStack, session_store: Sessio
         stack.push_async_callback(kv.close, config.shutdown_timeout_s)
     if session_store is None and config.session_store_url is not None:
         session_store = create_session_store(
-            config.session_store_url, redis_appendfsync=config.session_redis_appendfsync)
+            config.session_store_url, redis_appendfsync=config.session_redis_appendfsync,
+            redis_replicas=config.session_redis_replicas)
         stack.push_async_callback(session_store.close)
     if session_store is not None:
         instance.sessions = Sessions(session_store, config, engine.max_model_len,

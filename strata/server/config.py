@@ -63,6 +63,7 @@ class ServerConfig:
     session_store_url: str | None = None  # memory://, sqlite:///PATH, redis://...; None: off
     session_ttl_s: float | None = 86_400.0  # sliding: each stored turn restarts it; None: never
     session_redis_appendfsync: str | None = None  # "always": CONFIG SET AOF on the Redis store
+    session_redis_replicas: int = 0  # a stored turn is acknowledged once this many replicas hold it
     # KV offload (kv_offload.py): publish finished requests' KV blocks to the store, fetch
     # missing prefixes from it. Prompts shorter than kv_min_fetch_tokens never fetch.
     kv_offload: bool = False

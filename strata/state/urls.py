@@ -64,6 +64,8 @@ SCHEMES = (
                                                  "model_registry")),  # one machine (WAL)
     Scheme("redis://HOST:PORT/DB",   "redis",   EVERY_STORE),  # many machines
     Scheme("rediss://HOST:PORT/DB",  "redis",   EVERY_STORE),  # many machines, over TLS
+    Scheme("redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]", "redis",
+           EVERY_STORE),  # many machines, the primary found through Sentinels (failover)
 )
 
 

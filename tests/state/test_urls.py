@@ -25,7 +25,9 @@ from strata.state.sessions import create_session_store
 from strata.state.urls import STORES, scheme_of, schemes_help, schemes_of
 
 STATE_STORES = ("sessions", "pins", "kv_store", "response_cache")
-EVERY_FORM = "memory://, sqlite:///PATH, redis://HOST:PORT/DB, rediss://HOST:PORT/DB"
+SENTINEL_FORM = "redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]"
+EVERY_FORM = ("memory://, sqlite:///PATH, redis://HOST:PORT/DB, rediss://HOST:PORT/DB, "
+              + SENTINEL_FORM)
 FACTORIES: dict[str, Callable[[str], Any]] = {
     "sessions": create_session_store, "pins": create_pin_store, "kv_store": create_kv_store,
     "response_cache": create_response_cache, "registry": create_registry,
@@ -43,7 +45,8 @@ def test_each_store_package_has_a_module_per_backend_of_the_table(store: str) ->
 
 
 def test_each_store_lists_the_forms_of_its_backends() -> None:
-    assert schemes_help("kv_store") == "memory://, redis://HOST:PORT/DB, rediss://HOST:PORT/DB"
+    assert schemes_help("kv_store") == ("memory://, redis://HOST:PORT/DB, rediss://HOST:PORT/DB, "
+                                        + SENTINEL_FORM)
     for store in ("sessions", "pins", "response_cache", "registry", "model_registry"):
         assert schemes_help(store) == EVERY_FORM
     assert set(FACTORIES) == set(STORES)

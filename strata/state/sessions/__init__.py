@@ -24,10 +24,12 @@ from strata.state.urls import backend_module
 
 
 def create_session_store(url: str, *, clock: Clock = time.time,
-                         redis_appendfsync: str | None = None) -> SessionStore:
+                         redis_appendfsync: str | None = None,
+                         redis_replicas: int = 0) -> SessionStore:
     """The backend named by `url`'s scheme (strata/state/urls.py); the options are
     SessionStoreOptions'."""
-    options = SessionStoreOptions(clock=clock, redis_appendfsync=redis_appendfsync)
+    options = SessionStoreOptions(clock=clock, redis_appendfsync=redis_appendfsync,
+                                  redis_replicas=redis_replicas)
     store: SessionStore = backend_module("sessions", url).from_url(url, options)
     return store
 

@@ -122,15 +122,23 @@ class SessionStoreOptions:
 
     `redis_appendfsync` ("always", "everysec", "no"): the Redis store turns on Redis' append-only
     file with that fsync policy (CONFIG SET) before its first command; with None the server's own
-    settings stand (start it with `--appendonly yes --appendfsync always` for zero loss)."""
+    settings stand (start it with `--appendonly yes --appendfsync always` for zero loss).
+    `redis_replicas`: a stored turn is acknowledged only once that many replicas hold it (Redis'
+    WAIT, up to `redis_replica_timeout_s`; fewer is the store's unavailable error), so a
+    failover to a replica loses no acknowledged turn."""
 
     clock: Clock = time.time
     redis_appendfsync: str | None = None
+    redis_replicas: int = 0
+    redis_replica_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.redis_appendfsync is not None and self.redis_appendfsync not in APPENDFSYNC:
             raise ConfigError(f"redis_appendfsync must be one of {', '.join(APPENDFSYNC)}, "
                               f"got {self.redis_appendfsync!r}")
+        if self.redis_replicas < 0 or self.redis_replica_timeout_s <= 0:
+            raise ConfigError("redis_replicas must be >= 0 and redis_replica_timeout_s > 0, "
+                              f"got {self.redis_replicas} and {self.redis_replica_timeout_s}")
 
 
 __all__ = [

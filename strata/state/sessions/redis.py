@@ -13,7 +13,10 @@ written turn. TTL is Redis' own (PEXPIRE): an expired session is simply gone.
 Durability is Redis': with `appendfsync="always"` the store runs `CONFIG SET appendonly yes` and
 `CONFIG SET appendfsync always` before its first command, so every acknowledged append is on disk
 before the reply. Where CONFIG is disabled, start the server with
-`--appendonly yes --appendfsync always` instead. One Redis node (not Redis Cluster).
+`--appendonly yes --appendfsync always` instead. With `replicas=N` an append is acknowledged
+only once N replicas hold it (WAIT on the append's connection), so a Sentinel failover
+(`redis+sentinel://`, strata/state/redis_db.py) loses no acknowledged turn. One primary (not
+Redis Cluster).
 """
 
 from __future__ import annotations
@@ -65,11 +68,14 @@ class RedisSessionStore:
     """A SessionStore in a Redis server shared by every instance that uses the same URL."""
 
     def __init__(self, url: str, *, clock: Clock = time.time, appendfsync: str | None = None,
+                 replicas: int = 0, replica_timeout_s: float = 2.0,
                  prefix: str = "strata:sessions") -> None:
         self.url = url
         self.clock = clock
         self.prefix = prefix
         self.appendfsync = appendfsync
+        self.replicas = replicas
+        self.replica_timeout_s = replica_timeout_s
         # reconnects on its own after a restart; a few quick retries ride over a short outage
         self._db = RedisDatabase(
             url, error=SessionStoreUnavailableError, what="redis session store",
@@ -91,7 +97,12 @@ class RedisSessionStore:
         ttl_ms = 0 if ttl_s is None else max(1, round(ttl_s * 1000))
         args = [expected_revision, repr(float(self.clock())), model, version, ttl_ms, tenant,
                 session_id, *(json.dumps(m) for m in messages)]
-        is_done, revision = await self._db.call(lambda: self._append(keys=keys, args=args))
+        if self.replicas:
+            is_done, revision = await self._db.replicated(
+                self._append, keys=list(keys), args=args, num_replicas=self.replicas,
+                timeout_s=self.replica_timeout_s)
+        else:
+            is_done, revision = await self._db.call(lambda: self._append(keys=keys, args=args))
         if not is_done:
             raise cas_failure(session_id, expected_revision, int(revision))
         record = await self._get_key(keys)
@@ -156,7 +167,9 @@ def _glob_escape(text: str) -> str:
 
 
 def from_url(url: str, options: SessionStoreOptions) -> RedisSessionStore:
-    return RedisSessionStore(url, clock=options.clock, appendfsync=options.redis_appendfsync)
+    return RedisSessionStore(url, clock=options.clock, appendfsync=options.redis_appendfsync,
+                             replicas=options.redis_replicas,
+                             replica_timeout_s=options.redis_replica_timeout_s)
 
 
 __all__ = ["RedisSessionStore", "from_url"]
