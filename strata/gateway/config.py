@@ -182,6 +182,12 @@ class VersionConfig:
     def __post_init__(self) -> None:
         _positive(self, "routing_poll_s", "pin_ttl_s", "stats_window_s", "health_publish_s",
                   "warm_timeout_s")
+        if self.release.propagation_s < self.routing_poll_s:
+            raise ConfigError(
+                f"--release-propagation-s ({self.release.propagation_s:g}) must be at least "
+                f"--routing-poll-s ({self.routing_poll_s:g}): the old version retires that long "
+                "after a flip, and a gateway that has not polled since the flip still sends "
+                "requests to it")
 
     @property
     def health_window_s(self) -> float:

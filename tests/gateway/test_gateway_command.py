@@ -23,7 +23,9 @@ from tiny_models import make_tiny_model_dir
 from strata.commands import gateway as gateway_command
 from strata.commands.env import CliEnv
 from strata.errors import ConfigError
+from strata.gateway.config import VersionConfig
 from strata.protocol.sse import parse_events
+from strata.registry.releases.policy import ReleaseConfig
 
 ENV = CliEnv(cache_dir=Path("/nonexistent"), run_dir=Path("/nonexistent"), api_keys=("k-env",))
 SCRIPT = """
@@ -175,3 +177,11 @@ def test_the_gateway_process_moves_its_start_up_objects_out_of_the_collectors_si
     finally:
         gc.unfreeze()
         gc.set_threshold(*threshold)
+
+
+def test_a_release_that_retires_before_every_gateway_polled_is_refused() -> None:
+    """The old version retires --release-propagation-s after the flip; a gateway polls the
+    registry every --routing-poll-s, so a shorter propagation retires what it still routes to."""
+    with pytest.raises(ConfigError, match="--release-propagation-s .* must be at least"):
+        VersionConfig(routing_poll_s=2.0, release=ReleaseConfig(propagation_s=1.0))
+    assert VersionConfig(routing_poll_s=1.0, release=ReleaseConfig(propagation_s=1.0))
