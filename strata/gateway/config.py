@@ -292,6 +292,15 @@ class GatewayConfig:
         whose instances take client keys alone still answers them."""
         return self.api_keys[0] if self.api_keys else None
 
+    @property
+    def version_pin_store_url(self) -> str:
+        """Where session -> version pins live: --version-pin-store, else the session routing
+        store, else the registry when it is shared (SQLite, Redis), else this process."""
+        url = self.versions.pin_store_url or self.sessions.store_url
+        if url is None and self.registry_url and not self.registry_url.startswith("memory"):
+            url = self.registry_url
+        return url or "memory://"
+
 
 __all__ = ["PD_MODES", "SESSION_ROUTING_MODES", "AdmissionConfig", "ClassConfig", "PDRoutingConfig",
            "EjectionConfig", "GatewayConfig", "ResumeConfig", "RetryConfig",

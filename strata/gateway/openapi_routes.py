@@ -16,6 +16,8 @@ GATEWAY_OPERATIONS: tuple[Operation, ...] = (
     Operation("GET", "/admin/instances", "The gateway's view of each instance", access="admin"),
     Operation("POST", "/admin/instances/{instance_id}/drain", "Stop routing there and drain it",
               status=202, access="admin"),
+    Operation("GET", "/admin/consistency", "Each state's consistency level, staleness bound "
+              "and failure cost, as this gateway is configured", access="admin"),
     Operation("GET", "/admin/models", "Models: routing, versions, instances", access="admin"),
     Operation("POST", "/admin/models", "Register name@version -> URI", status=201,
               access="admin"),

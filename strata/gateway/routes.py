@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from strata.errors import InvalidRequestError
+from strata.gateway.control.consistency import consistency
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.path.forward import Handler
 from strata.gateway.path.requests import POOL_HEADER, route_request
@@ -205,6 +206,7 @@ def build_routes() -> list[Route]:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/admin/instances", list_instances, methods=["GET"]),
         Route("/admin/instances/{instance_id}/drain", drain_instance, methods=["POST"]),
+        Route("/admin/consistency", consistency, methods=["GET"]),
     ]
 
 

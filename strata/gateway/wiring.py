@@ -180,10 +180,7 @@ def _release_service(config: GatewayConfig, models: ModelRegistry, instances: Re
 
 def _version_pins(config: GatewayConfig) -> PinStore:
     """Session -> version pins, in the store every gateway of the cluster shares."""
-    url = config.versions.pin_store_url or config.sessions.store_url
-    if url is None and config.registry_url and not config.registry_url.startswith("memory"):
-        url = config.registry_url
-    return create_pin_store(url or "memory://", ttl_s=config.versions.pin_ttl_s,
+    return create_pin_store(config.version_pin_store_url, ttl_s=config.versions.pin_ttl_s,
                             namespace="versions")
 
 

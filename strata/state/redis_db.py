@@ -33,9 +33,9 @@ from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import RedisError
 
 from strata.errors import ConfigError
+from strata.state.urls import SENTINEL_PREFIX
 
 T = TypeVar("T")
-SENTINEL_PREFIX = "redis+sentinel://"
 
 
 @dataclass(frozen=True, slots=True)

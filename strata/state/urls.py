@@ -21,6 +21,7 @@ from types import ModuleType
 
 from strata.errors import ConfigError
 
+SENTINEL_PREFIX = "redis+sentinel://"  # a Redis primary found through Sentinels (redis_db.py)
 STORES = {  # store -> what its messages call it
     "sessions": "session store",
     "pins": "pin store",
