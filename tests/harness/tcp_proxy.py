@@ -111,6 +111,8 @@ class ChaosProxy:
                       asyncio.create_task(self._pump(up_reader, writer))]
         await asyncio.gather(*pair.tasks, return_exceptions=True)
         self._pairs.discard(pair)
+        for side in (writer, up_writer):  # both directions ended: close, or the socket leaks
+            side.close()
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
