@@ -1,0 +1,377 @@
+"""The whole fleet at once (issue 24 item 8): one `strata up` with every feature on, real
+processes, the tiny model in float32 on the CPU.
+
+The fleet: client keys of two tenants, an admin key and the fleet's internal key; 1 prefill and
+2 decode instances and one mixed instance in pool `fast` that the interactive class is routed
+to; chat sessions kept in a real Redis (the instances' history) with sticky routing pinned in
+the same Redis (the gateway's pins); `--policy cache_aware`; the autoscaler on (each pool held
+at its size by its bounds, so its decisions are visible and change nothing); then a canary
+release of v2 (other weights, at tensor-parallel T=2) that completes. While it runs a decode
+instance is SIGKILLed mid-stream and the prefill instance is SIGKILLed under load.
+
+Asserted: no request failed; every greedy answer (its tokens, through the logprobs' bytes) is
+the answer of one plain `strata serve` instance of its version, given the same messages (a
+session's whole history); one tenant's prompt gets no cached tokens from the other's blocks;
+and each feature fired: remote prefills, a resumed stream, prefix hits, the release `done`,
+autoscaler decisions.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from harness.checks import completion_failure
+from harness.procs import Proc, start_up, wait_until
+from redis_server import RedisServer
+from resume_streams import events_of, frames_of
+from serve_process import start_serve
+from tiny_models import make_tiny_model_dir
+
+pytestmark = pytest.mark.timeout(420)
+
+MODEL = "tiny"
+KEY_A, KEY_B, ADMIN_KEY, INTERNAL_KEY = "k-tenant-a", "k-tenant-b", "k-admin", "k-internal"
+CHAT = "/v1/chat/completions"
+
+
+@dataclass
+class Fleet:
+    up: Proc
+    url: str
+    run_dir: Path
+    env: dict[str, str]
+    v1_dir: Path
+    v2_dir: Path
+
+    def pids(self) -> dict[str, int]:
+        lines = (self.run_dir / "pids").read_text().split("\n")
+        return {name: int(pid) for name, pid in (line.split() for line in lines if line)}
+
+    def instances(self) -> dict[str, dict[str, Any]]:
+        body = httpx.get(f"{self.url}/admin/instances", timeout=5,
+                         headers=bearer(ADMIN_KEY)).json()
+        return {i["instance_id"]: i for i in body["instances"]}
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=10, headers=bearer(ADMIN_KEY)).text
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the gateway's samples of `name` whose labels include `labels`."""
+        total = 0.0
+        for line in self.metrics().splitlines():
+            series, _, value = line.rpartition(" ")
+            if series.split("{")[0] == f"strata:{name}" and all(
+                    f'{k}="{v}"' in series for k, v in labels.items()):
+                total += float(value)
+        return total
+
+    def strata(self, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+        """The CLI as an operator runs it on the fleet's machine."""
+        return subprocess.run([sys.executable, "-m", "strata.cli", *args], env=self.env,
+                              text=True, capture_output=True, timeout=timeout_s)
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> Iterator[Fleet]:
+    root = tmp_path_factory.mktemp("whole-fleet")
+    v1_dir = make_tiny_model_dir(root / "v1", seed=0, initializer_range=0.2)
+    v2_dir = make_tiny_model_dir(root / "v2", seed=1, initializer_range=0.2)
+    keys = {"client": f"{KEY_A}\n{KEY_B}\n", "admin": ADMIN_KEY, "internal": INTERNAL_KEY}
+    for name, text in keys.items():
+        (root / f"{name}.keys").write_text(text)
+    run_dir = root / "run"
+    env = {**os.environ, "STRATA_RUN_DIR": str(run_dir), "STRATA_ADMIN_KEYS": ADMIN_KEY}
+    gateway = ["--class-pool=interactive=fast", "--session-routing=sticky",
+               f"--session-store={redis.url}", "--pd-min-uncached-tokens=8",
+               "--canary-window-s=4", "--canary-min-requests=4", "--release-propagation-s=2",
+               "--scale-interval-s=1", f"--model-root={root}"]
+    up = start_up([str(v1_dir), "--served-model-name", MODEL, "--model-version", "v1",
+                   "--prefill", "1", "--decode", "2", "--pool", "fast=1",
+                   "--dtype", "float32", "--block-size", "8", "--max-model-len", "256",
+                   "--threads-per-instance", "1", "--session-store", redis.url,
+                   "--policy", "cache_aware", "--log-level", "warning",
+                   "--api-key-file", str(root / "client.keys"),
+                   "--admin-key-file", str(root / "admin.keys"),
+                   "--internal-key-file", str(root / "internal.keys"),
+                   "--autoscale", "--min-replicas", "1", "--max-replicas", "1",
+                   "--pool-replicas", "prefill=1:1", "--pool-replicas", "decode=2:2",
+                   "--pool-replicas", "fast=1:1",
+                   *(f"--gateway-arg={flag}" for flag in gateway)],
+                  run_dir, env=env, timeout_s=300)
+    yield Fleet(up, up.url, run_dir, env, v1_dir, v2_dir)
+    assert up.stop(timeout_s=60, sig=signal.SIGINT) == 0
+
+
+@dataclass
+class Answer:
+    """One request through the fleet and what came back."""
+
+    key: str
+    body: dict[str, Any]  # the messages as the model saw them (a session's whole history)
+    is_stream: bool
+    status: int
+    raw: bytes
+    version: str
+    instance: str
+    failure: str | None
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return token_bytes(self.raw, self.is_stream)
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        return usage_of(self.raw, self.is_stream)
+
+
+def token_bytes(raw: bytes, is_stream: bool) -> list[list[int]]:
+    import json
+
+    if is_stream:
+        return [t["bytes"] for e in events_of(frames_of(raw)) for c in e["choices"]
+                if c.get("logprobs") for t in c["logprobs"]["content"]]
+    (choice,) = json.loads(raw)["choices"]
+    return [t["bytes"] for t in choice["logprobs"]["content"]]
+
+
+def usage_of(raw: bytes, is_stream: bool) -> dict[str, Any]:
+    import json
+
+    if is_stream:
+        return next(e["usage"] for e in events_of(frames_of(raw)) if e.get("usage"))
+    return dict(json.loads(raw)["usage"])
+
+
+def ask(url: str, key: str, messages: list[dict[str, str]], *, stream: bool = False,
+        max_tokens: int = 12, headers: dict[str, str] | None = None) -> Answer:
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "logprobs": True}
+    sent = body | ({"stream": True, "stream_options": {"include_usage": True}} if stream else {})
+    try:
+        r = httpx.post(f"{url}{CHAT}", json=sent, headers=bearer(key) | (headers or {}),
+                       timeout=120)
+    except httpx.HTTPError as exc:
+        return Answer(key, body, stream, 0, b"", "", "", repr(exc))
+    failure = completion_failure(r.status_code, r.content, is_stream=stream,
+                                 finish_reasons={"length"})
+    return Answer(key, body, stream, r.status_code, r.content,
+                  r.headers.get("x-model-version", ""), r.headers.get("x-strata-instance", ""),
+                  failure)
+
+
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+@dataclass
+class Load:
+    """Both tenants' requests (plain and streamed, long prompts no one asked before) from one
+    thread each until stopped, every answer kept."""
+
+    url: str
+    answers: list[Answer] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> Load:
+        for key in (KEY_A, KEY_B):
+            thread = threading.Thread(target=self._run, args=(key,), daemon=True)
+            thread.start()
+            self.threads.append(thread)
+        return self
+
+    def _run(self, key: str) -> None:
+        deadline = time.monotonic() + 300
+        n = 0
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            text = f"load {key[-1]} {n}: " + LONG
+            self.answers.append(ask(self.url, key, user(text), stream=n % 2 == 1))
+            n += 1
+
+    def num_on(self, version: str) -> int:
+        return sum(a.version == version for a in list(self.answers))
+
+    def finish(self) -> list[Answer]:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=120)
+        return list(self.answers)
+
+
+LONG = ("the river ran high all spring and the mill turned day and night while the town slept, "
+        "the miller counting sacks")
+
+
+def role_of(fleet: Fleet, role: str) -> list[str]:
+    return sorted(iid for iid, i in fleet.instances().items() if i["role"] == role)
+
+
+def routable(fleet: Fleet, iid: str) -> bool:
+    try:
+        return bool(fleet.instances().get(iid, {}).get("routable"))
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
+def cached_tokens(answer: Answer) -> int:
+    return int((answer.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+
+
+def test_the_whole_fleet(fleet: Fleet, tmp_path: Path) -> None:
+    started = time.monotonic()
+    answers = tenants_and_prefix_hits(fleet)
+    answers += interactive_class(fleet)
+    answers += sessions(fleet)
+    load = Load(fleet.url).start()
+    answers.append(decode_killed_mid_stream(fleet))
+    prefill_killed(fleet, load)
+    release_v2(fleet, load)
+    answers += load.finish()
+    after = ask(fleet.url, KEY_B, user("after the release " + LONG))
+    answers.append(after)
+    print(f"whole fleet: {len(answers)} requests in {time.monotonic() - started:.0f}s")
+    assert [a.failure for a in answers if a.failure is not None] == []
+    assert after.version == f"{MODEL}@v2"
+    assert fleet.metric("gateway_pd_prefills_total", outcome="ok") >= 3
+    assert fleet.metric("autoscaler_pool_decisions_total") >= 1
+    check_against_references(answers, fleet, tmp_path)
+
+
+def tenants_and_prefix_hits(fleet: Fleet) -> list[Answer]:
+    """A's prompt twice (the second hits A's blocks), then B's same prompt: none of A's blocks
+    serve it, though B's own second ask hits B's."""
+    prompt = user("shared words " + LONG)
+    a1, a2, b1, b2 = (ask(fleet.url, key, prompt) for key in (KEY_A, KEY_A, KEY_B, KEY_B))
+    assert [a.failure for a in (a1, a2, b1, b2)] == [None] * 4
+    assert cached_tokens(a1) == 0 and cached_tokens(a2) > 0, (a1.usage, a2.usage)
+    assert cached_tokens(b1) == 0, b1.usage  # A's blocks are not B's
+    assert cached_tokens(b2) > 0, b2.usage
+    assert fleet.metric("gateway_pd_prefills_total", outcome="ok") >= 2  # a1 and b1
+    return [a1, a2, b1, b2]
+
+
+def interactive_class(fleet: Fleet) -> list[Answer]:
+    """An interactive request goes to the interactive pool's instance."""
+    fast = [iid for iid, i in fleet.instances().items() if i["pool"] == "fast"]
+    answer = ask(fleet.url, KEY_A, user("quick " + LONG), headers={"x-priority": "interactive"})
+    assert answer.failure is None and [answer.instance] == fast, (answer.instance, fast)
+    return [answer]
+
+
+def sessions(fleet: Fleet) -> list[Answer]:
+    """Three turns of a session per tenant, sticky to one instance; each turn's messages as the
+    model saw them are the session's whole history (what the reference is given)."""
+    import json
+
+    out: list[Answer] = []
+    for key in (KEY_A, KEY_B):
+        history: list[dict[str, str]] = []
+        served_by = set()
+        for turn in range(3):
+            said = user(f"turn {turn} of {key[-1]}: tell me of the mill")
+            answer = ask(fleet.url, key, said, headers={"x-session-id": f"chat-{key[-1]}"})
+            assert answer.failure is None, answer.failure
+            answer.body = answer.body | {"messages": history + said}
+            reply = json.loads(answer.raw)["choices"][0]["message"]["content"]
+            history += [*said, {"role": "assistant", "content": reply}]
+            served_by.add(answer.instance)
+            out.append(answer)
+        assert len(served_by) == 1, served_by  # sticky
+    return out
+
+
+def decode_killed_mid_stream(fleet: Fleet) -> Answer:
+    """A long stream's decode instance is SIGKILLed after a few frames: the stream goes on."""
+    resumed = fleet.metric("gateway_stream_resumes_total", outcome="resumed")
+    body = {"model": MODEL, "messages": user("a long tale"), "max_tokens": 200,
+            "temperature": 0, "ignore_eos": True, "logprobs": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    raw, victim = b"", ""
+    with httpx.stream("POST", f"{fleet.url}{CHAT}", json=body, headers=bearer(KEY_A),
+                      timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        victim = response.headers["x-strata-instance"]
+        for i, chunk in enumerate(response.iter_raw()):
+            raw += chunk
+            if i == 3:
+                assert fleet.instances()[victim]["role"] == "decode"
+                os.kill(fleet.pids()[victim], signal.SIGKILL)
+        version = response.headers.get("x-model-version", "")
+    failure = completion_failure(200, raw, is_stream=True, finish_reasons={"length"})
+    assert fleet.metric("gateway_stream_resumes_total", outcome="resumed") == resumed + 1
+    body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    answer = Answer(KEY_A, body, True, 200, raw, version, victim, failure)
+    assert len(answer.tokens) == 200
+    wait_until(lambda: routable(fleet, victim), 180, "the killed decode instance back")
+    return answer
+
+
+def prefill_killed(fleet: Fleet, load: Load) -> None:
+    """The prefill instance is SIGKILLed under load; the load goes on (decode instances prefill
+    locally) and, once it is back, prefills remotely again."""
+    (prefill,) = role_of(fleet, "prefill")
+    num_before = len(load.answers)
+    os.kill(fleet.pids()[prefill], signal.SIGKILL)
+    wait_until(lambda: len(load.answers) >= num_before + 4, 120, "load while it is down")
+    wait_until(lambda: routable(fleet, prefill), 180, "the prefill instance back")
+    ok = fleet.metric("gateway_pd_prefills_total", outcome="ok")
+    wait_until(lambda: fleet.metric("gateway_pd_prefills_total", outcome="ok") > ok, 60,
+               "a remote prefill after the restart")
+
+
+def release_v2(fleet: Fleet, load: Load) -> None:
+    """A canary of v2 (other weights, tensor-parallel T=2) under load, to the end."""
+    add = fleet.strata("models", "add", f"{MODEL}@v2", str(fleet.v2_dir),
+                       "--serve-arg=--tensor-parallel-size=2", "--serve-arg=--threads=1")
+    assert add.returncode == 0, add.stdout + add.stderr
+    release = fleet.strata("release", f"{MODEL}@v2", "--strategy", "canary", "--weight", "0.5",
+                           "--replicas", "1", timeout_s=300)
+    assert release.returncode == 0, release.stdout + release.stderr
+    assert "is live" in release.stdout
+    assert load.num_on(f"{MODEL}@v2") >= 1
+    wait_until(lambda: {i["version"] for i in fleet.instances().values()} == {"v2"}, 60,
+               "only v2 instances")
+
+
+def check_against_references(answers: list[Answer], fleet: Fleet, tmp_path: Path) -> None:
+    """Every answer, token for token, one plain instance's of its version (given the same
+    messages, without a stream)."""
+    dirs = {f"{MODEL}@v1": fleet.v1_dir, f"{MODEL}@v2": fleet.v2_dir}
+    assert {a.version for a in answers} <= set(dirs)
+    for version, model_dir in dirs.items():
+        mine = [a for a in answers if a.version == version]
+        ref = start_serve([str(model_dir), "--served-model-name", MODEL, "--dtype", "float32",
+                           "--block-size", "8", "--max-model-len", "256", "--threads", "1",
+                           "--log-level", "warning"], cache_dir=tmp_path / "cache",
+                          log_dir=tmp_path, name=f"reference-{version}", timeout_s=120)
+        try:
+            for a in mine:
+                expected = ask(ref.url, "", a.body["messages"], max_tokens=a.body["max_tokens"])
+                assert expected.failure is None, expected.failure
+                assert a.tokens == expected.tokens, (version, a.body)
+                assert a.usage["prompt_tokens"] == expected.usage["prompt_tokens"]
+        finally:
+            ref.stop()
