@@ -18,6 +18,7 @@ autoscaler decisions.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -38,11 +39,20 @@ from resume_streams import events_of, frames_of
 from serve_process import start_serve
 from tiny_models import make_tiny_model_dir
 
+from strata.cluster.local import local_registry_url
+from strata.protocol.keys import tenant_of_key
+from strata.registry import InstanceRecord, create_model_registry, create_registry
+from strata.registry.models import Release
+
 pytestmark = pytest.mark.timeout(420)
 
 MODEL = "tiny"
 KEY_A, KEY_B, ADMIN_KEY, INTERNAL_KEY = "k-tenant-a", "k-tenant-b", "k-admin", "k-internal"
 CHAT = "/v1/chat/completions"
+TP2 = "tiny-v1-decode-tp2"
+# 49 blocks of 8 tokens (the tiny model holds 512 bytes a token): two 200-token streams on one
+# instance do not fit, so one is preempted
+KV_CACHE_GB = 0.00019
 
 
 @dataclass
@@ -53,6 +63,11 @@ class Fleet:
     env: dict[str, str]
     v1_dir: Path
     v2_dir: Path
+    redis_url: str
+    tp2: Proc  # the decode instance at T=2, started beside `strata up`
+
+    def pid_of(self, iid: str) -> int:
+        return self.tp2.pid if iid == TP2 else self.pids()[iid]
 
     def pids(self) -> dict[str, int]:
         lines = (self.run_dir / "pids").read_text().split("\n")
@@ -103,26 +118,46 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> Itera
     for name, text in keys.items():
         (root / f"{name}.keys").write_text(text)
     run_dir = root / "run"
+    instance_flags = ["--dtype", "float32", "--block-size", "8", "--max-model-len", "256",
+                      "--kv-cache-gb", str(KV_CACHE_GB), "--max-num-seqs", "4",
+                      "--session-store", redis.url]
     env = {**os.environ, "STRATA_RUN_DIR": str(run_dir), "STRATA_ADMIN_KEYS": ADMIN_KEY}
     gateway = ["--class-pool=interactive=fast", "--session-routing=sticky",
                f"--session-store={redis.url}", "--pd-min-uncached-tokens=8",
                "--canary-window-s=4", "--canary-min-requests=4", "--release-propagation-s=2",
                "--scale-interval-s=1", f"--model-root={root}"]
     up = start_up([str(v1_dir), "--served-model-name", MODEL, "--model-version", "v1",
-                   "--prefill", "1", "--decode", "2", "--pool", "fast=1",
-                   "--dtype", "float32", "--block-size", "8", "--max-model-len", "256",
-                   "--threads-per-instance", "1", "--session-store", redis.url,
+                   "--prefill", "1", "--decode", "1", "--pool", "fast=1",
+                   *instance_flags, "--threads-per-instance", "1",
                    "--policy", "cache_aware", "--log-level", "warning",
                    "--api-key-file", str(root / "client.keys"),
                    "--admin-key-file", str(root / "admin.keys"),
                    "--internal-key-file", str(root / "internal.keys"),
                    "--autoscale", "--min-replicas", "1", "--max-replicas", "1",
-                   "--pool-replicas", "prefill=1:1", "--pool-replicas", "decode=2:2",
+                   "--pool-replicas", "prefill=1:1", "--pool-replicas", "decode=1:1",
                    "--pool-replicas", "fast=1:1",
                    *(f"--gateway-arg={flag}" for flag in gateway)],
                   run_dir, env=env, timeout_s=300)
-    yield Fleet(up, up.url, run_dir, env, v1_dir, v2_dir)
-    assert up.stop(timeout_s=60, sig=signal.SIGINT) == 0
+    try:
+        tp2 = start_serve([str(v1_dir), "--served-model-name", MODEL, "--model-version", "v1",
+                           "--role", "decode", "--tensor-parallel-size", "2", "--threads", "1",
+                           "--instance-id", TP2, "--registry", local_registry_url(run_dir),
+                           *instance_flags, "--log-level", "warning",
+                           "--api-key-file", str(root / "client.keys"),
+                           "--admin-key-file", str(root / "admin.keys"),
+                           "--internal-key-file", str(root / "internal.keys")],
+                          cache_dir=root / "cache", log_dir=run_dir / "logs", name=TP2,
+                          timeout_s=180)
+    except BaseException:
+        up.stop(timeout_s=60, sig=signal.SIGINT)
+        raise
+    fleet = Fleet(up, up.url, run_dir, env, v1_dir, v2_dir, redis.url, tp2.process)
+    try:
+        wait_until(lambda: routable(fleet, TP2), 60, "the T=2 decode instance routable")
+        yield fleet
+    finally:
+        tp2.process.stop()
+        assert up.stop(timeout_s=60, sig=signal.SIGINT) == 0
 
 
 @dataclass
@@ -210,6 +245,7 @@ class Load:
             text = f"load {key[-1]} {n}: " + LONG
             self.answers.append(ask(self.url, key, user(text), stream=n % 2 == 1))
             n += 1
+            time.sleep(0.1)
 
     def num_on(self, version: str) -> int:
         return sum(a.version == version for a in list(self.answers))
@@ -242,22 +278,44 @@ def cached_tokens(answer: Answer) -> int:
 
 def test_the_whole_fleet(fleet: Fleet, tmp_path: Path) -> None:
     started = time.monotonic()
+
+    def phase(name: str) -> None:
+        print(f"whole fleet: {name} at {time.monotonic() - started:.0f}s", flush=True)
+
     answers = tenants_and_prefix_hits(fleet)
     answers += interactive_class(fleet)
     answers += sessions(fleet)
+    phase("sessions done")
+    answers += preemptions(fleet)
+    phase("preemptions done")
     load = Load(fleet.url).start()
+    pulled_by_tp2 = instance_metric(fleet.instances()[TP2]["url"], "pd_handoffs_total",
+                                    side="decode", outcome="pulled")
+    assert pulled_by_tp2 >= 1  # a T=1 prefill fed the T=2 decode instance
     answers.append(decode_killed_mid_stream(fleet))
+    phase("resumed stream done")
     prefill_killed(fleet, load)
+    phase("prefill back")
     release_v2(fleet, load)
+    phase("release done")
     answers += load.finish()
     after = ask(fleet.url, KEY_B, user("after the release " + LONG))
     answers.append(after)
     print(f"whole fleet: {len(answers)} requests in {time.monotonic() - started:.0f}s")
+    print("\n".join(line for line in fleet.metrics().splitlines()
+                    if line.startswith(SHOWN_METRICS)))
     assert [a.failure for a in answers if a.failure is not None] == []
     assert after.version == f"{MODEL}@v2"
     assert fleet.metric("gateway_pd_prefills_total", outcome="ok") >= 3
-    assert fleet.metric("autoscaler_pool_decisions_total") >= 1
+    decided = {(pool, reason) for pool in ("prefill", "decode", "fast")
+               for reason in ("within_band", "at_min_replicas", "at_max_replicas")
+               if fleet.metric("autoscaler_pool_decisions_total", pool=pool, reason=reason)}
+    assert {pool for pool, _ in decided} == {"prefill", "decode", "fast"}, decided
     check_against_references(answers, fleet, tmp_path)
+
+
+SHOWN_METRICS = ("strata:gateway_pd_", "strata:gateway_stream_resumes_total",
+                 "strata:autoscaler_pool_decisions_total")
 
 
 def tenants_and_prefix_hits(fleet: Fleet) -> list[Answer]:
@@ -300,7 +358,53 @@ def sessions(fleet: Fleet) -> list[Answer]:
             served_by.add(answer.instance)
             out.append(answer)
         assert len(served_by) == 1, served_by  # sticky
+        assert_in_redis(fleet, key, f"chat-{key[-1]}", num_messages=6)
     return out
+
+
+def preemptions(fleet: Fleet) -> list[Answer]:
+    """Eight 200-token streams at once: they need more blocks than both decode instances hold
+    (49 at T=1; the T=2 instance's ranks hold half a block's bytes each, so 98), so one of them
+    preempts (and answers every stream whole)."""
+    decoders = {iid: i["url"] for iid, i in fleet.instances().items() if i["role"] == "decode"}
+
+    def preempted() -> float:
+        return sum(instance_metric(url, "num_preemptions_total") for url in decoders.values())
+
+    before = preempted()
+    out: list[Answer] = []
+    threads = [threading.Thread(target=lambda n=n: out.append(ask(
+        fleet.url, (KEY_A, KEY_B)[n % 2], user(f"story {n}"), stream=True, max_tokens=200)))
+        for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=180)
+    assert len(out) == 8 and [a.failure for a in out] == [None] * 8
+    assert {a.instance for a in out} <= set(decoders)
+    assert preempted() > before
+    return out
+
+
+def instance_metric(url: str, name: str, **labels: str) -> float:
+    """The sum of an instance's samples of `name` whose labels include `labels`."""
+    text = httpx.get(f"{url}/metrics", timeout=10, headers=bearer(ADMIN_KEY)).text
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.split("{")[0].split(" ")[0] == f"strata:{name}"
+               and all(f'{k}="{v}"' in line for k, v in labels.items()))
+
+
+def assert_in_redis(fleet: Fleet, key: str, session: str, num_messages: int) -> None:
+    """The session's history (the instances') and its pin (the gateway's) are in the Redis."""
+    import redis as redis_client
+
+    db = redis_client.Redis.from_url(fleet.redis_url)
+    try:
+        tenant = tenant_of_key(key)
+        assert db.llen(f"strata:sessions:msgs:{len(tenant)}:{tenant}:{session}") == num_messages
+        assert list(db.scan_iter(match=f"*:pin:{session}")), "no pin in Redis"
+    finally:
+        db.close()
 
 
 def decode_killed_mid_stream(fleet: Fleet) -> Answer:
@@ -318,15 +422,25 @@ def decode_killed_mid_stream(fleet: Fleet) -> Answer:
             raw += chunk
             if i == 3:
                 assert fleet.instances()[victim]["role"] == "decode"
-                os.kill(fleet.pids()[victim], signal.SIGKILL)
+                kill(fleet, victim)
         version = response.headers.get("x-model-version", "")
     failure = completion_failure(200, raw, is_stream=True, finish_reasons={"length"})
     assert fleet.metric("gateway_stream_resumes_total", outcome="resumed") == resumed + 1
     body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     answer = Answer(KEY_A, body, True, 200, raw, version, victim, failure)
     assert len(answer.tokens) == 200
+    if victim == TP2:  # no supervisor restarts it: the operator does
+        fleet.tp2.start().wait_for_output(r"Strata serving", 180)
     wait_until(lambda: routable(fleet, victim), 180, "the killed decode instance back")
     return answer
+
+
+def kill(fleet: Fleet, iid: str) -> None:
+    """SIGKILL an instance (the T=2 one with its rank)."""
+    if iid == TP2:
+        fleet.tp2.kill()
+    else:
+        os.kill(fleet.pids()[iid], signal.SIGKILL)
 
 
 def prefill_killed(fleet: Fleet, load: Load) -> None:
@@ -347,13 +461,37 @@ def release_v2(fleet: Fleet, load: Load) -> None:
     add = fleet.strata("models", "add", f"{MODEL}@v2", str(fleet.v2_dir),
                        "--serve-arg=--tensor-parallel-size=2", "--serve-arg=--threads=1")
     assert add.returncode == 0, add.stdout + add.stderr
-    release = fleet.strata("release", f"{MODEL}@v2", "--strategy", "canary", "--weight", "0.5",
-                           "--replicas", "1", timeout_s=300)
+    start = fleet.strata("release", f"{MODEL}@v2", "--strategy", "canary", "--weight", "0.5",
+                         "--replicas", "1", "--no-wait")
+    assert start.returncode == 0, start.stdout + start.stderr
+    # v1 retires: the launcher drains its instances, the operator the one it started itself
+    wait_until(lambda: asyncio.run(registry_state(fleet))[0].state in ("retiring", "done"),
+               240, "the release to retire v1")
+    fleet.tp2.stop(timeout_s=60)
+    wait_until(lambda: asyncio.run(registry_state(fleet))[0].is_terminal, 120,
+               "the release to end")
+    release_id = asyncio.run(registry_state(fleet))[0].release_id
+    release = fleet.strata("release", "--status", release_id)
     assert release.returncode == 0, release.stdout + release.stderr
     assert "is live" in release.stdout
     assert load.num_on(f"{MODEL}@v2") >= 1
     wait_until(lambda: {i["version"] for i in fleet.instances().values()} == {"v2"}, 60,
                "only v2 instances")
+    done, records = asyncio.run(registry_state(fleet))
+    assert [s for s, _ in done.history] == ["pending", "starting", "warming", "canary",
+                                            "flipping", "retiring", "done"]
+    assert [(r.version, r.layout, len(r.ranks)) for r in records] == [("v2", "tp2", 2)]
+
+
+async def registry_state(fleet: Fleet) -> tuple[Release, list[InstanceRecord]]:
+    """The latest release and the registered instances."""
+    url = local_registry_url(fleet.run_dir)
+    models, instances = create_model_registry(url), create_registry(url)
+    try:
+        return (await models.list_releases(MODEL))[-1], list(await instances.list_instances())
+    finally:
+        await models.close()
+        await instances.close()
 
 
 def check_against_references(answers: list[Answer], fleet: Fleet, tmp_path: Path) -> None:
