@@ -1,19 +1,29 @@
 """The whole fleet at once (issue 24 item 8): one `strata up` with every feature on, real
 processes, the tiny model in float32 on the CPU.
 
-The fleet: client keys of two tenants, an admin key and the fleet's internal key; 1 prefill and
-2 decode instances and one mixed instance in pool `fast` that the interactive class is routed
-to; chat sessions kept in a real Redis (the instances' history) with sticky routing pinned in
-the same Redis (the gateway's pins); `--policy cache_aware`; the autoscaler on (each pool held
-at its size by its bounds, so its decisions are visible and change nothing); then a canary
-release of v2 (other weights, at tensor-parallel T=2) that completes. While it runs a decode
-instance is SIGKILLed mid-stream and the prefill instance is SIGKILLed under load.
+The fleet: client keys of two tenants, an admin key and the fleet's internal key; `strata up`
+starts 1 prefill and 1 decode instance (T=1) and one mixed instance in pool `fast`, where the
+interactive class is routed; a second decode instance at tensor-parallel T=2 (two rank
+processes) joins the same registry as `strata serve --role decode -tp 2` (strata up gives every
+instance of a version one layout). Chat sessions live in a real Redis (the instances' history)
+with sticky routing pinned in the same Redis (the gateway's pins); `--policy cache_aware`; the
+autoscaler on (each pool held at its size by its bounds: its decisions are visible and change
+nothing); a KV cache of 49 blocks, so long streams preempt.
+
+The story: two tenants ask the same prompt twice each; an interactive request; two sessions of
+three turns; eight long streams at once (preemptions); then, under load from both tenants, a
+decode instance is SIGKILLed mid-stream, and while it restarts every other instance (the
+prefill instance, the other decode instance, the interactive pool's) is SIGKILLed at once; once
+all are back, a canary release of v2 (other weights, T=2) is followed to `done`.
 
 Asserted: no request failed; every greedy answer (its tokens, through the logprobs' bytes) is
-the answer of one plain `strata serve` instance of its version, given the same messages (a
-session's whole history); one tenant's prompt gets no cached tokens from the other's blocks;
-and each feature fired: remote prefills, a resumed stream, prefix hits, the release `done`,
-autoscaler decisions.
+the answer of one plain `strata serve` instance of its version given the same messages (a
+session's whole history); a tenant's prompt gets no cached tokens from the other tenant's
+blocks, though its own repeat does; and each feature fired: remote prefills (also T=1 prefill
+to T=2 decode, with no handshake refusal), the decider keeping a cached prompt local, a
+resumed stream, preemptions, requests that waited for the restarting fleet, sessions sticky and
+in Redis, the release through canary to done with its instance registered at tp2, autoscaler
+decisions on measured windows for every pool.
 """
 
 from __future__ import annotations
@@ -125,7 +135,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> Itera
     gateway = ["--class-pool=interactive=fast", "--session-routing=sticky",
                f"--session-store={redis.url}", "--pd-min-uncached-tokens=8",
                "--canary-window-s=4", "--canary-min-requests=4", "--release-propagation-s=2",
-               "--scale-interval-s=1", f"--model-root={root}"]
+               "--scale-interval-s=1", f"--model-root={root}", "--start-wait-s=150"]
     up = start_up([str(v1_dir), "--served-model-name", MODEL, "--model-version", "v1",
                    "--prefill", "1", "--decode", "1", "--pool", "fast=1",
                    *instance_flags, "--threads-per-instance", "1",
@@ -207,7 +217,7 @@ def ask(url: str, key: str, messages: list[dict[str, str]], *, stream: bool = Fa
     sent = body | ({"stream": True, "stream_options": {"include_usage": True}} if stream else {})
     try:
         r = httpx.post(f"{url}{CHAT}", json=sent, headers=bearer(key) | (headers or {}),
-                       timeout=120)
+                       timeout=200)
     except httpx.HTTPError as exc:
         return Answer(key, body, stream, 0, b"", "", "", repr(exc))
     failure = completion_failure(r.status_code, r.content, is_stream=stream,
@@ -253,7 +263,7 @@ class Load:
     def finish(self) -> list[Answer]:
         self.stop.set()
         for thread in self.threads:
-            thread.join(timeout=120)
+            thread.join(timeout=240)
         return list(self.answers)
 
 
@@ -295,7 +305,7 @@ def test_the_whole_fleet(fleet: Fleet, tmp_path: Path) -> None:
     resumed = decode_killed_mid_stream(fleet)
     answers.append(resumed)
     phase("resumed stream done")
-    prefill_killed(fleet, load, resumed.instance)
+    outage(fleet, load)
     phase("prefill and decode back")
     release_v2(fleet, load)
     phase("release done")
@@ -317,14 +327,15 @@ def test_the_whole_fleet(fleet: Fleet, tmp_path: Path) -> None:
 
 
 SHOWN_METRICS = ("strata:gateway_pd_", "strata:gateway_stream_resumes_total",
-                 "strata:autoscaler_pool_decisions_total")
+                 "strata:gateway_recovery_waits_total", "strata:autoscaler_pool_decisions_total")
 
 
 def tenants_and_prefix_hits(fleet: Fleet) -> list[Answer]:
     """A's prompt twice (the second hits A's blocks), then B's same prompt: none of A's blocks
     serve it, though B's own second ask hits B's."""
     prompt = user("shared words " + LONG)
-    a1, a2, b1, b2 = (ask(fleet.url, key, prompt) for key in (KEY_A, KEY_A, KEY_B, KEY_B))
+    a1, a2, b1, b2 = (ask_then_settle(fleet.url, key, prompt)
+                      for key in (KEY_A, KEY_A, KEY_B, KEY_B))
     assert [a.failure for a in (a1, a2, b1, b2)] == [None] * 4
     assert cached_tokens(a1) == 0 and cached_tokens(a2) > 0, (a1.usage, a2.usage)
     assert cached_tokens(b1) == 0, b1.usage  # A's blocks are not B's
@@ -333,6 +344,14 @@ def tenants_and_prefix_hits(fleet: Fleet) -> list[Answer]:
     # a2 and b2: the decode instance holds the prompt (the decider counts what is cached)
     assert fleet.metric("gateway_pd_decisions_total", reason="short") >= 2
     return [a1, a2, b1, b2]
+
+
+def ask_then_settle(url: str, key: str, messages: list[dict[str, str]]) -> Answer:
+    """`ask`, then a second for the gateway's prefix index to learn the blocks it left (the
+    instances' events come by long poll, within 0.1-0.5 s on a quiet machine)."""
+    answer = ask(url, key, messages)
+    time.sleep(1.0)
+    return answer
 
 
 def interactive_class(fleet: Fleet) -> list[Answer]:
@@ -433,7 +452,7 @@ def decode_killed_mid_stream(fleet: Fleet) -> Answer:
     body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     answer = Answer(KEY_A, body, True, 200, raw, version, victim, failure)
     assert len(answer.tokens) == 200
-    if victim == TP2:  # no supervisor restarts it: the operator does
+    if victim == TP2:
         fleet.tp2.start()
     return answer
 
@@ -446,16 +465,23 @@ def kill(fleet: Fleet, iid: str) -> None:
         os.kill(fleet.pids()[iid], signal.SIGKILL)
 
 
-def prefill_killed(fleet: Fleet, load: Load, decoder: str) -> None:
-    """The prefill instance is SIGKILLed under load (while the decode instance `decoder`,
-    killed just before, is still restarting); the load goes on (the decode instances prefill
-    locally) and, once both are back, prefills remotely again."""
+def outage(fleet: Fleet, load: Load) -> None:
+    """Under load, while the decode instance killed mid-stream restarts, the prefill instance
+    and every other instance still up (the interactive pool's too) are SIGKILLed at once:
+    requests wait for the restarts (nothing sent yet: they are not failed), and once the fleet
+    is back it prefills remotely again."""
     (prefill,) = role_of(fleet, "prefill")
+    everyone = sorted(fleet.instances())
     num_before = len(load.answers)
-    os.kill(fleet.pids()[prefill], signal.SIGKILL)
-    wait_until(lambda: len(load.answers) >= num_before + 4, 120, "load while it is down")
-    for iid in (prefill, decoder):
+    waits = fleet.metric("gateway_recovery_waits_total", outcome="recovered")
+    for iid in [prefill, *(i for i in everyone if i != prefill and routable(fleet, i))]:
+        kill(fleet, iid)
+        if iid == TP2:  # no supervisor restarts it: the operator does
+            fleet.tp2.start()
+    for iid in everyone:
         wait_until(lambda iid=iid: routable(fleet, iid), 180, f"{iid} back")
+    wait_until(lambda: len(load.answers) >= num_before + 4, 120, "load after the outage")
+    assert fleet.metric("gateway_recovery_waits_total", outcome="recovered") > waits
     ok = fleet.metric("gateway_pd_prefills_total", outcome="ok")
     wait_until(lambda: fleet.metric("gateway_pd_prefills_total", outcome="ok") > ok, 60,
                "a remote prefill after the restart")
