@@ -244,3 +244,32 @@ def test_a_fleet_that_is_down_holds_the_request_until_an_instance_is_back() -> N
     answer = asyncio.run(run())
     assert answer.status_code == 200 and answer.headers["x-strata-instance"] == "b"
     assert gateway.proxy.recovery.num_recovered == 1  # type: ignore[union-attr]
+
+
+def test_an_instance_that_cannot_take_the_request_does_not_hide_a_fleet_that_is_down() -> None:
+    """The whole-fleet test's 502: every decode instance of a P/D fleet was restarting while the
+    prefill instance was already back. The prefill instance is up but can take no whole request,
+    so the request's fleet is down and the request waits for a decode instance, as above."""
+    upstreams = Upstreams(p=completion)  # a and b (decode) refuse; p (prefill) is up
+    views = [view("a", role="decode"), view("b", role="decode"), view("p", role="prefill")]
+    app = create_gateway_app(CONFIG, FixedSource(*views), transport=upstreams.transport(),
+                             clock=FakeClock(), run_background=False)
+    gateway: Gateway = app.state.gateway
+
+    async def run() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            waiting = asyncio.create_task(client.post("/v1/completions", json={"model": "m"}))
+            for _ in range(500):  # bounded: the request waits, or it was answered (the bug)
+                if gateway.proxy.recovery.num_waits or waiting.done():  # type: ignore[union-attr]
+                    break
+                await asyncio.sleep(0.01)
+            assert not waiting.done(), (await waiting).text
+            upstreams.hosts["b"] = completion  # b restarted ...
+            gateway.proxy.detector.clock.advance(1.0)  # type: ignore[attr-defined]
+            gateway.proxy.detector.record_health(views[1], is_healthy=True)  # ... and is seen
+            return await waiting
+
+    answer = asyncio.run(run())
+    assert answer.status_code == 200 and answer.headers["x-strata-instance"] == "b"
+    assert [call for call in upstreams.calls if call[0] == "p"] == []

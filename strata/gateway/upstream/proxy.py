@@ -97,7 +97,7 @@ class Proxy:
                 break  # an instance answered, or the model is unknown: nothing to wait for
             deadline = deadline if deadline is not None else self.recovery.deadline()
             num_waits = self.recovery.num_waits
-            is_back = await self.recovery.wait(request.route.model, tried, deadline)
+            is_back = await self.recovery.wait(request.route, tried, deadline)
             if self.recovery.num_waits > num_waits:
                 self.metrics.recovery_waits.labels("recovered" if is_back else "timed_out").inc()
             if not is_back:

@@ -8,6 +8,11 @@ Rather than answering 502 or 503 at once, the proxy waits (up to `start_wait_s`,
 instance takes to start) until an instance of the model passes a health check after the failure
 (or is registered anew), then tries again, as if the request had just arrived.
 
+"The fleet" is the instances that could take the request: those its route's filters keep
+(model, version, role, pool; strata/gateway/routing/pipeline.py) whether or not they are
+routable now. Another role's or pool's instance that is up (the prefill instance of a P/D
+fleet, a class's own pool) cannot take it, so it does not make the request's fleet look alive.
+
 It never waits for an answer that an instance gave: a 5xx or 429 answer means the instance is
 alive, and the client gets that answer as before. A model no instance has ever served (404) is
 not waited for either.
@@ -21,6 +26,8 @@ from collections.abc import Awaitable, Callable, Collection
 
 from strata.clock import Clock
 from strata.gateway.routing.instances import InstanceSet, InstanceView
+from strata.gateway.routing.pipeline import FILTERS, is_routable
+from strata.gateway.routing.policies.base import RouteRequest
 
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -43,33 +50,36 @@ class Recovery:
         self.num_waits = 0  # requests that waited for an instance to come back
         self.num_recovered = 0  # of which one came back in time
 
-    def _views(self, model: str | None) -> list[InstanceView]:
-        return [v for v in self.instances.snapshot() if model is None or v.model == model]
+    def _views(self, route: RouteRequest) -> list[InstanceView]:
+        """The instances that could take `route` (routable now or not)."""
+        return [v for v in self.instances.snapshot()
+                if all(keep(route, v) for keep in FILTERS if keep is not is_routable)]
 
-    def is_down(self, model: str | None, tried: Collection[str]) -> bool:
-        """Every known instance of `model` failed this request or looks down (not routable,
-        or its last health check failed); False when none is known (a model nobody serves)."""
-        views = self._views(model)
+    def is_down(self, route: RouteRequest, tried: Collection[str]) -> bool:
+        """Every known instance that could take `route` failed this request or looks down (not
+        routable, or its last health check failed); False when none is known (a model nobody
+        serves)."""
+        views = self._views(route)
         return bool(views) and not any(v.instance_id not in tried and v.is_routable
                                        and v.is_healthy for v in views)
 
-    def is_back(self, model: str | None, since: float, known: Collection[str]) -> bool:
-        """Some instance of `model` is routable and passed a health check after `since`, or
-        is one not in `known` (registered since)."""
+    def is_back(self, route: RouteRequest, since: float, known: Collection[str]) -> bool:
+        """Some instance that could take `route` is routable and passed a health check after
+        `since`, or is one not in `known` (registered since)."""
         return any(v.is_routable and (v.healthy_at > since or v.instance_id not in known)
-                   for v in self._views(model))
+                   for v in self._views(route))
 
-    async def wait(self, model: str | None, tried: Collection[str], until: float) -> bool:
-        """When the model's fleet is down (`is_down`), wait until an instance is back (True) or
-        the loop's clock reaches `until` (False); False at once when it is not down."""
-        if not self.is_down(model, tried):
+    async def wait(self, route: RouteRequest, tried: Collection[str], until: float) -> bool:
+        """When the request's fleet is down (`is_down`), wait until an instance is back (True)
+        or the loop's clock reaches `until` (False); False at once when it is not down."""
+        if not self.is_down(route, tried):
             return False
-        since, known = self.clock(), {v.instance_id for v in self._views(model)}
+        since, known = self.clock(), {v.instance_id for v in self._views(route)}
         self.num_waits += 1
         loop = asyncio.get_running_loop()
         while loop.time() < until:
             await self.sleep(self.poll_s)
-            if self.is_back(model, since, known):
+            if self.is_back(route, since, known):
                 self.num_recovered += 1
                 return True
         return False
