@@ -27,7 +27,7 @@ from strata.model.attention import PagedKVCache, PrefillChunk, StepBatch
 from strata.model.config import ModelConfig
 from strata.model.kv_codec import FORMAT_VERSION, KVCodec, KVLayout
 from strata.model.llama import LlamaModel, Weights
-from strata.model.lora import LoraAdapter, RowGroups
+from strata.model.lora import LoraAdapter, RowGroups, moved
 from strata.model.masks import MaskWorker
 from strata.model.parallel.layout import ParallelLayout
 from strata.model.sampler import Sampler
@@ -73,7 +73,7 @@ class TorchExecutor:
         if len(self.shard.layers) != self.config.num_hidden_layers or self.model.is_vocab_split \
                 or len(self.shard.q_heads) != self.config.num_attention_heads:
             raise ConfigError("LoRA adapters need the whole model on one rank")
-        self.loras[adapter.name] = adapter
+        self.loras[adapter.name] = moved(adapter, _DTYPES[self.dtype], self.device)
 
     def remove_lora(self, name: str) -> None:
         self.loras.pop(name, None)

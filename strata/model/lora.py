@@ -63,6 +63,16 @@ class LoraAdapter:
     layers: list[LoraLayer]
 
 
+def moved(adapter: LoraAdapter, dtype: torch.dtype, device: str) -> LoraAdapter:
+    """The adapter with its weights in `dtype` on `device` (the model's)."""
+    def mv(p: LoraPair | None) -> LoraPair | None:
+        return None if p is None else LoraPair(p.a.to(device=device, dtype=dtype),
+                                               p.b.to(device=device, dtype=dtype))
+    layers = [LoraLayer(mv(x.qkv), mv(x.o), mv(x.gate_up), mv(x.down)) for x in adapter.layers]
+    return LoraAdapter(adapter.name, adapter.path, adapter.digest, adapter.rank, adapter.scaling,
+                       layers)
+
+
 def file_digest(path: str | Path) -> str:
     """sha256 of the adapter's config then weights files."""
     root = Path(path)
