@@ -192,6 +192,7 @@ def scheduler_config_from(args: argparse.Namespace, max_model_len: int) -> Sched
         max_model_len=max_model_len, enable_chunked_prefill=chunked, max_waiting=args.max_waiting,
         max_queue_wait_s=args.max_queue_wait_s or None,
         prefill_stretch=args.prefill_stretch,
+        max_loras=getattr(args, "max_loras", None),
     )
 
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.engine import Engine
+from strata.engine.executor import ModelInput, ModelOutput
 from strata.engine.request import Request, SamplingParams
 from strata.model.executor import TorchExecutor
 from strata.model.loader import LoadedModel, load_model
@@ -46,13 +47,14 @@ def expected(paths: dict[str, Path]) -> dict[tuple[str, int], list[int]]:
             for name in ("base", "a", "b") for i, p in enumerate(PROMPTS)}
 
 
-def make_engine(model: LoadedModel, paths: dict[str, Path]) -> Engine:
+def make_engine(model: LoadedModel, paths: dict[str, Path],
+                max_loras: int | None = None) -> Engine:
     executor = TorchExecutor(model.config, model.weights, dtype="float32")
     for name in ("a", "b"):
         executor.add_lora(load_adapter(name, paths[name], model.config))
     return Engine(executor, CacheConfig(block_size=4, num_blocks=128, enable_prefix_caching=True),
                   SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=64,
-                                  enable_chunked_prefill=True),
+                                  enable_chunked_prefill=True, max_loras=max_loras),
                   model.tokenizer, vocab_size=model.config.vocab_size)
 
 
@@ -85,6 +87,31 @@ def test_mixed_batch_matches_hf_peft(base: LoadedModel, paths: dict[str, Path],
     out = run_to_completion(engine)
     for name, i in rids:
         assert out[RequestId(f"{name}{i}")] == expected[(name, i)], (name, i)
+
+
+@pytest.mark.parametrize("max_loras", [None, 1])
+def test_max_loras_bounds_the_adapters_of_a_step(
+        base: LoadedModel, paths: dict[str, Path], max_loras: int | None,
+        expected: dict[tuple[str, int], list[int]]) -> None:
+    engine = make_engine(base, paths, max_loras)
+    steps: list[set[str]] = []
+    execute = engine.executor.execute
+
+    def spy(model_input: ModelInput) -> ModelOutput:
+        steps.append({s.lora_name for s in model_input.sequences if s.lora_name})
+        return execute(model_input)
+
+    engine.executor.execute = spy  # type: ignore[method-assign]
+    rids = []
+    for i, p in enumerate(PROMPTS):
+        for name in ("a", "base", "b"):
+            engine.add_request(request(f"{name}{i}", p, "" if name == "base" else name, paths))
+            rids.append((name, i))
+    out = run_to_completion(engine)
+    for name, i in rids:  # deferred rows still finish, with the right tokens
+        assert out[RequestId(f"{name}{i}")] == expected[(name, i)], (name, i)
+    most = max(len(s) for s in steps)
+    assert most == (2 if max_loras is None else 1)
 
 
 def test_prefix_cache_is_never_shared_across_adapters(base: LoadedModel,
