@@ -82,6 +82,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "it above the clients' own idle expiry (httpx: 5 s), or a request sent "
                         "as the server closes it gets no answer")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="PEFT LoRA adapters served beside the base model; a request with "
+                        "`model: NAME` runs with the adapter at PATH")
+    p.add_argument("--max-lora-rank", type=positive_int, default=64,
+                   help="adapters of a higher rank are refused (default: 64)")
+    p.add_argument("--max-loras", type=positive_int, default=4,
+                   help="distinct adapters in one engine step (default: 4)")
     add_parallel_flags(p)
     _add_cluster_flags(p)
 

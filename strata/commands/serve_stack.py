@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from strata.commands.serve_parallel import ParallelModel
     from strata.engine.config import SchedulerConfig
     from strata.model.loader import LoadedModel
+    from strata.model.lora import LoraAdapter
     from strata.server.async_engine import AsyncEngine
     from strata.server.config import EmbedConfig
     from strata.server.registration import Registration
@@ -62,6 +63,7 @@ class BuiltEngine:
     simulated: bool = False
     generation_defaults: GenerationDefaults = GenerationDefaults()  # --generation-config
     embed: EmbedConfig | None = None  # set: an encoder served for /v1/embeddings (--task embed)
+    loras: tuple[tuple[str, str], ...] = ()  # (name, digest) of each --lora-modules adapter
 
 
 def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
@@ -77,13 +79,33 @@ def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
         loaded, parallel = load_for_serving(args, path, env.cache_dir)
         alias = KNOWN_MODELS.get(args.model or DEFAULT_MODEL)
         name = args.served_model_name or (alias.served_name if alias else loaded.name)
-        async_engine = build_async_engine(args, loaded, name, parallel)
+        adapters = load_loras(args, loaded)
+        async_engine = build_async_engine(args, loaded, name, parallel, adapters)
         loaded.weights.clear()  # the executor holds its own (packed) copies
     defaults = generation_defaults_of(args.generation_config, loaded.generation_defaults,
                                       alias.generation_defaults if alias else None)
     log.info("sampling defaults (--generation-config %s): %s", args.generation_config,
              defaults.as_dict() or "none")
-    return BuiltEngine(async_engine, loaded.tokenizer, name, generation_defaults=defaults)
+    return BuiltEngine(async_engine, loaded.tokenizer, name, generation_defaults=defaults,
+                       loras=tuple((a.name, a.digest) for a in adapters))
+
+
+def load_loras(args: argparse.Namespace, loaded: LoadedModel) -> list[LoraAdapter]:
+    """The --lora-modules NAME=PATH adapters, each checked against the base model."""
+    from strata.model.lora import load_adapter
+
+    adapters = []
+    for spec in getattr(args, "lora_modules", None) or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--lora-modules takes NAME=PATH, got {spec!r}")
+        if name == (args.served_model_name or loaded.name):
+            raise ConfigError(f"--lora-modules: {name!r} is the base model's name")
+        adapters.append(load_adapter(name, path, loaded.config, base_model=str(loaded.source),
+                                     max_rank=getattr(args, "max_lora_rank", 64)))
+    if len({a.name for a in adapters}) != len(adapters):
+        raise ConfigError("--lora-modules names an adapter twice")
+    return adapters
 
 
 def build_simulated(args: argparse.Namespace) -> BuiltEngine:
@@ -128,7 +150,8 @@ def model_path(args: argparse.Namespace, env: CliEnv, default: str | None = None
 
 
 def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str,
-                       parallel: ParallelModel | None = None) -> AsyncEngine:
+                       parallel: ParallelModel | None = None,
+                       loras: list[LoraAdapter] | None = None) -> AsyncEngine:
     """model -> TorchExecutor (or ParallelExecutor) -> Engine -> AsyncEngine, from the flags."""
     import torch
 
@@ -138,6 +161,10 @@ def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str,
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     executor = make_executor(args, loaded, parallel, device, name)
+    for adapter in loras or []:
+        if parallel is not None:
+            raise ConfigError("--lora-modules is not supported with tensor or pipeline parallel")
+        executor.add_lora(adapter)
     max_model_len = args.max_model_len or min(loaded.config.max_position_embeddings,
                                               DEFAULT_MAX_MODEL_LEN)
     scheduler_config = scheduler_config_from(args, max_model_len)
@@ -165,6 +192,7 @@ def scheduler_config_from(args: argparse.Namespace, max_model_len: int) -> Sched
         max_model_len=max_model_len, enable_chunked_prefill=chunked, max_waiting=args.max_waiting,
         max_queue_wait_s=args.max_queue_wait_s or None,
         prefill_stretch=args.prefill_stretch,
+        max_loras=getattr(args, "max_loras", None),
     )
 
 
@@ -197,7 +225,7 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
                                  session_redis_appendfsync=args.session_redis_appendfsync,
                                  session_redis_replicas=args.session_redis_replicas,
                                  generation_defaults=built.generation_defaults, pd=_pd_config(args),
-                                 embed=built.embed,
+                                 embed=built.embed, loras=dict(built.loras),
                                  **_kv_options(args))
     app = create_app(built.async_engine, built.tokenizer, server_config,
                      registration=registration)

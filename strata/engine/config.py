@@ -51,8 +51,12 @@ class SchedulerConfig:
     # prompts are never capped. 0 (the default) turns the cap off: at 1.5 a 1,500-token prompt
     # beside 16 decodes costs that run 10 % of its throughput (docs/benchmarks.md, speed round 2).
     prefill_stretch: float = 0.0
+    # distinct LoRA adapters in one step; rows of further adapters wait, in order (None: any)
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_loras is not None and self.max_loras <= 0:
+            raise ConfigError(f"max_loras must be positive (or None), got {self.max_loras}")
         if self.max_num_seqs <= 0:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_queue_wait_s is not None and self.max_queue_wait_s <= 0:

@@ -108,10 +108,13 @@ class Engine:
         return self.scheduler.has_unfinished() or len(self._batches) > 0
 
     def block_hashes(self, token_ids: list[int], cache_salt: str = "",
-                     num_public_tokens: int = 0, *, partial: bool = False) -> list[BlockHash]:
-        """The identities of the full blocks of `token_ids` (model, version and salt included;
-        see `Request.num_public_tokens`), with `partial` the partial last one's; any thread."""
-        return self.kv.hash_tokens(token_ids, cache_salt, num_public_tokens, partial=partial)
+                     num_public_tokens: int = 0, *, partial: bool = False,
+                     lora_digest: str = "") -> list[BlockHash]:
+        """The identities of the full blocks of `token_ids` (model, version, salt and LoRA
+        digest included; see `Request.num_public_tokens`), with `partial` the partial last
+        one's; any thread."""
+        return self.kv.hash_tokens(token_ids, cache_salt, num_public_tokens, partial=partial,
+                                   lora_digest=lora_digest)
 
     def num_cached_blocks(self, hashes: list[BlockHash]) -> int:
         """How many leading blocks of `hashes` the prefix cache holds: a hint, safe from any

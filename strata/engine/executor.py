@@ -38,6 +38,7 @@ class ScheduledSequence:
     eos_token_ids: tuple[int, ...] = ()  # held back, with stop token ids, before min_tokens
     # a pooling request: its whole prompt in this one sequence; the executor returns `Pooled`
     is_pooling: bool = False
+    lora_name: str = ""  # the LoRA adapter the request runs with ("": the base model)
 
     @classmethod
     def of(cls, request: Request, start: int, num_new: int,
@@ -49,7 +50,8 @@ class ScheduledSequence:
                    sampling_params=request.sampling_params,
                    output_token_ids=request.output_token_ids,
                    prompt_token_ids=request.prompt_token_ids,
-                   eos_token_ids=request.eos_token_ids, is_pooling=request.is_pooling)
+                   eos_token_ids=request.eos_token_ids, is_pooling=request.is_pooling,
+                   lora_name=request.lora_name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,7 +87,7 @@ class KVCacheManager:
         external = []
         if is_handed and request.num_tokens % self.block_size:
             hashes = self.hash_tokens(tokens, request.cache_salt, request.num_public_tokens,
-                                      partial=True)
+                                      partial=True, lora_digest=request.lora_digest)
             max_blocks = len(hashes)
         for block_hash in hashes[len(hits) : max_blocks]:
             payload = request.external_kv.get(block_hash)
@@ -108,14 +108,15 @@ class KVCacheManager:
         self.num_external_hit_tokens -= num_tokens
 
     def hash_tokens(self, token_ids: list[int], cache_salt: str, num_public_tokens: int = 0,
-                    *, partial: bool = False) -> list[BlockHash]:
+                    *, partial: bool = False, lora_digest: str = "") -> list[BlockHash]:
         """Hashes of the full blocks of `token_ids`, named as this cache names them; with
-        `partial`, then of the partial last block (chained the same way over its tokens)."""
-        hashes = self._hash_from(token_ids, cache_salt, num_public_tokens, None, 0)
+        `partial`, then of the partial last block (chained the same way over its tokens).
+        `lora_digest`: the LoRA adapter's content digest, part of every block's name."""
+        hashes = self._hash_from(token_ids, cache_salt, num_public_tokens, None, 0, lora_digest)
         tail = token_ids[len(hashes) * self.block_size :]
         if partial and tail:
             hashes.append(hash_block(hashes[-1] if hashes else None, tail,
-                                     self._namespace(cache_salt)))
+                                     self._namespace(cache_salt, lora_digest)))
         return hashes
 
     def num_cached_blocks(self, hashes: list[BlockHash]) -> int:
@@ -213,7 +214,7 @@ class KVCacheManager:
             raise RuntimeError(f"one_hold_per_request: {request.request_id} is already held")
         computed = request.all_token_ids[: request.num_computed_tokens]
         hashes = self.hash_tokens(computed, request.cache_salt, request.num_public_tokens,
-                                  partial=True)
+                                  partial=True, lora_digest=request.lora_digest)
         blocks = self._blocks.get(request.request_id, [])[: len(hashes)]
         self.pool.touch(blocks)
         self._finished_holds[request.request_id] = blocks
@@ -245,26 +246,31 @@ class KVCacheManager:
         if len(hashes) < num_full:
             parent = hashes[-1] if hashes else None
             hashes.extend(self._hash_from(request.all_token_ids, request.cache_salt,
-                                          request.num_public_tokens, parent, len(hashes)))
+                                          request.num_public_tokens, parent, len(hashes),
+                                          request.lora_digest))
         return hashes
 
     def _hash_from(self, token_ids: list[int], cache_salt: str, num_public_tokens: int,
-                   parent: BlockHash | None, start_block: int) -> list[BlockHash]:
+                   parent: BlockHash | None, start_block: int,
+                   lora_digest: str = "") -> list[BlockHash]:
         """Block hashes from `start_block` on. Blocks wholly inside the first
         `num_public_tokens` are named in the namespace every tenant shares (no salt); the rest,
-        chained from them, in the salted one: a tenant's own blocks stay its own."""
+        chained from them, in the salted one: a tenant's own blocks stay its own. A LoRA
+        adapter's digest names both: KV computed with its weights is its own."""
         size = self.block_size
         num_public = min(num_public_tokens, len(token_ids)) // size
         hashes: list[BlockHash] = []
         if start_block < num_public:
-            hashes = hash_blocks(token_ids[: num_public * size], size, self._namespace(""),
-                                 parent=parent, start_block=start_block)
+            hashes = hash_blocks(token_ids[: num_public * size], size,
+                                 self._namespace("", lora_digest), parent=parent,
+                                 start_block=start_block)
             parent, start_block = hashes[-1], num_public
-        return hashes + hash_blocks(token_ids, size, self._namespace(cache_salt), parent=parent,
-                                    start_block=start_block)
+        return hashes + hash_blocks(token_ids, size, self._namespace(cache_salt, lora_digest),
+                                    parent=parent, start_block=start_block)
 
-    def _namespace(self, cache_salt: str) -> str:
-        return f"{self.config.namespace}|{cache_salt}"
+    def _namespace(self, cache_salt: str, lora_digest: str = "") -> str:
+        base = f"{self.config.namespace}|{cache_salt}"
+        return f"{base}|lora:{lora_digest}" if lora_digest else base
 
     def check_integrity(self, held: Iterable[KVBlock] = ()) -> None:
         """free + cached + in use == total, and ref counts match the block tables, the holds of

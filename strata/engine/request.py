@@ -192,6 +192,11 @@ class Request:
     # chunked: an encoder attends both ways), the executor returns the pooled hidden state and
     # the request finishes with it, generating no token.
     is_pooling: bool = False
+    # A LoRA adapter (strata.model.lora): its name reaches the executor per row; its content
+    # digest goes into the prefix-cache names of the request's blocks, so KV computed with
+    # other weights (the base, another adapter, an older load of the name) is never reused.
+    lora_name: str = ""
+    lora_digest: str = ""
 
     @property
     def num_prompt_tokens(self) -> int:

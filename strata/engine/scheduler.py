@@ -176,6 +176,9 @@ class Scheduler:
             if request.num_tokens_to_compute == 0:  # a batch in flight samples its next token
                 i += 1
                 continue
+            if not self._lora_fits(request, out):  # its adapter waits for a free one
+                i += 1
+                continue
             num_new = self._num_to_schedule(request, budget)
             if num_new == 0 and self.step_budget.left != 0:
                 break
@@ -202,8 +205,20 @@ class Scheduler:
                 continue
             if request.num_in_flight_tokens:  # preempted in flight: waits for its batch
                 break
+            if not self._lora_fits(request, out):  # FIFO: nothing overtakes it
+                break
             if not self._try_admit(request, out, max_seqs, now):
                 break
+
+    def _lora_fits(self, request: Request, out: SchedulerOutput) -> bool:
+        """Whether the request's LoRA adapter (if any) may join the step: it is already in it,
+        or fewer than `max_loras` adapters are. The running list is in admission order, so
+        the earliest requests' adapters go first and a deferred one gets the next free place."""
+        limit = self.config.max_loras
+        if limit is None or not request.lora_name:
+            return True
+        names = {r.lora_name for r, _ in out.scheduled if r.lora_name}
+        return request.lora_name in names or len(names) < limit
 
     def _try_admit(self, request: Request, out: SchedulerOutput, max_seqs: int,
                    now: float) -> bool:

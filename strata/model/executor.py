@@ -27,6 +27,7 @@ from strata.model.attention import PagedKVCache, PrefillChunk, StepBatch
 from strata.model.config import ModelConfig
 from strata.model.kv_codec import FORMAT_VERSION, KVCodec, KVLayout
 from strata.model.llama import LlamaModel, Weights
+from strata.model.lora import LoraAdapter, RowGroups, moved
 from strata.model.masks import MaskWorker
 from strata.model.parallel.layout import ParallelLayout
 from strata.model.sampler import Sampler
@@ -65,6 +66,17 @@ class TorchExecutor:
         self.kv_cache: PagedKVCache | None = None
         self.kv_codec: KVCodec | None = None
         self._identity = (model_name, model_version)
+        self.loras: dict[str, LoraAdapter] = {}  # by name; a request names one per row
+
+    def add_lora(self, adapter: LoraAdapter) -> None:
+        """Serve `adapter` under its name (replacing one of that name)."""
+        if len(self.shard.layers) != self.config.num_hidden_layers or self.model.is_vocab_split \
+                or len(self.shard.q_heads) != self.config.num_attention_heads:
+            raise ConfigError("LoRA adapters need the whole model on one rank")
+        self.loras[adapter.name] = moved(adapter, _DTYPES[self.dtype], self.device)
+
+    def remove_lora(self, name: str) -> None:
+        self.loras.pop(name, None)
 
     @property
     def vocab_size(self) -> int:
@@ -146,7 +158,7 @@ class TorchExecutor:
         with torch.inference_mode():
             batch = build_step_batch(seqs, kv.block_size, kv.null_slot, self.device,
                                      chunk_kernel=self.chunk_kernel)
-            logits = self.model.forward(batch, kv)
+            logits = self.model.forward(batch, kv, self._lora_groups(seqs))
             if not sampled or logits is None:
                 return {}
             tokens = self.sampler.sample(
@@ -156,6 +168,23 @@ class TorchExecutor:
                 mask=pending.wait(self.device) if pending is not None else None,
                 may_modify_logits=True)
         return {s.request_id: t for s, t in zip(sampled, tokens, strict=True)}
+
+    def _lora_groups(self, seqs: list[ScheduledSequence]) -> RowGroups:
+        """The step's token rows of each adapter its sequences name (in `seqs` order)."""
+        rows: dict[str, list[int]] = {}
+        start = 0
+        for s in seqs:
+            n = len(s.token_ids)
+            if s.lora_name:
+                rows.setdefault(s.lora_name, []).extend(range(start, start + n))
+            start += n
+        groups: RowGroups = []
+        for name, idx in rows.items():
+            adapter = self.loras.get(name)
+            if adapter is None:
+                raise RuntimeError(f"invariant lora_loaded: no LoRA adapter {name!r} is loaded")
+            groups.append((adapter, torch.tensor(idx, dtype=torch.long, device=self.device)))
+        return groups
 
 
 def build_step_batch(seqs: list[ScheduledSequence], block_size: int, null_slot: int,

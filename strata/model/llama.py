@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from strata.errors import ModelLoadError
-from strata.model import cpu_kernels, gemm
+from strata.model import cpu_kernels, gemm, lora
 from strata.model.attention import DecodePlan, HeadGroups, PagedKVCache, StepBatch, attention
 from strata.model.config import ModelConfig, RopeScaling
 from strata.model.gemm import PackedWeight
@@ -221,9 +221,11 @@ class LlamaModel:
                 reader.take_linear(f"{p}mlp.down_proj.weight", (c.hidden_size, rows))),
         )
 
-    def forward(self, batch: StepBatch, kv_cache: PagedKVCache) -> Tensor | None:
+    def forward(self, batch: StepBatch, kv_cache: PagedKVCache,
+                loras: lora.RowGroups | None = None) -> Tensor | None:
         """Run one step; returns float32 logits (S, vocab) for `batch.sample_rows` on the
-        sampling rank, None on the others (the whole model always returns them)."""
+        sampling rank, None on the others (the whole model always returns them). `loras`: the
+        rows of each LoRA adapter in the step (strata.model.lora); other rows run the base."""
         x = self._embed(batch.input_ids) if self.embed is not None else self.comm.recv_hidden(
             torch.empty((batch.input_ids.shape[0], self.config.hidden_size), dtype=self.dtype,
                         device=self.device))
@@ -231,7 +233,8 @@ class LlamaModel:
         plan = DecodePlan.build(batch, kv_cache, x.dtype, x.device)
         delta: Tensor | None = None  # the last MLP's output, added to x by the next norm
         for i, layer in enumerate(self.layers):
-            delta = self._layer_forward(layer, x, delta, cos, sin, batch, plan, kv_cache.layer(i))
+            delta = self._layer_forward(layer, x, delta, cos, sin, batch, plan, kv_cache.layer(i),
+                                        loras or [], self.shard.layers[i])
         if delta is not None:
             x.add_(delta)
         if self.norm is None or self.lm_head is None:  # not the last stage: hand x on
@@ -263,10 +266,10 @@ class LlamaModel:
 
     def _layer_forward(self, layer: _Layer, x: Tensor, delta: Tensor | None, cos: Tensor,
                        sin: Tensor, batch: StepBatch, plan: DecodePlan,
-                       kv: tuple[Tensor, Tensor]) -> Tensor:
+                       kv: tuple[Tensor, Tensor], loras: lora.RowGroups, index: int) -> Tensor:
         """Adds `delta` into the residual stream `x` in place; returns this layer's MLP output."""
         h = self._add_norm(x, delta, layer.input_norm)
-        qkv = linear(h, layer.qkv, layer.qkv_bias)
+        qkv = lora.apply(linear(h, layer.qkv, layer.qkv_bias), h, loras, index, "qkv")
         heads, kv_heads = len(self.shard.q_heads), len(self.shard.kv_heads)
         hd = self.config.head_dim
         q_dim, kv_dim = heads * hd, kv_heads * hd
@@ -280,9 +283,12 @@ class LlamaModel:
         kv[0].index_copy_(0, batch.slot_mapping, k)
         kv[1].index_copy_(0, batch.slot_mapping, v)
         attn = attention(q, k, v, batch, plan, kv, self.heads)
-        out = self.comm.all_reduce(linear(attn.view(x.shape[0], q_dim), layer.o))
+        flat = attn.view(x.shape[0], q_dim)
+        out = self.comm.all_reduce(lora.apply(linear(flat, layer.o), flat, loras, index, "o"))
         h = self._add_norm(x, out, layer.post_norm)
-        return self.comm.all_reduce(linear(self._silu_mul(linear(h, layer.gate_up)), layer.down))
+        act = self._silu_mul(lora.apply(linear(h, layer.gate_up), h, loras, index, "gate_up"))
+        return self.comm.all_reduce(lora.apply(linear(act, layer.down), act, loras, index,
+                                               "down"))
 
     def _add_norm(self, x: Tensor, delta: Tensor | None, weight: Tensor) -> Tensor:
         """`x += delta` in place, then RMSNorm(x) * weight (one fused C call on CPU)."""

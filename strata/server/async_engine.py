@@ -48,8 +48,8 @@ class EngineCore(Protocol):
     vocab_size: int | None  # the ids the model can generate (None: unchecked)
 
     def block_hashes(self, token_ids: list[int], cache_salt: str = "",
-                     num_public_tokens: int = 0, *, partial: bool = False
-                     ) -> list[BlockHash]: ...
+                     num_public_tokens: int = 0, *, partial: bool = False,
+                     lora_digest: str = "") -> list[BlockHash]: ...
 
     def num_cached_blocks(self, hashes: list[BlockHash]) -> int: ...
 

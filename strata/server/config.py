@@ -78,6 +78,8 @@ class ServerConfig:
     pd: PDConfig = field(default_factory=PDConfig)  # prefill/decode hand-off (pd/state.py)
     # set: an embed instance (`strata serve --task embed`): /v1/embeddings, no generation
     embed: EmbedConfig | None = None
+    # LoRA adapters served beside the base (--lora-modules): name -> content digest
+    loras: dict[str, str] = field(default_factory=dict)
 
     @property
     def task(self) -> str:

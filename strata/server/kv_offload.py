@@ -69,7 +69,8 @@ class KVOffload:
 
     async def _plan(self, request: Request) -> _Plan:
         hashes = self.engine.block_hashes(request.prompt_token_ids, request.cache_salt,
-                                          request.num_public_tokens)
+                                          request.num_public_tokens,
+                                          lora_digest=request.lora_digest)
         if not hashes:
             return _Plan()
         num_local = self.engine.num_cached_blocks(hashes)

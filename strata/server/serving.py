@@ -123,7 +123,7 @@ async def start_completion(ctx: ServingContext, req: CompletionRequest,
         for j, constraint in enumerate((await plan_choices(ctx.grammar, req, req.n))[1]):
             params = completion_params(ctx, req, len(prompt), j, constraint)
             requests.append(tr.engine_request(f"{rid}-{len(requests)}", prompt, params, req,
-                                              ctx.tokenizer, arrival))
+                                              ctx.tokenizer, arrival, loras=ctx.config.loras))
             indices.append(p)
     echo = [ctx.tokenizer.decode(prompts[p]) if req.echo else "" for p in indices]
     generation = await start(ctx.engine, requests, indices, ctx.metrics, ctx.clock,
@@ -140,7 +140,8 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest,
     rid, arrival = tr.new_id("chatcmpl"), ctx.clock()
     num_public = tr.public_prefix_tokens(req, prompt, ctx.tokenizer)
     requests = [tr.engine_request(f"{rid}-{j}", prompt, chat_params(ctx, req, len(prompt), j, c),
-                                  req, ctx.tokenizer, arrival, num_public)
+                                  req, ctx.tokenizer, arrival, num_public,
+                                  loras=ctx.config.loras)
                 for j, c in enumerate(constraints)]
     generation = await start(ctx.engine, requests, [0] * req.n, ctx.metrics, ctx.clock,
                              ctx.kv_offload, prepare)

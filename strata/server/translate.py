@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import takewhile
 from typing import Protocol, TypeVar
 
@@ -196,11 +196,14 @@ def _choice_seed(seed: int, choice: int) -> int:
 def engine_request(request_id: str, prompt: list[int], params: SamplingParams,
                    req: CompletionRequest | ChatCompletionRequest,
                    tokenizer: ServerTokenizer, arrival_s: float,
-                   num_public_tokens: int = 0) -> Request:
+                   num_public_tokens: int = 0, loras: Mapping[str, str] | None = None) -> Request:
+    """The engine's request; `loras` (name -> digest): a `model` naming one runs with it."""
+    lora = req.model if loras and req.model and req.model in loras else ""
     return Request(request_id=RequestId(request_id), prompt_token_ids=prompt,
                    sampling_params=params, eos_token_ids=tuple(tokenizer.eos_token_ids),
                    arrival_time=arrival_s, priority=effective_priority(None, req.priority, None),
-                   cache_salt=req.cache_salt or "", num_public_tokens=num_public_tokens)
+                   cache_salt=req.cache_salt or "", num_public_tokens=num_public_tokens,
+                   lora_name=lora, lora_digest=loras[lora] if loras and lora else "")
 
 
 R = TypeVar("R", bound=BaseModel)  # a wire request with a `cache_salt` field

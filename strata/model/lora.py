@@ -1,0 +1,202 @@
+"""PEFT LoRA adapters applied per row of a batch, never merged into the base weights.
+
+An adapter is a directory holding `adapter_config.json` and `adapter_model.safetensors`, as
+PEFT's `save_pretrained` writes it. `load_adapter` checks it against the base model (target
+modules, rank, shapes, base model name) and refuses it by name. Its identity is its name plus
+the sha256 of its two files (`LoraAdapter.digest`): the engine folds the digest into the
+prefix-cache names of the request's blocks, so two adapters (or one name reloaded with other
+weights) never share KV with each other or with the base.
+
+The model runs each base matmul once over every row, then adds, for each adapter present in the
+step, the low-rank product `(x[rows] @ A.T) @ B.T` of its rows (`apply`). The fused q/k/v and
+gate/up projections get one stacked A (the modules' A concatenated) and a block-diagonal B, so
+one pair of matmuls covers all three (two) modules; the scaling is folded into B.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from strata.errors import ModelLoadError
+from strata.model.config import ModelConfig
+
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_MAX_RANK = 64
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class LoraError(ModelLoadError):
+    """An adapter that cannot be applied to the base model (the message names it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoraPair:
+    a: Tensor  # (r', in)
+    b: Tensor  # (out, r'), scaling folded in
+
+
+@dataclass(slots=True)
+class LoraLayer:
+    """One layer's pairs for the model's fused linears (None: no module of it is adapted)."""
+
+    qkv: LoraPair | None
+    o: LoraPair | None
+    gate_up: LoraPair | None
+    down: LoraPair | None
+
+
+@dataclass(slots=True)
+class LoraAdapter:
+    name: str
+    path: str
+    digest: str  # sha256 over adapter_config.json then adapter_model.safetensors
+    rank: int
+    scaling: float
+    layers: list[LoraLayer]
+
+
+def moved(adapter: LoraAdapter, dtype: torch.dtype, device: str) -> LoraAdapter:
+    """The adapter with its weights in `dtype` on `device` (the model's)."""
+    def mv(p: LoraPair | None) -> LoraPair | None:
+        return None if p is None else LoraPair(p.a.to(device=device, dtype=dtype),
+                                               p.b.to(device=device, dtype=dtype))
+    layers = [LoraLayer(mv(x.qkv), mv(x.o), mv(x.gate_up), mv(x.down)) for x in adapter.layers]
+    return LoraAdapter(adapter.name, adapter.path, adapter.digest, adapter.rank, adapter.scaling,
+                       layers)
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 of the adapter's config then weights files."""
+    root = Path(path)
+    h = hashlib.sha256()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        h.update((root / name).read_bytes())
+    return h.hexdigest()
+
+
+def _out_in(config: ModelConfig, module: str) -> tuple[int, int]:
+    c = config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return {"q_proj": (q, c.hidden_size), "k_proj": (kv, c.hidden_size),
+            "v_proj": (kv, c.hidden_size), "o_proj": (c.hidden_size, q),
+            "gate_proj": (c.intermediate_size, c.hidden_size),
+            "up_proj": (c.intermediate_size, c.hidden_size),
+            "down_proj": (c.hidden_size, c.intermediate_size)}[module]
+
+
+def load_adapter(name: str, path: str | Path, config: ModelConfig, *,
+                 base_model: str = "", max_rank: int = DEFAULT_MAX_RANK,
+                 dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoraAdapter:
+    """Read and check a PEFT LoRA adapter for `config`; raises `LoraError` naming `name`."""
+    root = Path(path)
+    try:
+        cfg = json.loads((root / "adapter_config.json").read_text())
+        tensors = load_file(str(root / "adapter_model.safetensors"))
+    except (OSError, ValueError) as exc:
+        raise LoraError(f"LoRA adapter {name!r} at {str(root)!r} cannot be read: {exc}") from exc
+
+    def refuse(why: str) -> LoraError:
+        return LoraError(f"LoRA adapter {name!r} refused: {why}")
+
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise refuse(f"peft_type is {cfg.get('peft_type')!r}, only LORA is supported")
+    rank = int(cfg.get("r", 0))
+    if not 0 < rank <= max_rank:
+        raise refuse(f"rank {rank} is over the limit --max-lora-rank {max_rank}"
+                     if rank > max_rank else f"rank {rank} is not positive")
+    targets = cfg.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    unknown = sorted(set(targets) - set(TARGET_MODULES))
+    if unknown:
+        raise refuse(f"target modules {unknown} are not supported (supported: "
+                     f"{list(TARGET_MODULES)})")
+    if cfg.get("bias", "none") != "none" or cfg.get("modules_to_save"):
+        raise refuse("bias training and modules_to_save are not supported")
+    for field in ("layers_to_transform", "rank_pattern", "alpha_pattern"):
+        if cfg.get(field):
+            raise refuse(f"{field} is not supported")
+    if cfg.get("use_dora"):
+        raise refuse("DoRA is not supported")
+    known = cfg.get("base_model_name_or_path") or ""
+    if base_model and known and _short(known) != _short(base_model):
+        raise refuse(f"it was trained for {known!r}, the base model is {base_model!r}")
+    alpha = float(cfg.get("lora_alpha", rank))
+    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+
+    found: dict[tuple[int, str], dict[str, Tensor]] = {}
+    for key, tensor in tensors.items():
+        parts = key.split(".")
+        try:
+            layer = int(parts[parts.index("layers") + 1])
+            module, kind = parts[-3], parts[-2]
+        except (ValueError, IndexError):
+            raise refuse(f"tensor {key!r} is not a LoRA weight of a decoder layer") from None
+        if module not in TARGET_MODULES:
+            raise refuse(f"tensor {key!r} targets unknown module {module!r}")
+        if kind not in ("lora_A", "lora_B") or not 0 <= layer < config.num_hidden_layers:
+            raise refuse(f"tensor {key!r} is not a LoRA A/B weight of layers 0.."
+                         f"{config.num_hidden_layers - 1}")
+        found.setdefault((layer, module), {})[kind] = tensor
+    for (layer, module), weights in found.items():
+        out, inp = _out_in(config, module)
+        want = {"lora_A": (rank, inp), "lora_B": (out, rank)}
+        for kind, shape in want.items():
+            got = weights.get(kind)
+            if got is None:
+                raise refuse(f"layer {layer} {module} has no {kind}")
+            if tuple(got.shape) != shape:
+                raise refuse(f"layer {layer} {module}.{kind} has shape {list(got.shape)}, the "
+                             f"base model needs {list(shape)}")
+
+    def pair(layer: int, modules: tuple[str, ...]) -> LoraPair | None:
+        present = [m for m in modules if (layer, m) in found]
+        if not present:
+            return None
+        a = torch.cat([_pair_or_zero(found, layer, m, rank, config)[0] for m in modules])
+        bs = [_pair_or_zero(found, layer, m, rank, config)[1] for m in modules]
+        b = torch.block_diag(*bs) * scaling
+        return LoraPair(a.to(device=device, dtype=dtype).contiguous(),
+                        b.to(device=device, dtype=dtype).contiguous())
+
+    layers = [LoraLayer(qkv=pair(i, _ATTN[:3]), o=pair(i, ("o_proj",)),
+                        gate_up=pair(i, ("gate_proj", "up_proj")), down=pair(i, ("down_proj",)))
+              for i in range(config.num_hidden_layers)]
+    return LoraAdapter(name=name, path=str(root), digest=file_digest(root), rank=rank,
+                       scaling=scaling, layers=layers)
+
+
+def _pair_or_zero(found: dict[tuple[int, str], dict[str, Tensor]], layer: int, module: str,
+                  rank: int, config: ModelConfig) -> tuple[Tensor, Tensor]:
+    pair = found.get((layer, module))
+    if pair is not None:
+        return pair["lora_A"].float(), pair["lora_B"].float()
+    out, inp = _out_in(config, module)
+    return torch.zeros(rank, inp), torch.zeros(out, rank)
+
+
+def _short(name: str) -> str:
+    """A model id without a local directory's path: the last two path parts."""
+    return "/".join(name.rstrip("/").split("/")[-2:])
+
+
+# The rows of each adapter present in a step: (adapter, row indices into the step's tokens).
+RowGroups = list[tuple[LoraAdapter, Tensor]]
+
+
+def apply(out: Tensor, x: Tensor, groups: RowGroups, layer: int, which: str) -> Tensor:
+    """`out[rows] += (x[rows] @ A.T) @ B.T` for each adapter's rows; other rows untouched."""
+    for adapter, rows in groups:
+        pair: LoraPair | None = getattr(adapter.layers[layer], which)
+        if pair is None:
+            continue
+        xs = x.index_select(0, rows)
+        out.index_add_(0, rows, (xs @ pair.a.T) @ pair.b.T)
+    return out
