@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from strata.errors import ConfigError
 
 if TYPE_CHECKING:
     from strata.model.loader import LoadedModel
+    from strata.model.parallel.executor import ParallelExecutor
     from strata.model.parallel.layout import ParallelLayout
     from strata.model.parallel.shard_loader import PreparedModel
     from strata.server.async_engine import AsyncEngine
@@ -153,14 +155,24 @@ def _launcher(args: argparse.Namespace) -> Any:
                                         cpus_per_rank=args.ray_cpus_per_rank))
 
 
+def _parallel_executor(async_engine: AsyncEngine) -> ParallelExecutor | None:
+    """The engine's executor when it is a ParallelExecutor. None exists unless its module was
+    imported (by build_executor): a simulated or one-process engine does not import torch for
+    this check, seconds of a simulated instance's start."""
+    module = sys.modules.get("strata.model.parallel.executor")
+    executor = getattr(async_engine.engine, "executor", None)
+    if module is None or not isinstance(executor, module.ParallelExecutor):
+        return None
+    return executor
+
+
 def parallel_identity(async_engine: AsyncEngine) -> dict[str, Any]:
     """What the registry shows of a parallel instance: its layout and its ranks (host, pid,
     weight and KV bytes); nothing for one process."""
-    from strata.model.parallel.executor import ParallelExecutor
     from strata.registry.instances.records import RankInfo
 
-    executor = getattr(async_engine.engine, "executor", None)
-    if not isinstance(executor, ParallelExecutor):
+    executor = _parallel_executor(async_engine)
+    if executor is None:
         return {}
     ranks = tuple(RankInfo(m.rank, m.host, m.pid, m.weight_bytes, m.kv_bytes)
                   for m in executor.rank_memory())
@@ -171,10 +183,8 @@ def watch_ranks(app: Any, async_engine: AsyncEngine) -> None:
     """With a parallel executor: per-rank memory on /metrics; a rank's exit (even while idle)
     kills the engine, whose death stops the HTTP server like any engine death
     (serve_stack.exit_when_engine_dies: after the streams in flight got their error)."""
-    from strata.model.parallel.executor import ParallelExecutor
-
-    executor = getattr(async_engine.engine, "executor", None)
-    if not isinstance(executor, ParallelExecutor):
+    executor = _parallel_executor(async_engine)
+    if executor is None:
         return
     app.state.instance.metrics.watch_ranks(
         lambda: [(m.rank, m.weight_bytes, m.kv_bytes) for m in executor.rank_memory()],
