@@ -13,7 +13,9 @@ from gateway_fakes import FakeClock, FixedSource, Upstreams, json_answer, sse_an
 
 from strata.gateway.app import create_gateway_app
 from strata.gateway.config import AdmissionConfig, GatewayConfig, RetryConfig
-from strata.gateway.routing.instances import InstanceView
+from strata.gateway.routing.instances import InstanceSet, InstanceView
+from strata.gateway.routing.policies.base import RouteRequest
+from strata.gateway.upstream.recovery import Recovery
 from strata.gateway.wiring import Gateway
 from strata.protocol.sse import parse_events
 
@@ -273,3 +275,15 @@ def test_an_instance_that_cannot_take_the_request_does_not_hide_a_fleet_that_is_
     answer = asyncio.run(run())
     assert answer.status_code == 200 and answer.headers["x-strata-instance"] == "b"
     assert [call for call in upstreams.calls if call[0] == "p"] == []
+
+
+def test_a_version_whose_instances_leave_is_not_an_outage_while_another_serves() -> None:
+    """A canary rolled back: its instance drains while the live version serves. A request that
+    was decided for the canary is not held for --start-wait-s (the release e2e's read timeouts
+    once recovery judged the fleet by version too); a whole model down still is."""
+    instances = InstanceSet()
+    instances.add(view("live", version="v2"))
+    instances.add(view("canary", version="v3", is_draining=True))
+    recovery = Recovery(instances, 60.0)
+    assert not recovery.is_down(RouteRequest(model="m", version="v3"), ())
+    assert recovery.is_down(RouteRequest(model="m", version="v3"), ("live",))

@@ -9,9 +9,12 @@ instance takes to start) until an instance of the model passes a health check af
 (or is registered anew), then tries again, as if the request had just arrived.
 
 "The fleet" is the instances that could take the request: those its route's filters keep
-(model, version, role, pool; strata/gateway/routing/pipeline.py) whether or not they are
-routable now. Another role's or pool's instance that is up (the prefill instance of a P/D
-fleet, a class's own pool) cannot take it, so it does not make the request's fleet look alive.
+(model, role, pool; strata/gateway/routing/pipeline.py) whether or not they are routable now.
+Another role's or pool's instance that is up (the prefill instance of a P/D fleet, a class's
+own pool) cannot take it, so it does not make the request's fleet look alive. The version is
+not among them: a version whose instances are leaving (a canary rolled back, a retired version)
+is not an outage while another version of the model serves; waiting for it would hold the
+request until --start-wait-s.
 
 It never waits for an answer that an instance gave: a 5xx or 429 answer means the instance is
 alive, and the client gets that answer as before. A model no instance has ever served (404) is
@@ -26,10 +29,11 @@ from collections.abc import Awaitable, Callable, Collection
 
 from strata.clock import Clock
 from strata.gateway.routing.instances import InstanceSet, InstanceView
-from strata.gateway.routing.pipeline import FILTERS, is_routable
+from strata.gateway.routing.pipeline import FILTERS, is_routable, serves_version
 from strata.gateway.routing.policies.base import RouteRequest
 
 Sleep = Callable[[float], Awaitable[None]]
+_NOT_JUDGED = (is_routable, serves_version)  # the filters recovery does not judge a fleet by
 
 
 class Recovery:
@@ -53,7 +57,7 @@ class Recovery:
     def _views(self, route: RouteRequest) -> list[InstanceView]:
         """The instances that could take `route` (routable now or not)."""
         return [v for v in self.instances.snapshot()
-                if all(keep(route, v) for keep in FILTERS if keep is not is_routable)]
+                if all(keep(route, v) for keep in FILTERS if keep not in _NOT_JUDGED)]
 
     def is_down(self, route: RouteRequest, tried: Collection[str]) -> bool:
         """Every known instance that could take `route` failed this request or looks down (not
