@@ -3,6 +3,7 @@
     StrataError
     ├── ConfigError                     a configuration value is invalid (says what to change)
     ├── ModelLoadError                  a model file is missing or malformed (names file, field)
+    │   ├── LoraError                   a LoRA adapter that does not fit the base (names it)
     │   └── ModelFetchError             the default model could not be downloaded
     ├── KVPayloadError                  a KV payload is not KV of the loaded model (or damaged)
     ├── RequestError                    the caller's mistake; maps to a 4xx
@@ -55,6 +56,10 @@ class ConfigError(StrataError, ValueError):
 
 class ModelLoadError(StrataError):
     """A model file is missing or malformed."""
+
+
+class LoraError(ModelLoadError):
+    """A LoRA adapter that cannot be applied to the base model (the message names it)."""
 
 
 class ModelFetchError(ModelLoadError):
@@ -228,6 +233,7 @@ __all__ = [
     "ChatError",
     "ConfigError",
     "ConflictError",
+    "LoraError",
     "ContextLengthError",
     "EngineDeadError",
     "InvalidRequestError",

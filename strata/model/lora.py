@@ -25,16 +25,12 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from strata.errors import ModelLoadError
+from strata.errors import LoraError
 from strata.model.config import ModelConfig
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_MAX_RANK = 64
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-class LoraError(ModelLoadError):
-    """An adapter that cannot be applied to the base model (the message names it)."""
 
 
 @dataclass(frozen=True, slots=True)
