@@ -29,10 +29,11 @@ from typing import Any
 
 import httpx
 
-from strata.bench.loadgen import auth_headers, first_model
+from strata.bench.loadgen import first_model
 from strata.bench.workloads import random_words
 from strata.errors import ConfigError
 from strata.progress import progress
+from strata.protocol.keys import auth_header
 
 MODES = ("greedy", "seeded")
 SEEDED = {"temperature": 0.9, "top_p": 0.95}
@@ -81,7 +82,7 @@ Answer = tuple[str, str] | str  # (text, finish reason), or the error
 async def check_determinism(config: DeterminismConfig, *,
                             transport: httpx.AsyncBaseTransport | None = None) -> dict[str, Any]:
     """Runs the check against `config.url`; the JSON-ready report."""
-    async with httpx.AsyncClient(base_url=config.url, headers=auth_headers(config.api_key),
+    async with httpx.AsyncClient(base_url=config.url, headers=auth_header(config.api_key),
                                  transport=transport,
                                  timeout=httpx.Timeout(config.timeout_s, connect=10.0),
                                  limits=httpx.Limits(max_connections=None)) as client:

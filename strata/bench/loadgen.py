@@ -30,6 +30,7 @@ from strata.bench.workloads import (
 from strata.clients.sse import chunk_text, error_message, iter_json_events
 from strata.errors import ConfigError
 from strata.progress import progress
+from strata.protocol.keys import auth_header
 
 Job = Callable[[], Awaitable[None]]
 
@@ -82,7 +83,7 @@ async def run_benchmark(
     """Run the workload against `config.url` and return the JSON-ready report."""
     timeout = httpx.Timeout(config.timeout_s, connect=10.0)
     limits = httpx.Limits(max_connections=None)  # the load policy bounds what is in flight
-    headers = auth_headers(config.api_key)
+    headers = auth_header(config.api_key)
     async with httpx.AsyncClient(base_url=config.url, timeout=timeout, limits=limits,
                                  headers=headers, transport=transport) as client:
         try:
@@ -105,11 +106,6 @@ async def run_benchmark(
     results += [RequestResult(error="not finished within --timeout-s")] * missing
     described = {k: v for k, v in asdict(config).items() if k != "api_key"}
     return {"model": model, "config": described, **summarize(results, duration_s)}
-
-
-def auth_headers(api_key: str | None) -> dict[str, str]:
-    """The bearer header of a run with a key; none without one."""
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 async def first_model(client: httpx.AsyncClient) -> str:

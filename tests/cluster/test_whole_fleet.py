@@ -44,13 +44,13 @@ import httpx
 import pytest
 from harness.checks import completion_failure
 from harness.procs import Proc, start_up, wait_until
-from redis_server import RedisServer
+from redis_server import RedisServer, redis_server  # noqa: F401
 from resume_streams import events_of, frames_of
 from serve_process import start_serve
 from tiny_models import make_tiny_model_dir
 
 from strata.cluster.local import local_registry_url
-from strata.protocol.keys import tenant_of_key
+from strata.protocol.keys import auth_header, tenant_of_key
 from strata.registry import InstanceRecord, create_model_registry, create_registry
 from strata.registry.models import Release
 
@@ -85,11 +85,11 @@ class Fleet:
 
     def instances(self) -> dict[str, dict[str, Any]]:
         body = httpx.get(f"{self.url}/admin/instances", timeout=5,
-                         headers=bearer(ADMIN_KEY)).json()
+                         headers=auth_header(ADMIN_KEY)).json()
         return {i["instance_id"]: i for i in body["instances"]}
 
     def metrics(self) -> str:
-        return httpx.get(f"{self.url}/metrics", timeout=10, headers=bearer(ADMIN_KEY)).text
+        return httpx.get(f"{self.url}/metrics", timeout=10, headers=auth_header(ADMIN_KEY)).text
 
     def metric(self, name: str, **labels: str) -> float:
         """The sum of the gateway's samples of `name` whose labels include `labels`."""
@@ -107,20 +107,10 @@ class Fleet:
                               text=True, capture_output=True, timeout=timeout_s)
 
 
-def bearer(key: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"} if key else {}
-
-
 @pytest.fixture(scope="module")
-def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> Iterator[Fleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory,
+          redis_server: RedisServer) -> Iterator[Fleet]:  # noqa: F811
+    redis = redis_server
     root = tmp_path_factory.mktemp("whole-fleet")
     v1_dir = make_tiny_model_dir(root / "v1", seed=0, initializer_range=0.2)
     v2_dir = make_tiny_model_dir(root / "v2", seed=1, initializer_range=0.2)
@@ -216,7 +206,7 @@ def ask(url: str, key: str, messages: list[dict[str, str]], *, stream: bool = Fa
             "temperature": 0, "ignore_eos": True, "logprobs": True}
     sent = body | ({"stream": True, "stream_options": {"include_usage": True}} if stream else {})
     try:
-        r = httpx.post(f"{url}{CHAT}", json=sent, headers=bearer(key) | (headers or {}),
+        r = httpx.post(f"{url}{CHAT}", json=sent, headers=auth_header(key) | (headers or {}),
                        timeout=200)
     except httpx.HTTPError as exc:
         return Answer(key, body, stream, 0, b"", "", "", repr(exc))
@@ -411,7 +401,7 @@ def preemptions(fleet: Fleet) -> list[Answer]:
 
 def instance_metric(url: str, name: str, **labels: str) -> float:
     """The sum of an instance's samples of `name` whose labels include `labels`."""
-    text = httpx.get(f"{url}/metrics", timeout=10, headers=bearer(ADMIN_KEY)).text
+    text = httpx.get(f"{url}/metrics", timeout=10, headers=auth_header(ADMIN_KEY)).text
     return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
                if line.split("{")[0].split(" ")[0] == f"strata:{name}"
                and all(f'{k}="{v}"' in line for k, v in labels.items()))
@@ -437,7 +427,7 @@ def decode_killed_mid_stream(fleet: Fleet) -> Answer:
             "temperature": 0, "ignore_eos": True, "logprobs": True, "stream": True,
             "stream_options": {"include_usage": True}}
     raw, victim = b"", ""
-    with httpx.stream("POST", f"{fleet.url}{CHAT}", json=body, headers=bearer(KEY_A),
+    with httpx.stream("POST", f"{fleet.url}{CHAT}", json=body, headers=auth_header(KEY_A),
                       timeout=120) as response:
         assert response.status_code == 200, response.read()
         victim = response.headers["x-strata-instance"]

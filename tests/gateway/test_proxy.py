@@ -221,29 +221,44 @@ def test_an_odd_error_of_a_connection_reset_as_it_opens_is_retried_never_a_500()
     assert asyncio.run(probe()) is False
 
 
+def _served_once_b_is_back(upstreams: Upstreams, views: list[InstanceView]
+                           ) -> tuple[httpx.Response, Gateway, int]:
+    """Send a completion; once the gateway waits for its fleet (or answered: the bug), note the
+    upstream calls so far, let "b" restart and pass a health check, and return the answer, the
+    gateway and the calls made before the wait."""
+    app = create_gateway_app(CONFIG, FixedSource(*views), transport=upstreams.transport(),
+                             clock=FakeClock(), run_background=False)
+    gateway: Gateway = app.state.gateway
+    recovery = gateway.proxy.recovery
+    assert recovery is not None
+
+    async def run() -> tuple[httpx.Response, int]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            waiting = asyncio.create_task(client.post("/v1/completions", json={"model": "m"}))
+            for _ in range(500):  # bounded: the request waits, or it was answered
+                if recovery.num_waits or waiting.done():
+                    break
+                await asyncio.sleep(0.01)
+            assert not waiting.done(), (await waiting).text
+            num_calls = len(upstreams.calls)
+            upstreams.hosts["b"] = completion  # b restarted ...
+            gateway.proxy.detector.clock.advance(1.0)  # type: ignore[attr-defined]
+            b = next(v for v in views if v.instance_id == "b")
+            gateway.proxy.detector.record_health(b, is_healthy=True)  # ... and is seen
+            return await waiting, num_calls
+
+    answer, num_calls = asyncio.run(run())
+    return answer, gateway, num_calls
+
+
 def test_a_fleet_that_is_down_holds_the_request_until_an_instance_is_back() -> None:
     """Every instance of the model refuses connections (killed, restarting): the request does
     not get a 502; it waits until an instance passes a health check again, and is served.
     One whose fleet never comes back gets its 502 after the start wait."""
     upstreams = Upstreams()  # a and b refuse: both processes are down
-    views = [view("a"), view("b")]
-    app = create_gateway_app(CONFIG, FixedSource(*views), transport=upstreams.transport(),
-                             clock=FakeClock(), run_background=False)
-    gateway: Gateway = app.state.gateway
-
-    async def run() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
-            waiting = asyncio.create_task(client.post("/v1/completions", json={"model": "m"}))
-            while gateway.proxy.recovery.num_waits == 0:  # type: ignore[union-attr]
-                await asyncio.sleep(0.01)
-            assert not waiting.done() and len(upstreams.calls) == 2  # both tried, then waits
-            upstreams.hosts["b"] = completion  # b restarted ...
-            gateway.proxy.detector.clock.advance(1.0)  # type: ignore[attr-defined]
-            gateway.proxy.detector.record_health(views[1], is_healthy=True)  # ... and is seen
-            return await waiting
-
-    answer = asyncio.run(run())
+    answer, gateway, num_calls = _served_once_b_is_back(upstreams, [view("a"), view("b")])
+    assert num_calls == 2  # both tried, then waits
     assert answer.status_code == 200 and answer.headers["x-strata-instance"] == "b"
     assert gateway.proxy.recovery.num_recovered == 1  # type: ignore[union-attr]
 
@@ -254,25 +269,7 @@ def test_an_instance_that_cannot_take_the_request_does_not_hide_a_fleet_that_is_
     so the request's fleet is down and the request waits for a decode instance, as above."""
     upstreams = Upstreams(p=completion)  # a and b (decode) refuse; p (prefill) is up
     views = [view("a", role="decode"), view("b", role="decode"), view("p", role="prefill")]
-    app = create_gateway_app(CONFIG, FixedSource(*views), transport=upstreams.transport(),
-                             clock=FakeClock(), run_background=False)
-    gateway: Gateway = app.state.gateway
-
-    async def run() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
-            waiting = asyncio.create_task(client.post("/v1/completions", json={"model": "m"}))
-            for _ in range(500):  # bounded: the request waits, or it was answered (the bug)
-                if gateway.proxy.recovery.num_waits or waiting.done():  # type: ignore[union-attr]
-                    break
-                await asyncio.sleep(0.01)
-            assert not waiting.done(), (await waiting).text
-            upstreams.hosts["b"] = completion  # b restarted ...
-            gateway.proxy.detector.clock.advance(1.0)  # type: ignore[attr-defined]
-            gateway.proxy.detector.record_health(views[1], is_healthy=True)  # ... and is seen
-            return await waiting
-
-    answer = asyncio.run(run())
+    answer, _, _ = _served_once_b_is_back(upstreams, views)
     assert answer.status_code == 200 and answer.headers["x-strata-instance"] == "b"
     assert [call for call in upstreams.calls if call[0] == "p"] == []
 

@@ -79,14 +79,21 @@ def test_each_adapter_alone_matches_hf_peft(base: LoadedModel, paths: dict[str, 
 def test_mixed_batch_matches_hf_peft(base: LoadedModel, paths: dict[str, Path],
                                      expected: dict[tuple[str, int], list[int]]) -> None:
     engine = make_engine(base, paths)
-    rids = []
+    for key, tokens in run_mixed(engine, paths, ("b", "base", "a")).items():
+        assert tokens == expected[key], key
+
+
+def run_mixed(engine: Engine, paths: dict[str, Path], order: tuple[str, ...]
+              ) -> dict[tuple[str, int], list[int]]:
+    """Every prompt on every adapter of `order` ("base": none), all in flight at once; the
+    tokens of each (adapter, prompt)."""
+    keys = []
     for i, p in enumerate(PROMPTS):
-        for name in ("b", "base", "a"):
+        for name in order:
             engine.add_request(request(f"{name}{i}", p, "" if name == "base" else name, paths))
-            rids.append((name, i))
+            keys.append((name, i))
     out = run_to_completion(engine)
-    for name, i in rids:
-        assert out[RequestId(f"{name}{i}")] == expected[(name, i)], (name, i)
+    return {(name, i): out[RequestId(f"{name}{i}")] for name, i in keys}
 
 
 @pytest.mark.parametrize("max_loras", [None, 1])
@@ -102,14 +109,8 @@ def test_max_loras_bounds_the_adapters_of_a_step(
         return execute(model_input)
 
     engine.executor.execute = spy  # type: ignore[method-assign]
-    rids = []
-    for i, p in enumerate(PROMPTS):
-        for name in ("a", "base", "b"):
-            engine.add_request(request(f"{name}{i}", p, "" if name == "base" else name, paths))
-            rids.append((name, i))
-    out = run_to_completion(engine)
-    for name, i in rids:  # deferred rows still finish, with the right tokens
-        assert out[RequestId(f"{name}{i}")] == expected[(name, i)], (name, i)
+    for key, tokens in run_mixed(engine, paths, ("a", "base", "b")).items():
+        assert tokens == expected[key], key  # deferred rows still finish, with the right tokens
     most = max(len(s) for s in steps)
     assert most == (2 if max_loras is None else 1)
 
