@@ -107,7 +107,7 @@ async def _start(ctx: ServingContext, body: ResumeRequest, req: ClientRequest) -
     num_public = tr.public_prefix_tokens(req, prompt, ctx.tokenizer) \
         if isinstance(req, ChatCompletionRequest) else 0
     request = tr.engine_request(tr.new_id("resume"), prompt, params, req, ctx.tokenizer,
-                                ctx.clock(), num_public)
+                                ctx.clock(), num_public, loras=ctx.config.loras)
     request.output_token_ids = list(sent)
     # the model's vocabulary, not the tokenizer's: a model may have more rows than its tokenizer
     # has tokens (padding), and the first instance may have sent any of them (as empty text)

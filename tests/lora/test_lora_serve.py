@@ -11,12 +11,17 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from lora_fixtures import hf_greedy, make_models
+from resume_streams import frames_of
 from serve_process import ServeProcess, start_serve
 
+from strata.protocol.resume import RESUMABLE_HEADER, RESUME_PATH
+
 N = 6
+MARKED = {RESUMABLE_HEADER: "1"}
 PROMPT = [(7 * i + 3) % 250 for i in range(13)]
 
 
@@ -90,3 +95,23 @@ def test_models_lists_the_adapters_with_their_parent(client: openai.OpenAI) -> N
 def test_an_unknown_model_is_still_404(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="lora-c"):
         client.completions.create(model="lora-c", prompt="x", max_tokens=1)
+
+
+def test_a_resumed_adapter_stream_goes_on_with_the_adapter(
+        server: ServeProcess, paths: dict[str, Path]) -> None:
+    """POST /v1/strata/resume of a stream on lora-a, cut after two tokens: the rest are the
+    adapter's tokens (before, the resumed request ran on the base weights)."""
+    want = hf_greedy(paths["base"], paths["a"], PROMPT, N)
+    assert want != hf_greedy(paths["base"], None, PROMPT, N)  # else this proves nothing
+    body = {"model": "lora-a", "prompt": PROMPT, "max_tokens": N, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}
+    first = httpx.post(f"{server.url}/v1/completions", json=body, headers=MARKED, timeout=60)
+    started = frames_of(first.content)
+    assert [t for f in started for t in f.token_ids] == want
+    start = started[0].marks[0]
+    resumed = httpx.post(f"{server.url}{RESUME_PATH}", headers=MARKED, timeout=60, json={
+        "path": "/v1/completions", "request": body, "id": start["id"],
+        "created": start["created"], "version": start["version"],
+        "prompt_token_ids": PROMPT, "output_token_ids": want[:2]})
+    assert resumed.status_code == 200, resumed.text
+    assert want[:2] + [t for f in frames_of(resumed.content) for t in f.token_ids] == want

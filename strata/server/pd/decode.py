@@ -94,7 +94,8 @@ class HandoffPull:
         computes nothing of the prompt), after D's own prefix hit; and the first one's index."""
         core = self.pd.instance.engine.engine
         prompt, salt = request.prompt_token_ids, request.cache_salt
-        hashes = core.block_hashes(prompt, salt, request.num_public_tokens, partial=True)
+        hashes = core.block_hashes(prompt, salt, request.num_public_tokens, partial=True,
+                                   lora_digest=request.lora_digest)  # an adapter's own KV
         end = min(handle.num_blocks, len(hashes))
         num_full = min(len(prompt) // core.cache_config.block_size, end)
         start = core.num_cached_blocks(hashes[:num_full])
