@@ -4,35 +4,21 @@ only the admin key reads it."""
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from live_fleet import serve_app
-
-from strata.commands import gateway as gateway_command
-from strata.commands.env import CliEnv
-from strata.gateway.app import create_gateway_app
-from strata.gateway.routing.sources import StaticSource
-
-ENV = CliEnv(cache_dir=Path("/nonexistent"), run_dir=Path("/nonexistent"))
+from live_fleet import serve_gateway
 
 
 def rows_of(tmp_path: Path, *flags: str) -> Iterator[tuple[str, dict[str, Any]]]:
     (tmp_path / "client.keys").write_text("client-key\n")
     (tmp_path / "admin.keys").write_text("admin-key\n")
-    parser = argparse.ArgumentParser()
-    gateway_command.add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["gateway", "--instances", "http://127.0.0.1:9", "--port", "0",
-                              "--api-key-file", str(tmp_path / "client.keys"),
-                              "--admin-key-file", str(tmp_path / "admin.keys"), *flags])
-    config = gateway_command.build_config(args, ENV)
-    control = httpx.AsyncClient(timeout=1.0)
-    served = serve_app(create_gateway_app(config, StaticSource(config.instance_urls, control),
-                                          control_client=control))
+    served = serve_gateway(["--instances", "http://127.0.0.1:9",
+                            "--api-key-file", str(tmp_path / "client.keys"),
+                            "--admin-key-file", str(tmp_path / "admin.keys"), *flags])
     try:
         url = f"{served.url}/admin/consistency"
         assert httpx.get(url, headers={"Authorization": "Bearer client-key"}).status_code in (
