@@ -34,11 +34,12 @@ def test_the_defaults_keep_pins_in_this_gateway_and_caches_off(tmp_path: Path) -
     rows = dict(rows_of(tmp_path))
     assert set(rows) == {"session_history", "session_pins", "version_pins",
                          "model_routing_and_releases", "instance_registry", "prefix_index",
-                         "response_cache", "kv_store", "pd_leases"}
+                         "response_cache", "kv_store", "pd_leases", "tenant_usage_and_budgets"}
     assert rows["session_pins"]["level"] == "off"
     assert rows["version_pins"]["store"] == "memory of this gateway"
     assert rows["version_pins"]["level"] == "this gateway only"
     assert rows["response_cache"]["level"] == "off"
+    assert rows["tenant_usage_and_budgets"]["level"] == "this gateway only"
     assert rows["model_routing_and_releases"]["staleness_bound_s"] == pytest.approx(0.2)
 
 
@@ -47,7 +48,7 @@ def test_each_row_follows_the_flags(tmp_path: Path) -> None:
     rows = dict(rows_of(tmp_path, "--session-routing", "sticky", "--session-store", store,
                         "--routing-poll-s", "0.5", "--response-cache",
                         f"sqlite:///{tmp_path / 'answers.db'}", "--response-cache-ttl-s", "42",
-                        "--policy", "cache_aware"))
+                        "--policy", "cache_aware", "--usage-store", "redis://127.0.0.1:1/0"))
     pins = rows["session_pins"]
     assert pins["store"] == "SQLite (shared on this machine)"
     assert pins["level"].startswith("eventual across gateways")
@@ -56,3 +57,5 @@ def test_each_row_follows_the_flags(tmp_path: Path) -> None:
     assert rows["model_routing_and_releases"]["staleness_bound_s"] == pytest.approx(0.5)
     assert rows["response_cache"]["staleness_bound_s"] == pytest.approx(42.0)
     assert rows["prefix_index"]["level"].startswith("eventual")
+    usage = rows["tenant_usage_and_budgets"]
+    assert (usage["store"], usage["level"][:6]) == ("Redis (shared)", "atomic")
