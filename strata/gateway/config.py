@@ -9,6 +9,7 @@ from strata.gateway.control.intake import DEFAULT_MODEL_ROOTS, check_roots
 from strata.protocol.budgets import KeyLimits
 from strata.protocol.keys import Keys
 from strata.registry.releases.policy import ReleaseConfig
+from strata.state.urls import scheme_of
 from strata.types import PriorityClass
 
 SESSION_ROUTING_MODES = ("none", "external", "sticky", "hybrid")
@@ -240,6 +241,8 @@ class TenantConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "top_tenants", "top_models")
+        if self.store_url is not None:
+            scheme_of("usage", self.store_url)  # an unknown URL: the forms it could be
         if self.retention_s < 60:
             raise ConfigError(f"usage retention_s must be at least 60, got {self.retention_s}")
 

@@ -2,7 +2,7 @@
 clients of one store each time (two gateways): counts added at once by both add up exactly;
 `totals` starts at the minute `since` falls in; `take` admits exactly the window's requests
 however the clients race, refuses once the charged tokens reach the limit, and a new minute
-opens a new window."""
+opens a new window; usage past the retention is gone."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from strata.state.usage import Counts, MemoryUsageStore, UsageStore, create_usag
 from strata.state.usage.redis import RedisUsageStore
 
 Pair = tuple[UsageStore, UsageStore, ManualClock]
+RETENTION_S = 120.0
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -28,12 +29,12 @@ def stores(request: pytest.FixtureRequest) -> Pair:
     server's real clock, so the store's wall time must be near it)."""
     clock = ManualClock((time.time() // 60) * 60 + 10.0)
     if request.param == "memory":
-        shared = MemoryUsageStore(clock=clock)
+        shared = MemoryUsageStore(clock=clock, retention_s=RETENTION_S)
         return shared, shared, clock
     url = request.getfixturevalue("redis_url")
     prefix = f"strata:test-usage-{uuid.uuid4().hex[:8]}"
-    return (RedisUsageStore(url, clock=clock, prefix=prefix),
-            RedisUsageStore(url, clock=clock, prefix=prefix), clock)
+    return (RedisUsageStore(url, clock=clock, prefix=prefix, retention_s=RETENTION_S),
+            RedisUsageStore(url, clock=clock, prefix=prefix, retention_s=RETENTION_S), clock)
 
 
 def run(pair: Pair, work: Callable[[UsageStore, UsageStore, ManualClock], Awaitable[None]]
@@ -72,6 +73,16 @@ def test_totals_start_at_the_minute_since_falls_in(stores: Pair) -> None:
                                                                     completion_tokens=4)}
         assert await two.totals(clock() - 60) == {
             ("t", "m"): Counts(requests=2, prompt_tokens=10, completion_tokens=4)}
+
+    run(stores, work)
+
+
+def test_usage_past_the_retention_is_gone(stores: Pair) -> None:
+    async def work(one: UsageStore, two: UsageStore, clock: ManualClock) -> None:
+        await one.add("t", "m", Counts(requests=1))
+        clock.advance(RETENTION_S + 120)
+        await two.add("t", "m", Counts(requests=2))
+        assert await one.totals(clock() - 3600) == {("t", "m"): Counts(requests=2)}
 
     run(stores, work)
 

@@ -20,11 +20,12 @@ class MemoryUsageStore:
 
     async def add(self, tenant: str, model: str, counts: Counts) -> None:
         minute = minute_of(self.clock())
+        if minute not in self._usage:  # a new minute: forget those past the retention
+            oldest = minute - int(self.retention_s // WINDOW_S)
+            for old in [m for m in self._usage if m < oldest]:
+                del self._usage[old]
         rows = self._usage[minute]
         rows[(tenant, model)] = rows.get((tenant, model), Counts()) + counts
-        oldest = minute - int(self.retention_s // WINDOW_S)
-        for old in [m for m in self._usage if m < oldest]:
-            del self._usage[old]
 
     async def totals(self, since_s: float) -> dict[UsageKey, Counts]:
         first = minute_of(since_s)
