@@ -52,7 +52,7 @@ def add_auth_flags(p: argparse.ArgumentParser) -> None:
 
 def read_api_keys(path: Path | None, env_keys: tuple[str, ...]) -> tuple[str, ...]:
     """Keys from the file (one per line; blank lines and # comments skipped) then the env;
-    a `:MAX_PRIORITY` suffix is not part of the key."""
+    a `:MAX_PRIORITY` suffix and the `rpm=`/`tpm=` fields are not part of the key."""
     specs, _ = key_limits([*_key_file_lines(path, "--api-key-file"), *env_keys])
     keys, _ = key_ceilings(specs)
     return keys

@@ -60,6 +60,7 @@ class MeterTenants:
         window = await self._take(tenant, limits) if limits is not None else None
         if limits is not None and window is not None:
             if not window.is_admitted:
+                self.metrics.errors.labels("over_budget").inc()
                 await self._count(tenant, model, Counts(requests=1, errors=1, rate_limited=1))
                 return over_budget(limits, window)
         response = await call_next(request)
