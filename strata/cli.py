@@ -35,6 +35,7 @@ from strata.commands.argtypes import (
 from strata.commands.env import CliEnv
 from strata.errors import StrataError
 from strata.logs import LOG_FORMATS, LogConfig, configured
+from strata.protocol.budgets import key_limits
 from strata.protocol.priority import key_ceilings
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -58,10 +59,11 @@ def cache_dir_from_env(env: Mapping[str, str]) -> Path:
 def cli_env_from(env: Mapping[str, str]) -> CliEnv:
     cache_dir = cache_dir_from_env(env)
     run_dir = Path(env["STRATA_RUN_DIR"]).expanduser() if env.get("STRATA_RUN_DIR") else None
-    specs = _keys(env, "STRATA_API_KEYS")
-    keys, ceilings = key_ceilings(list(specs))
+    specs, limits = key_limits(_keys(env, "STRATA_API_KEYS"))
+    keys, ceilings = key_ceilings(specs)
     return CliEnv(cache_dir=cache_dir, run_dir=run_dir or cache_dir / "run", api_keys=keys,
                   key_max_priority=tuple(sorted(ceilings.items())),
+                  key_limits=tuple(sorted(limits.items())),
                   admin_keys=_keys(env, "STRATA_ADMIN_KEYS"),
                   internal_keys=_keys(env, "STRATA_INTERNAL_KEYS"),
                   registry_url=env.get("STRATA_REGISTRY") or None,

@@ -21,6 +21,7 @@
     │   ├── KVStoreUnavailableError     the KV block store (a miss for the caller)
     │   ├── PinStoreError               the session pin table
     │   ├── ResponseCacheError          the response cache
+    │   ├── UsageStoreError             the usage and token-budget store
     │   └── RegistryError               the instance registry (or an unknown instance)
     ├── OverloadedError                 429/503: the waiting queue is full (carries retry_after_s)
     ├── EngineDeadError                 the engine loop died; the instance is unhealthy
@@ -172,6 +173,10 @@ class ResponseCacheError(StoreUnavailableError):
     """The response cache's backend could not be reached or answered an error."""
 
 
+class UsageStoreError(StoreUnavailableError):
+    """The usage store (tenants' counts and token budgets) could not be reached or failed."""
+
+
 class RegistryError(StoreUnavailableError):
     """An instance is unknown to the registry, or the registry backend failed."""
 
@@ -258,4 +263,5 @@ __all__ = [
     "ShareFailedError",
     "StoreUnavailableError",
     "StrataError",
+    "UsageStoreError",
 ]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from strata.commands.argtypes import positive_float
 from strata.errors import ConfigError
+from strata.protocol.budgets import KeyLimits, key_limits
 from strata.protocol.priority import key_ceilings
 
 
@@ -19,6 +20,7 @@ class CliEnv:
     key_max_priority: tuple[tuple[str, int], ...] = ()  # KEY:CEILING entries of STRATA_API_KEYS
     admin_keys: tuple[str, ...] = ()  # STRATA_ADMIN_KEYS, comma separated
     internal_keys: tuple[str, ...] = ()  # STRATA_INTERNAL_KEYS, comma separated
+    key_limits: tuple[tuple[str, KeyLimits], ...] = ()  # rpm=/tpm= fields of STRATA_API_KEYS
     registry_url: str | None = None  # STRATA_REGISTRY
     log_format: str = "text"  # STRATA_LOG_FORMAT: a command's --log-format default
 
@@ -28,9 +30,10 @@ def add_auth_flags(p: argparse.ArgumentParser) -> None:
     `--rate-limit-per-s`, the same on instances and gateways (strata/protocol/auth.py says what
     each key may call)."""
     p.add_argument("--api-key-file", type=Path, default=None,
-                   help="file with one API key per line, KEY or KEY:MAX_PRIORITY (a class "
-                        "such as batch, or an integer: the key's requests are clamped to it); "
-                        "STRATA_API_KEYS adds more")
+                   help="file with one API key per line, KEY[:MAX_PRIORITY] [rpm=N] [tpm=N] "
+                        "(MAX_PRIORITY: a class such as batch, or an integer: the key's "
+                        "requests are clamped to it; rpm/tpm: requests and tokens a minute, "
+                        "held by the gateway); STRATA_API_KEYS adds more")
     p.add_argument("--admin-key-file", type=Path, default=None,
                    help="file with the admin key(s) for /admin/* (drain, models, releases), "
                         "one per line (STRATA_ADMIN_KEYS adds more); a server with client keys "
@@ -49,8 +52,9 @@ def add_auth_flags(p: argparse.ArgumentParser) -> None:
 
 def read_api_keys(path: Path | None, env_keys: tuple[str, ...]) -> tuple[str, ...]:
     """Keys from the file (one per line; blank lines and # comments skipped) then the env;
-    a `:MAX_PRIORITY` suffix is not part of the key."""
-    keys, _ = key_ceilings([*_key_file_lines(path, "--api-key-file"), *env_keys])
+    a `:MAX_PRIORITY` suffix and the `rpm=`/`tpm=` fields are not part of the key."""
+    specs, _ = key_limits([*_key_file_lines(path, "--api-key-file"), *env_keys])
+    keys, _ = key_ceilings(specs)
     return keys
 
 
@@ -67,10 +71,21 @@ def read_internal_keys(path: Path | None, env_keys: tuple[str, ...]) -> tuple[st
 def read_key_max_priority(path: Path | None,
                           env: CliEnv) -> tuple[tuple[str, int], ...]:
     """(key, priority ceiling) of every key given as KEY:MAX_PRIORITY, in the file or the env."""
-    _, ceilings = key_ceilings(_key_file_lines(path, "--api-key-file"))
+    specs, _ = key_limits(_key_file_lines(path, "--api-key-file"))
+    _, ceilings = key_ceilings(specs)
     for key, ceiling in env.key_max_priority:
         ceilings[key] = min(ceiling, ceilings.get(key, ceiling))
     return tuple(sorted(ceilings.items()))
+
+
+def read_key_limits(path: Path | None,
+                    env: CliEnv) -> tuple[tuple[str, KeyLimits], ...]:
+    """(key, limits a minute) of every key given with rpm=/tpm= fields, in the file or the env
+    (strata/protocol/budgets.py); a key in both keeps the lower of each limit."""
+    _, limits = key_limits(_key_file_lines(path, "--api-key-file"))
+    for key, found in env.key_limits:
+        limits[key] = found.lower(limits[key]) if key in limits else found
+    return tuple(sorted(limits.items()))
 
 
 def _key_file_lines(path: Path | None, flag: str) -> list[str]:

@@ -32,6 +32,7 @@ from strata.commands.env import (
     read_admin_keys,
     read_api_keys,
     read_internal_keys,
+    read_key_limits,
     read_key_max_priority,
 )
 from strata.errors import ConfigError
@@ -44,6 +45,7 @@ from strata.gateway.config import (
     ResumeConfig,
     RetryConfig,
     SessionRoutingConfig,
+    TenantConfig,
     VersionConfig,
 )
 from strata.gateway.control.intake import DEFAULT_MODEL_ROOTS
@@ -131,6 +133,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"by model version: {schemes_help('response_cache')}")
     p.add_argument("--response-cache-ttl-s", type=positive_float, default=600.0)
     _add_pd_flags(p)
+    _add_usage_flags(p)
     p.add_argument("--model-root", action="append", default=None, metavar="ROOT",
                    help="where POST /admin/models may take models from, repeatable: alias:, "
                         "sim:, s3:, s3://BUCKET/PREFIX/ or an absolute directory (default: "
@@ -155,6 +158,25 @@ def _add_pd_flags(p: argparse.ArgumentParser) -> None:
                         "requests queued or running")
     p.add_argument("--pd-prefill-timeout-s", type=positive_float, default=60.0,
                    help="a prefill instance slower than this: the decode instance prefills")
+
+
+def _add_usage_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--usage-store", default=None, metavar="URL",
+                   help="tenants' usage counts and rpm=/tpm= budget windows, shared by every "
+                        f"gateway ({schemes_help('usage')}); default: the registry when Redis, "
+                        "else memory:// (this gateway only)")
+    p.add_argument("--usage-top-tenants", type=positive_int, default=TenantConfig().top_tenants,
+                   help="/metrics labels this many tenants (most tokens first); the rest are "
+                        "summed as tenant=\"other\"")
+    p.add_argument("--usage-retention-s", type=positive_float,
+                   default=TenantConfig().retention_s,
+                   help="how long per-minute usage is kept for GET /admin/usage")
+
+
+def _tenant_config(args: argparse.Namespace, env: CliEnv) -> TenantConfig:
+    return TenantConfig(store_url=args.usage_store,
+                        key_limits=read_key_limits(args.api_key_file, env),
+                        top_tenants=args.usage_top_tenants, retention_s=args.usage_retention_s)
 
 
 def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
@@ -191,7 +213,8 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
         model_roots=tuple(args.model_root or DEFAULT_MODEL_ROOTS),
         pd=PDRoutingConfig(mode=args.pd, min_uncached_tokens=args.pd_min_uncached_tokens,
                         max_prefill_queue=args.pd_max_prefill_queue,
-                        prefill_timeout_s=args.pd_prefill_timeout_s))
+                        prefill_timeout_s=args.pd_prefill_timeout_s),
+        tenants=_tenant_config(args, env))
 
 
 def _session_config(args: argparse.Namespace) -> SessionRoutingConfig:

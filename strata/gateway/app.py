@@ -6,6 +6,7 @@ and admin endpoints.
     GET  /v1/models                               aggregated over routable instances
     GET  /health (the process), /ready (>= 1 routable instance), /metrics
     GET  /admin/instances                         the gateway's view of each instance
+    GET  /admin/usage?since=...                   tenants' usage per model (control/usage.py)
     POST /admin/instances/{id}/drain              stop routing there, forward POST /admin/drain
     GET  /v1/sessions, GET/DELETE /v1/sessions/{id}   passed to any instance (the session store
                                                   is shared); a DELETE also unpins the session

@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 
 from strata.errors import ConfigError
 from strata.gateway.control.intake import DEFAULT_MODEL_ROOTS, check_roots
+from strata.protocol.budgets import KeyLimits
 from strata.protocol.keys import Keys
 from strata.registry.releases.policy import ReleaseConfig
+from strata.state.urls import scheme_of
 from strata.types import PriorityClass
 
 SESSION_ROUTING_MODES = ("none", "external", "sticky", "hybrid")
@@ -224,6 +226,28 @@ class PDRoutingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantConfig:
+    """Usage per tenant and the client keys' budgets (strata/gateway/tenants/). `store_url`
+    holds the counts and budget windows every gateway shares (None: the registry when it is
+    Redis, else this gateway only); `key_limits` are the key file's rpm=/tpm= fields;
+    `/metrics` labels the `top_tenants` tenants (and `top_models` models) with the most
+    tokens, the rest as "other"."""
+
+    store_url: str | None = None
+    key_limits: tuple[tuple[str, KeyLimits], ...] = ()
+    top_tenants: int = 10
+    top_models: int = 20
+    retention_s: float = 86400.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "top_tenants", "top_models")
+        if self.store_url is not None:
+            scheme_of("usage", self.store_url)  # an unknown URL: the forms it could be
+        if self.retention_s < 60:
+            raise ConfigError(f"usage retention_s must be at least 60, got {self.retention_s}")
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """Everything `strata gateway` needs; instances come from `registry_url` or
     `instance_urls` (at most one of them; an app built with its own instance source needs
@@ -263,6 +287,7 @@ class GatewayConfig:
     response_cache_url: str | None = None  # opt-in: deterministic answers, keyed by version
     response_cache_ttl_s: float = 600.0
     pd: PDRoutingConfig = field(default_factory=PDRoutingConfig)  # prefill/decode disaggregation
+    tenants: TenantConfig = field(default_factory=TenantConfig)  # usage, budgets
     model_roots: tuple[str, ...] = DEFAULT_MODEL_ROOTS  # what POST /admin/models may register
 
     def __post_init__(self) -> None:
@@ -279,6 +304,10 @@ class GatewayConfig:
             raise ConfigError(f"rate_limit_per_s must be positive, got {self.rate_limit_per_s}")
         _positive(self, "response_cache_ttl_s")
         Keys(self.api_keys, self.admin_keys, self.internal_keys)  # validates them
+        unknown = {key for key, _ in self.tenants.key_limits} - set(self.api_keys)
+        if unknown:
+            raise ConfigError(f"{len(unknown)} key(s) with rpm=/tpm= limits are not client keys; "
+                              "limits go beside a key of --api-key-file")
         check_roots(self.model_roots)
 
     @property
@@ -301,7 +330,16 @@ class GatewayConfig:
             url = self.registry_url
         return url or "memory://"
 
+    @property
+    def usage_store_url(self) -> str:
+        """Where tenants' usage and budget windows live: --usage-store, else the registry when
+        it is Redis (every gateway of the fleet adds up there), else this process."""
+        url = self.tenants.store_url
+        if url is None and self.registry_url and self.registry_url.startswith("redis"):
+            url = self.registry_url
+        return url or "memory://"
+
 
 __all__ = ["PD_MODES", "SESSION_ROUTING_MODES", "AdmissionConfig", "ClassConfig", "PDRoutingConfig",
            "EjectionConfig", "GatewayConfig", "ResumeConfig", "RetryConfig",
-           "SessionRoutingConfig", "VersionConfig"]
+           "SessionRoutingConfig", "TenantConfig", "VersionConfig"]

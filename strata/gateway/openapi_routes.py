@@ -18,6 +18,9 @@ GATEWAY_OPERATIONS: tuple[Operation, ...] = (
               status=202, access="admin"),
     Operation("GET", "/admin/consistency", "Each state's consistency level, staleness bound "
               "and failure cost, as this gateway is configured", access="admin"),
+    Operation("GET", "/admin/usage", "Each tenant's requests, errors and tokens per model "
+              "since a time, summed over the gateways sharing the usage store", access="admin",
+              query=(("since", "string"), ("tenant", "string"))),
     Operation("GET", "/admin/models", "Models: routing, versions, instances", access="admin"),
     Operation("POST", "/admin/models", "Register name@version -> URI", status=201,
               access="admin"),

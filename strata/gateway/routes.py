@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from strata.errors import InvalidRequestError
 from strata.gateway.control.consistency import consistency
+from strata.gateway.control.usage import usage
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.path.forward import Handler
 from strata.gateway.path.requests import POOL_HEADER, route_request
@@ -207,6 +208,7 @@ def build_routes() -> list[Route]:
         Route("/admin/instances", list_instances, methods=["GET"]),
         Route("/admin/instances/{instance_id}/drain", drain_instance, methods=["POST"]),
         Route("/admin/consistency", consistency, methods=["GET"]),
+        Route("/admin/usage", usage, methods=["GET"]),
     ]
 
 

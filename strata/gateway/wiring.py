@@ -36,6 +36,9 @@ from strata.gateway.routing.prefix.feed import PrefixRouting
 from strata.gateway.routing.prefix.index import PrefixIndex
 from strata.gateway.routing.sources import InstanceSource
 from strata.gateway.stats import GatewayStats
+from strata.gateway.tenants.budgets import Budgets, limits_by_tenant
+from strata.gateway.tenants.meter import MeterTenants
+from strata.gateway.tenants.metrics import TenantMetrics
 from strata.gateway.upstream.pools import UpstreamPools
 from strata.gateway.upstream.proxy import Proxy
 from strata.gateway.upstream.recovery import Recovery
@@ -46,6 +49,7 @@ from strata.registry.instances.base import Registry
 from strata.registry.models import ModelRegistry
 from strata.state.pins import PinStore, create_pin_store
 from strata.state.response_cache import create_response_cache
+from strata.state.usage import UsageStore, create_usage_store
 
 
 @dataclass(slots=True)
@@ -68,6 +72,7 @@ class Gateway:
     cache: ResponseCacheLayer | None = None  # opt-in; deterministic answers keyed by version
     prefix: PrefixRouting | None = None  # --policy cache_aware: feeds its index (in background)
     classes: ClassFlow | None = None  # priority classes: pools, flow control, shedding
+    usage: UsageStore | None = None  # tenants' usage and budget windows (GET /admin/usage)
 
     @property
     def stats(self) -> GatewayStats:
@@ -85,13 +90,15 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
                   rng: random.Random | None = None,
                   pin_store: PinStore | None = None,
                   models: ModelRegistry | None = None,
-                  instance_registry: Registry | None = None) -> Gateway:
+                  instance_registry: Registry | None = None,
+                  usage: UsageStore | None = None) -> Gateway:
     """Builds the parts; `clock` drives ejection, the retry budget and the age of the session
     counts (tests inject one). `pin_store` overrides `config.sessions.store_url` (tests share
     one store between gateway objects; the caller closes it). With `models` (the model
     registry), requests are routed by version (live, canary, session pins); with
     `instance_registry` too, releases are driven from here (the controller watches instances
-    register there). `control_client` is closed with the gateway."""
+    register there). `usage` overrides `config.usage_store_url` (the caller closes it).
+    `control_client` is closed with the gateway."""
     policy = create_policy(config.policy, config=config, rng=rng, clock=clock)
     exits = contextlib.AsyncExitStack()
     metrics = GatewayMetrics()
@@ -123,11 +130,14 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
         config.pd, proxy.pipeline, proxy.upstreams, proxy.detector, metrics.registry,
         stats=proxy.stats, index=prefix.index if prefix is not None else None,
         seal_key=config.internal_key)
+    usage = usage or _usage_store(config, exits)
+    tenants = _meter(config, usage, metrics)
     steps = path_steps(admission=admission, metrics=metrics, proxy=proxy, versions=versions,
-                       cache=cache, sessions=sessions, prefix=prefix, classes=classes, pd=pd)
+                       cache=cache, sessions=sessions, prefix=prefix, classes=classes, pd=pd,
+                       tenants=tenants)
     forward = chain(steps, proxy.forward)
     return Gateway(config, source, proxy, admission, health, control, metrics, forward, exits,
-                   sessions, versions, models, releases, cache, prefix, classes)
+                   sessions, versions, models, releases, cache, prefix, classes, usage)
 
 
 def _proxy(config: GatewayConfig, instances: InstanceSet, policy: RoutingPolicy,
@@ -145,6 +155,21 @@ def _proxy(config: GatewayConfig, instances: InstanceSet, policy: RoutingPolicy,
                  RetryBudget(config.retry, clock), metrics, config.retry.max_retries,
                  Resumer(config.resume, metrics), stalls, stats=GatewayStats(clock),
                  recovery=Recovery(instances, config.admission.start_wait_s, clock=clock))
+
+
+def _usage_store(config: GatewayConfig, exits: contextlib.AsyncExitStack) -> UsageStore:
+    store = create_usage_store(config.usage_store_url, retention_s=config.tenants.retention_s)
+    _close_with(exits, store.close)
+    return store
+
+
+def _meter(config: GatewayConfig, usage: UsageStore, metrics: GatewayMetrics) -> MeterTenants:
+    """Usage per tenant and the keys' budgets, held in `usage` (strata/gateway/tenants/)."""
+    settings = config.tenants
+    tenants = TenantMetrics(metrics.registry, top_tenants=settings.top_tenants,
+                            top_models=settings.top_models)
+    budgets = Budgets(usage, limits_by_tenant(settings.key_limits))
+    return MeterTenants(usage, budgets, tenants, metrics)
 
 
 def _response_cache(config: GatewayConfig,

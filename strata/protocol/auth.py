@@ -23,7 +23,9 @@ lacks is shut to everyone: no client key ever stands in for an admin or internal
 key of every kind, no early exit). The middleware leaves the `Caller` in the request's state
 (`caller_of`): its kind, tenant (client: the key's; internal: the one it forwards) and priority
 ceiling (also under MAX_PRIORITY_STATE, for the routes that clamp). Each client key has its own
-token bucket when a rate limit is set. Answers, with OpenAI error bodies:
+token bucket when a rate limit is set (per process, per second; the key file's per-minute
+rpm=/tpm= budgets are held by the gateways together: strata/gateway/tenants/budgets.py). Answers,
+with OpenAI error bodies:
 
     missing or unknown key              -> 401 invalid_api_key (WWW-Authenticate: Bearer)
     a known key the route does not take -> 403 permission_error insufficient_permissions

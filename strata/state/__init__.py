@@ -9,6 +9,7 @@ only when a URL names it:
     pins/            PinStore: session -> instance (sticky routing) and session -> version pins
     kv_store/        KVStore: KV blocks by block hash (KV offload), memory and Redis
     response_cache/  ResponseCache: finished answers of deterministic requests, by versioned key
+    usage/           UsageStore: tenants' token and request counts, and their budget windows
 
     urls.py          the URL schemes of every store (and the registry's): factories and --help
     sqlite_db.py     the SQLite connection every SQLite backend uses (WAL, busy timeout, errors)

@@ -27,6 +27,7 @@ STORES = {  # store -> what its messages call it
     "pins": "pin store",
     "kv_store": "KV store",
     "response_cache": "response cache",
+    "usage": "usage store",
     "registry": "registry",
     "model_registry": "model registry",
 }

@@ -7,14 +7,26 @@ the same port again (the instance behind it never stopped).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import socket
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import httpx
 import uvicorn
 from live_server import LiveServer, serve_in_thread
 from starlette.applications import Starlette
+
+from strata.commands import gateway as gateway_command
+from strata.commands.env import CliEnv
+from strata.gateway.app import create_gateway_app
+from strata.gateway.config import GatewayConfig
+from strata.gateway.routing.sources import StaticSource
+
+NO_ENV = CliEnv(cache_dir=Path("/nonexistent"), run_dir=Path("/nonexistent"))
 
 
 def free_socket(port: int = 0) -> socket.socket:
@@ -107,6 +119,22 @@ def serve_app(app: Starlette) -> ServedApp:
     port = sock.getsockname()[1]
     server, thread = serve_in_thread(app, sock, timeout_graceful_shutdown=5)
     return ServedApp(server, thread, f"http://127.0.0.1:{port}")
+
+
+def gateway_config(flags: Sequence[str], env: CliEnv = NO_ENV) -> GatewayConfig:
+    """The config `strata gateway FLAGS` builds (the command's own parser and build_config)."""
+    parser = argparse.ArgumentParser()
+    gateway_command.add_parser(parser.add_subparsers(dest="command"))
+    return gateway_command.build_config(parser.parse_args(["gateway", *flags]), env)
+
+
+def serve_gateway(flags: Sequence[str], env: CliEnv = NO_ENV) -> ServedApp:
+    """A gateway as `strata gateway --port 0 FLAGS` builds it (with `--instances`), served on a
+    real socket; the caller stops it."""
+    config = gateway_config(["--port", "0", *flags], env)
+    control = httpx.AsyncClient(timeout=1.0)
+    return serve_app(create_gateway_app(config, StaticSource(config.instance_urls, control),
+                                        control_client=control))
 
 
 @dataclass

@@ -77,18 +77,21 @@ def build(**fields: Any) -> Gateway:
                          models=models)
 
 
+FIRST = ["MeterTenants", "Admit"]  # usage per tenant is always counted, budgets held first
+
+
 def test_a_gateway_has_one_step_per_feature_that_is_on_in_the_documented_order() -> None:
     sticky = SessionRoutingConfig(mode="sticky")
-    assert steps_of(build()) == ["Admit", "Proxy.forward"]
+    assert steps_of(build()) == [*FIRST, "Proxy.forward"]
     # the cache's keys carry the chosen version: without a model registry it has no step
-    assert steps_of(build(response_cache_url="memory://")) == ["Admit", "Proxy.forward"]
-    assert steps_of(build(sessions=sticky)) == ["Admit", "PlaceSession", "Proxy.forward"]
+    assert steps_of(build(response_cache_url="memory://")) == [*FIRST, "Proxy.forward"]
+    assert steps_of(build(sessions=sticky)) == [*FIRST, "PlaceSession", "Proxy.forward"]
     assert steps_of(build(sessions=SessionRoutingConfig(mode="external"))) == [
-        "Admit", "Proxy.forward"]
+        *FIRST, "Proxy.forward"]
     models = create_model_registry("memory://")
-    assert steps_of(build(models=models)) == ["Admit", "ChooseVersion", "Proxy.forward"]
+    assert steps_of(build(models=models)) == [*FIRST, "ChooseVersion", "Proxy.forward"]
     assert steps_of(build(models=models, response_cache_url="memory://", sessions=sticky)) == [
-        "Admit", "ChooseVersion", "CacheAnswers", "PlaceSession", "Proxy.forward"]
+        *FIRST, "ChooseVersion", "CacheAnswers", "PlaceSession", "Proxy.forward"]
 
 
 class FailingClose(httpx.AsyncClient):

@@ -23,15 +23,16 @@ from strata.state.pins import create_pin_store
 from strata.state.response_cache import create_response_cache
 from strata.state.sessions import create_session_store
 from strata.state.urls import STORES, scheme_of, schemes_help, schemes_of
+from strata.state.usage import create_usage_store
 
-STATE_STORES = ("sessions", "pins", "kv_store", "response_cache")
+STATE_STORES = ("sessions", "pins", "kv_store", "response_cache", "usage")
 SENTINEL_FORM = "redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]"
 EVERY_FORM = ("memory://, sqlite:///PATH, redis://HOST:PORT/DB, rediss://HOST:PORT/DB, "
               + SENTINEL_FORM)
 FACTORIES: dict[str, Callable[[str], Any]] = {
     "sessions": create_session_store, "pins": create_pin_store, "kv_store": create_kv_store,
     "response_cache": create_response_cache, "registry": create_registry,
-    "model_registry": create_model_registry,
+    "model_registry": create_model_registry, "usage": create_usage_store,
 }
 
 
@@ -45,8 +46,9 @@ def test_each_store_package_has_a_module_per_backend_of_the_table(store: str) ->
 
 
 def test_each_store_lists_the_forms_of_its_backends() -> None:
-    assert schemes_help("kv_store") == ("memory://, redis://HOST:PORT/DB, rediss://HOST:PORT/DB, "
-                                        + SENTINEL_FORM)
+    for store in ("kv_store", "usage"):
+        assert schemes_help(store) == ("memory://, redis://HOST:PORT/DB, rediss://HOST:PORT/DB, "
+                                       + SENTINEL_FORM)
     for store in ("sessions", "pins", "response_cache", "registry", "model_registry"):
         assert schemes_help(store) == EVERY_FORM
     assert set(FACTORIES) == set(STORES)
@@ -84,7 +86,7 @@ def flag_help(command: str, flag: str) -> str:
     ("serve", "--registry", "registry"), ("serve", "--session-store", "sessions"),
     ("serve", "--kv-store", "kv_store"), ("gateway", "--registry", "registry"),
     ("gateway", "--session-store", "pins"), ("gateway", "--version-pin-store", "pins"),
-    ("gateway", "--response-cache", "response_cache"),
+    ("gateway", "--response-cache", "response_cache"), ("gateway", "--usage-store", "usage"),
 ])
 def test_help_lists_the_forms_of_the_store_a_flag_names(command: str, flag: str,
                                                          store: str) -> None:

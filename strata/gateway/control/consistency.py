@@ -114,8 +114,21 @@ def consistency_table(config: GatewayConfig) -> list[StateConsistency]:
             "a hand-off either imports the blocks or recomputes the prompt", None,
             "prefill gone: the decode side recomputes; decode gone: blocks freed"
             if config.pd.mode != "off" else "-"),
+        _usage_row(config),
     ]
     return rows
+
+
+def _usage_row(config: GatewayConfig) -> StateConsistency:
+    url = config.usage_store_url
+    return StateConsistency(
+        "tenant_usage_and_budgets", _store(url),
+        "atomic per one-minute window across gateways: a request is admitted and counted in "
+        "one step; counts only add" if url != "memory://" else "this gateway only",
+        "usage summed per minute on /admin/usage; a key passes its tpm by at most the tokens "
+        "of its requests in flight", None,
+        "store down: requests go on unmetered (strata:gateway_errors_total "
+        "reason=usage_store); gateway gone: its answers in flight are not counted")
 
 
 async def consistency(request: Request) -> Response:

@@ -3,6 +3,8 @@
 `routes.py` parses what routing needs (a `RouteRequest`) into a `ProxyRequest`, then hands it to
 the chain of `path_steps`, which ends in the proxy; each step below wraps the next one:
 
+    MeterTenants    refuses a request over its key's budget (429), then counts the answer's
+                    usage for its tenant once it is whole (strata/gateway/tenants/meter.py)
     RouteByClass    with priority classes on: the request's pool by class (spill-over only to
                     pools with room), held while no pool has room, sheddable and then batch
                     refused first (strata/gateway/path/classes.py)
@@ -24,8 +26,8 @@ the chain of `path_steps`, which ends in the proxy; each step below wraps the ne
 
 A step whose feature is off is not in the list; no step asks whether a feature is on. A new
 feature (prefill/decode hand-off, priority classes) is one more step class and one more line in
-`path_steps`. Steps add no work per streamed chunk: a stream is a `RelayResponse` whose body
-the steps never touch.
+`path_steps`. Steps add no work per streamed chunk, but one: the tenants' meter looks for the
+usage chunk in each (one regex search; strata/gateway/tenants/usage.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from strata.gateway.routing.pd import PDRouter
 from strata.gateway.routing.pipeline import RoutingPipeline
 from strata.gateway.routing.policies.base import RouteRequest
 from strata.gateway.routing.prefix.feed import PrefixRouting
+from strata.gateway.tenants.meter import MeterTenants
 from strata.gateway.upstream.pools import INSTANCE_HEADER, RelayResponse, error_response
 from strata.gateway.upstream.proxy import Proxy, ProxyRequest
 from strata.protocol.keys import TENANT_HEADER
@@ -67,10 +70,13 @@ def path_steps(*, admission: Admission, metrics: GatewayMetrics, proxy: Proxy,
                versions: VersionRouter | None = None, cache: ResponseCacheLayer | None = None,
                sessions: SessionRouter | None = None,
                prefix: PrefixRouting | None = None,
-               classes: ClassFlow | None = None, pd: PDRouter | None = None) -> list[Step]:
+               classes: ClassFlow | None = None, pd: PDRouter | None = None,
+               tenants: MeterTenants | None = None) -> list[Step]:
     """The steps before the proxy, outermost first: one per feature that is on. The gateway's
     path is `chain(path_steps(...), proxy.forward)`."""
-    steps: list[Step] = [RouteByClass(classes, metrics)] if classes is not None else []
+    steps: list[Step] = [tenants] if tenants is not None else []
+    if classes is not None:
+        steps.append(RouteByClass(classes, metrics))
     steps.append(Admit(admission, metrics))
     if versions is not None:
         steps.append(ChooseVersion(versions, metrics))

@@ -235,6 +235,12 @@ class RelayResponse(StreamingResponse):
         self._frames = frames
         self.on_close: list[Callable[[], None]] = []
 
+    def relay_through(self, wrap: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]]) -> None:
+        """Sends the frames through `wrap` (a step that watches them, as the tenants' meter
+        reads a stream's usage); `wrap` must close the frames it was given when it is closed."""
+        self._frames = wrap(self._frames)
+        self.body_iterator = self._frames
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await self._stream_until_disconnect(receive, send)
