@@ -250,13 +250,44 @@ class Proxy:
         yield broken_stream_frames(record.explain(message) if record is not None else message)
 
     async def _resume(self, record: StreamRecord) -> Segment | None:
-        """The continuation of a broken stream on an instance it has not tried, or None."""
+        """The continuation of a broken stream on an instance it has not tried, or None. When
+        no instance could take it (the whole fleet died with the stream's instance), it waits
+        for one to come back, as a request with nothing sent does (`forward`); a restarted
+        instance may then be the one the stream broke on (a new process)."""
         request = self.resumer.next_request(record, self.clock())
-        for _ in range(self.max_retries + 1 if request is not None else 0):
-            assert request is not None
-            decision = self.pipeline.route(request.route, exclude=record.tried)
+        if request is None:
+            return None
+        exclude, deadline = list(record.tried), None
+        while True:
+            outcome = await self._resume_round(request, record, exclude)
+            if isinstance(outcome, Segment):
+                self.metrics.resumes.labels("resumed").inc()
+                return outcome
+            if outcome is None or self.recovery is None:
+                break  # refused, or an instance answered: nothing to wait for
+            deadline = deadline if deadline is not None else self.recovery.deadline()
+            num_waits = self.recovery.num_waits
+            is_back = await self.recovery.wait(request.route, exclude, deadline)
+            if self.recovery.num_waits > num_waits:
+                self.metrics.recovery_waits.labels("recovered" if is_back else "timed_out").inc()
+            if not is_back:
+                break
+            exclude = []
+        self.metrics.resumes.labels("failed").inc()
+        return None
+
+    async def _resume_round(self, request: ProxyRequest, record: StreamRecord,
+                            exclude: list[str]) -> Segment | bool | None:
+        """One round of resume attempts on instances not in `exclude` (it fills up): the
+        resumed segment; None when refused, or when an instance answered with an error and no
+        other did better (waiting would not help); True when no instance answered at all (the
+        fleet may be coming back)."""
+        is_answered = False
+        for _ in range(self.max_retries + 1):
+            decision = self.pipeline.route(request.route, exclude=exclude)
             if decision.instance is None:
                 break
+            exclude.append(decision.instance.instance_id)
             record.tried.append(decision.instance.instance_id)
             attempt = Attempt(decision.instance, request)
             try:
@@ -265,13 +296,11 @@ class Proxy:
                 self._finish(attempt, is_success=False)
                 raise
             if isinstance(segment, Segment):
-                self.metrics.resumes.labels("resumed").inc()
                 return segment
             if segment is None:  # refused (another version, a conflict): no other try
-                break
-        if request is not None:
-            self.metrics.resumes.labels("failed").inc()
-        return None
+                return None
+            is_answered = is_answered or segment.response is not None
+        return None if is_answered else True
 
     async def _open_resumed(self, attempt: Attempt,
                             record: StreamRecord) -> Segment | Failure | None:
