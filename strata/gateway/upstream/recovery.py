@@ -11,10 +11,12 @@ instance takes to start) until an instance of the model passes a health check af
 "The fleet" is the instances that could take the request: those its route's filters keep
 (model, role, pool; strata/gateway/routing/pipeline.py) whether or not they are routable now.
 Another role's or pool's instance that is up (the prefill instance of a P/D fleet, a class's
-own pool) cannot take it, so it does not make the request's fleet look alive. The version is
-not among them: a version whose instances are leaving (a canary rolled back, a retired version)
-is not an outage while another version of the model serves; waiting for it would hold the
-request until --start-wait-s.
+own pool) cannot take it, so it does not make the request's fleet look alive. The version
+counts only while it has instances that are not leaving: a request decided for v2 whose v2
+instance is restarting or ejected waits for it even while v1's instances (retiring, or kept for
+pinned sessions) are up, since they cannot take it. A version whose instances are all leaving
+(a canary rolled back, a retired version) is not an outage while another version of the model
+serves; waiting for it would hold the request until --start-wait-s.
 
 It never waits for an answer that an instance gave: a 5xx or 429 answer means the instance is
 alive, and the client gets that answer as before. A model no instance has ever served (404) is
@@ -28,7 +30,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection
 
 from strata.clock import Clock
-from strata.gateway.routing.instances import InstanceSet, InstanceView
+from strata.gateway.routing.instances import DRAINING, InstanceSet, InstanceView
 from strata.gateway.routing.pipeline import FILTERS, is_routable, serves_version
 from strata.gateway.routing.policies.base import RouteRequest
 
@@ -55,9 +57,12 @@ class Recovery:
         self.num_recovered = 0  # of which one came back in time
 
     def _views(self, route: RouteRequest) -> list[InstanceView]:
-        """The instances that could take `route` (routable now or not)."""
-        return [v for v in self.instances.snapshot()
-                if all(keep(route, v) for keep in FILTERS if keep not in _NOT_JUDGED)]
+        """The instances that could take `route` (routable now or not): of its version while
+        that version has instances that are not leaving, else of any version."""
+        views = [v for v in self.instances.snapshot()
+                 if all(keep(route, v) for keep in FILTERS if keep not in _NOT_JUDGED)]
+        staying = [v for v in views if serves_version(route, v) and not _is_leaving(v)]
+        return staying if route.version is not None and staying else views
 
     def is_down(self, route: RouteRequest, tried: Collection[str]) -> bool:
         """Every known instance that could take `route` failed this request or looks down (not
@@ -91,6 +96,10 @@ class Recovery:
     def deadline(self) -> float:
         """The loop time until which a request that finds its fleet down may wait."""
         return asyncio.get_running_loop().time() + self.start_wait_s
+
+
+def _is_leaving(view: InstanceView) -> bool:
+    return view.is_draining or view.state == DRAINING
 
 
 __all__ = ["Recovery"]
