@@ -68,10 +68,9 @@ class Cancel:
         which aborts their engine requests). No deadline: `frames` as they are."""
         try:
             while True:
-                remaining = self.remaining_s()
                 try:
-                    frame = await (anext(frames) if remaining is None
-                                   else asyncio.wait_for(anext(frames), max(remaining, 0.0)))
+                    async with asyncio.timeout(self.remaining_s()):  # in this task: the
+                        frame = await anext(frames)  # frames end with it (never still running)
                 except StopAsyncIteration:
                     return
                 except TimeoutError:

@@ -99,7 +99,8 @@ async def _until(frames: AsyncIterator[bytes], deadline_s: float, metrics: Gatew
     try:
         while True:
             try:
-                frame = await asyncio.wait_for(anext(frames), max(deadline_s - clock(), 0.0))
+                async with asyncio.timeout(deadline_s - clock()):  # in this task: the relay
+                    frame = await anext(frames)  # ends with it (never left running)
             except StopAsyncIteration:
                 return
             except TimeoutError:
