@@ -24,7 +24,8 @@ class SSEResponse(StreamingResponse):
                  on_close: Callable[[], Awaitable[None]],
                  headers: dict[str, str] | None = None) -> None:
         self._cancel = cancel_of(request)
-        self._frames = self._cancel.frames(frames)
+        # no deadline: the frames as they are (nothing added per frame)
+        self._frames = frames if self._cancel.deadline_s is None else self._cancel.frames(frames)
         self._is_over = False  # the frames ended by themselves (not cut off by the client)
         super().__init__(self._watched(), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",

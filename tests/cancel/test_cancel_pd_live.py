@@ -88,6 +88,23 @@ def test_a_client_that_leaves_during_decode_frees_both_instances(fleet: Fleet) -
     assert d.instance.engine.stats().num_generated_tokens < 100
 
 
+def test_a_client_that_leaves_a_json_answer_during_decode_frees_both_instances(
+        fleet: Fleet) -> None:
+    p, d = fleet.p, fleet.d
+    before = (d.cancelled("client_disconnect"), fleet.cancelled("client_disconnect"))
+    generated = d.instance.engine.stats().num_generated_tokens
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(f"{fleet.gateway.url}{CHAT}", json=BODY, timeout=1.0)
+    # a JSON answer's waits poll for their client (every 0.25 s, on the gateway, then on D):
+    # the blocks are free within a step of D's noticing, which its count marks
+    assert wait_until(lambda: (d.cancelled("client_disconnect"),
+                               fleet.cancelled("client_disconnect"))
+                      == (before[0] + 1, before[1] + 1))
+    d.assert_all_free(d.executor.num_steps)
+    p.assert_all_free(p.executor.num_steps)
+    assert d.instance.engine.stats().num_generated_tokens - generated < 100
+
+
 def test_a_deadline_that_passes_during_the_remote_prefill_frees_both_instances(
         fleet: Fleet) -> None:
     p, d = fleet.p, fleet.d
