@@ -170,9 +170,10 @@ class Proxy:
                 attempt.view, request.method, request.path, request.body, headers))
         except UPSTREAM_ERRORS as exc:
             return self._failed(attempt, Failure(describe(attempt, exc)))
-        if response.status_code >= 500 or response.status_code == 429:
+        if (response.status_code >= 500 or response.status_code == 429) \
+                and response.headers.get("x-should-retry") != "false":
             return self._failed(attempt, await self._error_answer(attempt, response))
-        return response
+        return response  # an answer, or one no other instance would change (a deadline's 504)
 
     async def _error_answer(self, attempt: Attempt, response: UpstreamAnswer) -> Failure:
         try:
