@@ -48,6 +48,7 @@ def test_an_instances_deadline_answer_is_relayed_not_retried() -> None:
         assert json.loads(r.content)["error"]["code"] == "deadline_exceeded"
         assert len(calls) == 1  # not retried on the other instance
         assert metric(gateway.url, "gateway_retries_total") == 0
+        assert metric(gateway.url, "gateway_requests_cancelled_total", reason="deadline") == 1
         assert metric(gateway.url, "gateway_upstream_failures_total", instance=calls[0]) == 0
     finally:
         gateway.stop()

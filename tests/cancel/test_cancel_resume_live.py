@@ -101,11 +101,11 @@ def test_a_resumed_stream_cancelled_after_its_resume_is_aborted_where_it_resumed
                 resumed_at = i
             if cancel == "client_disconnect" and resumed_at is not None and i >= resumed_at + 3:
                 break  # a few chunks from `second`, then the client leaves
-    tokens_then = second.engine.stats().num_generated_tokens
     assert fleet.counter("gateway_stream_resumes_total", outcome="resumed") == resumed_before + 1
     if cancel == "deadline":
         assert b'"deadline_exceeded"' in raw and raw.endswith(b"data: [DONE]\n\n")
     assert wait_until(lambda: second.cancelled() == before + 1)
+    tokens_then = second.engine.stats().num_generated_tokens  # its count marks its noticing
     assert wait_until(lambda: fleet.counter("gateway_requests_cancelled_total", reason=cancel)
                       == cancelled_before + 1)
     engine = second.engine

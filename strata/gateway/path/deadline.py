@@ -13,6 +13,7 @@
     stream    a relayed stream past its deadline ends with a 504 error event and [DONE]; one
               whose client left is closed by `RelayResponse` (pools.py)
     count     strata:gateway_requests_cancelled_total{reason}: client_disconnect, deadline
+              (the gateway's own, or an instance's 504 that came first)
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ def deadline_response() -> Response:
                     headers={"x-should-retry": "false"})
 
 
+def is_deadline_answer(response: Response) -> bool:
+    """A 504 that says not to retry it: a deadline's, the gateway's or an instance's."""
+    return response.status_code == 504 and response.headers.get("x-should-retry") == "false"
+
+
 async def until_cancelled(request: ProxyRequest, forward: Callable[[ProxyRequest],
                                                                    Awaitable[Response]],
                           is_disconnected: Callable[[], Awaitable[bool]],
@@ -65,7 +71,10 @@ async def until_cancelled(request: ProxyRequest, forward: Callable[[ProxyRequest
                 else max(0.0, min(DISCONNECT_POLL_S, remaining))
             done, _ = await asyncio.wait({task}, timeout=wait_s)
             if done:
-                return _watched(task.result(), request, metrics, clock)
+                response = task.result()
+                if is_deadline_answer(response):  # an instance's clock ran out first
+                    metrics.cancelled.labels(DEADLINE).inc()
+                return _watched(response, request, metrics, clock)
             if remaining is not None and remaining <= wait_s:
                 metrics.cancelled.labels(DEADLINE).inc()
                 return deadline_response()

@@ -36,7 +36,7 @@ from starlette.responses import Response
 
 from strata.clock import Clock
 from strata.gateway.config import PDRoutingConfig
-from strata.gateway.path.deadline import with_remaining
+from strata.gateway.path.deadline import deadline_response, with_remaining
 from strata.gateway.routing.health import OutlierDetector
 from strata.gateway.routing.instances import InstanceView
 from strata.gateway.routing.pipeline import RoutingPipeline
@@ -187,6 +187,9 @@ class PDRouter:
             return await call_next(request)
         self.stats.remote_prefill()
         handle = await self._prefill(decision.prefill, request)
+        if handle is None and request.deadline_s is not None \
+                and self.clock() >= request.deadline_s:
+            return deadline_response()  # P's own deadline answered first: nothing to decode
         if handle is None:
             return await call_next(request)  # the decode instance prefills locally
         headers = [*request.headers, (HANDOFF_HEADER, handle)]
