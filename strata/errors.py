@@ -30,6 +30,7 @@
     ├── ShareFailedError                a rank could not run its share of one parallel step; the
     │                                   ranks still agree: the request at fault fails alone
     ├── RequestFailedError              500: the executor failed on this request alone
+    ├── DeadlineExceededError           504: the request's own deadline passed; it was aborted
     └── ChatError                       `strata chat`: the server refused or is unreachable
 
 Each HTTP-facing class says how it is answered (`status_code`, OpenAI `error_type`, and
@@ -230,6 +231,17 @@ class RequestFailedError(StrataError):
     error_type = "internal_server_error"
 
 
+class DeadlineExceededError(StrataError):
+    """The request's deadline (`X-Strata-Timeout-S` or the body's `timeout`) passed before its
+    answer was whole; its engine requests were aborted. 504, as gRPC maps DEADLINE_EXCEEDED: the
+    server gave up waiting on the work, not on the client (408); never retried (the
+    `x-should-retry: false` header tells the openai client so: a retry would miss it again)."""
+
+    status_code = 504
+    error_type = "timeout_error"
+    code = "deadline_exceeded"
+
+
 class ChatError(StrataError):
     """`strata chat`: the server refused a message or could not be reached; says why."""
 
@@ -240,6 +252,7 @@ __all__ = [
     "ConflictError",
     "LoraError",
     "ContextLengthError",
+    "DeadlineExceededError",
     "EngineDeadError",
     "InvalidRequestError",
     "KVPayloadError",

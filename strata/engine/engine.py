@@ -98,9 +98,13 @@ class Engine:
         self._detok[request.request_id] = detok
 
     def abort_request(self, request_id: RequestId) -> None:
+        """End the request and free its blocks; one that already finished holding its blocks
+        (a hand-off's prefill whose caller left before the hold was leased) releases them."""
         request = self.scheduler.get(request_id)
         if request is not None:
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        else:
+            self.kv.release_finished(request_id)
         self._detok.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:

@@ -65,6 +65,12 @@ class GatewayMetrics:
                                       "timed_out).", ["outcome"], registry=reg)
         for outcome in ("recovered", "timed_out"):
             self.recovery_waits.labels(outcome)
+        self.cancelled = Counter("strata:gateway_requests_cancelled",
+                                 "Requests cancelled before their answer was whole, by reason "
+                                 "(client_disconnect, deadline); the instances abort them too.",
+                                 ["reason"], registry=reg)
+        for reason in ("client_disconnect", "deadline"):
+            self.cancelled.labels(reason)
         self.in_flight = Gauge("strata:gateway_requests_in_flight", "Requests admitted.",
                                registry=reg)
         self.queued = Gauge("strata:gateway_requests_queued", "Requests waiting for admission.",

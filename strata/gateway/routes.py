@@ -22,6 +22,7 @@ from strata.errors import InvalidRequestError
 from strata.gateway.control.consistency import consistency
 from strata.gateway.control.usage import usage
 from strata.gateway.metrics import GatewayMetrics
+from strata.gateway.path.deadline import until_cancelled
 from strata.gateway.path.forward import Handler
 from strata.gateway.path.requests import POOL_HEADER, route_request
 from strata.gateway.routing.policies.base import RouteRequest
@@ -29,6 +30,7 @@ from strata.gateway.upstream.pools import error_response
 from strata.gateway.upstream.proxy import ProxyRequest
 from strata.gateway.wiring import Gateway
 from strata.protocol.auth import is_open
+from strata.protocol.deadline import TIMEOUT_HEADER, request_timeout_s
 from strata.protocol.keys import (
     FLEET_HEADERS,
     Keys,
@@ -79,8 +81,16 @@ async def _proxied(request: Request, gateway: Gateway, forward: Handler) -> Resp
         return error_response(400, str(exc))
     headers = [(k, v) for k, v in upstream_headers(request, gateway) if k != PRIORITY_HEADER]
     headers.append((PRIORITY_HEADER, str(route.priority)))  # the instance gets it clamped
-    preq = ProxyRequest(request.method, path, body, headers, route, received_at, data)
-    return await forward(preq)
+    try:
+        timeout_s = request_timeout_s(request.headers.get(TIMEOUT_HEADER), data.get("timeout"))
+    except InvalidRequestError as exc:
+        gateway.metrics.errors.labels("bad_request").inc()
+        return error_response(400, str(exc))
+    deadline_s = None if timeout_s is None else received_at + timeout_s
+    preq = ProxyRequest(request.method, path, body, headers, route, received_at, data,
+                        deadline_s)
+    return await until_cancelled(preq, forward, request.is_disconnected, gateway.metrics,
+                                 gateway.proxy.clock)
 
 
 def upstream_headers(request: Request, gateway: Gateway) -> list[tuple[str, str]]:

@@ -129,7 +129,7 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
     pd = None if config.pd.mode == "off" else PDRouter(
         config.pd, proxy.pipeline, proxy.upstreams, proxy.detector, metrics.registry,
         stats=proxy.stats, index=prefix.index if prefix is not None else None,
-        seal_key=config.internal_key)
+        seal_key=config.internal_key, clock=proxy.clock)
     usage = usage or _usage_store(config, exits)
     tenants = _meter(config, usage, metrics)
     steps = path_steps(admission=admission, metrics=metrics, proxy=proxy, versions=versions,

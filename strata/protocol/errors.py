@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from strata.errors import OverloadedError, RequestError, StrataError
+from strata.errors import DeadlineExceededError, OverloadedError, RequestError, StrataError
 
 DEFAULT_TYPES = {
     400: "invalid_request_error",
@@ -78,6 +78,8 @@ def describe(exc: StrataError) -> ErrorMapping:
         headers = retry_after(exc.retry_after_s)
     elif exc.status_code == 503:
         headers = retry_after(1.0)
+    elif isinstance(exc, DeadlineExceededError):
+        headers = {"x-should-retry": "false"}  # the openai client would retry a 504
     return ErrorMapping(exc.status_code, message, exc.error_type, param, exc.code, headers)
 
 

@@ -78,6 +78,7 @@ class _SamplingFields(_Request, SamplingExtensions, StructuredOutputFields):
     ignore_eos: bool = False
     user: str | None = None
     priority: int | str | None = None  # a class name or an integer (strata/protocol/priority.py)
+    timeout: float | None = None  # seconds, a Strata extension (strata/protocol/deadline.py)
     cache_salt: str | None = None
 
     @model_validator(mode="before")

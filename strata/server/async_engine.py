@@ -318,8 +318,9 @@ class AsyncEngine:
             stream = self._stream(output.request_id)
             if stream is not None:
                 stream.put(output)
-            elif not output.finished:  # its consumer left before the abort arrived
-                self.engine.abort_request(output.request_id)
+            elif not output.finished or output.held is not None:
+                self.engine.abort_request(output.request_id)  # its consumer left: nobody
+                # reads it, nobody leases what it holds
 
     def _die(self, exc: Exception) -> None:
         logger.error("engine step failed; the engine is dead", exc_info=exc)

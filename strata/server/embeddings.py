@@ -39,7 +39,7 @@ from strata.protocol.embeddings import (
 from strata.server.instance import Instance
 from strata.server.metrics import track
 from strata.server.preamble import client_request
-from strata.server.request_io import unless_disconnected
+from strata.server.request_io import unless_cancelled
 from strata.server.serving import ServingContext
 from strata.server.translate import new_id
 from strata.types import RequestId
@@ -49,7 +49,7 @@ async def embeddings(request: Request) -> Response:
     instance, req = await client_request(request, EmbeddingRequest, task="embed")
     dimensions = _dimensions(instance, req.dimensions)
     prompts = _prompts(instance, req)
-    vectors = await unless_disconnected(
+    vectors = await unless_cancelled(
         request, _embed(instance.serving, prompts, req.priority))
     data = [Embedding(index=i, embedding=encode_vector(_truncated(v, dimensions),
                                                        req.encoding_format))

@@ -4,7 +4,8 @@
                                       404 / 413, ConflictError 409, StoreUnavailableError 503,
                                       OverloadedError 429 or 503, EngineDeadError 503,
                                       RequestFailedError 500 (the executor failed on this
-                                      request alone); a 503 carries Retry-After
+                                      request alone), DeadlineExceededError 504 (with
+                                      x-should-retry: false); a 503 carries Retry-After
     pydantic / JSON validation     -> 400 invalid_request_error (never 422)
     Starlette HTTPException        -> its status (404 unknown route, 405 wrong method)
     ClientDisconnect               -> 499 (nobody reads it; the engine requests were aborted)
@@ -27,6 +28,7 @@ from starlette.requests import ClientDisconnect
 
 from strata.errors import (
     ConflictError,
+    DeadlineExceededError,
     EngineDeadError,
     OverloadedError,
     RequestError,
@@ -38,7 +40,7 @@ from strata.protocol.errors import ErrorMapping, describe
 
 logger = logging.getLogger("strata.server")
 _ANSWERED = (RequestError, ConflictError, StoreUnavailableError, OverloadedError, EngineDeadError,
-             RequestFailedError)
+             RequestFailedError, DeadlineExceededError)
 
 
 def _validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:

@@ -16,20 +16,20 @@ from strata.protocol.openai import ChatCompletionRequest, CompletionRequest
 from strata.server import serving
 from strata.server import sessions as sess
 from strata.server.preamble import client_request
-from strata.server.request_io import SSEResponse, unless_disconnected
+from strata.server.request_io import SSEResponse, unless_cancelled
 from strata.server.resume import marks_for
 
 
 async def completions(request: Request) -> Response:
     instance, req = await client_request(request, CompletionRequest, task="generate")
     ctx = instance.serving
-    started = await unless_disconnected(request, serving.start_completion(ctx, req))
+    started = await unless_cancelled(request, serving.start_completion(ctx, req))
     with_lps = req.logprobs is not None
     if req.stream:
         frames = serving.completion_stream(ctx, started, with_lps, req.include_usage,
                                            marks_for(request, ctx, started))
-        return SSEResponse(frames, started.generation.close)
-    body = await unless_disconnected(request, serving.completion_response(ctx, started, with_lps))
+        return SSEResponse(request, frames, started.generation.close)
+    body = await unless_cancelled(request, serving.completion_response(ctx, started, with_lps))
     return JSONResponse(body.model_dump())
 
 
@@ -52,14 +52,14 @@ async def chat_completions(request: Request) -> Response:
 async def _chat(request: Request, ctx: serving.ServingContext, req: ChatCompletionRequest,
                 turn: sess.SessionTurn | None) -> Response:
     """Generate; with a session `turn`, store the turn after the last token (see sessions.py)."""
-    started = await unless_disconnected(request, serving.start_chat(ctx, req))
+    started = await unless_cancelled(request, serving.start_chat(ctx, req))
     if req.stream:
         frames = serving.chat_stream(ctx, started, req.logprobs, req.include_usage,
                                      marks_for(request, ctx, started))
         if turn is None:
-            return SSEResponse(frames, started.generation.close)
-        return turn.stream_response(frames, started.generation)
-    body = await unless_disconnected(request, serving.chat_response(ctx, started, req.logprobs))
+            return SSEResponse(request, frames, started.generation.close)
+        return turn.stream_response(request, frames, started.generation)
+    body = await unless_cancelled(request, serving.chat_response(ctx, started, req.logprobs))
     data = body.model_dump()
     if turn is None:
         return JSONResponse(data)

@@ -56,6 +56,12 @@ class ServerMetrics:
                                    registry=reg)
         self.success = Counter("strata:request_success_total", "Finished requests.",
                                [*labels, "finish_reason"], registry=reg)
+        self.cancelled = Counter("strata:requests_cancelled",
+                                 "Client requests cancelled before their answer was whole, their "
+                                 "engine requests aborted, by reason (client_disconnect, "
+                                 "deadline).", [*labels, "reason"], registry=reg)
+        for reason in ("client_disconnect", "deadline"):
+            self.cancelled.labels(model_name, reason)
         self._seen_preemptions = 0
         self.kv = KVOffloadMetrics(reg, model_name)
         self.ranks: RankMemoryMetrics | None = None
@@ -68,6 +74,9 @@ class ServerMetrics:
         self.ranks = RankMemoryMetrics(self.registry, self._model, source)
         if pipeline is not None:
             self.pipeline = PipelineMetrics(self.registry, self._model, pipeline)
+
+    def observe_cancelled(self, reason: str) -> None:
+        self.cancelled.labels(self._model, reason).inc()
 
     def observe_finished(self, timing: RequestTiming, output: RequestOutput) -> None:
         """Record one finished request."""

@@ -17,6 +17,9 @@ in this order, so that no route can skip a step:
              key's ceiling (strata/protocol/priority.py)
   4. admit   refused while draining, when the engine is dead, or for another model's name
   5. task    again, for a request parsed by its route (resume)
+  6. watch   the deadline: `X-Strata-Timeout-S`, else the body's `timeout` (seconds), from now
+             (strata/protocol/deadline.py); the routes wait with cancel.unless_cancelled, which
+             aborts the work when the client leaves or the deadline passes
 
 The plain generation routes, embeddings, tokenize, the P/D hand-off's prefill and decode routes
 and resume all enter here; a route whose body carries the client's request inside another
@@ -31,9 +34,11 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel
 from starlette.requests import Request
 
+from strata.protocol.deadline import TIMEOUT_FIELD, TIMEOUT_HEADER
 from strata.protocol.json_body import parse_json_object
 from strata.protocol.pd import public_path
 from strata.protocol.priority import MAX_PRIORITY_STATE, PRIORITY_HEADER, effective_priority
+from strata.server.cancel import watch
 from strata.server.instance import Instance, instance_of
 from strata.server.sessions import cache_tenant
 from strata.server.translate import tenant_scoped
@@ -57,8 +62,8 @@ async def client_request(request: Request, model: type[M], *, task: Task) -> tup
 
 
 def admitted(request: Request, instance: Instance, body: M, *, task: Task) -> M:
-    """Steps 2-5 for a request already parsed: `body` in its tenant's namespace, its priority
-    clamped; raises when the instance refuses it."""
+    """Steps 2-6 for a request already parsed: `body` in its tenant's namespace, its priority
+    clamped, its deadline set; raises when the instance refuses it."""
     if "cache_salt" in type(body).model_fields:
         body = tenant_scoped(body, cache_tenant(request))
     if "priority" in type(body).model_fields:
@@ -67,6 +72,8 @@ def admitted(request: Request, instance: Instance, body: M, *, task: Task) -> M:
     instance.admit(getattr(body, "model", None))
     if task != "any":
         instance.require_task(task, public_path(request.url.path))
+    watch(request, request.headers.get(TIMEOUT_HEADER), getattr(body, TIMEOUT_FIELD, None),
+          instance.serving.clock, instance.serving.metrics.observe_cancelled)
     return body
 
 

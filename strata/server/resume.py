@@ -37,7 +37,7 @@ from strata.server.constrain import plan_choices
 from strata.server.generation import ChoiceState, Generation, start
 from strata.server.instance import Instance, check_model, instance_of
 from strata.server.preamble import admitted, parse_body
-from strata.server.request_io import SSEResponse, unless_disconnected
+from strata.server.request_io import SSEResponse, unless_cancelled
 from strata.server.serving import ServingContext, Started
 from strata.server.stream_marks import Marks
 
@@ -64,15 +64,15 @@ async def resume(request: Request) -> Response:
     if session_id is not None and isinstance(req, ChatCompletionRequest):
         turn = await _resumed_turn(instance, request, req, session_id, body.session_revision)
     try:
-        started = await unless_disconnected(request, _start(instance.serving, body, req))
+        started = await unless_cancelled(request, _start(instance.serving, body, req))
     except BaseException:
         if turn is not None:
             turn.release()
         raise
     frames = _frames(instance.serving, started, req)
     if turn is None:
-        return SSEResponse(frames, started.generation.close)
-    return turn.stream_response(frames, started.generation)
+        return SSEResponse(request, frames, started.generation.close)
+    return turn.stream_response(request, frames, started.generation)
 
 
 def _client_request(body: ResumeRequest) -> ClientRequest:

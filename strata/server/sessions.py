@@ -178,7 +178,7 @@ class SessionTurn:
                     yield encode_event(map_exception(exc).payload())
             yield frame
 
-    def stream_response(self, frames: AsyncGenerator[bytes, None],
+    def stream_response(self, request: Request, frames: AsyncGenerator[bytes, None],
                         generation: Generation) -> SSEResponse:
         """A streamed turn's response: stored after the last token (`stream`); the generation
         closed and the session released however the stream ends."""
@@ -188,7 +188,8 @@ class SessionTurn:
             finally:
                 self.release()
 
-        return SSEResponse(self.stream(frames, generation.choices), close, self.headers())
+        return SSEResponse(request, self.stream(frames, generation.choices), close,
+                           self.headers())
 
     def release(self) -> None:
         if not self.is_released:

@@ -6,7 +6,6 @@ handle sealed with it (strata/server/pd/trust.py), as the gateway seals them."""
 from __future__ import annotations
 
 import json
-import re
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import httpx
 from gateway_fakes import FixedSource
 from live_fleet import ServedApp, serve_app
-from live_server import serve_in_thread
+from live_server import metric, serve_in_thread
 
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.engine import Engine
@@ -52,12 +51,7 @@ class Instance:
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample of /metrics (0 when the labelled series is not there yet)."""
-        text = httpx.get(f"{self.url}/metrics").text
-        for line in text.splitlines():
-            match = re.match(rf"^strata:{name}(\{{[^}}]*\}})? (\S+)$", line)
-            if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
-                return float(match.group(2))
-        return 0.0
+        return metric(self.url, name, **labels)
 
     @property
     def num_held_blocks(self) -> int:

@@ -3,6 +3,7 @@ random Llama (float32, CPU) through the real Engine and TorchExecutor."""
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import uvicorn
 from harness import procs
 
@@ -158,3 +160,31 @@ class GatedExecutor:
             self.num_blocked += 1
             self._permits.acquire()
         return self.inner.execute(model_input)  # type: ignore[attr-defined,no-any-return]
+
+
+class PacedExecutor:
+    """Wraps an executor (every other method passes through); each step takes at least `step_s`
+    (tests give a request time to be cancelled mid-way) and is counted (`num_steps`)."""
+
+    def __init__(self, inner: object, step_s: float) -> None:
+        self.inner = inner
+        self.step_s = step_s
+        self.num_steps = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def execute(self, model_input: ModelInput) -> ModelOutput:
+        self.num_steps += 1
+        time.sleep(self.step_s)
+        return self.inner.execute(model_input)  # type: ignore[attr-defined,no-any-return]
+
+
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """One sample of `base_url`/metrics: `strata:{name}` with `labels` (0 when absent)."""
+    text = httpx.get(f"{base_url}/metrics").text
+    for line in text.splitlines():
+        match = re.match(rf"^strata:{name}(\{{[^}}]*\}})? (\S+)$", line)
+        if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
+            return float(match.group(2))
+    return 0.0

@@ -35,6 +35,7 @@ class ProxyRequest:
     route: RouteRequest
     received_at: float
     body_json: dict[str, Any] | None = None
+    deadline_s: float | None = None  # on the proxy's clock (strata/gateway/path/deadline.py)
 
 
 def _field(data: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:

@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -33,7 +34,9 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter
 from starlette.responses import Response
 
+from strata.clock import Clock
 from strata.gateway.config import PDRoutingConfig
+from strata.gateway.path.deadline import deadline_response, with_remaining
 from strata.gateway.routing.health import OutlierDetector
 from strata.gateway.routing.instances import InstanceView
 from strata.gateway.routing.pipeline import RoutingPipeline
@@ -43,7 +46,13 @@ from strata.gateway.routing.prefix.prompt import uncached_tokens
 from strata.gateway.stats import GatewayStats
 from strata.gateway.upstream.pools import UpstreamPools, close_quietly, forwarded_headers
 from strata.gateway.upstream.proxy import ProxyRequest
-from strata.protocol.pd import DECODE_PREFIX, GENERATION_PATHS, HANDOFF_HEADER, PREFILL_PREFIX
+from strata.protocol.pd import (
+    DECODE_PREFIX,
+    GENERATION_PATHS,
+    HANDOFF_HEADER,
+    KV_PATH,
+    PREFILL_PREFIX,
+)
 from strata.protocol.seal import seal
 
 log = logging.getLogger("strata.gateway.pd")
@@ -157,7 +166,7 @@ class PDRouter:
                  upstreams: UpstreamPools, detector: OutlierDetector, reg: CollectorRegistry,
                  estimate: UncachedEstimate = prompt_bytes_estimate,
                  stats: GatewayStats | None = None, index: PrefixIndex | None = None,
-                 seal_key: str | None = None) -> None:
+                 seal_key: str | None = None, clock: Clock = time.perf_counter) -> None:
         self.config = config
         self.index = index  # the prefix index the decision reads (None: bytes / 4 only)
         self.seal_key = seal_key  # the fleet's internal key: D follows only sealed handles
@@ -167,6 +176,8 @@ class PDRouter:
         self.upstreams = upstreams
         self.detector = detector
         self.metrics = PDMetrics(reg)
+        self.clock = clock  # the proxy's: a request's deadline is on it
+        self._releases: set[asyncio.Task[None]] = set()
 
     async def forward(self, request: ProxyRequest, call_next: Handler) -> Response:
         request = _without_handle(request)  # only this gateway gives one
@@ -176,18 +187,42 @@ class PDRouter:
             return await call_next(request)
         self.stats.remote_prefill()
         handle = await self._prefill(decision.prefill, request)
+        if handle is None and request.deadline_s is not None \
+                and self.clock() >= request.deadline_s:
+            return deadline_response()  # P's own deadline answered first: nothing to decode
         if handle is None:
             return await call_next(request)  # the decode instance prefills locally
         headers = [*request.headers, (HANDOFF_HEADER, handle)]
-        return await call_next(dataclasses.replace(request, path=DECODE_PREFIX + request.path,
-                                                   headers=headers))
+        try:
+            return await call_next(dataclasses.replace(
+                request, path=DECODE_PREFIX + request.path, headers=headers))
+        except asyncio.CancelledError:  # the client left or the deadline passed
+            self._release(decision.prefill, handle, request)
+            raise
+
+    def _release(self, view: InstanceView, handle: str, request: ProxyRequest) -> None:
+        """Ask P to free a handle's blocks now, whether or not a decode instance got it (one
+        that did acknowledges it too; the second DELETE is a 404)."""
+        path = f"{KV_PATH}/{json.loads(handle)['handle']}"
+
+        async def delete() -> None:
+            try:
+                await close_quietly(await self.upstreams.send(
+                    view, "DELETE", path, b"", forwarded_headers(request.headers)))
+            except httpx.HTTPError as exc:
+                log.info("releasing a cancelled handle on %s failed (its lease will end): %s",
+                         view.instance_id, exc)
+
+        task = asyncio.get_running_loop().create_task(delete())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def _prefill(self, view: InstanceView, request: ProxyRequest) -> str | None:
         """P's handle with P's URL, or None when P failed (counted toward its ejection)."""
         # The policy's hooks are left to the decode pick: a round robin that counted both
         # picks of each request would send every request to the same decode instance.
         in_flight = self.pipeline.instances.begin(view, request.route.num_tokens)
-        try:
+        try:  # a deadline that ends first is until_cancelled's to answer (path/deadline.py)
             handle = await asyncio.wait_for(self._ask(view, request),
                                             self.config.prefill_timeout_s)
         except (httpx.HTTPError, TimeoutError, ValueError, KeyError) as exc:
@@ -200,8 +235,10 @@ class PDRouter:
         return handle
 
     async def _ask(self, view: InstanceView, request: ProxyRequest) -> str | None:
+        headers = with_remaining(forwarded_headers(request.headers), request.deadline_s,
+                                 self.clock())
         response = await self.upstreams.send(view, "POST", PREFILL_PREFIX + request.path,
-                                             request.body, forwarded_headers(request.headers))
+                                             request.body, headers)
         try:
             body = await response.aread()
         finally:

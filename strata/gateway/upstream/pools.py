@@ -234,6 +234,7 @@ class RelayResponse(StreamingResponse):
         super().__init__(frames, status_code, headers=headers)
         self._frames = frames
         self.on_close: list[Callable[[], None]] = []
+        self.is_disconnected = False  # the client left before the stream ended
 
     def relay_through(self, wrap: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]]) -> None:
         """Sends the frames through `wrap` (a step that watches them, as the tenants' meter
@@ -262,7 +263,7 @@ class RelayResponse(StreamingResponse):
             nonlocal disconnected
             while (await receive())["type"] != "http.disconnect":
                 pass
-            disconnected = True
+            disconnected = self.is_disconnected = True
             task.cancel()  # surfaces where the stream awaits, inside the `try` below
 
         listener = asyncio.get_running_loop().create_task(listen())

@@ -25,6 +25,7 @@ from starlette.responses import Response
 from strata.clock import Clock
 from strata.errors import RequestFailedError
 from strata.gateway.metrics import GatewayMetrics
+from strata.gateway.path.deadline import with_remaining
 from strata.gateway.path.requests import ProxyRequest
 from strata.gateway.routing.health import OutlierDetector
 from strata.gateway.routing.instances import InstanceView
@@ -159,6 +160,7 @@ class Proxy:
         request, watched = attempt.request, attempt.watched
         headers = self.resumer.headers(request, forwarded_headers(request.headers))
         attempt.sent_at = self.clock()
+        headers = with_remaining(headers, request.deadline_s, attempt.sent_at)
         if attempt.sent_at - self._pruned_at >= self.prune_interval_s:
             self._pruned_at = attempt.sent_at
             self.upstreams.prune(self.pipeline.instances)
@@ -168,9 +170,10 @@ class Proxy:
                 attempt.view, request.method, request.path, request.body, headers))
         except UPSTREAM_ERRORS as exc:
             return self._failed(attempt, Failure(describe(attempt, exc)))
-        if response.status_code >= 500 or response.status_code == 429:
+        if (response.status_code >= 500 or response.status_code == 429) \
+                and response.headers.get("x-should-retry") != "false":
             return self._failed(attempt, await self._error_answer(attempt, response))
-        return response
+        return response  # an answer, or one no other instance would change (a deadline's 504)
 
     async def _error_answer(self, attempt: Attempt, response: UpstreamAnswer) -> Failure:
         try:

@@ -159,7 +159,8 @@ class Resumer:
         dropped = ("content-type", HANDOFF_HEADER)  # a P/D stream goes on without its handle
         return ProxyRequest("POST", RESUME_PATH, json.dumps(body).encode(),
                             [(k, v) for k, v in original.headers if k.lower() not in dropped]
-                            + [("content-type", "application/json")], route, now)
+                            + [("content-type", "application/json")], route, now,
+                            deadline_s=original.deadline_s)
 
     async def refused(self, record: StreamRecord, instance_id: str,
                       response: UpstreamAnswer) -> None:

@@ -32,19 +32,19 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 import httpx
 from pydantic import BaseModel
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from strata.engine.request import Handoff
 from strata.engine.request import Request as EngineRequest
-from strata.errors import KVPayloadError
+from strata.errors import DeadlineExceededError, KVPayloadError
 from strata.protocol.openai import ChatCompletionRequest, CompletionRequest
 from strata.protocol.pd import HANDOFF_HEADER, KV_PATH
 from strata.server import serving
 from strata.server.pd.state import PD, pd_of
 from strata.server.pd.wire import BlockReader, Handle, checksum_ok, prompt_digest
 from strata.server.preamble import client_request
-from strata.server.request_io import SSEResponse, unless_disconnected
+from strata.server.request_io import SSEResponse, unless_cancelled
 from strata.server.resume import marks_for
 from strata.types import BlockHash
 
@@ -186,16 +186,20 @@ async def _decode(request: Request, model: type[ChatCompletionRequest] | type[Co
     pd = pd_of(request)
     hook = HandoffPull(pd, await handle_of(request))
     ctx = instance.serving
-    started = await unless_disconnected(request, start(ctx, req, hook))
+    try:
+        started = await unless_cancelled(request, start(ctx, req, hook))
+    except (ClientDisconnect, DeadlineExceededError):
+        hook.acknowledge()  # cancelled: P's blocks are no one's any more (another D's neither)
+        raise
     hook.acknowledge()  # the engine has imported the blocks: its first output exists
     pd.metrics.handoffs.labels("decode", hook.outcome).inc()
     with_lps = _with_logprobs(req)
     if req.stream:
         frames = _killed_after_first(pd, stream(ctx, started, with_lps, req.include_usage,
                                                 marks_for(request, ctx, started)))
-        return SSEResponse(frames, started.generation.close)
+        return SSEResponse(request, frames, started.generation.close)
     pd.faults.reached("decode_mid_stream")
-    body = await unless_disconnected(request, respond(ctx, started, with_lps))
+    body = await unless_cancelled(request, respond(ctx, started, with_lps))
     return JSONResponse(body.model_dump())
 
 

@@ -41,7 +41,8 @@ class Lease:
     num_pulls: int = 0  # pulls reading the blocks now
     is_ended: bool = False  # acknowledged or expired: no new pull; released when idle
     is_released: bool = False
-    why: str = ""  # acked, expired, unpulled (no D came), broken (a pull was cut off), shutdown
+    why: str = ""  # acked, expired, unpulled (no D came), broken (a pull was cut off), shutdown,
+    # cancelled (the client left, or the deadline passed, before the handle was answered)
 
 
 class LeaseTable:
@@ -92,12 +93,13 @@ class LeaseTable:
             lease.why = lease.why or "broken"
         self._release_if_idle(lease)
 
-    def ack(self, handle: str) -> bool:
-        """D has what it needs: release (once no pull reads the blocks). False if unknown."""
+    def ack(self, handle: str, why: str = "acked") -> bool:
+        """D has what it needs (or the request was cancelled: `why`): release (once no pull
+        reads the blocks). False if unknown."""
         lease = self._leases.get(handle)
         if lease is None:
             return False
-        lease.is_ended, lease.why = True, "acked"
+        lease.is_ended, lease.why = True, why
         self._release_if_idle(lease)
         return True
 

@@ -1,6 +1,7 @@
 """`strata:pd_*`: the hand-offs an instance took part in, on the server's metrics registry.
 
-    pd_handoffs_total{side,outcome}      prefill: answered | refused; decode: pulled (every
+    pd_handoffs_total{side,outcome}      prefill: answered | refused | cancelled (its caller
+                                         left first); decode: pulled (every
                                          block wanted arrived), partial (some recomputed),
                                          local (no usable handle: prefilled here)
     pd_pull_bytes_total{side}            bytes of blocks sent (prefill) or received (decode)

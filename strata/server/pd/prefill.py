@@ -15,7 +15,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 import anyio
 from pydantic import BaseModel
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Send
 
@@ -24,11 +24,12 @@ from strata.engine.request import Request as EngineRequest
 from strata.errors import EngineDeadError, InvalidRequestError, OverloadedError
 from strata.protocol.errors import error_json
 from strata.server import serving
+from strata.server.cancel import CLIENT_DISCONNECT, cancel_of
 from strata.server.pd.leases import Lease
 from strata.server.pd.state import PD, pd_of
 from strata.server.pd.wire import Handle, block_frame, prompt_digest, stream_head
 from strata.server.preamble import client_request
-from strata.server.request_io import unless_disconnected
+from strata.server.request_io import unless_cancelled
 from strata.types import BlockHash
 
 M = TypeVar("M", bound=BaseModel)
@@ -57,16 +58,32 @@ async def prefill(request: Request, model: type[M], start: Starter[M]) -> Respon
     instance, req = await client_request(request, model, task="generate")
     pd = pd_of(request)
     hook = PrefillOnly()
-    started = await unless_disconnected(request, start(instance.serving, req, hook))
+    started = await unless_cancelled(request, start(instance.serving, req, hook))
     first = started.generation.firsts[0]
     await started.generation.close()
     if hook.request is None or first.held is None:  # aborted or failed: nothing is held
         pd.metrics.handoffs.labels("prefill", "refused").inc()
         raise OverloadedError("the prefill did not finish; prefill locally", status_code=503)
     handle = grant(pd, hook.request, first)
+    await _unless_cancelled_now(request, pd, handle)
     pd.faults.reached("prefill_before_answer")
     pd.metrics.handoffs.labels("prefill", "answered").inc()
     return Response(handle.to_json(), media_type="application/json")
+
+
+async def _unless_cancelled_now(request: Request, pd: PD, handle: Handle) -> None:
+    """A handle whose caller left, or whose deadline passed, while the prompt was computed is
+    never answered: its blocks go back to the engine now, not when the lease ends unpulled."""
+    cancel = cancel_of(request)
+    if not cancel.is_expired and not await request.is_disconnected():
+        return
+    pd.leases.ack(handle.handle, "cancelled")
+    pd.note_held()
+    pd.metrics.handoffs.labels("prefill", "cancelled").inc()
+    if cancel.is_expired:
+        raise cancel.expired()
+    cancel.note(CLIENT_DISCONNECT)
+    raise ClientDisconnect()
 
 
 def grant(pd: PD, request: EngineRequest, first: RequestOutput) -> Handle:
