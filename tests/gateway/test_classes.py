@@ -201,7 +201,9 @@ def test_the_gateway_forwards_the_clamped_priority_to_the_instance() -> None:
     assert seen == ["-10", "10", "-10", "0"]
 
 
-def test_with_classes_on_the_class_step_is_the_outermost() -> None:
+def test_with_classes_on_the_class_step_is_the_outermost_queue() -> None:
+    """Only the tenants' meter comes before it (a key over its budget is refused before it
+    queues anywhere)."""
     import functools
 
     from strata.gateway.wiring import build_gateway
@@ -215,6 +217,6 @@ def test_with_classes_on_the_class_step_is_the_outermost() -> None:
         asyncio.run(gateway.close())
         return names
 
-    assert steps(GatewayConfig()) == ["Admit"]
-    assert steps(GatewayConfig(classes=ClassConfig(instance_slots=2))) == ["RouteByClass",
-                                                                           "Admit"]
+    assert steps(GatewayConfig()) == ["MeterTenants", "Admit"]
+    assert steps(GatewayConfig(classes=ClassConfig(instance_slots=2))) == [
+        "MeterTenants", "RouteByClass", "Admit"]

@@ -91,12 +91,12 @@ def test_the_step_is_last_before_the_proxy_and_only_when_on() -> None:
         return steps_of(build_gateway(GatewayConfig(**fields), FixedSource(view("a")),
                                       clock=FakeClock()))
 
-    assert build() == ["Admit", "Proxy.forward"]
+    assert build() == ["MeterTenants", "Admit", "Proxy.forward"]
     # the hand-off reads what each decode instance holds of the prompt: KeyPrefix keys it
-    assert build(pd=PDRoutingConfig(mode="auto")) == ["Admit", "KeyPrefix", "HandOff",
-                                                      "Proxy.forward"]
+    assert build(pd=PDRoutingConfig(mode="auto")) == ["MeterTenants", "Admit", "KeyPrefix",
+                                                      "HandOff", "Proxy.forward"]
     assert build(pd=PDRoutingConfig(mode="auto"), sessions=SessionRoutingConfig(mode="sticky")) == [
-        "Admit", "PlaceSession", "KeyPrefix", "HandOff", "Proxy.forward"]
+        "MeterTenants", "Admit", "PlaceSession", "KeyPrefix", "HandOff", "Proxy.forward"]
     with pytest.raises(ConfigError, match="unknown --pd mode 'on'; valid: auto, off"):
         PDRoutingConfig(mode="on")
 
