@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from strata.model.lora import LoraAdapter
     from strata.server.async_engine import AsyncEngine
     from strata.server.config import EmbedConfig
+    from strata.server.lora_routes import LoraLoader
     from strata.server.registration import Registration
 
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -64,6 +65,7 @@ class BuiltEngine:
     generation_defaults: GenerationDefaults = GenerationDefaults()  # --generation-config
     embed: EmbedConfig | None = None  # set: an encoder served for /v1/embeddings (--task embed)
     loras: tuple[tuple[str, str], ...] = ()  # (name, digest) of each --lora-modules adapter
+    lora_loader: LoraLoader | None = None  # POST /v1/load_lora_adapter's (None: refused)
 
 
 def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
@@ -82,12 +84,32 @@ def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
         adapters = load_loras(args, loaded)
         async_engine = build_async_engine(args, loaded, name, parallel, adapters)
         loaded.weights.clear()  # the executor holds its own (packed) copies
+    loader = None if parallel is not None else lora_loader(args, loaded, async_engine)
     defaults = generation_defaults_of(args.generation_config, loaded.generation_defaults,
                                       alias.generation_defaults if alias else None)
     log.info("sampling defaults (--generation-config %s): %s", args.generation_config,
              defaults.as_dict() or "none")
     return BuiltEngine(async_engine, loaded.tokenizer, name, generation_defaults=defaults,
-                       loras=tuple((a.name, a.digest) for a in adapters))
+                       loras=tuple((a.name, a.digest) for a in adapters), lora_loader=loader)
+
+
+def lora_loader(args: argparse.Namespace, loaded: LoadedModel,
+                async_engine: AsyncEngine) -> LoraLoader:
+    """Reads an adapter as --lora-modules does, in the executor's dtype and device (so the
+    engine thread, which adds it, copies nothing)."""
+    from strata.model.executor import TorchExecutor
+    from strata.model.lora import load_adapter
+
+    executor = getattr(async_engine.engine, "executor", None)
+    if not isinstance(executor, TorchExecutor):
+        raise ConfigError("LoRA adapters need the PyTorch executor")
+    dtype, device = executor.lora_dtype, executor.device
+
+    def load(name: str, path: str) -> LoraAdapter:
+        return load_adapter(name, path, loaded.config, base_model=str(loaded.source),
+                            max_rank=getattr(args, "max_lora_rank", 64), dtype=dtype,
+                            device=device)
+    return load
 
 
 def load_loras(args: argparse.Namespace, loaded: LoadedModel) -> list[LoraAdapter]:
@@ -228,7 +250,7 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
                                  embed=built.embed, loras=dict(built.loras),
                                  **_kv_options(args))
     app = create_app(built.async_engine, built.tokenizer, server_config,
-                     registration=registration)
+                     registration=registration, lora_loader=built.lora_loader)
     server = _server_draining_first(uvicorn.Config(
         app, log_level=args.log_level, access_log=args.log_level == "debug",
         log_config=None,  # its loggers go through strata/logs.py's handler

@@ -40,6 +40,7 @@ from strata.engine.executor import (
     TokenDecoder,
 )
 from strata.engine.kv_cache_manager import KVCacheManager
+from strata.engine.loras import Adapters
 from strata.engine.outputs import EngineStats, HeldBlocks, RequestOutput
 from strata.engine.request import Logprob, Request, RequestStatus
 from strata.engine.scheduler import KVImport, Scheduler, SchedulerOutput
@@ -71,6 +72,7 @@ class Engine:
         executor.allocate_kv_cache(cache_config.num_blocks, cache_config.block_size)
         self.kv = KVCacheManager(cache_config)
         self._batches = BatchQueue(executor)
+        self.loras = Adapters(executor)
         self.scheduler = Scheduler(scheduler_config, self.kv,
                                    max_concurrent_batches=self._batches.max_batches, clock=clock)
         self._detok: dict[RequestId, IncrementalDetokenizer] = {}
@@ -85,6 +87,7 @@ class Engine:
 
     def add_request(self, request: Request) -> None:
         self.validate_request(request)
+        self.loras.check(request)
         detok = IncrementalDetokenizer(self.decoder, request)
         if detok.matched_stop is not None:
             raise InvalidRequestError("the generated tokens of a resumed request already hold "
@@ -106,6 +109,15 @@ class Engine:
         else:
             self.kv.release_finished(request_id)
         self._detok.pop(request_id, None)
+
+    def add_lora(self, adapter: object) -> str:
+        """Serve a LoRA adapter (the executor's kind, strata.model.lora); its digest."""
+        return self.loras.add(adapter)
+
+    def retire_lora(self, digest: str) -> None:
+        """No name serves the adapter `digest` any more: requests in flight finish on it, new
+        ones are refused, its weights are freed when the last one ends (strata.engine.loras)."""
+        self.loras.retire(digest, self.scheduler.lora_digests())
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is unfinished or a batch is in flight (`step` collects it)."""
@@ -141,7 +153,14 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Submit batches while the executor has room and a request can run, then wait for the
-        oldest batch in flight and return its news, after the first tokens handed over."""
+        oldest batch in flight and return its news, after the first tokens handed over; then
+        free the retired LoRA adapters no request uses any more."""
+        outputs = self._step()
+        if self.loras.num_retired:
+            self.loras.free_unused(self.scheduler.lora_digests())
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         started = self.step_clock()
         while self._batches.has_room and self._submit_next():
             pass

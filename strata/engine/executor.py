@@ -11,7 +11,7 @@ also implements `AsyncModelExecutor`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NewType, Protocol, runtime_checkable
+from typing import Any, NewType, Protocol, runtime_checkable
 
 from strata.engine.request import Logprob, Request, SamplingParams
 from strata.types import RequestId
@@ -39,6 +39,7 @@ class ScheduledSequence:
     # a pooling request: its whole prompt in this one sequence; the executor returns `Pooled`
     is_pooling: bool = False
     lora_name: str = ""  # the LoRA adapter the request runs with ("": the base model)
+    lora_digest: str = ""  # its content digest: the executor holds adapters by it
 
     @classmethod
     def of(cls, request: Request, start: int, num_new: int,
@@ -51,7 +52,7 @@ class ScheduledSequence:
                    output_token_ids=request.output_token_ids,
                    prompt_token_ids=request.prompt_token_ids,
                    eos_token_ids=request.eos_token_ids, is_pooling=request.is_pooling,
-                   lora_name=request.lora_name)
+                   lora_name=request.lora_name, lora_digest=request.lora_digest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +147,22 @@ class KVTransfer(Protocol):
         """Write `payloads[i]` into block `block_ids[i]`, in order, stopping at the first payload
         it refuses (another model, version, dtype or shape; a bad checksum). Returns how many
         were written."""
+        ...
+
+
+@runtime_checkable
+class LoraExecutor(Protocol):
+    """An executor that serves LoRA adapters beside the base model, held by content digest
+    (`ScheduledSequence.lora_digest` selects one per row). Called by the engine's driver only."""
+
+    def add_lora(self, adapter: Any) -> str:
+        """Hold `adapter` (strata.model.lora.LoraAdapter); returns its digest."""
+        ...
+
+    def has_lora(self, digest: str) -> bool: ...
+
+    def remove_lora(self, digest: str) -> None:
+        """Free the adapter's weights; no sequence may name it any more."""
         ...
 
 

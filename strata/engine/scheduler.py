@@ -113,6 +113,10 @@ class Scheduler:
     def get(self, request_id: RequestId) -> Request | None:
         return self._requests.get(request_id)
 
+    def lora_digests(self) -> set[str]:
+        """The LoRA adapters the unfinished requests run with."""
+        return {r.lora_digest for r in self._requests.values() if r.lora_digest}
+
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Take a request out of the scheduler with a final status and free its blocks."""
         request.status = status
@@ -215,10 +219,10 @@ class Scheduler:
         or fewer than `max_loras` adapters are. The running list is in admission order, so
         the earliest requests' adapters go first and a deferred one gets the next free place."""
         limit = self.config.max_loras
-        if limit is None or not request.lora_name:
+        if limit is None or not request.lora_digest:
             return True
-        names = {r.lora_name for r, _ in out.scheduled if r.lora_name}
-        return request.lora_name in names or len(names) < limit
+        adapters = {r.lora_digest for r, _ in out.scheduled if r.lora_digest}
+        return request.lora_digest in adapters or len(adapters) < limit
 
     def _try_admit(self, request: Request, out: SchedulerOutput, max_seqs: int,
                    now: float) -> bool:

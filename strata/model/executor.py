@@ -66,17 +66,28 @@ class TorchExecutor:
         self.kv_cache: PagedKVCache | None = None
         self.kv_codec: KVCodec | None = None
         self._identity = (model_name, model_version)
-        self.loras: dict[str, LoraAdapter] = {}  # by name; a request names one per row
+        self.loras: dict[str, LoraAdapter] = {}  # by content digest; a sequence names one
 
-    def add_lora(self, adapter: LoraAdapter) -> None:
-        """Serve `adapter` under its name (replacing one of that name)."""
+    def add_lora(self, adapter: LoraAdapter) -> str:
+        """Hold `adapter` by its digest (see `LoraExecutor`); a no-op copy when it was loaded
+        in the model's dtype and device."""
         if len(self.shard.layers) != self.config.num_hidden_layers or self.model.is_vocab_split \
                 or len(self.shard.q_heads) != self.config.num_attention_heads:
             raise ConfigError("LoRA adapters need the whole model on one rank")
-        self.loras[adapter.name] = moved(adapter, _DTYPES[self.dtype], self.device)
+        if adapter.digest not in self.loras:
+            self.loras[adapter.digest] = moved(adapter, _DTYPES[self.dtype], self.device)
+        return adapter.digest
 
-    def remove_lora(self, name: str) -> None:
-        self.loras.pop(name, None)
+    def has_lora(self, digest: str) -> bool:
+        return digest in self.loras
+
+    def remove_lora(self, digest: str) -> None:
+        self.loras.pop(digest, None)
+
+    @property
+    def lora_dtype(self) -> torch.dtype:
+        """The dtype adapters are held in (load them in it: `add_lora` then copies nothing)."""
+        return _DTYPES[self.dtype]
 
     @property
     def vocab_size(self) -> int:
@@ -175,14 +186,15 @@ class TorchExecutor:
         start = 0
         for s in seqs:
             n = len(s.token_ids)
-            if s.lora_name:
-                rows.setdefault(s.lora_name, []).extend(range(start, start + n))
+            if s.lora_digest:
+                rows.setdefault(s.lora_digest, []).extend(range(start, start + n))
             start += n
         groups: RowGroups = []
-        for name, idx in rows.items():
-            adapter = self.loras.get(name)
+        for digest, idx in rows.items():
+            adapter = self.loras.get(digest)
             if adapter is None:
-                raise RuntimeError(f"invariant lora_loaded: no LoRA adapter {name!r} is loaded")
+                raise RuntimeError(f"invariant lora_loaded: no LoRA adapter {digest[:12]} is "
+                                   "loaded")
             groups.append((adapter, torch.tensor(idx, dtype=torch.long, device=self.device)))
         return groups
 

@@ -6,6 +6,7 @@
     GET  /v1/models, /health, /ready, /metrics, /load   info_routes.py
     GET  /v1/strata/kv-events, /v1/strata/tokenizer     prefix_routes.py (cache-aware gateways)
     POST /tokenize, /detokenize, /admin/drain           info_routes.py
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   lora_routes.py (the admin key)
     /internal/prefill/..., /internal/decode/..., /internal/kv/...   pd/routes.py (hand-off)
     POST /v1/strata/resume                        resume.py: go on with a stream another
                                                   instance began (strata/protocol/resume.py)
@@ -43,6 +44,7 @@ from strata.server.info_routes import info_routes
 from strata.server.instance import Instance
 from strata.server.kv_events import open_prefix_serving
 from strata.server.kv_offload import open_kv_offload
+from strata.server.lora_routes import LoraLoader, LoraTable, lora_routes
 from strata.server.metrics import ServerMetrics
 from strata.server.openapi_routes import instance_access, instance_openapi
 from strata.server.pd.routes import pd_routes
@@ -61,14 +63,16 @@ from strata.state.sessions import SessionStore, create_session_store
 def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: ServerConfig,
                *, registration: Registration | None = None,
                session_store: SessionStore | None = None,
-               kv_store: KVStore | None = None) -> FastAPI:
+               kv_store: KVStore | None = None,
+               lora_loader: LoraLoader | None = None) -> FastAPI:
     """The FastAPI app serving `async_engine`; starts the engine thread.
 
     With `registration`, the lifespan registers the instance, heartbeats and deregisters it.
     Sessions use `session_store`, else the lifespan opens (and closes) the store named by
     `config.session_store_url`; with neither, a request with a session id is a 400.
     With `config.kv_offload`, KV blocks go to `kv_store` or the store `config.kv_store_url`
-    names (kv_offload.py); the lifespan closes it."""
+    names (kv_offload.py); the lifespan closes it. `lora_loader` reads a LoRA adapter for
+    POST /v1/load_lora_adapter (None: the route answers 400)."""
     async_engine.start()
     metrics = ServerMetrics(config.served_model_name, simulated=config.simulated)
     instance = Instance(ServingContext(async_engine, tokenizer, config, metrics), registration)
@@ -86,6 +90,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
                   redoc_url=None)
     app.state.instance = instance
     app.state.pd = pd = PD(instance, config.pd)
+    app.state.loras = LoraTable(async_engine, config, lora_loader)
     document = instance_openapi()  # GET /openapi.json serves it (openapi_routes.py)
     app.openapi = lambda: document  # type: ignore[method-assign]
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
@@ -104,7 +109,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
 
 def build_routes() -> list[BaseRoute]:
     return [*generation_routes(), *embedding_routes(), *session_routes(), *info_routes(),
-            *prefix_routes(), *pd_routes(), *resume_routes()]
+            *prefix_routes(), *pd_routes(), *resume_routes(), *lora_routes()]
 
 
 def _open_parts(instance: Instance, stack: AsyncExitStack, session_store: SessionStore | None,

@@ -8,8 +8,9 @@ thread sleeps on an Event; every command sets it.
 The executor has one driver, this thread: it runs every step, and between two steps the reads
 of KV that others ask for (`export_held`, a hand-off's pull: an awaitable answered by the
 engine thread) and the imports (fetched or pulled KV, imported by the engine when it admits the
-request). A parallel executor's ranks take their commands in one order from one thread, which
-is what keeps their collectives matched.
+request); so are LoRA adapters loaded and retired at run time (`add_lora`, `retire_lora`), in
+order with the requests around them. A parallel executor's ranks take their commands in one
+order from one thread, which is what keeps their collectives matched.
 
 Failures. A request whose sequence the executor cannot run fails alone inside `step()`
 (strata/engine/isolation.py: finish_reason "error", the others go on). If `step()` itself raises
@@ -29,7 +30,7 @@ import queue
 import threading
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from strata.engine.config import CacheConfig
 from strata.engine.outputs import EngineStats, RequestOutput
@@ -69,6 +70,10 @@ class EngineCore(Protocol):
 
     def export_held(self, request_id: RequestId, block_ids: list[int]) -> list[bytes]: ...
 
+    def add_lora(self, adapter: Any) -> str: ...
+
+    def retire_lora(self, digest: str) -> None: ...
+
 
 @dataclass(slots=True)
 class _Stream:
@@ -83,22 +88,23 @@ class _Stream:
 
 
 @dataclass(slots=True)
-class _Export:
-    """A read of held blocks for a coroutine, answered from the engine thread."""
+class _Call:
+    """Work for the engine thread between two steps, answered to a coroutine. When `is_fatal`,
+    its failure is the engine's (a read of its own held KV); else the caller's news."""
 
-    request_id: RequestId
-    block_ids: list[int]
+    fn: Callable[[EngineCore], Any]
     loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[list[bytes]]
+    future: asyncio.Future[Any]
+    is_fatal: bool = False
 
-    def answer(self, result: list[bytes] | BaseException) -> None:
+    def answer(self, result: Any) -> None:
         try:
             self.loop.call_soon_threadsafe(self._settle, result)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             pass
 
-    def _settle(self, result: list[bytes] | BaseException) -> None:
-        if self.future.done():  # the reader left (its pull was cancelled)
+    def _settle(self, result: Any) -> None:
+        if self.future.done():  # the caller left (its pull was cancelled)
             return
         if isinstance(result, BaseException):
             self.future.set_exception(result)
@@ -106,7 +112,7 @@ class _Export:
             self.future.set_result(result)
 
 
-_Command = tuple[str, Request | RequestId | Exception | _Export | None]
+_Command = tuple[str, Request | RequestId | Exception | _Call | None]
 
 
 class AsyncEngine:
@@ -218,14 +224,30 @@ class AsyncEngine:
         """The KV payloads of blocks the finished `request_id` holds (`Engine.export_held`),
         read by the engine thread between two steps. Raises EngineDeadError when the engine
         died or stopped before it read them."""
+        return await self._call(lambda e: e.export_held(request_id, list(block_ids)),
+                                is_fatal=True)
+
+    async def add_lora(self, adapter: Any) -> str:
+        """Serve a LoRA adapter (strata.model.lora.LoraAdapter, loaded off the event loop):
+        added by the engine thread between two steps; its digest. A request posted after this
+        returns may name it."""
+        digest: str = await self._call(lambda e: e.add_lora(adapter))
+        return digest
+
+    async def retire_lora(self, digest: str) -> None:
+        """No name serves `digest` any more (`Engine.retire_lora`). Commands run in order: a
+        request posted before this finishes on the adapter, one posted after is refused."""
+        await self._call(lambda e: e.retire_lora(digest))
+
+    async def _call(self, fn: Callable[[EngineCore], Any], *, is_fatal: bool = False) -> Any:
         self._check_alive()
         loop = asyncio.get_running_loop()
-        export = _Export(request_id, list(block_ids), loop, loop.create_future())
+        call = _Call(fn, loop, loop.create_future(), is_fatal=is_fatal)
         with self._lock:  # posted before the thread closes, or refused: never left unanswered
             if self._is_closed:
                 raise EngineDeadError(self.dead_reason or "the engine thread is not running")
-            self._post(("export", export))
-        return await export.future
+            self._post(("call", call))
+        return await call.future
 
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
@@ -270,22 +292,24 @@ class AsyncEngine:
                 self.engine.release_held(RequestId(str(arg)))
             elif kind == "fail" and isinstance(arg, Exception):
                 raise arg
-            elif isinstance(arg, _Export):
-                self._export(arg)
+            elif isinstance(arg, _Call):
+                self._run_call(arg)
             elif isinstance(arg, Request):
                 self._add(arg)
         if applied:
             self._stats = self.engine.stats()
 
-    def _export(self, export: _Export) -> None:
-        """A failed read of the engine's own held blocks is the executor's fault: fatal, as a
-        failed step is (the reader gets EngineDeadError)."""
+    def _run_call(self, call: _Call) -> None:
+        """A fatal call's failure kills the engine (the caller gets EngineDeadError)."""
         try:
-            payloads = self.engine.export_held(export.request_id, export.block_ids)
+            result = call.fn(self.engine)
         except Exception as exc:
-            export.answer(EngineDeadError(f"{type(exc).__name__}: {exc}"))
-            raise
-        export.answer(payloads)
+            if call.is_fatal:
+                call.answer(EngineDeadError(f"{type(exc).__name__}: {exc}"))
+                raise
+            call.answer(exc)
+            return
+        call.answer(result)
 
     def _close(self) -> None:
         """The thread leaves: answer the reads still queued (the other commands no longer
@@ -298,7 +322,7 @@ class AsyncEngine:
                 _, arg = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(arg, _Export):
+            if isinstance(arg, _Call):
                 arg.answer(EngineDeadError(reason))
 
     def _add(self, request: Request) -> None:

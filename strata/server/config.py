@@ -78,7 +78,8 @@ class ServerConfig:
     pd: PDConfig = field(default_factory=PDConfig)  # prefill/decode hand-off (pd/state.py)
     # set: an embed instance (`strata serve --task embed`): /v1/embeddings, no generation
     embed: EmbedConfig | None = None
-    # LoRA adapters served beside the base (--lora-modules): name -> content digest
+    # LoRA adapters served beside the base (--lora-modules): name -> content digest; changed
+    # at run time by POST /v1/load_lora_adapter and /v1/unload_lora_adapter only (lora_routes.py)
     loras: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -6,6 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 from strata.protocol.auth import AccessTable
+from strata.protocol.lora import (
+    LOAD_PATH,
+    UNLOAD_PATH,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+)
 from strata.protocol.openapi import OPENAI_OPERATIONS, Operation, openapi_document
 from strata.protocol.resume import RESUME_PATH, ResumeRequest
 from strata.server.pd.routes import PD_OPERATIONS
@@ -19,6 +25,10 @@ INSTANCE_OPERATIONS: tuple[Operation, ...] = (
               access="internal"),
     Operation("GET", "/v1/strata/tokenizer", "The tokenizer, for cache-aware gateways",
               access="internal"),
+    Operation("POST", LOAD_PATH, "Load (or replace) a LoRA adapter from a path on the instance",
+              LoadLoraAdapterRequest, access="admin", media_type="text/plain"),
+    Operation("POST", UNLOAD_PATH, "Unload a LoRA adapter (requests in flight finish on it)",
+              UnloadLoraAdapterRequest, access="admin", media_type="text/plain"),
     *PD_OPERATIONS,
     Operation("POST", RESUME_PATH, "Go on with a stream another instance began (gateways)",
               ResumeRequest, streams=True, access="internal"),

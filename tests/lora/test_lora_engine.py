@@ -20,6 +20,7 @@ from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.engine import Engine
 from strata.engine.executor import ModelInput, ModelOutput
 from strata.engine.request import Request, SamplingParams
+from strata.errors import ModelNotFoundError
 from strata.model.executor import TorchExecutor
 from strata.model.loader import LoadedModel, load_model
 from strata.model.lora import LoraError, file_digest, load_adapter
@@ -168,3 +169,28 @@ def test_digest_changes_with_the_weights(paths: dict[str, Path], tmp_path: Path)
     tensors[key] = tensors[key] + 1
     save_file(tensors, str(copy / "adapter_model.safetensors"))
     assert file_digest(copy) != file_digest(paths["a"])
+
+
+def test_a_retired_adapter_serves_its_requests_then_is_freed(
+        base: LoadedModel, paths: dict[str, Path],
+        expected: dict[tuple[str, int], list[int]]) -> None:
+    """Engine.add_lora / retire_lora (what POST /v1/load_lora_adapter and unload do): a request
+    admitted before the retirement finishes on the adapter's weights; one added after is
+    refused by name; the weights leave the executor when the last request ends, and adding
+    the same files again serves them again."""
+    engine = make_engine(base, paths)
+    executor = engine.executor
+    assert isinstance(executor, TorchExecutor)
+    digest = file_digest(paths["a"])
+    engine.add_request(request("before", PROMPTS[0], "a", paths))
+    first = [t for o in engine.step() for t in o.new_token_ids]  # admitted, prompt computed
+    engine.retire_lora(digest)
+    with pytest.raises(ModelNotFoundError, match="`a` does not exist"):
+        engine.add_request(request("after", PROMPTS[0], "a", paths))
+    assert executor.has_lora(digest)  # still in use
+    out = run_to_completion(engine)
+    assert first + out[RequestId("before")] == expected[("a", 0)]
+    assert not executor.has_lora(digest)  # freed with its last request
+    assert engine.add_lora(load_adapter("a", paths["a"], base.config)) == digest
+    engine.add_request(request("again", PROMPTS[0], "a", paths))
+    assert run_to_completion(engine)[RequestId("again")] == expected[("a", 0)]
