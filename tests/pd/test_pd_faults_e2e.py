@@ -171,8 +171,10 @@ def test_a_stream_cut_after_its_first_frame_ends_with_an_error_event(
         tiny_dir: Path, tmp_path: Path, helpers: dict[str, Instance]) -> None:
     p = helpers["p"]
     doomed = serve(tiny_dir, tmp_path, "decode", kill_at="decode_mid_stream")
+    # the only decode instance never comes back: the resume waits --start-wait-s for it (as
+    # for a fleet restarting), then gives up
     gateway = start_gateway({"p": (p.url, "prefill"), "d0": (doomed.url, "decode")},
-                            policy="first_candidate")
+                            policy="first_candidate", start_wait_s=1.0)
     try:
         body = {**body_of(LONG, n=32, temperature=0), "stream": True}
         answer = httpx.post(f"{gateway.url}{CHAT}", json=body, timeout=60)
