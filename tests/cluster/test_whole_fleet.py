@@ -1,15 +1,7 @@
 """The whole fleet at once (issue 24 item 8): one `strata up` with every feature on, real
-processes, the tiny model in float32 on the CPU. The fleet, its clients and its faults are in
-tests/whole_fleet.py, shared with bench/whole_fleet.py (the same story at ten times the load).
-
-The fleet: client keys of two tenants, an admin key and the fleet's internal key; `strata up`
-starts 1 prefill and 1 decode instance (T=1) and one mixed instance in pool `fast`, where the
-interactive class is routed; a second decode instance at tensor-parallel T=2 (two rank
-processes) joins the same registry as `strata serve --role decode -tp 2` (strata up gives every
-instance of a version one layout). Chat sessions live in a real Redis (the instances' history)
-with sticky routing pinned in the same Redis (the gateway's pins); `--policy cache_aware`; the
-autoscaler on (each pool held at its size by its bounds: its decisions are visible and change
-nothing); a KV cache of 49 blocks, so long streams preempt.
+processes, the tiny model in float32 on the CPU. The fleet (described there), its clients and
+its faults are in tests/whole_fleet.py, shared with bench/whole_fleet.py (the same story at ten
+times the load).
 
 The story: two tenants ask the same prompt twice each; an interactive request; two sessions of
 three turns; eight long streams at once (preemptions); then, under load from both tenants, a

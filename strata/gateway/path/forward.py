@@ -55,7 +55,6 @@ from strata.gateway.routing.prefix.feed import PrefixRouting
 from strata.gateway.tenants.meter import MeterTenants
 from strata.gateway.upstream.pools import INSTANCE_HEADER, RelayResponse, error_response
 from strata.gateway.upstream.proxy import Proxy, ProxyRequest
-from strata.protocol.keys import TENANT_HEADER
 
 Handler = Callable[[ProxyRequest], Awaitable[Response]]
 
@@ -212,7 +211,7 @@ class CacheAnswers:
             return None
         tenant = ""
         if self.cache.is_per_tenant:
-            tenant = dict(request.headers).get(TENANT_HEADER, "")
+            tenant = request.tenant
         return cache_key(request.path, body, model=model, version=route.version, tenant=tenant)
 
 
@@ -262,7 +261,7 @@ class KeyPrefix:
         route = request.route
         tenant = ""
         if self.prefix.is_per_tenant:
-            tenant = dict(request.headers).get(TENANT_HEADER, "")
+            tenant = request.tenant
         keys = self.prefix.keys(request.body_json, route.session_id,
                                 self.pipeline.candidates(route), tenant)
         if keys is not None:

@@ -14,6 +14,7 @@ from typing import Any
 from strata.errors import InvalidRequestError
 from strata.gateway.routing.policies.base import RouteRequest
 from strata.protocol.json_body import parse_json_object
+from strata.protocol.keys import TENANT_HEADER
 from strata.protocol.priority import PRIORITY_HEADER, effective_priority
 
 VERSION_HEADER = "x-model-version"
@@ -36,6 +37,11 @@ class ProxyRequest:
     received_at: float
     body_json: dict[str, Any] | None = None
     deadline_s: float | None = None  # on the proxy's clock (strata/gateway/path/deadline.py)
+
+    @property
+    def tenant(self) -> str:
+        """The tenant the gateway forwards for the caller's key ("": none, a keyless gateway)."""
+        return next((value for name, value in self.headers if name == TENANT_HEADER), "")
 
 
 def _field(data: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:

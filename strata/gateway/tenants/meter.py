@@ -28,7 +28,6 @@ from strata.gateway.tenants.usage import StreamTap, counts_of_body
 from strata.gateway.upstream.pools import RelayResponse
 from strata.gateway.upstream.proxy import ProxyRequest
 from strata.protocol.budgets import KeyLimits
-from strata.protocol.keys import TENANT_HEADER
 from strata.state.usage import Counts, UsageStore, Window
 
 logger = logging.getLogger("strata.gateway.tenants")
@@ -38,10 +37,7 @@ Handler = Callable[[ProxyRequest], Awaitable[Response]]
 
 def tenant_of(request: ProxyRequest) -> str:
     """The tenant the gateway forwards for this request (set from the caller's key only)."""
-    for name, value in request.headers:
-        if name == TENANT_HEADER:
-            return value
-    return PUBLIC
+    return request.tenant or PUBLIC
 
 
 class MeterTenants:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 
 import httpx
 from starlette.responses import Response
@@ -30,6 +30,7 @@ from strata.gateway.path.requests import ProxyRequest
 from strata.gateway.routing.health import OutlierDetector
 from strata.gateway.routing.instances import InstanceView
 from strata.gateway.routing.pipeline import RouteDecision, RoutingPipeline
+from strata.gateway.routing.policies.base import RouteRequest
 from strata.gateway.stats import GatewayStats
 from strata.gateway.upstream.attempt import (
     UPSTREAM_ERRORS,
@@ -96,16 +97,25 @@ class Proxy:
             if self.recovery is None or (failure is not None and failure.response is not None) \
                     or (decision is not None and decision.status_code == 404):
                 break  # an instance answered, or the model is unknown: nothing to wait for
-            deadline = deadline if deadline is not None else self.recovery.deadline()
-            num_waits = self.recovery.num_waits
-            is_back = await self.recovery.wait(request.route, tried, deadline)
-            if self.recovery.num_waits > num_waits:
-                self.metrics.recovery_waits.labels("recovered" if is_back else "timed_out").inc()
+            is_back, deadline = await self._wait_for_fleet(request.route, tried, deadline)
             if not is_back:
                 break
         if failure is None and decision is not None:
             return self._no_route(decision)
         return self._give_up(failure)
+
+    async def _wait_for_fleet(self, route: RouteRequest, tried: Collection[str],
+                              deadline: float | None) -> tuple[bool, float]:
+        """Waits until an instance that could take `route` is back (recovery.py), counted:
+        (whether one is, the deadline). The first wait of a request sets its deadline; its
+        later waits keep it, so a request never waits longer than --start-wait-s in all."""
+        assert self.recovery is not None
+        deadline = deadline if deadline is not None else self.recovery.deadline()
+        num_waits = self.recovery.num_waits
+        is_back = await self.recovery.wait(route, tried, deadline)
+        if self.recovery.num_waits > num_waits:
+            self.metrics.recovery_waits.labels("recovered" if is_back else "timed_out").inc()
+        return is_back, deadline
 
     async def _attempts(self, request: ProxyRequest, tried: list[str]
                         ) -> Response | tuple[Failure | None, RouteDecision | None]:
@@ -268,11 +278,7 @@ class Proxy:
                 return outcome
             if outcome is None or self.recovery is None:
                 break  # refused, or an instance answered: nothing to wait for
-            deadline = deadline if deadline is not None else self.recovery.deadline()
-            num_waits = self.recovery.num_waits
-            is_back = await self.recovery.wait(request.route, exclude, deadline)
-            if self.recovery.num_waits > num_waits:
-                self.metrics.recovery_waits.labels("recovered" if is_back else "timed_out").inc()
+            is_back, deadline = await self._wait_for_fleet(request.route, exclude, deadline)
             if not is_back:
                 break
             exclude = []
