@@ -227,18 +227,24 @@ def _prefix_routing(config: GatewayConfig, policy: RoutingPolicy, instances: Ins
     """The prefix index's feed: polls the instances' KV events over its own client. The
     cache-aware policy's index, or, with the P/D hand-off on, one that only the hand-off's
     decision reads (what each decode instance holds of a prompt)."""
+    is_needed: Callable[[InstanceSet], bool] | None = None
     if isinstance(policy, CacheAwarePolicy):
         index = policy.index
     elif config.pd.mode != "off":
-        index = PrefixIndex(clock=clock)
+        index, is_needed = PrefixIndex(clock=clock), has_prefill_instance
     else:
         return None
     client = httpx.AsyncClient(timeout=httpx.Timeout(config.health_timeout_s))
-    prefix = PrefixRouting(index, instances, client,
-                           api_key=config.internal_key, is_per_tenant=bool(config.api_keys))
+    prefix = PrefixRouting(index, instances, client, api_key=config.internal_key,
+                           is_per_tenant=bool(config.api_keys), is_needed=is_needed)
     _close_with(exits, client.aclose)
     _close_with(exits, prefix.close)
     return prefix
+
+
+def has_prefill_instance(instances: InstanceSet) -> bool:
+    """Whether a prefill instance is registered (ready or not): the hand-off may happen."""
+    return any(v.role == "prefill" for v in instances.snapshot())
 
 
 def _close_with(exits: contextlib.AsyncExitStack, close: Callable[[], Awaitable[object]]) -> None:

@@ -3,9 +3,11 @@ step sits on the path, which instances take whole requests."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
+import httpx
 import pytest
 from gateway_fakes import FakeClock, FixedSource, view
 from test_forward import steps_of
@@ -17,8 +19,10 @@ from strata.gateway.routing.pd import Decider, HandOffAsk, prompt_bytes_estimate
 from strata.gateway.routing.pipeline import RoutingPipeline
 from strata.gateway.routing.policies import RouteRequest
 from strata.gateway.routing.policies.round_robin import RoundRobinPolicy
+from strata.gateway.routing.prefix.feed import PrefixRouting
+from strata.gateway.routing.prefix.index import PrefixIndex
 from strata.gateway.upstream.proxy import ProxyRequest
-from strata.gateway.wiring import build_gateway
+from strata.gateway.wiring import build_gateway, has_prefill_instance
 
 LONG = "x" * 400  # 100 tokens by the bytes / 4 estimate
 
@@ -152,3 +156,29 @@ def test_up_splits_a_prefill_decode_cluster_by_instance_index(tmp_path: Any) -> 
         with pytest.raises(ConfigError, match="--prefill N and --decode M"):
             up._config(parser.parse_args(["up", "--simulate", "smollm2-cpu", *bad]), env)
 
+
+
+def test_the_deciders_feed_is_followed_only_while_a_prefill_instance_is_registered() -> None:
+    """`--pd auto` is `strata gateway`'s default: without a prefill instance no request is
+    handed off, so the decider's index needs no feed (its long polls were 15 % of a one-stream
+    gateway's samples, bench/profile_gateway.py); one registers, the feeds are followed; it
+    goes, they stop."""
+    instances = InstanceSet([view("a"), view("b", role="decode")])
+
+    async def run() -> list[list[str]]:
+        async with httpx.AsyncClient() as client:
+            prefix = PrefixRouting(PrefixIndex(), instances, client,
+                                   is_needed=has_prefill_instance)
+            seen = []
+            prefix.sync()
+            seen.append(prefix.followed)
+            instances.add(view("p", role="prefill"))
+            prefix.sync()
+            seen.append(prefix.followed)
+            instances.remove("p")
+            prefix.sync()
+            seen.append(prefix.followed)
+            await prefix.close()
+            return seen
+
+    assert asyncio.run(run()) == [[], ["a", "b", "p"], []]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,8 +60,12 @@ class PrefixRouting:
 
     def __init__(self, index: PrefixIndex, instances: InstanceSet, client: httpx.AsyncClient, *,
                  api_key: str | None = None, config: FeedConfig | None = None,
-                 is_per_tenant: bool = False) -> None:
+                 is_per_tenant: bool = False,
+                 is_needed: Callable[[InstanceSet], bool] | None = None) -> None:
         self.index = index
+        # None: always followed; else only while it holds (the P/D decider's index needs no
+        # feed while the fleet has no prefill instance: no request is handed off)
+        self.is_needed = is_needed
         # the instances put the caller's tenant in the cache salt (client keys on): so do keys
         self.is_per_tenant = is_per_tenant
         self.instances = instances
@@ -136,8 +140,11 @@ class PrefixRouting:
             await self.close()
 
     def sync(self) -> None:
-        """One poll loop per ready instance; instances gone or not ready are forgotten."""
-        wanted = {v.instance_id: v.url for v in self.instances.snapshot() if v.state == READY}
+        """One poll loop per ready instance; instances gone or not ready are forgotten (all
+        of them while the index is not needed)."""
+        is_needed = self.is_needed is None or self.is_needed(self.instances)
+        wanted = {v.instance_id: v.url for v in self.instances.snapshot()
+                  if v.state == READY and is_needed}
         for instance_id, (url, task) in list(self._followers.items()):
             if wanted.get(instance_id) != url:
                 task.cancel()
@@ -148,6 +155,11 @@ class PrefixRouting:
                 task = asyncio.create_task(self._follow(instance_id, url),
                                            name=f"prefix-feed-{instance_id}")
                 self._followers[instance_id] = (url, task)
+
+    @property
+    def followed(self) -> list[str]:
+        """The instances whose feeds are followed now."""
+        return sorted(self._followers)
 
     async def close(self) -> None:
         tasks = [task for _, task in self._followers.values()] + list(self._loading.values())
