@@ -6,10 +6,12 @@ The fleet: client keys of two tenants, an admin key and the fleet's internal key
 starts 1 prefill and 1 decode instance (T=1) and one mixed instance in pool `fast`, where the
 interactive class is routed; a second decode instance at tensor-parallel T=2 (two rank
 processes) joins the same registry as `strata serve --role decode -tp 2` (strata up gives every
-instance of a version one layout). Chat sessions live in a real Redis (the instances' history)
+instance of a version one layout), its rank 1 unable to run any step of a prompt holding
+`FAULT_RUN`. Chat sessions live in a real Redis (the instances' history)
 with sticky routing pinned in the same Redis (the gateway's pins); `--policy cache_aware`; the
 autoscaler on (each pool held at its size by its bounds: its decisions are visible and change
-nothing); a KV cache of 49 blocks, so long streams preempt.
+nothing), the interactive class with SLOs of its own; a KV cache of 49 blocks, so long streams
+preempt.
 
 Here: the fleet, its clients (`ask`, `Load`), the faults (a decode instance killed mid-stream,
 the whole fleet killed at once), a canary release of v2 to the end, and the check of every
@@ -51,6 +53,12 @@ TP2 = "tiny-v1-decode-tp2"
 # 49 blocks of 8 tokens (the tiny model holds 512 bytes a token): two 200-token streams on one
 # instance do not fit, so one is preempted
 KV_CACHE_GB = 0.00019
+# the interactive class's own targets (TTFT p95, ITL p95 s), which its pool `fast` takes; loose
+# enough that they never move the pool (its bounds hold it at one instance anyway)
+FAST_SLO = (30.0, 5.0)
+# rank 1 of the T=2 decode instance cannot run its share of a step of a request whose prompt
+# holds this run of token ids (a test fault, strata/server/pd/faults.py): no other prompt does
+FAULT_RUN = (7, 11, 7, 11, 7, 11, 7, 11)
 
 @dataclass
 class Fleet:
@@ -103,6 +111,8 @@ def start_fleet(root: Path, redis_url: str) -> Iterator[Fleet]:
     keys = {"client": f"{KEY_A}\n{KEY_B}\n", "admin": ADMIN_KEY, "internal": INTERNAL_KEY}
     for name, text in keys.items():
         (root / f"{name}.keys").write_text(text)
+    (root / "faults.json").write_text(json.dumps(
+        {"share_fault": {"rank": 1, "prompt_run": list(FAULT_RUN)}}))
     run_dir = root / "run"
     instance_flags = ["--dtype", "float32", "--block-size", "8", "--max-model-len", "256",
                       "--kv-cache-gb", str(KV_CACHE_GB), "--max-num-seqs", "4",
@@ -111,7 +121,8 @@ def start_fleet(root: Path, redis_url: str) -> Iterator[Fleet]:
     gateway = ["--class-pool=interactive=fast", "--session-routing=sticky",
                f"--session-store={redis_url}", "--pd-min-uncached-tokens=8",
                "--canary-window-s=4", "--canary-min-requests=4", "--release-propagation-s=2",
-               "--scale-interval-s=1", f"--model-root={root}", "--start-wait-s=150"]
+               "--scale-interval-s=1", f"--model-root={root}", "--start-wait-s=150",
+               f"--class-slo=interactive={FAST_SLO[0]}:{FAST_SLO[1]}"]
     up = start_up([str(v1_dir), "--served-model-name", MODEL, "--model-version", "v1",
                    "--prefill", "1", "--decode", "1", "--pool", "fast=1",
                    *instance_flags, "--threads-per-instance", "1",
@@ -131,7 +142,8 @@ def start_fleet(root: Path, redis_url: str) -> Iterator[Fleet]:
                            *instance_flags, "--log-level", "warning",
                            "--api-key-file", str(root / "client.keys"),
                            "--admin-key-file", str(root / "admin.keys"),
-                           "--internal-key-file", str(root / "internal.keys")],
+                           "--internal-key-file", str(root / "internal.keys"),
+                           "--fault-config", str(root / "faults.json")],
                           cache_dir=root / "cache", log_dir=run_dir / "logs", name=TP2,
                           timeout_s=180)
     except BaseException:

@@ -59,7 +59,8 @@ class AutoscalerMetrics(Collector):
                                      "desired, ready, needed (before dwell and bounds).",
                                      labels=["pool", "kind"])
         pool_signal = GaugeMetricFamily("strata:autoscaler_pool_signal",
-                                        "The signals of each pool in the last round.",
+                                        "The signals of each pool in the last round, and its "
+                                        "targets (ttft_slo_s, itl_slo_s: its classes').",
                                         labels=["pool", "name"])
         for p in pools:
             for kind, value in (("desired", p.decision.desired), ("ready", p.signals.ready),
@@ -67,6 +68,9 @@ class AutoscalerMetrics(Collector):
                 replicas.add_metric([p.pool.label, kind], float(value))
             for name, value in _signal_values(p.signals):
                 pool_signal.add_metric([p.pool.label, name], value)
+            targets = a.law_of(p.pool).config  # the pool's own, from its classes' SLOs
+            pool_signal.add_metric([p.pool.label, "ttft_slo_s"], targets.ttft_slo_s)
+            pool_signal.add_metric([p.pool.label, "itl_slo_s"], targets.itl_slo_s)
         yield replicas
         yield pool_signal
 
@@ -87,7 +91,8 @@ def _signal_values(s: Signals) -> Iterator[tuple[str, float]]:
     for name, value in (("arrival_rate", s.arrival_rate), ("recent_rate", s.recent_rate),
                         ("queued", s.queued), ("waiting", s.waiting), ("running", s.running),
                         ("in_flight", s.in_flight), ("in_flight_tokens", s.in_flight_tokens),
-                        ("kv_usage", s.kv_usage), ("ttft_p95_s", s.ttft_p95_s)):
+                        ("kv_usage", s.kv_usage), ("ttft_p95_s", s.ttft_p95_s),
+                        ("itl_p95_s", s.itl_p95_s)):
         if value is not None and math.isfinite(value):
             yield name, float(value)
 

@@ -154,8 +154,8 @@ def _add_pd_flags(p: argparse.ArgumentParser) -> None:
                    help="with --simulate: the modeled KV transfer rate of a hand-off (GB/s; "
                         "the default is the measured loopback pull rate)")
     p.add_argument("--fault-config", default=None, metavar="FILE",
-                   help="tests only: kill points and damaged blocks of the hand-off (JSON, see "
-                        "strata/server/pd/faults.py)")
+                   help="tests only: kill points and damaged blocks of the hand-off, a "
+                        "parallel rank's failing share (JSON, see strata/server/pd/faults.py)")
 
 
 def run(args: argparse.Namespace, env: CliEnv) -> int:

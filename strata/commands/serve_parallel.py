@@ -139,9 +139,22 @@ def make_executor(args: argparse.Namespace, loaded: LoadedModel, parallel: Paral
     executor = ParallelExecutor(parallel.prepared, parallel.layout, dtype=args.dtype,
                                 device=device, threads=rank_threads(args) or 1,
                                 model_name=name, model_version=args.model_version,
-                                launcher=_launcher(args))
+                                launcher=_launcher(args), faults=_share_faults(args))
     atexit.register(executor.shutdown)
     return executor
+
+
+def _share_faults(args: argparse.Namespace) -> tuple[Any, ...]:
+    """Tests only: the `share_fault` of `--fault-config` (strata/server/pd/faults.py)."""
+    if not getattr(args, "fault_config", None):
+        return ()
+    from strata.model.parallel.share import ShareFault
+    from strata.server.pd.faults import FaultConfig
+
+    spec = FaultConfig.load(Path(args.fault_config)).share_fault
+    if spec is None:
+        return ()
+    return (ShareFault(**{**spec, "prompt_run": tuple(spec.get("prompt_run", ()))}),)
 
 
 def _launcher(args: argparse.Namespace) -> Any:

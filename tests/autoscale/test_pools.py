@@ -167,6 +167,7 @@ def test_a_pooled_gateway_reads_each_pool_and_reports_each_on_metrics_and_dashbo
             dashboard = (await client.get("/dashboard/data")).json()
         assert 'strata:autoscaler_pool_replicas{kind="ready",pool="decode"} 2.0' in metrics
         assert 'strata:autoscaler_pool_signal{name="running",pool="decode"} 80.0' in metrics
+        assert 'strata:autoscaler_pool_signal{name="itl_slo_s",pool="decode"} 0.1' in metrics
         assert 'strata:autoscaler_pool_decisions_total{direction="hold",pool="prefill",' \
             'reason="first_window"} 1.0' in metrics
         assert [(t["role"], t["desired"]) for t in dashboard["autoscaler"]["targets"]] == \

@@ -9,14 +9,17 @@ decode instance is SIGKILLed mid-stream, and while it restarts every other insta
 prefill instance, the other decode instance, the interactive pool's) is SIGKILLed at once; once
 all are back, a canary release of v2 (other weights, T=2) is followed to `done`.
 
-Asserted: no request failed; every greedy answer (its tokens, through the logprobs' bytes) is
-the answer of one plain `strata serve` instance of its version given the same messages (a
-session's whole history); a tenant's prompt gets no cached tokens from the other tenant's
+Asserted: no request failed (but one that a rank of the T=2 instance cannot run, which fails
+alone while that instance serves on); every greedy answer (its tokens, through the logprobs'
+bytes) is the answer of one plain `strata serve` instance of its version given the same
+messages (a session's whole history); a tenant's prompt gets no cached tokens from the other tenant's
 blocks, though its own repeat does; and each feature fired: remote prefills (also T=1 prefill
 to T=2 decode, with no handshake refusal), the decider keeping a cached prompt local, a
 resumed stream, preemptions, requests that waited for the restarting fleet, sessions sticky and
 in Redis, the release through canary to done with its instance registered at tp2, autoscaler
-decisions on measured windows for every pool.
+decisions on measured windows for every pool, the interactive pool held to its class's SLOs and
+the decode pool's ITL measured at the gateway, and a handle that no decode instance pulled
+released within its 2 s grace.
 """
 
 from __future__ import annotations
@@ -27,9 +30,16 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+from harness.procs import wait_until
 from redis_server import RedisServer, redis_server  # noqa: F401
+from resume_streams import events_of, frames_of
 from whole_fleet import (
+    CHAT,
+    FAST_SLO,
+    FAULT_RUN,
+    INTERNAL_KEY,
     KEY_A,
     KEY_B,
     LONG,
@@ -45,11 +55,14 @@ from whole_fleet import (
     instance_metric,
     outage,
     release_v2,
+    role_of,
+    routable,
     start_fleet,
     user,
 )
 
-from strata.protocol.keys import tenant_of_key
+from strata.protocol.keys import auth_header, tenant_of_key
+from strata.protocol.pd import PREFILL_PREFIX
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -71,12 +84,15 @@ def test_the_whole_fleet(fleet: Fleet, tmp_path: Path) -> None:
     answers += interactive_class(fleet)
     answers += sessions(fleet)
     phase("sessions done")
+    unpulled_handle_freed(fleet)
     answers += preemptions(fleet)
     phase("preemptions done")
+    a_request_a_rank_cannot_run_fails_alone(fleet)
     load = Load(fleet.url).start()
     pulled_by_tp2 = instance_metric(fleet.instances()[TP2]["url"], "pd_handoffs_total",
                                     side="decode", outcome="pulled")
     assert pulled_by_tp2 >= 1  # a T=1 prefill fed the T=2 decode instance
+    autoscaler_per_class_and_measured(fleet)
     resumed = decode_killed_mid_stream(fleet)
     answers.append(resumed)
     phase("resumed stream done")
@@ -119,6 +135,80 @@ def tenants_and_prefix_hits(fleet: Fleet) -> list[Answer]:
     # a2 and b2: the decode instance holds the prompt (the decider counts what is cached)
     assert fleet.metric("gateway_pd_decisions_total", reason="short") >= 2
     return [a1, a2, b1, b2]
+
+def unpulled_handle_freed(fleet: Fleet) -> None:
+    """A decode instance that dies before it pulls: the prefill instance's handle, asked for as
+    the gateway does and then never pulled, gives its blocks back within the 2 s grace for an
+    unpulled handle, not the 10 s lease of a pulled one."""
+    (prefill,) = role_of(fleet, "prefill")
+    url = fleet.instances()[prefill]["url"]
+    unpulled = instance_metric(url, "pd_lease_releases_total", reason="unpulled")
+    body = {"model": MODEL, "messages": user("no one pulls this " + LONG), "max_tokens": 12}
+    r = httpx.post(f"{url}{PREFILL_PREFIX}{CHAT}", json=body, timeout=60,
+                   headers=auth_header(INTERNAL_KEY))
+    assert r.status_code == 200, r.text
+    answered = time.monotonic()
+    assert r.json()["num_blocks"] >= 1, r.text
+
+    def released() -> bool:
+        return (instance_metric(url, "pd_lease_releases_total", reason="unpulled") > unpulled
+                and instance_metric(url, "pd_blocks_held") == 0)
+
+    # 2 s and the 0.1 s expiry sweep; a lease of 10 s (the pulled one's) cannot pass
+    wait_until(released, 7.0, "the unpulled handle's blocks released")
+    print(f"whole fleet: an unpulled handle released {time.monotonic() - answered:.2f}s after "
+          "its answer", flush=True)
+
+def autoscaler_per_class_and_measured(fleet: Fleet) -> None:
+    """The interactive class's pool is held to the class's own SLOs, and the decode pool's ITL
+    is measured by the gateway (the gaps between the chunks it relays) while streams run."""
+    def pool_signal(pool: str, name: str) -> float | None:
+        for line in fleet.metrics().splitlines():
+            if line.startswith("strata:autoscaler_pool_signal{") and f'name="{name}"' in line \
+                    and f'pool="{pool}"' in line:
+                return float(line.rpartition(" ")[2])
+        return None
+
+    wait_until(lambda: pool_signal("fast", "itl_slo_s") is not None, 30, "the fast pool's SLO")
+    assert (pool_signal("fast", "ttft_slo_s"), pool_signal("fast", "itl_slo_s")) == FAST_SLO
+    assert pool_signal("decode", "itl_slo_s") != FAST_SLO[1]  # the deployment's, not the class's
+    wait_until(lambda: (pool_signal("decode", "itl_p95_s") or 0.0) > 0, 60,
+               "an ITL measured at the gateway for the decode pool")
+
+def a_request_a_rank_cannot_run_fails_alone(fleet: Fleet) -> None:
+    """Failure isolation on a parallel instance: a request whose share rank 1 of the T=2
+    instance cannot run ends with finish_reason "error", a request beside it is answered whole,
+    and the instance serves on in the same process (no restart)."""
+    url, pid = fleet.instances()[TP2]["url"], fleet.tp2.pid
+    words = [40, 41, 42, 43, 44, 45, 46, 47]
+
+    def stream(prompt: list[int], out: list[bytes]) -> None:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=auth_header(KEY_A),
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        out.append(r.content)
+
+    def finish_reasons(raw: bytes) -> list[str]:
+        return [c["finish_reason"] for e in events_of(frames_of(raw))
+                for c in e.get("choices", []) if c.get("finish_reason")]
+
+    poisoned: list[bytes] = []
+    healthy: list[bytes] = []
+    threads = [threading.Thread(target=stream, args=([*words[:3], *FAULT_RUN, *words[3:]],
+                                                    poisoned)),
+               threading.Thread(target=stream, args=(words, healthy))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=150)
+    assert [finish_reasons(r) for r in poisoned + healthy] == [["error"], ["length"]], (
+        poisoned, healthy)
+    again: list[bytes] = []
+    stream(words[::-1], again)
+    assert [finish_reasons(r) for r in again] == [["length"]]
+    assert fleet.tp2.is_running and fleet.tp2.pid == pid and routable(fleet, TP2)
 
 def ask_then_settle(url: str, key: str, messages: list[dict[str, str]]) -> Answer:
     """`ask`, then a second for the gateway's prefix index to learn the blocks it left (the

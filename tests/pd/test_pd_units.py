@@ -3,6 +3,7 @@ clock, the fault config, the layout comparison."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import zlib
@@ -194,6 +195,29 @@ def test_fault_config_names_kill_points(tmp_path: Path) -> None:
     assert kills == ["killed"]
     file.write_text('{"kill": "x"}')
     with pytest.raises(ConfigError, match="expected an object with keys among"):
+        FaultConfig.load(file)
+
+
+def test_a_share_fault_is_armed_by_a_run_in_the_prompt_on_its_rank_only(
+        tmp_path: Path) -> None:
+    from strata.commands.serve_parallel import _share_faults
+    from strata.engine.executor import ModelInput, ScheduledSequence
+    from strata.engine.request import SamplingParams
+
+    file = tmp_path / "faults.json"
+    file.write_text('{"share_fault": {"rank": 1, "prompt_run": [5, 6, 5]}}')
+    (fault,) = _share_faults(argparse.Namespace(fault_config=str(file)))
+
+    def step(prompt: list[int]) -> ModelInput:  # a decode step: its token is not the run
+        sequence = ScheduledSequence(RequestId("r"), [9], len(prompt), [0], True,
+                                     SamplingParams(), [9], prompt)
+        return ModelInput([sequence], block_size=8)
+
+    assert fault.is_armed(1, step([1, 5, 6, 5, 2]))
+    assert not fault.is_armed(0, step([1, 5, 6, 5, 2]))  # another rank
+    assert not fault.is_armed(1, step([5, 6, 2, 5]))  # the ids, not the run
+    file.write_text('{"share_fault": {"token_id": 3}}')
+    with pytest.raises(ConfigError, match="share_fault wants an object with rank"):
         FaultConfig.load(file)
 
 

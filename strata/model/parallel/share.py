@@ -38,22 +38,34 @@ from strata.model.parallel.comm import Communicator
 
 @dataclass(frozen=True, slots=True)
 class ShareFault:
-    """Test-only: rank `rank` cannot run its share of a step whose tokens hold `token_id`. It
-    raises at its `at_call`-th collective of the step (1-based; 0: before the forward), as a
-    kernel failing on one sequence would; with `is_fatal` its replay fails too."""
+    """Test-only: rank `rank` cannot run its share of a step whose tokens hold `token_id` (or,
+    with `prompt_run`, a step of a sequence whose prompt holds that run of token ids: every step
+    of one request, decode steps included, and of no other). It raises at its `at_call`-th
+    collective of the step (1-based; 0: before the forward), as a kernel failing on one sequence
+    would; with `is_fatal` its replay fails too."""
 
     rank: int
-    token_id: int
+    token_id: int = -1
     at_call: int = 0
     is_fatal: bool = False
+    prompt_run: tuple[int, ...] = ()
 
     def is_armed(self, rank: int, model_input: ModelInput) -> bool:
-        return rank == self.rank and any(self.token_id in s.token_ids
+        return rank == self.rank and any(self._holds(s.token_ids, s.prompt_token_ids)
                                          for s in model_input.sequences)
 
+    def _holds(self, token_ids: list[int], prompt_token_ids: list[int]) -> bool:
+        if not self.prompt_run:
+            return self.token_id in token_ids
+        n = len(self.prompt_run)
+        run = list(self.prompt_run)
+        return any(prompt_token_ids[i : i + n] == run
+                   for i in range(len(prompt_token_ids) - n + 1))
+
     def trip(self, where: str) -> None:
-        raise RuntimeError(f"injected fault: rank {self.rank} cannot run token "
-                           f"{self.token_id} ({where})")
+        what = f"the prompt run {list(self.prompt_run)}" if self.prompt_run \
+            else f"token {self.token_id}"
+        raise RuntimeError(f"injected fault: rank {self.rank} cannot run {what} ({where})")
 
 
 class CallCount:

@@ -6,6 +6,11 @@ file (`strata serve --fault-config FILE`), never by timing.
     {"corrupt_block": 1}                            P flips a byte of block 1's payload in
                                                     every pull (D must recompute it)
     {"corrupt_hash_block": 0}                       P sends block 0 under a wrong chain hash
+    {"share_fault": {"rank": 1, "prompt_run": [5, 6, 5, 6]}}
+                                                    a parallel instance's rank 1 cannot run its
+                                                    share of any step of a request whose prompt
+                                                    holds that run of token ids (failure
+                                                    isolation, strata/model/parallel/share.py)
 
 Kill points, in the order a hand-off reaches them:
     prefill_before_answer   P computed and holds the blocks, before it answers the handle
@@ -24,10 +29,12 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from strata.errors import ConfigError
 from strata.types import BlockHash
 
+SHARE_FAULT_FIELDS = ("rank", "token_id", "prompt_run", "at_call", "is_fatal")
 KILL_POINTS = ("prefill_before_answer", "decode_before_pull", "prefill_during_pull",
                "decode_during_pull", "decode_after_pull", "decode_mid_stream")
 
@@ -38,8 +45,14 @@ class FaultConfig:
     after: int = 0
     corrupt_block: int | None = None
     corrupt_hash_block: int | None = None
+    share_fault: dict[str, Any] | None = None  # ShareFault's fields (a parallel instance's)
 
     def __post_init__(self) -> None:
+        if self.share_fault is not None and (
+                not isinstance(self.share_fault, dict) or "rank" not in self.share_fault
+                or set(self.share_fault) - set(SHARE_FAULT_FIELDS)):
+            raise ConfigError(f"fault config: share_fault wants an object with rank and keys "
+                              f"among {', '.join(SHARE_FAULT_FIELDS)}, got {self.share_fault!r}")
         if self.kill_at is not None and self.kill_at not in KILL_POINTS:
             raise ConfigError(f"unknown kill point {self.kill_at!r}; valid: "
                               f"{', '.join(KILL_POINTS)}")
