@@ -6,7 +6,7 @@ The fleet: client keys of two tenants, an admin key and the fleet's internal key
 starts 1 prefill and 1 decode instance (T=1) and one mixed instance in pool `fast`, where the
 interactive class is routed; a second decode instance at tensor-parallel T=2 (two rank
 processes) joins the same registry as `strata serve --role decode -tp 2` (strata up gives every
-instance of a version one layout), its rank 1 unable to run any step of a prompt holding
+instance of a version one layout), its rank 0 unable to run any step of a prompt holding
 `FAULT_RUN`. Chat sessions live in a real Redis (the instances' history)
 with sticky routing pinned in the same Redis (the gateway's pins); `--policy cache_aware`; the
 autoscaler on (each pool held at its size by its bounds: its decisions are visible and change
@@ -56,8 +56,9 @@ KV_CACHE_GB = 0.00019
 # the interactive class's own targets (TTFT p95, ITL p95 s), which its pool `fast` takes; loose
 # enough that they never move the pool (its bounds hold it at one instance anyway)
 FAST_SLO = (30.0, 5.0)
-# rank 1 of the T=2 decode instance cannot run its share of a step of a request whose prompt
-# holds this run of token ids (a test fault, strata/server/pd/faults.py): no other prompt does
+# rank 0 of the T=2 decode instance cannot run its share of a step of a request whose prompt
+# holds this run of token ids, failing mid-step after its first collective (a test fault,
+# strata/server/pd/faults.py): no other prompt holds it
 FAULT_RUN = (7, 11, 7, 11, 7, 11, 7, 11)
 
 @dataclass
@@ -112,7 +113,7 @@ def start_fleet(root: Path, redis_url: str) -> Iterator[Fleet]:
     for name, text in keys.items():
         (root / f"{name}.keys").write_text(text)
     (root / "faults.json").write_text(json.dumps(
-        {"share_fault": {"rank": 1, "prompt_run": list(FAULT_RUN)}}))
+        {"share_fault": {"rank": 0, "prompt_run": list(FAULT_RUN), "at_call": 1}}))
     run_dir = root / "run"
     instance_flags = ["--dtype", "float32", "--block-size", "8", "--max-model-len", "256",
                       "--kv-cache-gb", str(KV_CACHE_GB), "--max-num-seqs", "4",

@@ -154,6 +154,9 @@ def _share_faults(args: argparse.Namespace) -> tuple[Any, ...]:
     spec = FaultConfig.load(Path(args.fault_config)).share_fault
     if spec is None:
         return ()
+    if spec.get("prompt_run") and spec["rank"] != 0:
+        raise ConfigError("fault config: a share_fault's prompt_run arms on rank 0 only (the "
+                          "other ranks get a step's rows without the prompts)")
     return (ShareFault(**{**spec, "prompt_run": tuple(spec.get("prompt_run", ()))}),)
 
 

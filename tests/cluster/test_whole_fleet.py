@@ -176,7 +176,7 @@ def autoscaler_per_class_and_measured(fleet: Fleet) -> None:
                "an ITL measured at the gateway for the decode pool")
 
 def a_request_a_rank_cannot_run_fails_alone(fleet: Fleet) -> None:
-    """Failure isolation on a parallel instance: a request whose share rank 1 of the T=2
+    """Failure isolation on a parallel instance: a request whose share rank 0 of the T=2
     instance cannot run ends with finish_reason "error", a request beside it is answered whole,
     and the instance serves on in the same process (no restart)."""
     url, pid = fleet.instances()[TP2]["url"], fleet.tp2.pid

@@ -205,7 +205,7 @@ def test_a_share_fault_is_armed_by_a_run_in_the_prompt_on_its_rank_only(
     from strata.engine.request import SamplingParams
 
     file = tmp_path / "faults.json"
-    file.write_text('{"share_fault": {"rank": 1, "prompt_run": [5, 6, 5]}}')
+    file.write_text('{"share_fault": {"rank": 0, "prompt_run": [5, 6, 5]}}')
     (fault,) = _share_faults(argparse.Namespace(fault_config=str(file)))
 
     def step(prompt: list[int]) -> ModelInput:  # a decode step: its token is not the run
@@ -213,12 +213,15 @@ def test_a_share_fault_is_armed_by_a_run_in_the_prompt_on_its_rank_only(
                                      SamplingParams(), [9], prompt)
         return ModelInput([sequence], block_size=8)
 
-    assert fault.is_armed(1, step([1, 5, 6, 5, 2]))
-    assert not fault.is_armed(0, step([1, 5, 6, 5, 2]))  # another rank
-    assert not fault.is_armed(1, step([5, 6, 2, 5]))  # the ids, not the run
+    assert fault.is_armed(0, step([1, 5, 6, 5, 2]))
+    assert not fault.is_armed(1, step([1, 5, 6, 5, 2]))  # another rank
+    assert not fault.is_armed(0, step([5, 6, 2, 5]))  # the ids, not the run
     file.write_text('{"share_fault": {"token_id": 3}}')
     with pytest.raises(ConfigError, match="share_fault wants an object with rank"):
         FaultConfig.load(file)
+    file.write_text('{"share_fault": {"rank": 1, "prompt_run": [5, 6]}}')
+    with pytest.raises(ConfigError, match="rank 0 only"):
+        _share_faults(argparse.Namespace(fault_config=str(file)))
 
 
 def test_damage_flips_a_payload_byte_or_the_hash() -> None:

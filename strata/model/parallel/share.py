@@ -40,7 +40,8 @@ from strata.model.parallel.comm import Communicator
 class ShareFault:
     """Test-only: rank `rank` cannot run its share of a step whose tokens hold `token_id` (or,
     with `prompt_run`, a step of a sequence whose prompt holds that run of token ids: every step
-    of one request, decode steps included, and of no other). It raises at its `at_call`-th
+    of one request, decode steps included, and of no other; rank 0 only, the other ranks get a
+    step's rows without the prompts). It raises at its `at_call`-th
     collective of the step (1-based; 0: before the forward), as a kernel failing on one sequence
     would; with `is_fatal` its replay fails too."""
 

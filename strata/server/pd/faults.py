@@ -6,8 +6,8 @@ file (`strata serve --fault-config FILE`), never by timing.
     {"corrupt_block": 1}                            P flips a byte of block 1's payload in
                                                     every pull (D must recompute it)
     {"corrupt_hash_block": 0}                       P sends block 0 under a wrong chain hash
-    {"share_fault": {"rank": 1, "prompt_run": [5, 6, 5, 6]}}
-                                                    a parallel instance's rank 1 cannot run its
+    {"share_fault": {"rank": 0, "prompt_run": [5, 6, 5, 6], "at_call": 1}}
+                                                    a parallel instance's rank 0 cannot run its
                                                     share of any step of a request whose prompt
                                                     holds that run of token ids (failure
                                                     isolation, strata/model/parallel/share.py)
