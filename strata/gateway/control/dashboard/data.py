@@ -128,8 +128,9 @@ class DashboardData:
         by_tenant: dict[str, Counts] = {}
         for (tenant, _model), counts in totals.items():
             by_tenant[tenant] = by_tenant.get(tenant, Counts()) + counts
-        rows = [{"tenant": tenant, **counts.as_dict()} for tenant, counts in by_tenant.items()]
-        rows.sort(key=lambda row: (-row["total_tokens"], -row["requests"], row["tenant"]))
+        ranked = sorted(by_tenant.items(),
+                        key=lambda item: (-item[1].total_tokens, -item[1].requests, item[0]))
+        rows = [{"tenant": tenant, **counts.as_dict()} for tenant, counts in ranked]
         return {"window_s": self.tenants_window_s, "rows": rows}
 
     async def _autoscaler(self, errors: list[str]) -> StatusReport | None:
