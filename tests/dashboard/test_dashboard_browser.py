@@ -7,7 +7,7 @@ instance SIGKILLed shows as unhealthy within seconds (and ready again once resta
 run with `strata release` is followed live and its flip shows within seconds, then the rollback
 button (with the admin key) brings the previous version back; the drain button is refused to
 the client key, even forced, and works with the admin key; the autoscaler's section appears
-only with its data.
+only with its data; the tenants section shows the client key its own usage.
 
 Screenshots go to $STRATA_SCREENSHOT_DIR when set (docs/img/ for the README), else to tmp.
 """
@@ -32,6 +32,7 @@ from headless_chromium import WatchedPage, chromium, require_chromium, watched_p
 from playwright.sync_api import BrowserContext, Page, expect
 
 from strata.commands.run_keys import local_admin_key
+from strata.protocol.keys import tenant_of_key
 from strata.sim.profile import LatencyProfile
 
 KEY = "dashboard-test-key"
@@ -204,6 +205,18 @@ def test_the_autoscaler_section_appears_only_with_its_data(
     expect(page.locator("#autoscaler-section")).to_be_visible()
     expect(page.locator('#autoscaler tr[data-target="m@v1"] td')).to_have_text(
         ["m@v1", "decode", "default", "4", "3", "queue above target"])
+    page.close()
+
+
+def test_the_tenants_section_shows_the_client_key_its_own_usage(
+        cluster: Cluster, browser: BrowserContext) -> None:
+    page = open_dashboard(browser, cluster).page
+    expect(page.locator("#tenants-section")).to_be_visible()
+    mine = page.locator(f'#tenants tr[data-tenant="{tenant_of_key(KEY)}"] td')
+    expect(mine).to_have_count(7)
+    expect(page.locator("#tenants tbody tr")).to_have_count(1)  # the load's key: its own row
+    cells = mine.all_inner_texts()
+    assert int(cells[1]) > 0 and int(cells[6]) > 0, cells  # requests, completion tokens
     page.close()
 
 

@@ -26,6 +26,7 @@ from strata.gateway.control.dashboard.page import (
 from strata.gateway.routes import build_routes
 from strata.gateway.routing.sources import RegistrySource
 from strata.gateway.wiring import build_gateway
+from strata.protocol.keys import tenant_of_key
 from strata.registry.instances.memory import MemoryRegistry
 from strata.registry.instances.records import InstanceRecord, InstanceState
 from strata.registry.models import (
@@ -238,3 +239,33 @@ def test_an_autoscaler_that_fails_leaves_its_field_empty_and_says_why() -> None:
     assert data.json()["autoscaler"] is None
     assert data.json()["errors"] == ["autoscaler: RuntimeError: lease store down"]
     assert [i["instance_id"] for i in data.json()["instances"]] == ["a", "b"]
+
+
+def test_tenants_show_their_usage_to_the_admin_and_a_client_its_own_row_only() -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        return json_answer({"choices": [{"text": "ok", "finish_reason": "length"}],
+                            "usage": {"prompt_tokens": 5, "completion_tokens": 2,
+                                      "total_tokens": 7}})
+
+    app = create_gateway_app(GatewayConfig(api_keys=("k0", "k1"), admin_keys=("adm",)),
+                             FixedSource(view("a")), transport=Upstreams(a=answer).transport(),
+                             clock=FakeClock(), run_background=False)
+
+    async def run() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            for key in ("k0", "k0", "k1"):
+                r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi"},
+                                      headers={"authorization": f"Bearer {key}"})
+                assert r.status_code == 200, r.text
+            return [await client.get("/dashboard/data",
+                                     headers={"authorization": f"Bearer {key}"})
+                    for key in ("adm", "k1")]
+
+    admin, client = asyncio.run(run())
+    k0, k1 = tenant_of_key("k0"), tenant_of_key("k1")
+    rows = admin.json()["tenants"]["rows"]
+    assert [(r["tenant"], r["requests"], r["prompt_tokens"], r["completion_tokens"])
+            for r in rows] == [(k0, 2, 10, 4), (k1, 1, 5, 2)]  # most tokens first
+    assert admin.json()["tenants"]["window_s"] == 900
+    assert [r["tenant"] for r in client.json()["tenants"]["rows"]] == [k1]  # its own only

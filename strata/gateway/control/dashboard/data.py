@@ -14,6 +14,12 @@
     autoscaler   null until an autoscaler reports; then its desired against actual replicas:
                  {"decided_at": s, "owner": str, "targets": [{"model", "version", "role",
                   "pool", "desired", "actual", "reason"}]}
+    tenants      null when the gateway keeps no usage; else what each tenant used over the
+                 last `tenants_window_s`, summed over models and over every gateway sharing
+                 the usage store, most tokens first: {"window_s": s, "rows": [{"tenant",
+                 "requests", "errors", "rate_limited", "prompt_tokens", "cached_tokens",
+                 "completion_tokens", "total_tokens"}]} (page.py shows a client key its own row
+                 only)
     errors       what could not be read this time (the rest is still shown)
 
 One snapshot serves every viewer for `max_age_s`; who may press the buttons is added per request
@@ -36,6 +42,7 @@ from strata.gateway.wiring import Gateway
 from strata.registry.instances.base import Registry
 from strata.registry.instances.records import InstanceRecord
 from strata.state.pins import PinStoreError
+from strata.state.usage.base import Counts
 
 
 class StatusReport(Protocol):
@@ -66,12 +73,14 @@ class DashboardData:
 
     def __init__(self, gateway: Gateway, series: LiveSeries, reader: CounterReader, *,
                  autoscaler: AutoscalerSource | None = None, window_s: int = 300,
-                 max_age_s: float = 0.5, clock: Clock = time.time) -> None:
+                 tenants_window_s: float = 900.0, max_age_s: float = 0.5,
+                 clock: Clock = time.time) -> None:
         self.gateway = gateway
         self.series = series
         self.reader = reader
         self.autoscaler = autoscaler
         self.window_s = window_s
+        self.tenants_window_s = tenants_window_s
         self.max_age_s = max_age_s
         self.clock = clock
         self._built: tuple[float, dict[str, Any]] | None = None
@@ -103,8 +112,26 @@ class DashboardData:
             "sessions": await self._sessions(errors), "caches": self._caches(rows),
             "series": self.series.window(self.window_s),
             "autoscaler": autoscaler.to_json() if autoscaler is not None else None,
+            "tenants": await self._tenants(now, errors),
             "errors": errors,
         }
+
+    async def _tenants(self, now: float, errors: list[str]) -> dict[str, Any] | None:
+        store = self.gateway.usage
+        if store is None:
+            return None
+        try:
+            totals = await store.totals(now - self.tenants_window_s)
+        except Exception as exc:  # the store is down: show the rest
+            errors.append(f"usage store: {type(exc).__name__}: {exc}")
+            return {"window_s": self.tenants_window_s, "rows": []}
+        by_tenant: dict[str, Counts] = {}
+        for (tenant, _model), counts in totals.items():
+            by_tenant[tenant] = by_tenant.get(tenant, Counts()) + counts
+        ranked = sorted(by_tenant.items(),
+                        key=lambda item: (-item[1].total_tokens, -item[1].requests, item[0]))
+        rows = [{"tenant": tenant, **counts.as_dict()} for tenant, counts in ranked]
+        return {"window_s": self.tenants_window_s, "rows": rows}
 
     async def _autoscaler(self, errors: list[str]) -> StatusReport | None:
         if self.autoscaler is None:

@@ -5,7 +5,8 @@
                                   `access`: {"admin": may this caller use the buttons,
                                   "keyed": does the gateway check keys at all}; it takes a
                                   key like the OpenAI API, and shows the fleet's insides
-                                  (instance URLs, model URIs, error texts) to the admin only
+                                  (instance URLs, model URIs, error texts, every tenant's
+                                  usage) to the admin only; a client key sees its own usage
     GET /dashboard/static/NAME    the page's script and styles, and uPlot 1.6.32 (MIT, taken
                                   from the npm registry; LICENSE beside it), all package data
 
@@ -68,10 +69,12 @@ def is_admin(request: Request) -> bool:
     return caller_of(request.scope).kind is Kind.ADMIN or is_open("admin", keys)
 
 
-def for_viewer(data: dict[str, Any], *, is_admin: bool) -> dict[str, Any]:
+def for_viewer(data: dict[str, Any], *, is_admin: bool,
+               tenant: str | None = None) -> dict[str, Any]:
     """The snapshot as this viewer sees it: without the admin key, no instance URL, model URI
-    or error text (they name the fleet's insides: hosts, buckets, stores), and an instance whose
-    id is its address (a static one) under an alias."""
+    or error text (they name the fleet's insides: hosts, buckets, stores), an instance whose
+    id is its address (a static one) under an alias, and of the tenants only the caller's own
+    (`tenant`: its client key's; none without one)."""
     if is_admin:
         return data
     alias = {row["instance_id"]: _alias(row) for row in data["instances"]}
@@ -84,8 +87,12 @@ def for_viewer(data: dict[str, Any], *, is_admin: bool) -> dict[str, Any]:
     sessions = dict(data["sessions"])
     if sessions.get("pinned"):
         sessions["pinned"] = {alias.get(iid, iid): n for iid, n in sessions["pinned"].items()}
+    tenants = data.get("tenants")
+    if tenants is not None:
+        tenants = tenants | {"rows": [row for row in tenants["rows"]
+                                      if tenant is not None and row["tenant"] == tenant]}
     return data | {"instances": instances, "models": models, "errors": errors,
-                   "sessions": sessions}
+                   "sessions": sessions, "tenants": tenants}
 
 
 def _alias(row: dict[str, Any]) -> str:
@@ -112,7 +119,8 @@ def dashboard_routes(gateway: Gateway, *, autoscaler: AutoscalerSource | None = 
 
     async def snapshot(request: Request) -> Response:
         admin = is_admin(request)
-        body = for_viewer(await data.snapshot(), is_admin=admin)
+        body = for_viewer(await data.snapshot(), is_admin=admin,
+                          tenant=caller_of(request.scope).tenant)
         config = gateway.config
         keyed = bool(config.api_keys or config.admin_keys or config.internal_keys)
         return JSONResponse(body | {"access": {"admin": admin, "keyed": keyed}},

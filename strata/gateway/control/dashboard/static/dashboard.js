@@ -78,6 +78,7 @@
     renderCharts(data.series);
     renderSessions(data);
     renderAutoscaler(data.autoscaler);
+    renderTenants(data.tenants);
     const errors = data.errors.length ? ` · could not read: ${data.errors.join(" · ")}` : "";
     $("footer").textContent = `updated ${clock(data.now)}${errors}`;
     document.body.dataset.updated = String(data.now);
@@ -278,6 +279,19 @@
         ...[`${t.model}@${t.version}`, t.role, t.pool].map((text) => el("td", {text})),
         ...[t.desired, t.actual].map((n) => el("td", {class: "num", text: String(n)})),
         el("td", {text: t.reason}))));
+  }
+
+  // Tenants: what each used over the window (summed over every gateway sharing the usage
+  // store); a client key sees its own row only.
+  function renderTenants(tenants) {
+    $("tenants-section").hidden = !tenants;
+    if (!tenants) return;
+    $("tenants-window").textContent = `last ${Math.round(tenants.window_s / 60)} minutes`;
+    $("no-tenants").hidden = tenants.rows.length > 0;
+    redraw($("tenants").tBodies[0], tenants.rows, () => tenants.rows.map((t) =>
+      el("tr", {data: {tenant: t.tenant}}, el("td", {text: t.tenant}),
+        ...[t.requests, t.errors, t.rate_limited, t.prompt_tokens, t.cached_tokens,
+            t.completion_tokens].map((n) => el("td", {class: "num", text: String(n)})))));
   }
 
   // The buttons: each calls the gateway's admin API with the key typed into the page.
