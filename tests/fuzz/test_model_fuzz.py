@@ -6,12 +6,13 @@ generating instance, the embed instance or the gateway in front of both."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 
 import pytest
 from fuzz.test_openapi_schemathesis import run_schemathesis
 from harness.fuzz import run_fuzz
-from harness.mutations import KINDS, MODEL_SEEDS, Mutator
+from harness.mutations import KINDS, MODEL_SEEDS, Mutant, Mutator
 from model_stack import EMBED_MODEL, MODEL, ModelTargets, model_stack
 from sim_stack import CLIENT_KEY
 
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.timeout(600)
 
 NUM_MUTANTS = 160  # every kind 20 times, spread over the seeds (about 20 s per target here)
 AUTH = {"Authorization": f"Bearer {CLIENT_KEY}"}
+STRUCTURED_SEED = MODEL_SEEDS["/v1/chat/completions#json_schema"]
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +61,38 @@ def test_schemathesis_finds_nothing_against_real_models(real: ModelTargets,
     sent, failures = run_schemathesis(real.urls[target], timeout_s=30.0)
     assert failures == [], real.errors()
     assert sent > 100
+
+
+def grammar_mutants(num: int) -> list[Mutant]:
+    """Hostile grammars: the json_schema seed's schema mutated alone (first in the body, where a
+    finding shows it), the rest of the request valid, so that most bodies reach the grammar
+    compiler (a whole-body mutant seldom lands inside the schema); a mutant that is no JSON
+    object any more (cut, not an object, too deep to parse here) is sent as a `guided_regex`
+    instead, most of them not a valid regex."""
+    schema = STRUCTURED_SEED["response_format"]["json_schema"]["schema"]
+    mutator = Mutator(seed=20261218, seeds={"schema": schema})
+    base = {k: v for k, v in STRUCTURED_SEED.items() if k != "response_format"} | {"model": MODEL}
+    mutants = []
+    for mutant in mutator.mutants(num):
+        try:
+            parsed = json.loads(mutant.body)
+        except (ValueError, RecursionError):
+            parsed = None
+        if isinstance(parsed, dict):
+            fields = {"response_format": {"type": "json_schema", "json_schema": {
+                "name": "answer", "schema": "@@SCHEMA@@"}}}
+            body = json.dumps(fields | base).encode().replace(b'"@@SCHEMA@@"', mutant.body)
+        else:
+            regex = mutant.body.decode("utf-8", errors="replace")
+            body = json.dumps({"guided_regex": regex} | base).encode()
+        mutants.append(Mutant(mutant.index, "/v1/chat/completions", mutant.kind, body))
+    return mutants
+
+
+def test_hostile_grammars_to_a_real_model_get_answers_or_400s_never_5xx(
+        real: ModelTargets) -> None:
+    """What llguidance refuses (a schema or regex it cannot build) is a 400 naming the field."""
+    report = asyncio.run(run_fuzz(real.urls["instance"], grammar_mutants(80), timeout_s=30.0,
+                                  headers=AUTH))
+    assert report.findings == [], real.errors()
+    assert report.counts["ok"] > 0 and report.counts["refused"] > 0, report.counts
