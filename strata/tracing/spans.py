@@ -4,6 +4,7 @@
     annotate(s, key=value)                             attributes on a span, when there is one
     note({...})                                        attributes on the current span
     headers = inject(headers)                          `traceparent` of the current span added
+    event_hooks={"request": [inject_into]}             the same, on every call of an httpx client
     record("strata.engine.decode", start_ns, end_ns)   a span after the fact (engine phases)
 
 `inject` replaces any `traceparent`/`tracestate` the headers carry (a client's, forwarded): the
@@ -16,6 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
+import httpx
 from opentelemetry import trace
 from opentelemetry.context import Context, get_current
 from opentelemetry.trace import Span, SpanKind
@@ -70,6 +72,14 @@ def inject(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return [*kept, *carrier.items()]
 
 
+async def inject_into(request: httpx.Request) -> None:
+    """An httpx request hook (`event_hooks={"request": [inject_into]}`): every request of
+    the client carries the current span's `traceparent`."""
+    carrier: dict[str, str] = {}
+    PROPAGATOR.inject(carrier)
+    request.headers.update(carrier)
+
+
 def extract(headers: Sequence[tuple[bytes, bytes]]) -> Context:
     """The remote parent named by raw ASGI headers' `traceparent` (an empty context if none)."""
     carrier = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers
@@ -108,5 +118,5 @@ def _clean(attributes: Attributes | None) -> dict[str, Any] | None:
     return {k: v for k, v in attributes.items() if v is not None}
 
 
-__all__ = ["PROPAGATOR", "TRACE_HEADERS", "annotate", "extract", "inject", "note",
+__all__ = ["PROPAGATOR", "TRACE_HEADERS", "annotate", "extract", "inject", "inject_into", "note",
            "parent_context", "record", "span", "under"]

@@ -127,8 +127,7 @@ class HandoffPull:
         reason = "truncated"
         began = time.perf_counter()
         try:
-            headers = dict(tracing.inject(list(pd.headers.items())))
-            async with pd.client.stream("GET", url, headers=headers) as response:
+            async with pd.client.stream("GET", url, headers=pd.headers) as response:
                 if response.status_code != 200:
                     reason = "unavailable"
                 else:
