@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 from strata import tracing
 from strata.commands.argtypes import ratio
@@ -22,6 +24,20 @@ def add_tracing_flags(p: argparse.ArgumentParser) -> None:
                         "every instance")
 
 
+# (flag, type): what `strata up` passes through to its gateway and to every instance
+TRACING_FLAGS: tuple[tuple[str, Callable[[str], Any]], ...] = (
+    ("--otlp-endpoint", str), ("--trace-sample-ratio", ratio))
+
+
+def tracing_args(args: argparse.Namespace) -> list[str]:
+    """The tracing flags given to `strata up`, as arguments of the commands it starts."""
+    found: list[str] = []
+    for flag, _ in TRACING_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        found += [flag, str(value)] if value is not None else []
+    return found
+
+
 def tracing_config(args: argparse.Namespace, service_name: str) -> tracing.TracingConfig:
     """The flags as a config; a ratio without an endpoint is an error (it would trace nothing)."""
     if args.otlp_endpoint is None and args.trace_sample_ratio is not None:
@@ -38,4 +54,5 @@ def start_tracing(config: tracing.TracingConfig) -> None:
         tracing.start(tracing.tracer_provider(config))
 
 
-__all__ = ["add_tracing_flags", "start_tracing", "tracing_config"]
+__all__ = ["TRACING_FLAGS", "add_tracing_flags", "start_tracing", "tracing_args",
+           "tracing_config"]
