@@ -16,13 +16,16 @@ from opentelemetry.context import Context
 from strata.engine.outputs import RequestOutput
 from strata.engine.request import Request
 from strata.engine.timeline import PhaseTimeline
-from strata.tracing.spans import parent_context, record, under
+from strata.tracing.spans import is_unsampled, parent_context, record, under
 
 Outputs = AsyncGenerator[RequestOutput, None]
 
 
 def traced(request: Request, stream: Outputs) -> Outputs:
-    """`stream` of `request`, its phases recorded as spans when it ends."""
+    """`stream` of `request`, its phases recorded as spans when it ends (a request of a trace
+    the sampler dropped: `stream` as it is, its request unstamped)."""
+    if is_unsampled():
+        return stream
     request.timeline = PhaseTimeline()
     return _recording(request, request.timeline, stream, parent_context())
 

@@ -33,8 +33,9 @@ _OFF: AbstractContextManager[None] = nullcontext()
 
 def span(name: str, attributes: Attributes | None = None,
          kind: SpanKind = SpanKind.INTERNAL) -> AbstractContextManager[Span | None]:
-    """A span over the `with` block, current inside it; off: a shared no-op (yields None)."""
-    if current.tracer is None:
+    """A span over the `with` block, current inside it; off, or inside a trace that is not
+    sampled: a shared no-op (yields None)."""
+    if current.tracer is None or is_unsampled():
         return _OFF
     return _span(name, attributes, kind)
 
@@ -99,12 +100,20 @@ def record(name: str, start_ns: int, end_ns: int, attributes: Attributes | None 
            parent: Context | None = None) -> Span | None:
     """A span that already happened, from `start_ns` to `end_ns` (time.time_ns), under
     `parent` (else the current span); returned, ended, so that children can name it."""
-    if current.tracer is None:
+    if current.tracer is None or is_unsampled(parent):
         return None
     opened = current.tracer.start_span(name, context=parent, attributes=_clean(attributes),
                                        start_time=start_ns)
     opened.end(end_time=max(start_ns, end_ns))
     return opened
+
+
+def is_unsampled(parent: Context | None = None) -> bool:
+    """Whether the current span (or `parent`'s) belongs to a trace the sampler dropped: its
+    children would record nothing, so none is made (the dropped span's `traceparent` still
+    goes downstream, flags 00, and every instance drops the trace too)."""
+    context = trace.get_current_span(parent).get_span_context()
+    return context.is_valid and not context.trace_flags.sampled
 
 
 def under(parent: Span) -> Context:
@@ -118,5 +127,5 @@ def _clean(attributes: Attributes | None) -> dict[str, Any] | None:
     return {k: v for k, v in attributes.items() if v is not None}
 
 
-__all__ = ["PROPAGATOR", "TRACE_HEADERS", "annotate", "extract", "inject", "inject_into", "note",
-           "parent_context", "record", "span", "under"]
+__all__ = ["PROPAGATOR", "TRACE_HEADERS", "annotate", "extract", "inject", "inject_into",
+           "is_unsampled", "note", "parent_context", "record", "span", "under"]

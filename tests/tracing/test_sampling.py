@@ -22,13 +22,19 @@ UNSAMPLED = TRACEPARENT[:-2] + "00"
 
 
 async def echo(request: Request) -> JSONResponse:
-    """Answers with the traceparent an upstream call made here would carry."""
-    return JSONResponse(dict(tracing.inject([])))
+    """Answers with the traceparent an upstream call made here would carry, and whether a span
+    made here would be a no-op (a dropped trace's)."""
+    with tracing.span("strata.test.inner") as inner:
+        return JSONResponse({**dict(tracing.inject([])), "inner": inner is not None})
+
+
+async def health(request: Request) -> JSONResponse:
+    return JSONResponse({})
 
 
 def traced_app() -> Starlette:
     app = Starlette(routes=[Route("/v1/completions", echo, methods=["POST"]),
-                            Route("/health", echo, methods=["POST"])])
+                            Route("/health", health, methods=["POST"])])
     app.add_middleware(tracing.TraceRequests, component="strata.test",
                        traced_prefixes=("/v1/",))
     return app
@@ -57,18 +63,19 @@ def test_a_sampled_caller_is_followed_whatever_the_ratio(
         sampled_at: tuple[float, Spans]) -> None:
     _, spans = sampled_at
     onward = post("/v1/completions", {"traceparent": TRACEPARENT}).json()
-    span, = spans.all()
-    assert span.name == "strata.test /v1/completions"
+    inner, span = sorted(spans.all(), key=lambda s: s.name != "strata.test.inner")
+    assert span.name == "strata.test /v1/completions" and onward["inner"]
+    assert inner.parent is not None and inner.parent.span_id == span.context.span_id  # type: ignore[union-attr]
     assert span.context is not None and span.context.trace_id == CLIENT_TRACE_ID
     assert span.parent is not None and span.parent.span_id == CLIENT_SPAN_ID
-    # what this app would send on names its own span, sampled, in the caller's trace
-    assert onward["traceparent"] == f"00-{CLIENT_TRACE_ID:032x}-{span.context.span_id:016x}-01"
+    # what this app would send on names the current span, sampled, in the caller's trace
+    assert onward["traceparent"] == f"00-{CLIENT_TRACE_ID:032x}-{inner.context.span_id:016x}-01"  # type: ignore[union-attr]
 
 
 def test_an_unsampled_caller_is_followed_too(sampled_at: tuple[float, Spans]) -> None:
     _, spans = sampled_at
     onward = post("/v1/completions", {"traceparent": UNSAMPLED}).json()
-    assert spans.all() == []
+    assert spans.all() == [] and not onward["inner"]  # no span is made in a dropped trace
     assert onward["traceparent"].startswith(f"00-{CLIENT_TRACE_ID:032x}-")
     assert onward["traceparent"].endswith("-00")  # the decision goes on downstream
 
@@ -78,4 +85,5 @@ def test_a_request_without_a_caller_is_sampled_at_the_ratio(
     ratio, spans = sampled_at
     post("/v1/completions", {})
     post("/health", {})  # not a traced path
-    assert [s.name for s in spans.all()] == (["strata.test /v1/completions"] if ratio else [])
+    assert sorted(s.name for s in spans.all()) == (
+        ["strata.test /v1/completions", "strata.test.inner"] if ratio else [])
