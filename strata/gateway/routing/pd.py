@@ -226,8 +226,8 @@ class PDRouter:
         # The policy's hooks are left to the decode pick: a round robin that counted both
         # picks of each request would send every request to the same decode instance.
         in_flight = self.pipeline.instances.begin(view, request.route.num_tokens)
-        with tracing.span("strata.gateway.pd.prefill", {"strata.instance.id": view.instance_id}
-                          if tracing.is_on() else None) as opened:
+        with tracing.span("strata.gateway.pd.prefill",
+                          {"strata.instance.id": view.instance_id}) as opened:
             try:  # a deadline that ends first is until_cancelled's to answer (path/deadline.py)
                 handle = await asyncio.wait_for(self._ask(view, request),
                                                 self.config.prefill_timeout_s)
