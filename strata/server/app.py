@@ -34,6 +34,7 @@ from starlette.routing import BaseRoute
 
 from strata import tracing
 from strata.protocol.auth import ApiKeyAuth
+from strata.protocol.pd import KV_PATH, LAYOUT_PATH
 from strata.protocol.request_id import RequestIdMiddleware
 from strata.server.async_engine import AsyncEngine
 from strata.server.body_limit import BodyLimitMiddleware, ModelVersionHeader
@@ -112,10 +113,18 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
         app.add_middleware(tracing.TraceRequests, component="strata.instance",
                            traced_prefixes=TRACED_PREFIXES,
                            attributes={"strata.model": f"{config.served_model_name}@"
-                                                       f"{config.model_version}"})
+                                                       f"{config.model_version}"},
+                           route_of=span_route)
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer and log line has the id
     install_error_handlers(app)
     return app
+
+
+def span_route(path: str) -> str:
+    """A request's span name: its path, or for a hand-off's blocks the route's template."""
+    if path.startswith(KV_PATH + "/") and path != LAYOUT_PATH:
+        return KV_PATH + "/{handle}"
+    return path
 
 
 def build_routes() -> list[BaseRoute]:

@@ -5,10 +5,14 @@ another task and lose the span's context): the span is current while the route r
 its response is sent, so a streamed answer's relay, resumes included, is inside it. Its parent
 is the request's `traceparent` (the client's at the gateway, the gateway's attempt at an
 instance). Health, metrics and other paths not in `traced_prefixes` pass through untraced.
+A span is named after its route (`route_of`: a path with an id in it, such as a hand-off's
+block handle, names its template, so that span names stay few); `url.path` keeps the path.
 Apps install it only when tracing is on (`is_on()` at build time).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from opentelemetry.trace import SpanKind
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -24,8 +28,10 @@ class TraceRequests:
     """One server span per traced request: `<component> <path>` with its status code."""
 
     def __init__(self, app: ASGIApp, *, component: str, traced_prefixes: tuple[str, ...],
-                 attributes: dict[str, str] | None = None) -> None:
+                 attributes: dict[str, str] | None = None,
+                 route_of: Callable[[str], str] = str) -> None:
         self.app = app
+        self.route_of = route_of
         self.component = component  # "strata.gateway" or "strata.instance"
         self.traced_prefixes = traced_prefixes
         self.attributes = attributes or {}
@@ -43,7 +49,8 @@ class TraceRequests:
                       "url.path": path}
         if request_id is not None:
             attributes["strata.request_id"] = request_id
-        with tracer.start_as_current_span(f"{self.component} {path}", context=extract(headers),
+        with tracer.start_as_current_span(f"{self.component} {self.route_of(path)}",
+                                          context=extract(headers),
                                           kind=SpanKind.SERVER, attributes=attributes) as opened:
 
             async def send_noting_status(message: Message) -> None:

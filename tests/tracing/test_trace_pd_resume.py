@@ -125,9 +125,11 @@ def test_a_disaggregated_stream_resumed_after_its_decode_instance_failed_is_one_
     assert pull.attributes["strata.pd.peer"] == "p"
     # P served the pull (GET) under it, and D's acknowledgement (DELETE) under D's request
     served = {s.attributes["http.request.method"]: ancestors(s, got)[0] for s in
-              by_name[f"strata.instance /internal/kv/{pull.attributes['strata.pd.handle']}"]
-              if s.attributes is not None}
+              by_name["strata.instance /internal/kv/{handle}"] if s.attributes is not None
+              and s.attributes["url.path"] == f"/internal/kv/{pull.attributes['strata.pd.handle']}"}
     assert served == {"GET": "strata.pd.pull", "DELETE": DECODE}
+    layout, = by_name["strata.instance /internal/kv/layout"]  # the handshake, before the pull
+    assert ancestors(layout, got)[0] == DECODE
     kv_import, = by_name["strata.engine.kv_import"]
     assert ancestors(kv_import, got)[:2] == ["strata.engine.request", DECODE]
     assert kv_import.attributes is not None and kv_import.attributes["strata.kv.num_imported"] \
