@@ -6,6 +6,9 @@
 - server: only types, errors, engine, model, protocol, state, registry and itself; never cli.
 - gateway: only types, errors, protocol, state, registry and itself (never engine, model, server).
 - protocol, state, registry, store: never engine, model, server, gateway, cluster or cli.
+- tracing (OpenTelemetry, which the server and the gateway may import): never engine, model,
+  server, gateway or cli; the engine never imports it (stdlib and numpy only): it records its
+  phases as plain data, which the server turns into spans.
 - sim: no torch (64 simulated instances share one machine); of the model only the tokenizer.
 - only strata/cli.py reads environment variables.
 """
@@ -29,10 +32,13 @@ MODEL_BANNED = {"strata.server", "strata.gateway", "strata.cli", "strata.clients
                 "strata.bench", "fastapi", "starlette", "uvicorn", "httpx"}
 PACKAGE_ROOT_NAMES = {"strata", "strata.__version__"}
 SERVER_STRATA = {*LEAVES, "strata.engine", "strata.model",
-                 "strata.protocol", "strata.state", "strata.registry", "strata.server"}
+                 "strata.protocol", "strata.state", "strata.registry", "strata.server",
+                 "strata.tracing"}
 GATEWAY_BANNED = {"strata.engine", "strata.model", "strata.server", "strata.cli"}
 GATEWAY_STRATA = {*LEAVES, "strata.protocol", "strata.state",
-                  "strata.registry", "strata.gateway"}
+                  "strata.registry", "strata.gateway", "strata.tracing"}
+TRACING_BANNED = {"strata.engine", "strata.model", "strata.server", "strata.gateway",
+                  "strata.cluster", "strata.cli", "strata.commands"}
 LOWER_LAYERS = {"protocol", "state", "registry", "store"}
 SIM_BANNED = {"torch", "strata.gateway", "strata.cluster", "strata.cli", "strata.commands"}
 LOWER_BANNED = {"strata.engine", "strata.model", "strata.server", "strata.gateway",
@@ -105,6 +111,8 @@ def _import_violation(layer: str, name: str) -> str | None:
         return "plan runs the engine, the gateway and the simulator on a virtual clock, no torch"
     if layer == "cluster" and _under(name, CLUSTER_BANNED):
         return "cluster launches processes; it never imports the CLI, the planner or autoscaler"
+    if layer == "tracing" and _under(name, TRACING_BANNED):
+        return "tracing is below the server and the gateway and never imports a layer above"
     if layer in LOWER_LAYERS and _under(name, LOWER_BANNED):
         return f"{layer} is below engine, server and gateway and never imports them"
     return None
@@ -208,6 +216,18 @@ def test_checker_lets_only_cli_read_the_environment() -> None:
     assert [v.split(": ")[0] for v in violations("strata.server.app", source)] == [
         "strata.server.app:2", "strata.server.app:3", "strata.server.app:4"
     ]
+
+
+def test_checker_keeps_opentelemetry_out_of_the_engine_and_tracing_below_the_layers() -> None:
+    assert violations("strata.engine.engine", "from opentelemetry import trace\n") == [
+        "strata.engine.engine:1: opentelemetry.trace: engine imports only the stdlib and numpy"]
+    assert violations("strata.engine.engine", "from strata import tracing\n") == [
+        "strata.engine.engine:1: strata.tracing: engine may not import it"]
+    assert violations("strata.tracing.spans", "from strata.engine import timeline\n") == [
+        "strata.tracing.spans:1: strata.engine.timeline: tracing is below the server and the "
+        "gateway and never imports a layer above"]
+    assert violations("strata.gateway.upstream.proxy", "from strata import tracing\n") == []
+    assert violations("strata.server.app", "from strata.tracing import span\n") == []
 
 
 def test_relative_imports_resolve_against_the_package() -> None:

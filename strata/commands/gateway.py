@@ -35,6 +35,7 @@ from strata.commands.env import (
     read_key_limits,
     read_key_max_priority,
 )
+from strata.commands.tracing_flags import add_tracing_flags, start_tracing, tracing_config
 from strata.errors import ConfigError
 from strata.gateway.config import (
     PD_MODES,
@@ -140,6 +141,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"{' '.join(DEFAULT_MODEL_ROOTS)}); a version's serve_args come from "
                         "a fixed table of flags (strata/gateway/control/intake.py)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    add_tracing_flags(p)
     add_class_flags(p)
     add_autoscale_flags(p)
 
@@ -259,6 +261,7 @@ def build_model_registry(config: GatewayConfig) -> ModelRegistry | None:
 def run(args: argparse.Namespace, env: CliEnv) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit code."""
     config = build_config(args, env)
+    start_tracing(tracing_config(args, "strata-gateway"))
     return aio.run(_serve(config, args, time.perf_counter()))
 
 

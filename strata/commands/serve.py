@@ -27,6 +27,7 @@ from strata.commands.serve_stack import (
     build_simulated,
     serve_http,
 )
+from strata.commands.tracing_flags import add_tracing_flags, start_tracing, tracing_config
 from strata.state.urls import schemes_help
 
 DTYPES = ("bfloat16", "float32", "float16")
@@ -82,6 +83,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "it above the clients' own idle expiry (httpx: 5 s), or a request sent "
                         "as the server closes it gets no answer")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    add_tracing_flags(p)
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="PEFT LoRA adapters served beside the base model; a request with "
                         "`model: NAME` runs with the adapter at PATH")
@@ -161,6 +163,7 @@ def _add_pd_flags(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, env: CliEnv) -> int:
     """Load the model, build the engine stack and serve until SIGTERM/SIGINT."""
     started = time.perf_counter()
+    start_tracing(tracing_config(args, "strata-instance"))
     if args.task == "embed":
         built = build_embed_engine(args, env)
     else:

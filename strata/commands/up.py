@@ -36,6 +36,7 @@ from strata.commands.autoscale_flags import add_autoscale_flags, gateway_args
 from strata.commands.cluster_file import check_not_running, cluster_file, write_cluster_file
 from strata.commands.env import CliEnv, read_admin_keys, read_api_keys, read_internal_keys
 from strata.commands.run_keys import NO_RUN_KEYS, RunKeys
+from strata.commands.tracing_flags import TRACING_FLAGS, tracing_args
 from strata.commands.up_roles import (
     PD_SERVE_FLAGS,
     add_role_flags,
@@ -70,6 +71,7 @@ _SERVE_FLAGS: tuple[tuple[str, Any], ...] = (
     ("--block-size", positive_int), ("--max-num-seqs", positive_int), ("--simulate", str),
     ("--session-store", str), ("--sim-start-s", non_negative_float),
     ("--max-queue-wait-s", non_negative_float), *PD_SERVE_FLAGS, *up_parallel.SERVE_FLAGS,
+    *TRACING_FLAGS,  # the gateway gets them too (_config)
 )
 
 
@@ -249,7 +251,7 @@ def _config(args: argparse.Namespace, env: CliEnv,
     threads = up_parallel.rank_threads(args, replicas)  # `strata serve --threads` is per rank
     autoscale = gateway_args(args, _model_name(args), args.simulate) if args.autoscale else []
     gateway = [*(["--policy", args.policy] if args.policy else []), *autoscale,
-               *_auth_args(args, keys), *log_flags, *args.gateway_arg]
+               *_auth_args(args, keys), *log_flags, *tracing_args(args), *args.gateway_arg]
     return LocalClusterConfig(
         replicas=replicas, num_prefill=num_prefill, class_pools=named, run_dir=env.run_dir,
         model=args.model,

@@ -198,9 +198,14 @@ class Engine:
 
     def _import_kv(self, kv_import: KVImport) -> int:
         """Write fetched KV into its blocks; how many leading payloads the executor took."""
-        if not isinstance(self.executor, KVTransfer):
-            return 0
-        return self.executor.import_blocks(kv_import.block_ids, kv_import.payloads)
+        timeline = kv_import.request.timeline
+        started_ns = timeline.clock_ns() if timeline is not None else 0
+        num_imported = 0
+        if isinstance(self.executor, KVTransfer):
+            num_imported = self.executor.import_blocks(kv_import.block_ids, kv_import.payloads)
+        if timeline is not None:
+            timeline.kv_imported(started_ns, len(kv_import.payloads), num_imported)
+        return num_imported
 
     def _model_input(self, scheduled: SchedulerOutput) -> ModelInput:
         sequences = []
@@ -208,6 +213,8 @@ class Engine:
             start = request.num_computed_tokens + request.num_in_flight_tokens
             sequences.append(ScheduledSequence.of(request, start, num_new,
                                                   self.kv.block_ids(request.request_id)))
+            if request.timeline is not None and _is_prefill(request, num_new):
+                request.timeline.chunk_submitted()
         return ModelInput(sequences, self.cache_config.block_size)
 
     def _update(
@@ -215,6 +222,8 @@ class Engine:
     ) -> list[RequestOutput]:
         outputs = []
         for request, num_new in scheduled:
+            if request.timeline is not None and _is_prefill(request, num_new):
+                request.timeline.chunk_done(num_new)
             if request.num_output_tokens == 0:
                 self.num_prompt_tokens += num_new
             request.num_computed_tokens += num_new
@@ -232,6 +241,8 @@ class Engine:
         self, request: Request, token_id: int, logprob: Logprob | None
     ) -> RequestOutput:
         request.output_token_ids.append(token_id)
+        if request.timeline is not None:
+            request.timeline.token()
         if logprob is not None:
             request.output_logprobs.append(logprob)
         self.num_generated_tokens += 1
@@ -335,3 +346,9 @@ class Engine:
         in_flight = list(self._batches.in_flight())
         self.kv.check_integrity(held=[b for out in in_flight for b in out.held_blocks])
         self.scheduler.check_integrity(in_flight)
+
+
+def _is_prefill(request: Request, num_new: int) -> bool:
+    """A chunk of the prompt (or of tokens recomputed after a preemption or for a resume), not
+    the decode of the last sampled token."""
+    return num_new > 1 or request.num_output_tokens == 0

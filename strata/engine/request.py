@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from strata.engine.constraint import TokenConstraint
+from strata.engine.timeline import PhaseTimeline
 from strata.errors import InvalidRequestError
 from strata.types import BlockHash, RequestId
 
@@ -197,6 +198,9 @@ class Request:
     # other weights (the base, another adapter, an older load of the name) is never reused.
     lora_name: str = ""
     lora_digest: str = ""
+    # Tracing (strata/engine/timeline.py): when the server traces the request, the engine stamps
+    # its phases here; None (the default) costs one check where a phase changes.
+    timeline: PhaseTimeline | None = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

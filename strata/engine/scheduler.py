@@ -120,6 +120,8 @@ class Scheduler:
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Take a request out of the scheduler with a final status and free its blocks."""
         request.status = status
+        if request.timeline is not None:
+            request.timeline.finished(status.name.lower())
         self._requests.pop(request.request_id, None)
         if request in self.running:
             self.running.remove(request)
@@ -289,6 +291,8 @@ class Scheduler:
             self.kv.record_lookup(request.num_tokens, num_local, computed.num_tokens - num_local)
         request.external_kv = {}  # used once: a preempted request recomputes (or hits locally)
         request.status = RequestStatus.RUNNING
+        if request.timeline is not None:
+            request.timeline.admitted()
         self.running.append(request)
         self.running.sort(key=order_key)
 
@@ -305,6 +309,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        if request.timeline is not None:
+            request.timeline.preempted()
         self.num_preemptions += 1
         out.preempted.append(request)
         self._waiting.push(request, now)  # under its original arrival: it keeps its place

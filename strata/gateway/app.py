@@ -39,6 +39,7 @@ from typing import Protocol
 import httpx
 from starlette.applications import Starlette
 
+from strata import tracing
 from strata.clock import Clock
 from strata.gateway.config import GatewayConfig
 from strata.gateway.control.admin import admin_routes
@@ -56,6 +57,9 @@ from strata.registry.models import ModelRegistry
 from strata.state.pins import PinStore
 
 logger = logging.getLogger("strata.gateway")
+# the paths whose requests are traced: the client's work, not admin, health or metrics
+TRACED_PREFIXES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize",
+                   "/detokenize")
 
 
 class Companion(Protocol):
@@ -118,6 +122,9 @@ def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
                            internal_keys=list(config.internal_keys), access=gateway_access(),
                            rate_limit_per_s=config.rate_limit_per_s,
                            max_priority=dict(config.key_max_priority))
+    if tracing.is_on():  # the request's span, its parent the client's `traceparent`
+        app.add_middleware(tracing.TraceRequests, component="strata.gateway",
+                           traced_prefixes=TRACED_PREFIXES)
     # outermost: the id (the client's, else a new one) is in the headers the proxy forwards
     app.add_middleware(RequestIdMiddleware)
     return app

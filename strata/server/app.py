@@ -32,7 +32,9 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from fastapi import FastAPI
 from starlette.routing import BaseRoute
 
+from strata import tracing
 from strata.protocol.auth import ApiKeyAuth
+from strata.protocol.pd import KV_PATH, LAYOUT_PATH
 from strata.protocol.request_id import RequestIdMiddleware
 from strata.server.async_engine import AsyncEngine
 from strata.server.body_limit import BodyLimitMiddleware, ModelVersionHeader
@@ -58,6 +60,11 @@ from strata.server.sessions import Sessions
 from strata.server.translate import ServerTokenizer
 from strata.state.kv_store import KVStore
 from strata.state.sessions import SessionStore, create_session_store
+
+# the paths whose requests are traced: a client's work and the hand-off's calls (not health,
+# metrics or the gateways' long polls of KV events)
+TRACED_PREFIXES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings",
+                   "/v1/strata/resume", "/internal/", "/tokenize", "/detokenize")
 
 
 def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: ServerConfig,
@@ -102,9 +109,22 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
                            internal_keys=list(config.internal_keys), access=instance_access(),
                            rate_limit_per_s=config.rate_limit_per_s,
                            max_priority=dict(config.key_max_priority))
+    if tracing.is_on():  # the request's span, its parent the caller's `traceparent`
+        app.add_middleware(tracing.TraceRequests, component="strata.instance",
+                           traced_prefixes=TRACED_PREFIXES,
+                           attributes={"strata.model": f"{config.served_model_name}@"
+                                                       f"{config.model_version}"},
+                           route_of=span_route)
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer and log line has the id
     install_error_handlers(app)
     return app
+
+
+def span_route(path: str) -> str:
+    """A request's span name: its path, or for a hand-off's blocks the route's template."""
+    if path.startswith(KV_PATH + "/") and path != LAYOUT_PATH:
+        return KV_PATH + "/{handle}"
+    return path
 
 
 def build_routes() -> list[BaseRoute]:

@@ -19,6 +19,8 @@ from strata.protocol.openai import PromptTokensDetails, UsageInfo
 from strata.server.async_engine import AsyncEngine
 from strata.server.kv_offload import KVOffload, publishing
 from strata.server.metrics import ServerMetrics, track
+from strata.server.phase_spans import traced
+from strata.tracing import is_on
 
 Outputs = AsyncGenerator[RequestOutput, None]
 Prepare = Callable[[list[Request]], Awaitable[None]]
@@ -128,7 +130,10 @@ async def start(engine: AsyncEngine, requests: list[Request], prompt_indices: li
         await prepare(requests)
     streams: list[Outputs] = []
     for request in requests:
-        stream = track(engine.generate(request), metrics, request.arrival_time, clock)
+        outputs = engine.generate(request)
+        if is_on():  # its phases become spans (phase_spans.py)
+            outputs = traced(request, outputs)
+        stream = track(outputs, metrics, request.arrival_time, clock)
         streams.append(publishing(stream, kv_offload) if kv_offload is not None else stream)
     firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
     choices = [ChoiceState(i, p) for i, p in enumerate(prompt_indices)]

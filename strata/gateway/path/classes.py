@@ -35,6 +35,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.responses import Response
 
+from strata import tracing
 from strata.clock import Clock
 from strata.errors import OverloadedError
 from strata.gateway.config import AdmissionConfig, ClassConfig
@@ -185,6 +186,9 @@ class RouteByClass:
         if placement.pool:
             route = dataclasses.replace(request.route, pool=placement.pool)
             request = dataclasses.replace(request, route=route)
+        if tracing.is_on():
+            tracing.note({"strata.priority": request.route.priority,
+                          "strata.class.pool": placement.pool or None})
         try:
             response = await call_next(request)
         except BaseException:

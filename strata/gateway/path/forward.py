@@ -24,6 +24,9 @@ the chain of `path_steps`, which ends in the proxy; each step below wraps the ne
     Proxy.forward   filters -> policy -> send; retries on another instance until the first byte
                     reaches the client (strata/gateway/upstream/proxy.py, pipeline.py, policies/)
 
+With tracing on (strata/tracing/), `chain` puts each step in a span of its own
+(`strata.gateway.step.<Step>`), so the trace shows the path as this list; off, nothing is wrapped.
+
 A step whose feature is off is not in the list; no step asks whether a feature is on. A new
 feature (prefill/decode hand-off, priority classes) is one more step class and one more line in
 `path_steps`. Steps add no work per streamed chunk, but one: the tenants' meter looks for the
@@ -39,6 +42,7 @@ from typing import Protocol
 
 from starlette.responses import Response
 
+from strata import tracing
 from strata.errors import OverloadedError
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.path.admission import Admission
@@ -91,11 +95,25 @@ def path_steps(*, admission: Admission, metrics: GatewayMetrics, proxy: Proxy,
 
 
 def chain(steps: Sequence[Step], last: Handler) -> Handler:
-    """`steps[0]` wrapping `steps[1]` ... wrapping `last`."""
+    """`steps[0]` wrapping `steps[1]` ... wrapping `last`; with tracing on, each in its span."""
+    if tracing.is_on():
+        steps = [TracedStep(step) for step in steps]
     handler = last
     for step in reversed(steps):
         handler = functools.partial(step, call_next=handler)
     return handler
+
+
+class TracedStep:
+    """A step inside its own span (tracing on): its attributes are what the step notes."""
+
+    def __init__(self, step: Step) -> None:
+        self.step = step
+        self.name = f"strata.gateway.step.{type(step).__name__}"
+
+    async def __call__(self, request: ProxyRequest, call_next: Handler) -> Response:
+        with tracing.span(self.name):
+            return await self.step(request, call_next)
 
 
 class Admit:
@@ -108,7 +126,8 @@ class Admit:
 
     async def __call__(self, request: ProxyRequest, call_next: Handler) -> Response:
         try:
-            await self.admission.acquire(request.route.priority)
+            with tracing.span("strata.gateway.admission_wait"):
+                await self.admission.acquire(request.route.priority)
         except OverloadedError as exc:
             self.metrics.errors.labels(f"admission_{exc.status_code}").inc()
             return error_response(exc.status_code, exc.message, retry_after_s=exc.retry_after_s)
@@ -149,6 +168,9 @@ class ChooseVersion:
                 response = await call_next(_at_version(request, choice.version))
         if choice.moved_from is not None:
             response.headers[VERSION_MOVED_HEADER] = f"{choice.moved_from}->{choice.version}"
+        if tracing.is_on():
+            tracing.note({"strata.version": choice.version, "strata.version.source":
+                          choice.source, "strata.version.moved_from": choice.moved_from})
         return response
 
     async def _choose_again(self, route: RouteRequest,
@@ -243,6 +265,8 @@ class PlaceSession:
         response = await call_next(request)
         served_by = response.headers.get(INSTANCE_HEADER)
         response.headers[ROUTING_HEADER] = placement.outcome_served_by(served_by)
+        if tracing.is_on():
+            tracing.note({"strata.session.routing": response.headers[ROUTING_HEADER]})
         if is_hybrid_move:
             response.headers[SESSION_MOVED_HEADER] = "1"
         return response
@@ -282,5 +306,4 @@ class HandOff:
 
 
 __all__ = ["Admit", "CacheAnswers", "ChooseVersion", "HandOff", "Handler", "KeyPrefix",
-           "PlaceSession",
-           "Step", "chain", "path_steps"]
+           "PlaceSession", "Step", "TracedStep", "chain", "path_steps"]

@@ -34,6 +34,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter
 from starlette.responses import Response
 
+from strata import tracing
 from strata.clock import Clock
 from strata.gateway.config import PDRoutingConfig
 from strata.gateway.path.deadline import deadline_response, with_remaining
@@ -183,6 +184,9 @@ class PDRouter:
         request = _without_handle(request)  # only this gateway gives one
         decision = self.decider.decide(HandOffAsk.of(request, self.decider.estimate, self.index))
         self.metrics.decisions.labels(decision.reason).inc()
+        if tracing.is_on():
+            tracing.note({"strata.pd.decision": decision.reason, "strata.pd.prefill_instance":
+                          decision.prefill.instance_id if decision.prefill else None})
         if decision.prefill is None:
             return await call_next(request)
         self.stats.remote_prefill()
@@ -222,21 +226,25 @@ class PDRouter:
         # The policy's hooks are left to the decode pick: a round robin that counted both
         # picks of each request would send every request to the same decode instance.
         in_flight = self.pipeline.instances.begin(view, request.route.num_tokens)
-        try:  # a deadline that ends first is until_cancelled's to answer (path/deadline.py)
-            handle = await asyncio.wait_for(self._ask(view, request),
-                                            self.config.prefill_timeout_s)
-        except (httpx.HTTPError, TimeoutError, ValueError, KeyError) as exc:
-            log.warning("prefill on %s failed (decoding locally): %s", view.instance_id, exc)
-            self.detector.record_failure(view)
-            handle = None
-        finally:
-            self.pipeline.instances.end(in_flight)
+        with tracing.span("strata.gateway.pd.prefill",
+                          {"strata.instance.id": view.instance_id}) as opened:
+            try:  # a deadline that ends first is until_cancelled's to answer (path/deadline.py)
+                handle = await asyncio.wait_for(self._ask(view, request),
+                                                self.config.prefill_timeout_s)
+            except (httpx.HTTPError, TimeoutError, ValueError, KeyError) as exc:
+                log.warning("prefill on %s failed (decoding locally): %s", view.instance_id, exc)
+                self.detector.record_failure(view)
+                handle = None
+            finally:
+                self.pipeline.instances.end(in_flight)
+            tracing.annotate(opened, **{"strata.pd.has_handle": handle is not None})
         self.metrics.prefills.labels("ok" if handle is not None else "failed").inc()
         return handle
 
     async def _ask(self, view: InstanceView, request: ProxyRequest) -> str | None:
         headers = with_remaining(forwarded_headers(request.headers), request.deadline_s,
                                  self.clock())
+        headers = tracing.inject(headers)  # P's span: a child of the prefill call's
         response = await self.upstreams.send(view, "POST", PREFILL_PREFIX + request.path,
                                              request.body, headers)
         try:

@@ -40,6 +40,7 @@ class Failure:
 class Attempt:
     view: InstanceView
     request: ProxyRequest
+    number: int = 0  # of the request's (or the resume's) attempts, from 0
     sent_at: float = 0.0
     in_flight: InFlight | None = None  # counted in flight from the send until it ends
     watched: Watched | None = None  # while in flight

@@ -11,6 +11,8 @@ answer, or a 502 with an OpenAI error body; when no instance answered at all and
 fleet is down (restarting), it first waits for an instance to come back, up to the start wait
 (strata/gateway/upstream/recovery.py). Every wait on an instance is watched for stalls
 (strata/gateway/upstream/stalls.py): a dead socket fails its attempt within about a second.
+With tracing on, each routing decision, attempt and resume is a span (traces.py), and each
+attempt's request carries its `traceparent`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import AsyncIterator, Callable, Collection
 import httpx
 from starlette.responses import Response
 
+from strata import tracing
 from strata.clock import Clock
 from strata.errors import RequestFailedError
 from strata.gateway.metrics import GatewayMetrics
@@ -32,6 +35,7 @@ from strata.gateway.routing.instances import InstanceView
 from strata.gateway.routing.pipeline import RouteDecision, RoutingPipeline
 from strata.gateway.routing.policies.base import RouteRequest
 from strata.gateway.stats import GatewayStats
+from strata.gateway.upstream import traces
 from strata.gateway.upstream.attempt import (
     UPSTREAM_ERRORS,
     Attempt,
@@ -126,11 +130,11 @@ class Proxy:
         for attempt in range(self.max_retries + 1):
             if attempt > 0 and not await self._may_retry(attempt):
                 break
-            decision = self.pipeline.route(request.route, exclude=tried)
+            decision = traces.routed(self.pipeline, request.route, tried)
             if decision.instance is None:
                 return failure, decision if failure is None else None
             tried.append(decision.instance.instance_id)
-            outcome = await self._attempt(Attempt(decision.instance, request))
+            outcome = await self._attempt(Attempt(decision.instance, request, attempt))
             if isinstance(outcome, Response):
                 return outcome
             failure = outcome
@@ -157,6 +161,14 @@ class Proxy:
         return error_response(502, message)
 
     async def _attempt(self, attempt: Attempt) -> Response | Failure:
+        if not tracing.is_on():  # the hot path: one check
+            return await self._answer(attempt)
+        with traces.attempt_span(attempt, "request") as opened:
+            outcome = await self._answer(attempt)
+            traces.attempt_ended(opened, outcome)
+        return outcome
+
+    async def _answer(self, attempt: Attempt) -> Response | Failure:
         response = await self._send(attempt)
         if isinstance(response, Failure):
             return response
@@ -169,6 +181,7 @@ class Proxy:
         self._begin(attempt)
         request, watched = attempt.request, attempt.watched
         headers = self.resumer.headers(request, forwarded_headers(request.headers))
+        headers = tracing.inject(headers)  # the instance's span: a child of this attempt's
         attempt.sent_at = self.clock()
         headers = with_remaining(headers, request.deadline_s, attempt.sent_at)
         if attempt.sent_at - self._pruned_at >= self.prune_interval_s:
@@ -270,6 +283,12 @@ class Proxy:
         request = self.resumer.next_request(record, self.clock())
         if request is None:
             return None
+        with traces.resume_span(record) as opened:
+            segment = await self._resumed(request, record)
+            traces.resume_ended(opened, segment)
+        return segment
+
+    async def _resumed(self, request: ProxyRequest, record: StreamRecord) -> Segment | None:
         exclude, deadline = list(record.tried), None
         while True:
             outcome = await self._resume_round(request, record, exclude)
@@ -292,13 +311,13 @@ class Proxy:
         other did better (waiting would not help); True when no instance answered at all (the
         fleet may be coming back)."""
         is_answered = False
-        for _ in range(self.max_retries + 1):
-            decision = self.pipeline.route(request.route, exclude=exclude)
+        for number in range(self.max_retries + 1):
+            decision = traces.routed(self.pipeline, request.route, exclude)
             if decision.instance is None:
                 break
             exclude.append(decision.instance.instance_id)
             record.tried.append(decision.instance.instance_id)
-            attempt = Attempt(decision.instance, request)
+            attempt = Attempt(decision.instance, request, number)
             try:
                 segment = await self._open_resumed(attempt, record)
             except BaseException:  # the client left meanwhile: the attempt ends with it
@@ -314,6 +333,13 @@ class Proxy:
     async def _open_resumed(self, attempt: Attempt,
                             record: StreamRecord) -> Segment | Failure | None:
         """The resumed stream's first frames; a failure (try elsewhere); None: it was refused."""
+        with traces.attempt_span(attempt, "resume") as opened:
+            outcome = await self._resumed_frames(attempt, record)
+            traces.attempt_ended(opened, outcome)
+        return outcome
+
+    async def _resumed_frames(self, attempt: Attempt,
+                              record: StreamRecord) -> Segment | Failure | None:
         response = await self._send(attempt)
         if isinstance(response, Failure):
             return response

@@ -35,6 +35,7 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from strata import tracing
 from strata.engine.request import Handoff
 from strata.engine.request import Request as EngineRequest
 from strata.errors import DeadlineExceededError, KVPayloadError
@@ -73,7 +74,7 @@ class HandoffPull:
             return
         request.handoff = Handoff(handle.token_id, handle.first_logprob, handle.num_cached_tokens)
         wanted, start = self._wanted(request, handle)
-        payloads = await self._pull(handle, start, wanted) if wanted else []
+        payloads = await self._traced_pull(handle, start, wanted) if wanted else []
         request.external_kv = {**request.external_kv, **dict(zip(wanted, payloads, strict=False))}
         self.outcome = "pulled" if len(payloads) == len(wanted) else "partial"
         self.pd.faults.reached("decode_after_pull")
@@ -101,8 +102,25 @@ class HandoffPull:
         start = core.num_cached_blocks(hashes[:num_full])
         return hashes[start:end], start
 
-    async def _pull(self, handle: Handle, start: int, wanted: list[BlockHash]) -> list[bytes]:
-        """The checked blocks that arrived, in order (all of `wanted` when nothing failed)."""
+    async def _traced_pull(self, handle: Handle, start: int,
+                           wanted: list[BlockHash]) -> list[bytes]:
+        """`_pull` in a `strata.pd.pull` span (tracing on): bytes, blocks, the checks' verdict."""
+        if not tracing.is_on():
+            return (await self._pull(handle, start, wanted))[0]
+        with tracing.span("strata.pd.pull", {"strata.pd.handle": handle.handle,
+                                             "strata.pd.peer": handle.instance_id or handle.url,
+                                             "strata.pd.first_block": start,
+                                             "strata.pd.num_blocks_wanted": len(wanted)}) as opened:
+            payloads, verdict = await self._pull(handle, start, wanted)
+            tracing.annotate(opened, **{"strata.pd.num_blocks_pulled": len(payloads),
+                                        "strata.pd.bytes": sum(len(p) for p in payloads),
+                                        "strata.pd.checks": verdict})
+        return payloads
+
+    async def _pull(self, handle: Handle, start: int,
+                    wanted: list[BlockHash]) -> tuple[list[bytes], str]:
+        """The checked blocks that arrived, in order (all of `wanted` when nothing failed), and
+        why the pull stopped (complete, hash, checksum, truncated, unavailable)."""
         pd = self.pd
         payloads: list[bytes] = []
         url = f"{handle.url}{KV_PATH}/{handle.handle}?start={start}&count={len(wanted)}"
@@ -121,7 +139,7 @@ class HandoffPull:
         pd.metrics.pull_bytes.labels("decode").inc(sum(len(p) for p in payloads))
         if len(payloads) < len(wanted):
             pd.metrics.recomputed.labels(reason).inc(len(wanted) - len(payloads))
-        return payloads
+        return payloads, reason
 
     async def _read(self, chunks: AsyncIterator[bytes], wanted: list[BlockHash],
                     payloads: list[bytes]) -> str:

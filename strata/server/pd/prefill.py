@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Send
 
+from strata import tracing
 from strata.engine.outputs import RequestOutput
 from strata.engine.request import Request as EngineRequest
 from strata.errors import EngineDeadError, InvalidRequestError, OverloadedError
@@ -64,7 +65,11 @@ async def prefill(request: Request, model: type[M], start: Starter[M]) -> Respon
     if hook.request is None or first.held is None:  # aborted or failed: nothing is held
         pd.metrics.handoffs.labels("prefill", "refused").inc()
         raise OverloadedError("the prefill did not finish; prefill locally", status_code=503)
-    handle = grant(pd, hook.request, first)
+    with tracing.span("strata.pd.handle") as opened:
+        handle = grant(pd, hook.request, first)
+        tracing.annotate(opened, **{"strata.pd.handle": handle.handle,
+                                    "strata.pd.num_blocks": handle.num_blocks,
+                                    "strata.pd.num_prompt_tokens": handle.num_prompt_tokens})
     await _unless_cancelled_now(request, pd, handle)
     pd.faults.reached("prefill_before_answer")
     pd.metrics.handoffs.labels("prefill", "answered").inc()

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 from starlette.requests import Request
 
+from strata import tracing
 from strata.server.instance import Instance
 from strata.server.pd.config import PDConfig
 from strata.server.pd.faults import Faults
@@ -33,6 +34,7 @@ from strata.server.pd.layout import PeerLayouts, local_layout
 from strata.server.pd.leases import Lease, LeaseTable
 from strata.server.pd.metrics import PDMetrics
 from strata.server.pd.trust import HandleTrust
+from strata.tracing.spans import inject_into
 
 log = logging.getLogger("strata.server.pd")
 
@@ -56,7 +58,8 @@ class PD:
                                    instance.config.model_version, cache.namespace,
                                    cache.block_size, self.executor)
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(
-            config.pull_timeout_s, connect=config.connect_timeout_s))
+            config.pull_timeout_s, connect=config.connect_timeout_s), event_hooks={
+                "request": [inject_into] if tracing.is_on() else []})  # P's spans: D's children
         keys = instance.config.internal_keys
         self.headers = {"authorization": f"Bearer {keys[0]}"} if keys else {}
         registration = instance.registration
