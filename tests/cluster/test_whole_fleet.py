@@ -11,12 +11,12 @@ all are back, a canary release of v2 (other weights, T=2) is followed to `done`.
 
 Asserted: no request failed (but one that a rank of the T=2 instance cannot run, which fails
 alone while that instance serves on); every greedy answer (its tokens, through the logprobs'
-bytes) is the answer of one plain `strata serve` instance of its version given the same
-messages (a session's whole history); a tenant's prompt gets no cached tokens from the other tenant's
-blocks, though its own repeat does; and each feature fired: remote prefills (also T=1 prefill
-to T=2 decode, with no handshake refusal), the decider keeping a cached prompt local, a
-resumed stream, preemptions, requests that waited for the restarting fleet, sessions sticky and
-in Redis, the release through canary to done with its instance registered at tp2, autoscaler
+bytes) is the answer of one plain `strata serve` instance of its version given the same messages
+(a session's whole history); a tenant's prompt gets no cached tokens from the other tenant's
+blocks, though its own repeat does; and each feature fired: remote prefills (also T=1 prefill to
+T=2 decode, with no handshake refusal), the decider keeping a cached prompt local, a resumed
+stream, preemptions, requests that waited for the restarting fleet, sessions sticky and in
+Redis, the release through canary to done with its instance registered at tp2, autoscaler
 decisions on measured windows for every pool, the interactive pool held to its class's SLOs and
 the decode pool's ITL measured at the gateway, and a handle that no decode instance pulled
 released within its 2 s grace.
