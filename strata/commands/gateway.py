@@ -142,6 +142,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "a fixed table of flags (strata/gateway/control/intake.py)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     add_tracing_flags(p)
+    p.add_argument("--trace-url", default=None, metavar="TEMPLATE",
+                   help="the dashboard links a slow request's trace id to this URL, "
+                        "{trace_id} replaced (e.g. http://jaeger:16686/trace/{trace_id})")
     add_class_flags(p)
     add_autoscale_flags(p)
 
@@ -190,8 +193,13 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
     api_keys = read_api_keys(args.api_key_file, env.api_keys)
     admin_keys = read_admin_keys(args.admin_key_file, env.admin_keys)
     check_exposure("strata gateway", args.host, api_keys, admin_keys, insecure=args.insecure)
+    if args.trace_url is not None and (
+            "{trace_id}" not in args.trace_url
+            or not args.trace_url.startswith(("http://", "https://"))):
+        raise ConfigError(f"--trace-url wants an http(s) URL with {{trace_id}} in it, got "
+                          f"{args.trace_url!r}")
     return GatewayConfig(
-        host=args.host, port=args.port, policy=args.policy,
+        host=args.host, port=args.port, policy=args.policy, trace_url=args.trace_url,
         instance_urls=tuple(args.instances or ()), registry_url=registry,
         health_check_interval_s=args.health_check_interval_s,
         retry=RetryConfig(max_retries=args.max_retries),

@@ -260,6 +260,7 @@ class GatewayConfig:
     policy: str = "power_of_two"
     instance_urls: tuple[str, ...] = ()
     registry_url: str | None = None
+    trace_url: str | None = None  # the dashboard's link to a trace: "{trace_id}" in it
     poll_interval_s: float = 0.5
     health_check_interval_s: float = 1.0
     health_timeout_s: float = 1.0

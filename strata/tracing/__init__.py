@@ -36,7 +36,7 @@ on requests that carry one, and the server turns it into spans (strata/server/ph
 
 from strata.tracing.asgi import TraceRequests
 from strata.tracing.setup import TracingConfig, is_on, start, stop, tracer_provider
-from strata.tracing.spans import annotate, inject, note, record, span
+from strata.tracing.spans import annotate, current_trace_id, inject, note, record, span
 
-__all__ = ["TraceRequests", "TracingConfig", "annotate", "inject", "is_on", "note", "record",
-           "span", "start", "stop", "tracer_provider"]
+__all__ = ["TraceRequests", "TracingConfig", "annotate", "current_trace_id", "inject", "is_on",
+           "note", "record", "span", "start", "stop", "tracer_provider"]

@@ -48,6 +48,17 @@ def _span(name: str, attributes: Attributes | None, kind: SpanKind) -> Iterator[
         yield opened
 
 
+def current_trace_id() -> str | None:
+    """The current span's trace id (32 hex digits) when tracing is on and the trace is
+    sampled, else None: what an operator looks up in the trace store."""
+    if current.tracer is None:
+        return None
+    context = trace.get_current_span().get_span_context()
+    if not context.is_valid or not context.trace_flags.sampled:
+        return None
+    return format(context.trace_id, "032x")
+
+
 def annotate(opened: Span | None, **attributes: Any) -> None:
     """Set `attributes` (None values left out) on `opened`, a span `span` yielded."""
     if opened is not None:

@@ -7,7 +7,8 @@ instance SIGKILLed shows as unhealthy within seconds (and ready again once resta
 run with `strata release` is followed live and its flip shows within seconds, then the rollback
 button (with the admin key) brings the previous version back; the drain button is refused to
 the client key, even forced, and works with the admin key; the autoscaler's section appears
-only with its data; the tenants section shows the client key its own usage.
+only with its data; the tenants section shows the client key its own usage; a slow request
+links to its trace.
 
 Screenshots go to $STRATA_SCREENSHOT_DIR when set (docs/img/ for the README), else to tmp.
 """
@@ -205,6 +206,30 @@ def test_the_autoscaler_section_appears_only_with_its_data(
     expect(page.locator("#autoscaler-section")).to_be_visible()
     expect(page.locator('#autoscaler tr[data-target="m@v1"] td')).to_have_text(
         ["m@v1", "decode", "default", "4", "3", "queue above target"])
+    page.close()
+
+
+def test_a_slow_request_links_to_its_trace_when_the_gateway_has_a_trace_url(
+        cluster: Cluster, browser: BrowserContext) -> None:
+    page = open_dashboard(browser, cluster).page
+    expect(page.locator("#instances tbody tr")).to_have_count(2)
+    expect(page.locator("#slow-section")).to_be_hidden()  # a client key: not its to see
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    slow = [{"at": time.time(), "ttft_ms": 1234.5, "instance_id": "m-v1-0",
+             "request_id": "req-1", "trace_id": trace_id},
+            {"at": time.time(), "ttft_ms": 800.0, "instance_id": "m-v1-1",
+             "request_id": "req-2", "trace_id": None}]
+
+    def with_slow(route: Any) -> None:
+        answer = route.fetch()
+        route.fulfill(response=answer, json=answer.json() | {
+            "slow_requests": slow, "trace_url": "http://traces.example/trace/{trace_id}"})
+
+    page.route("**/dashboard/data", with_slow)
+    expect(page.locator("#slow-section")).to_be_visible()
+    link = page.locator('#slow tr[data-request="req-1"] a')
+    expect(link).to_have_attribute("href", f"http://traces.example/trace/{trace_id}")
+    expect(page.locator('#slow tr[data-request="req-2"] td').nth(4)).to_have_text("not traced")
     page.close()
 
 

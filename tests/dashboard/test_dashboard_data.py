@@ -269,3 +269,7 @@ def test_tenants_show_their_usage_to_the_admin_and_a_client_its_own_row_only() -
             for r in rows] == [(k0, 2, 10, 4), (k1, 1, 5, 2)]  # most tokens first
     assert admin.json()["tenants"]["window_s"] == 900
     assert [r["tenant"] for r in client.json()["tenants"]["rows"]] == [k1]  # its own only
+    slow = admin.json()["slow_requests"]  # tracing is off here: ids, no trace ids
+    assert len(slow) == 3 and {s["trace_id"] for s in slow} == {None}
+    assert all(s["request_id"] and s["instance_id"] == "a" for s in slow)
+    assert client.json()["slow_requests"] == []  # other tenants' request ids: the admin's

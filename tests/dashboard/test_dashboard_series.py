@@ -136,3 +136,22 @@ def test_reads_add_the_growth_of_every_instance_and_count_a_restart_from_zero() 
     assert columns["t"] == [1000, 1001, 1002, 1003]
     assert columns["output_tokens_per_s"] == [None, 40.0, 40.0, 10.0]  # (60 + 20) / 2 s
     assert columns["itl_ms_mean"] == [None, 100.0, 100.0, None]  # (0.3 + 0.2) / (3 + 2)
+
+
+def test_the_slowest_first_bytes_of_the_window_are_kept_with_their_request_ids() -> None:
+    from strata.protocol.request_id import set_request_id
+
+    clock = Clock(100.0)
+    series = LiveSeries(num_slots=10, clock=clock, num_slowest=2)
+    for request_id, ttft_s in (("r1", 0.5), ("r2", 0.1), ("r3", 0.9), ("r4", 0.2)):
+        set_request_id(request_id)
+        series.observe(view("a"), False, ttft_s)
+        clock.now += 1
+    set_request_id(None)
+    assert [(s.request_id, s.ttft_s, s.trace_id) for s in series.slowest()] == [
+        ("r3", 0.9, None), ("r1", 0.5, None)]  # tracing off: no trace id
+    clock.now = 111.0  # r1 (at 100) left the 10 s window, r3 (at 102) did not
+    set_request_id("r5")
+    series.observe(view("b"), False, 0.05)  # faster than both, but r1's place is free
+    assert [(s.request_id, s.instance_id) for s in series.slowest()] == [("r3", "a"), ("r5", "b")]
+    assert series.slowest()[0].to_json()["ttft_ms"] == 900.0

@@ -107,3 +107,11 @@ def test_consistent_hash_takes_epsilon_from_the_cli_and_vnodes_from_the_session_
     assert isinstance(ring_policy, ConsistentHashPolicy)
     ring_policy.choose(request, [view("a"), view("b")])
     assert len(ring_policy.rings.ring.points) == 2 * 7
+
+
+def test_the_dashboard_s_trace_url_is_an_http_template_with_the_trace_id() -> None:
+    url = "http://jaeger:16686/trace/{trace_id}"
+    assert gateway_command.build_config(parse_flags("--trace-url", url), ENV).trace_url == url
+    for bad in ("http://jaeger:16686/trace/", "javascript:alert('{trace_id}')"):
+        with pytest.raises(ConfigError, match="--trace-url wants an http"):
+            gateway_command.build_config(parse_flags("--trace-url", bad), ENV)

@@ -88,3 +88,16 @@ def test_a_request_is_one_trace_from_the_client_through_the_gateway_to_the_engin
     assert decode is not None and decode["strata.engine.num_tokens"] == 7
     chunk = by_name["strata.engine.prefill_chunk"].attributes
     assert chunk is not None and chunk["strata.engine.num_tokens"] == usage["prompt_tokens"]
+
+
+def test_the_dashboard_links_a_slow_request_to_its_trace(
+        spans: Spans, served: tuple[SimInstance, ServedApp]) -> None:
+    _, gateway = served
+    answer = httpx.post(f"{gateway.url}/v1/chat/completions", json=CHAT,
+                        headers={"traceparent": TRACEPARENT, "x-request-id": "req-slow"},
+                        timeout=30)
+    assert answer.status_code == 200, answer.text
+    data = httpx.get(f"{gateway.url}/dashboard/data", timeout=10).json()  # keyless: the admin's
+    [slow] = data["slow_requests"]
+    assert (slow["request_id"], slow["trace_id"]) == ("req-slow", f"{CLIENT_TRACE_ID:032x}")
+    assert data["trace_url"] is None  # no --trace-url: the page shows the id to look up

@@ -14,6 +14,10 @@
     autoscaler   null until an autoscaler reports; then its desired against actual replicas:
                  {"decided_at": s, "owner": str, "targets": [{"model", "version", "role",
                   "pool", "desired", "actual", "reason"}]}
+    slow_requests  the slowest first bytes of the series' window, slowest first: [{"at",
+                 "ttft_ms", "instance_id", "request_id", "trace_id"}] (trace_id null when
+                 tracing is off or the request was not sampled); `trace_url`: the gateway's
+                 --trace-url template ("{trace_id}" in it) that makes a trace id a link, or null
     tenants      null when the gateway keeps no usage; else what each tenant used over the
                  last `tenants_window_s`, summed over models and over every gateway sharing
                  the usage store, most tokens first: {"window_s": s, "rows": [{"tenant",
@@ -112,6 +116,8 @@ class DashboardData:
             "sessions": await self._sessions(errors), "caches": self._caches(rows),
             "series": self.series.window(self.window_s),
             "autoscaler": autoscaler.to_json() if autoscaler is not None else None,
+            "slow_requests": [s.to_json() for s in self.series.slowest()],
+            "trace_url": self.gateway.config.trace_url,
             "tenants": await self._tenants(now, errors),
             "errors": errors,
         }

@@ -6,7 +6,8 @@
                                   "keyed": does the gateway check keys at all}; it takes a
                                   key like the OpenAI API, and shows the fleet's insides
                                   (instance URLs, model URIs, error texts, every tenant's
-                                  usage) to the admin only; a client key sees its own usage
+                                  usage, the slowest requests) to the admin only; a client
+                                  key sees its own usage
     GET /dashboard/static/NAME    the page's script and styles, and uPlot 1.6.32 (MIT, taken
                                   from the npm registry; LICENSE beside it), all package data
 
@@ -73,8 +74,9 @@ def for_viewer(data: dict[str, Any], *, is_admin: bool,
                tenant: str | None = None) -> dict[str, Any]:
     """The snapshot as this viewer sees it: without the admin key, no instance URL, model URI
     or error text (they name the fleet's insides: hosts, buckets, stores), an instance whose
-    id is its address (a static one) under an alias, and of the tenants only the caller's own
-    (`tenant`: its client key's; none without one)."""
+    id is its address (a static one) under an alias, of the tenants only the caller's own
+    (`tenant`: its client key's; none without one), and no slowest requests (their ids are
+    other tenants')."""
     if is_admin:
         return data
     alias = {row["instance_id"]: _alias(row) for row in data["instances"]}
@@ -92,7 +94,7 @@ def for_viewer(data: dict[str, Any], *, is_admin: bool,
         tenants = tenants | {"rows": [row for row in tenants["rows"]
                                       if tenant is not None and row["tenant"] == tenant]}
     return data | {"instances": instances, "models": models, "errors": errors,
-                   "sessions": sessions, "tenants": tenants}
+                   "sessions": sessions, "tenants": tenants, "slow_requests": []}
 
 
 def _alias(row: dict[str, Any]) -> str:

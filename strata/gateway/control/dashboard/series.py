@@ -13,6 +13,11 @@ neither of them per streamed chunk:
 
 Time to first byte is what the gateway measures: from sending the request upstream to the first
 SSE frame of a stream, or to the whole body of an answer that is not streamed.
+
+`observe` also keeps the `num_slowest` slowest first bytes of the window, each with its request
+id and, when tracing is on and the request sampled, its trace id (`slowest`): the way from a slow
+request on the dashboard to its trace. Only an answer slower than the slowest kept looks its ids
+up, so the cost per attempt is a comparison or two.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from typing import Any
 
 from strata.clock import Clock
 from strata.gateway.routing.instances import InstanceView
+from strata.protocol.request_id import current_request_id
+from strata.tracing import current_trace_id
 
 # a decode interval longer than this (no dashboard was open) only sets a new baseline
 MAX_DECODE_INTERVAL_S = 10.0
@@ -48,14 +55,33 @@ class Slot:
         self.output_tokens_per_s = self.itl_s = None
 
 
+@dataclass(frozen=True, slots=True)
+class SlowRequest:
+    """One of the slowest first bytes of the window."""
+
+    at_s: float  # wall clock
+    ttft_s: float
+    instance_id: str
+    request_id: str | None
+    trace_id: str | None  # None: tracing off, or the request not sampled
+
+    def to_json(self) -> dict[str, Any]:
+        return {"at": self.at_s, "ttft_ms": _ms(self.ttft_s), "instance_id": self.instance_id,
+                "request_id": self.request_id, "trace_id": self.trace_id}
+
+
 class LiveSeries:
     """The ring of slots; `window` turns the last seconds into chart columns."""
 
-    def __init__(self, num_slots: int = 300, clock: Clock = time.time) -> None:
+    def __init__(self, num_slots: int = 300, clock: Clock = time.time,
+                 num_slowest: int = 10) -> None:
         self.num_slots = num_slots
         self.clock = clock
+        self.num_slowest = num_slowest
         self.started_s = int(clock())  # no second before this one is shown
         self._slots = [Slot() for _ in range(num_slots)]
+        self._slowest: list[SlowRequest] = []  # slowest first, at most num_slowest
+        self._oldest_s = 0.0  # the earliest `at_s` among them
 
     def _slot(self, second: int) -> Slot:
         slot = self._slots[second % self.num_slots]
@@ -73,6 +99,27 @@ class LiveSeries:
         if ttft_s is not None:
             slot.ttft_sum_s += ttft_s
             slot.ttft_max_s = max(slot.ttft_max_s, ttft_s)
+            self._keep_if_slow(view, ttft_s)
+
+    def _keep_if_slow(self, view: InstanceView, ttft_s: float) -> None:
+        kept, now = self._slowest, self.clock()
+        if len(kept) >= self.num_slowest and ttft_s <= kept[-1].ttft_s:
+            if self._oldest_s > now - self.num_slots:  # every one kept is slower, and recent
+                return
+            kept[:] = [s for s in kept if s.at_s > now - self.num_slots]
+            self._oldest_s = min((s.at_s for s in kept), default=now)
+            if len(kept) >= self.num_slowest and ttft_s <= kept[-1].ttft_s:
+                return
+        kept.append(SlowRequest(now, ttft_s, view.instance_id, current_request_id(),
+                                current_trace_id()))
+        kept.sort(key=lambda s: -s.ttft_s)
+        del kept[self.num_slowest:]
+        self._oldest_s = min(s.at_s for s in kept)
+
+    def slowest(self) -> list[SlowRequest]:
+        """The slowest first bytes of the last `num_slots` seconds, slowest first."""
+        since = self.clock() - self.num_slots
+        return [s for s in self._slowest if s.at_s > since]
 
     def record_decode(self, start_s: float, end_s: float, num_tokens: float,
                       itl_s: float | None) -> None:
@@ -115,4 +162,4 @@ def _round(value: float | None) -> float | None:
     return None if value is None or math.isnan(value) else round(value, 3)
 
 
-__all__ = ["MAX_DECODE_INTERVAL_S", "LiveSeries", "Slot"]
+__all__ = ["MAX_DECODE_INTERVAL_S", "LiveSeries", "Slot", "SlowRequest"]

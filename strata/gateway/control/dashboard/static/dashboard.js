@@ -79,6 +79,7 @@
     renderSessions(data);
     renderAutoscaler(data.autoscaler);
     renderTenants(data.tenants);
+    renderSlow(data.slow_requests, data.trace_url);
     const errors = data.errors.length ? ` · could not read: ${data.errors.join(" · ")}` : "";
     $("footer").textContent = `updated ${clock(data.now)}${errors}`;
     document.body.dataset.updated = String(data.now);
@@ -292,6 +293,21 @@
       el("tr", {data: {tenant: t.tenant}}, el("td", {text: t.tenant}),
         ...[t.requests, t.errors, t.rate_limited, t.prompt_tokens, t.cached_tokens,
             t.completion_tokens].map((n) => el("td", {class: "num", text: String(n)})))));
+  }
+
+  // The slowest first bytes of the window (the admin's view), each with its trace when the
+  // request was traced: a link where the gateway has a --trace-url, else the id to look up.
+  function renderSlow(slow, traceUrl) {
+    $("slow-section").hidden = !slow.length;
+    redraw($("slow").tBodies[0], [slow, traceUrl], () => slow.map((s) => {
+      const trace = !s.trace_id ? el("td", {text: "not traced"})
+        : traceUrl ? el("td", {}, el("a", {href: traceUrl.replace("{trace_id}", s.trace_id),
+                                             text: s.trace_id, rel: "noreferrer"}))
+        : el("td", {text: s.trace_id});
+      return el("tr", {data: {request: s.request_id || ""}}, el("td", {text: clock(s.at)}),
+        el("td", {class: "num", text: `${Math.round(s.ttft_ms)} ms`}),
+        el("td", {text: s.instance_id}), el("td", {text: s.request_id || ""}), trace);
+    }));
   }
 
   // The buttons: each calls the gateway's admin API with the key typed into the page.
