@@ -334,9 +334,11 @@ class GatewayConfig:
     @property
     def usage_store_url(self) -> str:
         """Where tenants' usage and budget windows live: --usage-store, else the registry when
-        it is Redis (every gateway of the fleet adds up there), else this process."""
+        it is shared (Redis, or SQLite on one machine: every gateway of the fleet adds up
+        there), else this process."""
         url = self.tenants.store_url
-        if url is None and self.registry_url and self.registry_url.startswith("redis"):
+        if url is None and self.registry_url and self.registry_url.startswith(("redis",
+                                                                               "sqlite")):
             url = self.registry_url
         return url or "memory://"
 

@@ -62,8 +62,8 @@ class Scheme:
 SCHEMES = (
     #      form                      backend    stores that have it
     Scheme("memory://",              "memory",  EVERY_STORE),  # one process
-    Scheme("sqlite:///PATH",         "sqlite",  ("sessions", "pins", "response_cache", "registry",
-                                                 "model_registry")),  # one machine (WAL)
+    Scheme("sqlite:///PATH",         "sqlite",  ("sessions", "pins", "response_cache", "usage",
+                                                 "registry", "model_registry")),  # one machine
     Scheme("redis://HOST:PORT/DB",   "redis",   EVERY_STORE),  # many machines
     Scheme("rediss://HOST:PORT/DB",  "redis",   EVERY_STORE),  # many machines, over TLS
     Scheme("redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]", "redis",

@@ -1,8 +1,8 @@
-"""The usage store contract (strata/state/usage/base.py), run over memory and a real Redis, two
-clients of one store each time (two gateways): counts added at once by both add up exactly;
-`totals` starts at the minute `since` falls in; `take` admits exactly the window's requests
-however the clients race, refuses once the charged tokens reach the limit, and a new minute
-opens a new window; usage past the retention is gone."""
+"""The usage store contract (strata/state/usage/base.py), run over memory, one SQLite file and a
+real Redis, two clients of one store each time (two gateways): counts added at once by both add
+up exactly; `totals` starts at the minute `since` falls in; `take` admits exactly the window's
+requests however the clients race, refuses once the charged tokens reach the limit, and a new
+minute opens a new window; usage past the retention is gone."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 from redis_server import redis_server, redis_url  # noqa: F401
@@ -18,19 +19,24 @@ from strata.clock import ManualClock
 from strata.errors import ConfigError, UsageStoreError
 from strata.state.usage import Counts, MemoryUsageStore, UsageStore, create_usage_store
 from strata.state.usage.redis import RedisUsageStore
+from strata.state.usage.sqlite import SqliteUsageStore
 
 Pair = tuple[UsageStore, UsageStore, ManualClock]
 RETENTION_S = 120.0
 
 
-@pytest.fixture(params=["memory", "redis"])
-def stores(request: pytest.FixtureRequest) -> Pair:
+@pytest.fixture(params=["memory", "sqlite", "redis"])
+def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Pair:
     """Two clients of one store, on a clock 10 s into a real minute (Redis expires keys on the
     server's real clock, so the store's wall time must be near it)."""
     clock = ManualClock((time.time() // 60) * 60 + 10.0)
     if request.param == "memory":
         shared = MemoryUsageStore(clock=clock, retention_s=RETENTION_S)
         return shared, shared, clock
+    if request.param == "sqlite":  # two connections to one file: two gateways on one machine
+        path = tmp_path / "usage.db"
+        return (SqliteUsageStore(path, clock=clock, retention_s=RETENTION_S),
+                SqliteUsageStore(path, clock=clock, retention_s=RETENTION_S), clock)
     url = request.getfixturevalue("redis_url")
     prefix = f"strata:test-usage-{uuid.uuid4().hex[:8]}"
     return (RedisUsageStore(url, clock=clock, prefix=prefix, retention_s=RETENTION_S),
@@ -119,9 +125,12 @@ def test_take_refuses_once_the_charged_tokens_reach_the_limit(stores: Pair) -> N
 
 def test_the_factory_and_its_errors() -> None:
     assert isinstance(create_usage_store("memory://"), MemoryUsageStore)
-    with pytest.raises(ConfigError, match="unknown usage store URL 'sqlite:///u.db'; use one "
-                                          "of: memory://, redis://"):
-        create_usage_store("sqlite:///u.db")
+    with pytest.raises(ConfigError, match="unknown usage store URL 'file:///u.db'; use one "
+                                          "of: memory://, sqlite:///PATH, redis://"):
+        create_usage_store("file:///u.db")
+    with pytest.raises(ConfigError, match="sqlite usage store URL 'sqlite://u.db' needs an "
+                                          "absolute path"):
+        create_usage_store("sqlite://u.db")
     with pytest.raises(ConfigError, match="retention_s must be at least 60"):
         create_usage_store("memory://", retention_s=5)
 

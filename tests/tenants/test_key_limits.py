@@ -60,9 +60,9 @@ def test_a_bad_limit_is_a_config_error_naming_the_field_not_the_key(
 
 
 def test_the_usage_store_is_one_of_its_forms(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="unknown usage store URL 'sqlite:///u.db'; use one "
-                                          "of: memory://, redis://"):
-        gateway_config(["--instances", "http://127.0.0.1:9", "--usage-store", "sqlite:///u.db"])
+    with pytest.raises(ConfigError, match="unknown usage store URL 'etcd://u'; use one "
+                                          "of: memory://, sqlite:///PATH, redis://"):
+        gateway_config(["--instances", "http://127.0.0.1:9", "--usage-store", "etcd://u"])
 
 
 def test_limits_only_go_beside_client_keys() -> None:

@@ -1,6 +1,7 @@
 """Tenants' usage and token-budget windows, shared by gateways (contract: base.py).
 
     create_usage_store("memory://")                 one gateway (memory.py; tests)
+    create_usage_store("sqlite:///PATH")            gateways on one machine (sqlite.py)
     create_usage_store("redis://127.0.0.1:6379/0")  gateways on many machines (redis.py; keys
                                                     `strata:usage:*`)
 """
