@@ -334,11 +334,11 @@ class GatewayConfig:
     @property
     def usage_store_url(self) -> str:
         """Where tenants' usage and budget windows live: --usage-store, else the registry when
-        it is shared (Redis, or SQLite on one machine: every gateway of the fleet adds up
-        there), else this process."""
+        it is Redis (every gateway of the fleet adds up there), else this process. An SQLite
+        registry is not the default: a JSON answer waits for its usage write, which there is a
+        file commit; `--usage-store sqlite:///PATH` shares one on a machine by choice."""
         url = self.tenants.store_url
-        if url is None and self.registry_url and self.registry_url.startswith(("redis",
-                                                                               "sqlite")):
+        if url is None and self.registry_url and self.registry_url.startswith("redis"):
             url = self.registry_url
         return url or "memory://"
 
