@@ -75,8 +75,8 @@ class LoraTable:
 
     async def acquire(self, name: str) -> None:
         """Hold `name` resident until `release(name)`; loads it first when it is not."""
-        if name in self.config.loras and not self._lock.locked():
-            self._lease(name)
+        if name in self.config.loras and (self.max_resident is None or not self._lock.locked()):
+            self._lease(name)  # without a limit nothing is evicted: no need to queue
             return
         async with self._lock:
             if name not in self.config.loras:
