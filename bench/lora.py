@@ -8,18 +8,25 @@
     bf16), `Engine.add_lora`, then a 128-token prompt on it until its first token; a fresh
     adapter directory each time (the files are in the page cache, as after a download). Beside
     it the same prompt's first token on the base. Issue target: <= 100 ms.
+(c) With `--max-cpu-loras N`: cold on-demand loads with eviction, as `strata serve
+    --max-cpu-loras N` does them: N + 1 adapters known, requests round-robin over them, so each
+    one misses, evicts the least recently used adapter and loads its own (strata/server/loras.py
+    over an AsyncEngine: read and checks off the event loop, add between steps), then its
+    128-token prompt runs to the first token. Reported: acquire (evict + read + checks + add),
+    first token, and the sum (file to first token).
 
 The adapters are random PEFT LoRA directories (adapter_config.json + adapter_model.safetensors,
 PEFT's key names) targeting q, k, v, o, gate, up and down, written by this script.
 
 Usage (JSON on stdout):
     .venv/bin/python bench/lora.py [--rounds 3] [--cold 5] [--cold-only] [--model DIR]
-        [--threads 2]
+        [--threads 2] [--max-cpu-loras N]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -42,6 +49,10 @@ from strata.engine.engine import Engine  # noqa: E402
 from strata.model.config import ModelConfig  # noqa: E402
 from strata.model.loader import LoadedModel  # noqa: E402
 from strata.model.lora import TARGET_MODULES, load_adapter  # noqa: E402
+from strata.server.async_engine import AsyncEngine  # noqa: E402
+from strata.server.config import ServerConfig  # noqa: E402
+from strata.server.loras import LoraTable  # noqa: E402
+from strata.server.metrics import ServerMetrics  # noqa: E402
 
 COUNTS = (0, 1, 4, 16)
 RANK = 8
@@ -151,6 +162,55 @@ def bench_cold(loaded: LoadedModel, root: Path, times: int) -> dict[str, Any]:
             "target_met": summary["file_to_first_token_ms"] <= 100.0}
 
 
+def bench_on_demand(loaded: LoadedModel, root: Path, times: int, max_cpu_loras: int
+                    ) -> dict[str, Any]:
+    names = [f"od{k}" for k in range(max_cpu_loras + 1)]
+    paths = {n: str(write_adapter(root / n, loaded.config, str(loaded.source), seed=200 + k))
+             for k, n in enumerate(names)}
+    engine = AsyncEngine(build_engine(loaded, prefix_cache=False), max_model_len=2048)
+    config = ServerConfig(served_model_name="bench", max_cpu_loras=max_cpu_loras,
+                          lora_paths=dict(paths))
+    metrics = ServerMetrics("bench")
+    dtype = torch.bfloat16
+
+    def loader(name: str, path: str) -> Any:
+        return load_adapter(name, path, loaded.config, dtype=dtype)
+
+    async def first_token_after(name: str, prompt: list[int]) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        await table.acquire(name)
+        t1 = time.perf_counter()
+        request = make_request(prompt, 1)
+        request.lora_name, request.lora_digest = name, config.loras[name]
+        async for _ in engine.generate(request):
+            break
+        table.release(name)
+        return (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000
+
+    async def go() -> list[dict[str, float]]:
+        engine.start()
+        prompts = random_prompts(times + len(names), LIN, loaded.config.vocab_size, seed=2)
+        for k, name in enumerate(names[:-1]):  # warm: N resident
+            await first_token_after(name, prompts[times + k])
+        rows = []
+        for i in range(times):
+            acquire_ms, token_ms = await first_token_after(names[(i + len(names) - 1)
+                                                                 % len(names)], prompts[i])
+            rows.append({"acquire_ms": acquire_ms, "first_token_ms": token_ms,
+                         "file_to_first_token_ms": acquire_ms + token_ms})
+        await engine.shutdown(10.0)
+        return rows
+
+    table = LoraTable(engine, config, loader, metrics.lora)
+    rows = asyncio.run(go())
+    registry = metrics.registry
+    summary = {key: round(statistics.median(r[key] for r in rows), 1) for key in rows[0]}
+    return {"max_cpu_loras": max_cpu_loras, "adapters": len(names), "median": summary,
+            "runs": [{k: round(v, 1) for k, v in r.items()} for r in rows],
+            "evictions": registry.get_sample_value("strata:lora_evictions_total",
+                                                   {"model_name": "bench"})}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M)")
@@ -158,6 +218,8 @@ def main() -> None:
     ap.add_argument("--cold", type=int, default=5, help="cold loads to time")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cold-only", action="store_true", help="skip the throughput part")
+    ap.add_argument("--max-cpu-loras", type=int, default=0,
+                    help="N > 0: also (c), cold on-demand loads with eviction over N + 1 adapters")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     loaded = load(a.model)
@@ -166,7 +228,9 @@ def main() -> None:
         out = {"model": loaded.name, "rank": RANK, "load": f"{N} x {LIN} -> {LOUT}",
                "rounds": a.rounds, "threads": a.threads,
                "throughput": None if a.cold_only else bench_throughput(loaded, root, a.rounds),
-               "cold_load": bench_cold(loaded, root, a.cold)}
+               "cold_load": bench_cold(loaded, root, a.cold),
+               "on_demand": bench_on_demand(loaded, root, a.cold, a.max_cpu_loras)
+               if a.max_cpu_loras > 0 else None}
     print(json.dumps(out, indent=2))
 
 

@@ -91,6 +91,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="adapters of a higher rank are refused (default: 64)")
     p.add_argument("--max-loras", type=positive_int, default=4,
                    help="distinct adapters in one engine step (default: 4)")
+    p.add_argument("--max-cpu-loras", type=positive_int, default=None,
+                   help="at most this many adapters resident; the others are known by name and "
+                        "path and loaded on demand, evicting the least recently used adapter "
+                        "no request holds (default: every adapter stays resident)")
     add_parallel_flags(p)
     _add_cluster_flags(p)
 

@@ -64,7 +64,9 @@ class BuiltEngine:
     simulated: bool = False
     generation_defaults: GenerationDefaults = GenerationDefaults()  # --generation-config
     embed: EmbedConfig | None = None  # set: an encoder served for /v1/embeddings (--task embed)
-    loras: tuple[tuple[str, str], ...] = ()  # (name, digest) of each --lora-modules adapter
+    loras: tuple[tuple[str, str], ...] = ()  # (name, digest) of each adapter resident at start
+    lora_paths: tuple[tuple[str, str], ...] = ()  # (name, path) of each --lora-modules adapter
+    lora_bytes: tuple[tuple[str, int], ...] = ()  # (digest, bytes) of each resident at start
     lora_loader: LoraLoader | None = None  # POST /v1/load_lora_adapter's (None: refused)
 
 
@@ -81,8 +83,9 @@ def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
         loaded, parallel = load_for_serving(args, path, env.cache_dir)
         alias = KNOWN_MODELS.get(args.model or DEFAULT_MODEL)
         name = args.served_model_name or (alias.served_name if alias else loaded.name)
-        adapters = load_loras(args, loaded)
-        async_engine = build_async_engine(args, loaded, name, parallel, adapters)
+        adapters = load_loras(args, loaded)  # every one checked; the first --max-cpu-loras kept
+        resident = adapters[:getattr(args, "max_cpu_loras", None) or len(adapters)]
+        async_engine = build_async_engine(args, loaded, name, parallel, resident)
         loaded.weights.clear()  # the executor holds its own (packed) copies
     loader = None if parallel is not None else lora_loader(args, loaded, async_engine)
     defaults = generation_defaults_of(args.generation_config, loaded.generation_defaults,
@@ -90,7 +93,10 @@ def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
     log.info("sampling defaults (--generation-config %s): %s", args.generation_config,
              defaults.as_dict() or "none")
     return BuiltEngine(async_engine, loaded.tokenizer, name, generation_defaults=defaults,
-                       loras=tuple((a.name, a.digest) for a in adapters), lora_loader=loader)
+                       loras=tuple((a.name, a.digest) for a in resident),
+                       lora_paths=tuple((a.name, a.path) for a in adapters),
+                       lora_bytes=tuple((a.digest, a.num_bytes) for a in resident),
+                       lora_loader=loader)
 
 
 def lora_loader(args: argparse.Namespace, loaded: LoadedModel,
@@ -248,9 +254,12 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
                                  session_redis_replicas=args.session_redis_replicas,
                                  generation_defaults=built.generation_defaults, pd=_pd_config(args),
                                  embed=built.embed, loras=dict(built.loras),
+                                 lora_paths=dict(built.lora_paths),
+                                 max_cpu_loras=getattr(args, "max_cpu_loras", None),
                                  **_kv_options(args))
     app = create_app(built.async_engine, built.tokenizer, server_config,
-                     registration=registration, lora_loader=built.lora_loader)
+                     registration=registration, lora_loader=built.lora_loader,
+                     lora_bytes=dict(built.lora_bytes))
     server = _server_draining_first(uvicorn.Config(
         app, log_level=args.log_level, access_log=args.log_level == "debug",
         log_config=None,  # its loggers go through strata/logs.py's handler

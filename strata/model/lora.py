@@ -58,6 +58,12 @@ class LoraAdapter:
     scaling: float
     layers: list[LoraLayer]
 
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of its weights (what residency costs)."""
+        pairs = [p for x in self.layers for p in (x.qkv, x.o, x.gate_up, x.down) if p is not None]
+        return sum(t.numel() * t.element_size() for p in pairs for t in (p.a, p.b))
+
 
 def moved(adapter: LoraAdapter, dtype: torch.dtype, device: str) -> LoraAdapter:
     """The adapter with its weights in `dtype` on `device` (the model's)."""

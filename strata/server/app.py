@@ -26,7 +26,7 @@ instance in the registry; a drain reports DRAINING and deregisters once no reque
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
@@ -46,7 +46,8 @@ from strata.server.info_routes import info_routes
 from strata.server.instance import Instance
 from strata.server.kv_events import open_prefix_serving
 from strata.server.kv_offload import open_kv_offload
-from strata.server.lora_routes import LoraLoader, LoraTable, lora_routes
+from strata.server.lora_routes import lora_routes
+from strata.server.loras import LeaseRelease, LoraLoader, LoraTable
 from strata.server.metrics import ServerMetrics
 from strata.server.openapi_routes import instance_access, instance_openapi
 from strata.server.pd.routes import pd_routes
@@ -71,7 +72,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
                *, registration: Registration | None = None,
                session_store: SessionStore | None = None,
                kv_store: KVStore | None = None,
-               lora_loader: LoraLoader | None = None) -> FastAPI:
+               lora_loader: LoraLoader | None = None,
+               lora_bytes: Mapping[str, int] | None = None) -> FastAPI:
     """The FastAPI app serving `async_engine`; starts the engine thread.
 
     With `registration`, the lifespan registers the instance, heartbeats and deregisters it.
@@ -79,7 +81,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
     `config.session_store_url`; with neither, a request with a session id is a 400.
     With `config.kv_offload`, KV blocks go to `kv_store` or the store `config.kv_store_url`
     names (kv_offload.py); the lifespan closes it. `lora_loader` reads a LoRA adapter for
-    POST /v1/load_lora_adapter (None: the route answers 400)."""
+    POST /v1/load_lora_adapter and for adapters loaded on demand (None: the route answers 400);
+    `lora_bytes` (by digest) sizes the adapters already resident, for /metrics."""
     async_engine.start()
     metrics = ServerMetrics(config.served_model_name, simulated=config.simulated)
     instance = Instance(ServingContext(async_engine, tokenizer, config, metrics), registration)
@@ -97,9 +100,10 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
                   redoc_url=None)
     app.state.instance = instance
     app.state.pd = pd = PD(instance, config.pd)
-    app.state.loras = LoraTable(async_engine, config, lora_loader)
+    app.state.loras = LoraTable(async_engine, config, lora_loader, metrics.lora, lora_bytes)
     document = instance_openapi()  # GET /openapi.json serves it (openapi_routes.py)
     app.openapi = lambda: document  # type: ignore[method-assign]
+    app.add_middleware(LeaseRelease, table=lambda: app.state.loras)  # after the answer's end
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
     app.add_middleware(ModelVersionHeader,
                        value=f"{config.served_model_name}@{config.model_version}")

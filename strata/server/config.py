@@ -81,6 +81,11 @@ class ServerConfig:
     # LoRA adapters served beside the base (--lora-modules): name -> content digest; changed
     # at run time by POST /v1/load_lora_adapter and /v1/unload_lora_adapter only (lora_routes.py)
     loras: dict[str, str] = field(default_factory=dict)
+    # every adapter known, resident or not: name -> path (strata/server/loras.py)
+    lora_paths: dict[str, str] = field(default_factory=dict)
+    # at most this many adapters resident; others load on demand, evicting the least recently
+    # used one nobody holds (--max-cpu-loras; None: every known adapter stays resident)
+    max_cpu_loras: int | None = None
 
     @property
     def task(self) -> str:
@@ -104,6 +109,8 @@ class ServerConfig:
         if self.session_ttl_s is not None and self.session_ttl_s <= 0:
             raise ConfigError(f"session_ttl_s must be positive, got {self.session_ttl_s}; "
                               "pass None for sessions that never expire")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
+            raise ConfigError(f"max_cpu_loras must be >= 1 (or None), got {self.max_cpu_loras}")
         if self.retry_after_s <= 0:
             raise ConfigError(f"retry_after_s must be positive, got {self.retry_after_s}")
         if self.kv_offload and not self.kv_store_url:

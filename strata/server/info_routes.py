@@ -47,7 +47,7 @@ async def models(request: Request) -> dict[str, Any]:
         body["data"][0]["generation_defaults"] = instance.config.generation_defaults.as_dict()
     if simulated:
         body["data"][0]["simulated"] = True
-    for name in instance.config.loras:
+    for name in {**instance.config.loras, **instance.config.lora_paths}:  # resident or not
         lora = ModelCard(id=name, max_model_len=instance.engine.max_model_len).model_dump()
         body["data"].append({**lora, "parent": instance.config.served_model_name,
                              "task": instance.config.task})

@@ -119,7 +119,7 @@ class Instance:
 def check_model(config: ServerConfig, model_name: str | None) -> None:
     """`name` or `name@version` must be what this instance serves: never silently another."""
     served, version = config.served_model_name, config.model_version
-    if model_name is not None and model_name in config.loras:
+    if model_name is not None and (model_name in config.loras or model_name in config.lora_paths):
         return  # a LoRA adapter over the base
     name, _, wanted = (model_name or served).partition("@")
     if name != served:

@@ -64,6 +64,7 @@ class ServerMetrics:
             self.cancelled.labels(model_name, reason)
         self._seen_preemptions = 0
         self.kv = KVOffloadMetrics(reg, model_name)
+        self.lora = LoraMetrics(reg, model_name)
         self.ranks: RankMemoryMetrics | None = None
         self.pipeline: PipelineMetrics | None = None
 
@@ -147,6 +148,28 @@ class KVOffloadMetrics:
         self.external_hit_tokens.labels(self._model).inc(
             max(0, stats.num_external_hit_tokens - hits))
         self._seen = (stats.num_kv_import_failures, stats.num_external_hit_tokens)
+
+
+class LoraMetrics:
+    """`strata:lora_*`: the LoRA adapters resident (--max-cpu-loras), loaded and evicted
+    (strata/server/loras.py sets them)."""
+
+    def __init__(self, reg: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+        self.resident = Gauge("strata:lora_resident_adapters",
+                              "LoRA adapters whose weights the engine holds.", labels, registry=reg)
+        self.resident_bytes = Gauge("strata:lora_resident_bytes",
+                                    "Bytes of the resident LoRA adapters' weights.", labels,
+                                    registry=reg)
+        self.loads = Counter("strata:lora_loads", "LoRA adapters loaded from their files "
+                             "(at run time: on demand or by the load route).", labels,
+                             registry=reg)
+        self.evictions = Counter("strata:lora_evictions", "Resident LoRA adapters evicted to "
+                                 "make room (--max-cpu-loras).", labels, registry=reg)
+        self.load_s = Histogram("strata:lora_load_seconds", "Time to read, check and add a "
+                                "LoRA adapter.", labels, buckets=_LATENCY_BUCKETS_S, registry=reg)
+        for metric in (self.resident, self.resident_bytes, self.loads, self.evictions):
+            metric.labels(model_name)  # shown (as 0) before the first event
 
 
 class RankMemoryMetrics:
@@ -233,5 +256,5 @@ async def track(outputs: AsyncGenerator[RequestOutput, None], metrics: ServerMet
         await outputs.aclose()
 
 
-__all__ = ["KVOffloadMetrics", "PipelineMetrics", "RankMemoryMetrics", "RequestTiming",
-           "ServerMetrics", "track"]
+__all__ = ["KVOffloadMetrics", "LoraMetrics", "PipelineMetrics", "RankMemoryMetrics",
+           "RequestTiming", "ServerMetrics", "track"]

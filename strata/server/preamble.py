@@ -20,10 +20,14 @@ in this order, so that no route can skip a step:
   6. watch   the deadline: `X-Strata-Timeout-S`, else the body's `timeout` (seconds), from now
              (strata/protocol/deadline.py); the routes wait with cancel.unless_cancelled, which
              aborts the work when the client leaves or the deadline passes
+  7. adapter a request naming a LoRA adapter holds it resident until its answer is sent,
+             loading it first when --max-cpu-loras left it out (loras.py); the wait is bounded
+             by the deadline and the client staying
 
 The plain generation routes, embeddings, tokenize, the P/D hand-off's prefill and decode routes
 and resume all enter here; a route whose body carries the client's request inside another
-(resume) parses its own body with `parse_body`, then hands the inner request to `admitted`.
+(resume) parses its own body with `parse_body`, then hands the inner request to `admitted`
+and `hold_adapter`.
 A check that every client request needs is added here, never in one route.
 """
 
@@ -38,7 +42,8 @@ from strata.protocol.deadline import TIMEOUT_FIELD, TIMEOUT_HEADER
 from strata.protocol.json_body import parse_json_object
 from strata.protocol.pd import public_path
 from strata.protocol.priority import MAX_PRIORITY_STATE, PRIORITY_HEADER, effective_priority
-from strata.server.cancel import watch
+from strata.server import loras
+from strata.server.cancel import unless_cancelled, watch
 from strata.server.instance import Instance, instance_of
 from strata.server.sessions import cache_tenant
 from strata.server.translate import tenant_scoped
@@ -58,7 +63,18 @@ async def client_request(request: Request, model: type[M], *, task: Task) -> tup
     instance = instance_of(request)
     if task != "any":
         instance.require_task(task, public_path(request.url.path))
-    return instance, admitted(request, instance, await parse_body(request, model), task=task)
+    body = admitted(request, instance, await parse_body(request, model), task=task)
+    if task == "generate":  # tokenize and the like need no weights
+        await hold_adapter(request, body)
+    return instance, body
+
+
+async def hold_adapter(request: Request, body: BaseModel) -> None:
+    """Step 7, for a request `admitted` (a route that parses its own body calls it too)."""
+    name = getattr(body, "model", None)
+    table = request.app.state.loras
+    if isinstance(name, str) and table.is_known(name):
+        await unless_cancelled(request, loras.hold_adapter(request.scope, table, name))
 
 
 def admitted(request: Request, instance: Instance, body: M, *, task: Task) -> M:

@@ -36,7 +36,7 @@ from strata.server import translate as tr
 from strata.server.constrain import plan_choices
 from strata.server.generation import ChoiceState, Generation, start
 from strata.server.instance import Instance, check_model, instance_of
-from strata.server.preamble import admitted, parse_body
+from strata.server.preamble import admitted, hold_adapter, parse_body
 from strata.server.request_io import SSEResponse, unless_cancelled
 from strata.server.serving import ServingContext, Started
 from strata.server.stream_marks import Marks
@@ -59,6 +59,7 @@ async def resume(request: Request) -> Response:
     body = await parse_body(request, ResumeRequest)
     check_model(instance.config, body.version)
     req = admitted(request, instance, _client_request(body), task="generate")
+    await hold_adapter(request, req)
     session_id = sess.session_id_of(request, json.dumps(body.request).encode())
     turn = None
     if session_id is not None and isinstance(req, ChatCompletionRequest):

@@ -64,9 +64,9 @@ class Instance:
 
 def start_instance(model: LoadedModel, *, dtype: str = "float32", version: str = "v1",
                    num_blocks: int = 128, executor: ModelExecutor | None = None,
-                   **pd: Any) -> Instance:
+                   loras: dict[str, str] | None = None, **pd: Any) -> Instance:
     """An instance of `model` (a TorchExecutor unless `executor` is given: the caller shuts a
-    given one down after `stop`)."""
+    given one down after `stop`); `loras` (name -> digest): the adapters `executor` holds."""
     loaded = model
     executor = executor or TorchExecutor(loaded.config, loaded.weights, dtype=dtype,
                                          model_name=MODEL, model_version=version)
@@ -77,7 +77,7 @@ def start_instance(model: LoadedModel, *, dtype: str = "float32", version: str =
                                     max_model_len=MAX_MODEL_LEN),
                     loaded.tokenizer, vocab_size=loaded.config.vocab_size)
     config = ServerConfig(served_model_name=MODEL, model_version=version, pd=PDConfig(**pd),
-                          internal_keys=(INTERNAL_KEY,))
+                          internal_keys=(INTERNAL_KEY,), loras=dict(loras or {}))
     app = create_app(AsyncEngine(engine, max_model_len=MAX_MODEL_LEN), loaded.tokenizer, config)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))

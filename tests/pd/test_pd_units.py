@@ -81,11 +81,12 @@ def test_the_handle_round_trips_and_needs_a_url() -> None:
         Handle.from_json('{"handle": "h"}')
 
 
-def test_the_prompt_digest_names_tokens_model_and_salt() -> None:
+def test_the_prompt_digest_names_tokens_model_salt_and_adapter() -> None:
     base = prompt_digest([1, 2, 3], "m@1", "")
-    assert base == prompt_digest([1, 2, 3], "m@1", "")
+    assert base == prompt_digest([1, 2, 3], "m@1", "") == prompt_digest([1, 2, 3], "m@1", "", "")
     assert len({base, prompt_digest([1, 2, 4], "m@1", ""), prompt_digest([1, 2, 3], "m@2", ""),
-                prompt_digest([1, 2, 3], "m@1", "s")}) == 4
+                prompt_digest([1, 2, 3], "m@1", "s"), prompt_digest([1, 2, 3], "m@1", "", "d1"),
+                prompt_digest([1, 2, 3], "m@1", "", "d2")}) == 6
 
 
 class Clock:

@@ -7,9 +7,11 @@ engine sees the request):
 0. the handle must be one this fleet wrote (pd/trust.py): sealed by the gateway with the
    internal key, or naming an instance the registry lists; a forged one is a 400 and nothing
    is contacted;
-1. the handle must name this very prompt (length and digest over tokens, namespace and salt)
-   and P must pass the layout handshake; otherwise the handle is ignored and D prefills
-   locally, sampling its own first token (a token from another prompt or model is never used);
+1. the handle must name this very prompt (length and digest over tokens, namespace, salt and
+   LoRA adapter digest) and P must pass the layout handshake; otherwise the handle is ignored
+   and D prefills locally, sampling its own first token (a token from another prompt, model or
+   adapter weights is never used). A D that does not serve the adapter named by `model` refuses
+   the request at the one door (404), as a mixed instance does;
 2. the blocks after D's own prefix-cache hit, the partial last one included, are pulled (a
    binary stream straight from P) and checked on arrival: chain hash against D's own, crc32 of
    the bytes. The first bad block and every block after it are recomputed (counted by reason),
@@ -84,10 +86,11 @@ class HandoffPull:
             return "the request has more than one prompt or choice"
         request = requests[0]
         namespace = self.pd.instance.engine.engine.cache_config.namespace
-        digest = prompt_digest(request.prompt_token_ids, namespace, request.cache_salt)
+        digest = prompt_digest(request.prompt_token_ids, namespace, request.cache_salt,
+                               request.lora_digest)
         if (request.num_prompt_tokens, digest) != (handle.num_prompt_tokens,
                                                    handle.prompt_digest):
-            return "the handle names another prompt, model version or cache salt"
+            return "the handle names another prompt, model version, cache salt or LoRA adapter"
         return await self.pd.peers.check(handle.url, handle.epoch)
 
     def _wanted(self, request: EngineRequest, handle: Handle) -> tuple[list[BlockHash], int]:

@@ -99,7 +99,8 @@ def grant(pd: PD, request: EngineRequest, first: RequestOutput) -> Handle:
     namespace = pd.instance.engine.engine.cache_config.namespace
     return Handle(
         handle=lease.handle, epoch=pd.epoch, num_prompt_tokens=request.num_prompt_tokens,
-        prompt_digest=prompt_digest(request.prompt_token_ids, namespace, request.cache_salt),
+        prompt_digest=prompt_digest(request.prompt_token_ids, namespace, request.cache_salt,
+                                    request.lora_digest),
         num_blocks=len(first.held), token_id=first.new_token_ids[0],
         num_cached_tokens=first.num_cached_tokens, lease_s=pd.config.lease_s,
         logprob=logprob.logprob if logprob else None,

@@ -2,7 +2,8 @@
 
 Handle: compact JSON (`Handle.to_json`), passed by the gateway to D in `X-Strata-Handoff`.
 It names the prompt by its length and a digest over its tokens, the hash namespace (model and
-version) and the cache salt, so D never uses a token P sampled for another prompt or model. The
+version), the cache salt and the LoRA adapter's digest (its files'), so D never uses a token P
+sampled for another prompt, model or adapter weights. The
 gateway adds P's instance id and URL and seals every field with the fleet's internal key
 (strata/protocol/seal.py); D follows only a handle its fleet wrote (pd/trust.py).
 
@@ -38,10 +39,14 @@ _CRC = struct.Struct("<I")
 HASH_BYTES = 16
 
 
-def prompt_digest(token_ids: list[int], namespace: str, cache_salt: str) -> str:
-    """Names a prompt exactly: its tokens under one model, version and salt."""
+def prompt_digest(token_ids: list[int], namespace: str, cache_salt: str,
+                  lora_digest: str = "") -> str:
+    """Names a prompt exactly: its tokens under one model, version, salt and LoRA adapter (the
+    digest of its files: a D whose adapter of that name has other weights recomputes)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{namespace}|{cache_salt}".encode())
+    if lora_digest:  # a base prompt's digest is what it was before adapters
+        h.update(f"|lora:{lora_digest}".encode())
     h.update(b"\x00")
     h.update(array("q", token_ids).tobytes())
     return h.hexdigest()
