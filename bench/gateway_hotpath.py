@@ -15,6 +15,16 @@ path's TTFT p50/p99 minus direct's in the same round; medians and [min..max] ove
 `git archive` under .bench/ref/), run with this checkout's virtualenv, so a before/after runs
 in one interleaved benchmark. Writes .bench/results/gateway_hotpath.json; prints the load
 average at the start and the end of every round.
+
+Variants of the round_robin gateway (issue 29), each a path of its own:
+`strata-trace0` (tracing off: the baseline of the others, the same command as
+strata-round_robin), `strata-trace1pct` and `strata-trace100` (`--otlp-endpoint` to a stand-in
+collector, bench/otlp_sink.py, with `--trace-sample-ratio` 0.01 and 1.0; only the gateway traces,
+the instances do not) and `strata-budgets` (`--api-key-file` with one key whose rpm/tpm are far
+above what the run sends, so the key check, the meter and the budget check run on every request
+and none is refused; the client sends the key). Every path's req/s is also given as a ratio to
+strata-trace0's in the same round when that path runs; the collector's counts of exports and
+spans per gateway are in the JSON and printed at the end.
 """
 
 from __future__ import annotations
@@ -30,11 +40,12 @@ from pathlib import Path
 from typing import Any
 
 import gateway_overhead
+import httpx
 from gateway_overhead import SIM_MODEL, SIM_PROFILE, drive, smoke, start_instance, start_path
-from procs import Proc, stop_all, wait_http
+from harness.procs import spawn as spawn_in
+from procs import Proc, spawn, stop_all, wait_http
 
 from strata.bench import report as bench_report
-from harness.procs import spawn as spawn_in
 from strata.bench.report import RequestResult, json_safe, percentile
 from strata.cluster.ports import free_port
 
@@ -53,6 +64,46 @@ PY = str(ROOT / ".venv" / "bin" / "python")
 BENCH = ROOT / ".bench"
 REFS = BENCH / "ref"
 RESULTS = BENCH / "results"
+BASELINE = "strata-trace0"
+BENCH_KEY = "sk-bench-hotpath"
+# far above the run's rate (at most a few thousand requests and ~100k tokens a minute)
+BUDGET_LINE = f"{BENCH_KEY} rpm=100000000 tpm=1000000000"
+TRACE_RATIOS = {"strata-trace1pct": "0.01", "strata-trace100": "1.0"}
+VARIANTS = {BASELINE, "strata-budgets", *TRACE_RATIOS}
+
+
+def start_sink(log_dir: Path) -> Proc:
+    """The stand-in OTLP/HTTP collector (bench/otlp_sink.py)."""
+    port = free_port()
+    proc = spawn("otlp-sink", [PY, str(ROOT / "bench" / "otlp_sink.py"), "--port", str(port)],
+                 log_dir, f"http://127.0.0.1:{port}")
+    wait_http(proc, "/counts", 20)
+    return proc
+
+
+def start_variant(path: str, urls: list[str], log_dir: Path, sink: Proc | None) -> Proc:
+    """A round_robin gateway with the flags of the variant `path` (see the docstring)."""
+    extra: tuple[str, ...] = ()
+    if path in TRACE_RATIOS:
+        assert sink is not None
+        extra = ("--otlp-endpoint", f"{sink.url}/{path}",
+                 "--trace-sample-ratio", TRACE_RATIOS[path])
+    elif path == "strata-budgets":
+        key_file = BENCH / "tmp" / "hotpath-keys.txt"
+        key_file.write_text(BUDGET_LINE + "\n")
+        extra = ("--api-key-file", str(key_file))
+    proc = gateway_overhead.start_gateway(path, urls, "round_robin", log_dir, extra)
+    wait_http(proc, "/ready", 30)
+    return proc
+
+
+def sink_counts(sink: Proc | None) -> dict[str, Any]:
+    if sink is None:
+        return {}
+    try:
+        return httpx.get(sink.url + "/counts", timeout=5).json()
+    except httpx.HTTPError as exc:
+        return {"error": str(exc)}
 
 
 def extract(commit: str) -> Path:
@@ -88,14 +139,17 @@ def cpu_s(proc: Proc | None) -> float:
 
 
 def measure(urls: list[str], concurrency: int, args: argparse.Namespace,
-            proc: Proc | None) -> dict[str, Any]:
+            proc: Proc | None, headers: dict[str, str] | None = None) -> dict[str, Any]:
     cpu_before = cpu_s(proc)
     if concurrency == 1:
-        s = drive(urls, SIM_MODEL, args.c1_requests, 1, max_tokens=8, timeout_s=300)
+        s = drive(urls, SIM_MODEL, args.c1_requests, 1, max_tokens=8, timeout_s=300,
+                  headers=headers)
     else:
-        s = drive(urls, SIM_MODEL, args.cn_requests, concurrency, max_tokens=32, timeout_s=300)
+        s = drive(urls, SIM_MODEL, args.cn_requests, concurrency, max_tokens=32, timeout_s=300,
+                  headers=headers)
     num = s["num_completed"] or 1
     return {"router_cpu_us_per_req": 1e6 * (cpu_s(proc) - cpu_before) / num,
+            "req_s": s["requests_per_s"], "num_requests": s["num_requests"],
             "ttft_p10": 1000 * percentile(_last_ttfts_s, 10),
             "ttft_p50": s["ttft_ms"]["p50"], "ttft_p99": s["ttft_ms"]["p99"],
             "itl_p50": s["itl_ms"]["p50"], "itl_p99": s["itl_ms"]["p99"],
@@ -115,7 +169,11 @@ def summarize(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, Any
             d = direct[c]
             row[c] = {key: spread([r[key] for r in rounds])
                       for key in ("ttft_p10", "ttft_p50", "ttft_p99", "itl_p99", "tok_s",
-                                   "router_cpu_us_per_req")}
+                                   "req_s", "router_cpu_us_per_req")}
+            if BASELINE in runs:
+                row[c]["req_s_vs_base"] = spread([
+                    r["req_s"] / x["req_s"] if x["req_s"] else float("nan")
+                    for r, x in zip(rounds, runs[BASELINE][c], strict=True)])
             row[c]["added_ttft_p50"] = spread([r["ttft_p50"] - x["ttft_p50"]
                                                for r, x in zip(rounds, d, strict=True)])
             row[c]["added_ttft_p10"] = spread([r["ttft_p10"] - x["ttft_p10"]
@@ -139,12 +197,15 @@ def print_table(summary: dict[str, Any], concurrencies: list[int]) -> None:
         print(f"\n== c={c} ==  medians over rounds [min..max]")
         print(f"{'path':<22}{'added TTFT p10':>28}{'TTFT p50':>10}{'added TTFT p50':>28}"
               f"{'added TTFT p99':>30}"
-              f"{'ITL p99':>10}{'added ITL p99':>28}{'tok/s':>9}{'cpu us/req':>11}{'fail':>6}")
+              f"{'ITL p99':>10}{'added ITL p99':>28}{'tok/s':>9}{'req/s':>8}{'vs base':>9}"
+              f"{'cpu us/req':>11}{'fail':>6}")
         for path, row in summary.items():
             r = row[c]
             print(f"{path:<22}{fmt(r['added_ttft_p10']):>28}{r['ttft_p50']['median']:>10.2f}{fmt(r['added_ttft_p50']):>28}"
                   f"{fmt(r['added_ttft_p99']):>30}{r['itl_p99']['median']:>10.2f}"
                   f"{fmt(r['added_itl_p99']):>28}{r['tok_s']['median']:>9.0f}"
+                  f"{r['req_s']['median']:>8.1f}"
+                  f"{r['req_s_vs_base']['median'] if 'req_s_vs_base' in r else float('nan'):>9.3f}"
                   f"{r['router_cpu_us_per_req']['median']:>11.0f}{r['failures']:>6}")
 
 
@@ -169,19 +230,27 @@ def main() -> None:
     instances = [start_instance(f"sim-{i}", log_dir, simulate=SIM_PROFILE,
                                 model_name=SIM_MODEL) for i in range(2)]
     started: dict[str, Proc] = {}
+    sink: Proc | None = None
+    sent: dict[str, int] = {}  # requests sent to each path, warm-ups and smoke included
     try:
         for proc in instances:
             wait_http(proc, "/v1/models", 60)
         urls = [p.url for p in instances]
+        if any(p in TRACE_RATIOS for p in args.paths):
+            sink = start_sink(log_dir)
         for path in args.paths:
-            if path != "direct":
+            if path in VARIANTS:
+                started[path] = start_variant(path, urls, log_dir, sink)
+            elif path != "direct":
                 started[path] = start_path(path, urls, log_dir)
         for name, tree in trees.items():
             started[f"strata-{name}"] = start_ref_gateway(f"strata-{name}", tree, urls, log_dir)
         targets: dict[str, list[str]] = {"direct": urls,
                                          **{k: [p.url] for k, p in started.items()}}
-        for turls in targets.values():
-            smoke(turls[0], SIM_MODEL)
+        headers = {"strata-budgets": {"Authorization": f"Bearer {BENCH_KEY}"}}
+        for path, turls in targets.items():
+            smoke(turls[0], SIM_MODEL, headers.get(path))
+            sent[path] = 1
         runs: dict[str, dict[int, list[dict[str, Any]]]] = {
             p: {c: [] for c in args.concurrency} for p in targets}
         order = list(targets)
@@ -189,10 +258,13 @@ def main() -> None:
             rotated = order[rnd % len(order):] + order[:rnd % len(order)]
             load_start = os.getloadavg()
             for path in rotated:
-                drive(targets[path], SIM_MODEL, 16, 16, 8)  # warm-up: connections
+                drive(targets[path], SIM_MODEL, 16, 16, 8,  # warm-up: connections
+                      headers=headers.get(path))
+                sent[path] += 16
                 for c in args.concurrency:
-                    m = measure(targets[path], c, args, started.get(path))
+                    m = measure(targets[path], c, args, started.get(path), headers.get(path))
                     runs[path][c].append(m)
+                    sent[path] += m["num_requests"]
                     print(f"[r{rnd}] {path:<22} c={c:<3} ttft p50 {m['ttft_p50']:7.2f} "
                           f"p99 {m['ttft_p99']:7.2f}  itl p99 {m['itl_p99']:7.2f}  "
                           f"{m['tok_s']:7.0f} tok/s  cpu {m['router_cpu_us_per_req']:6.0f} us/req  "
@@ -205,7 +277,13 @@ def main() -> None:
         report.update(runs=runs, summary=summary, load_average_end=os.getloadavg())
         print_table(summary, args.concurrency)
     finally:
-        stop_all([*started.values(), *instances])
+        stop_all([*started.values(), *instances])  # a gateway flushes its spans as it stops
+        report["collector_counts"] = sink_counts(sink)
+        report["requests_sent"] = sent
+        if sink is not None:
+            sink.stop()
+            print(f"\ncollector (spans after the gateways stopped): {report['collector_counts']}"
+                  f"; requests sent per path: {sent}")
     Path(args.out).write_text(json.dumps(json_safe(report), indent=2))
     print(f"\nwrote {args.out}; load {report['load_average_start']} -> "
           f"{report.get('load_average_end')}")

@@ -80,10 +80,11 @@ def prompts(n: int, seed: int = 0) -> list[str]:
 
 
 async def _drive(urls: list[str], model: str, n: int, concurrency: int, max_tokens: int,
-                 timeout_s: float) -> dict[str, Any]:
+                 timeout_s: float, headers: dict[str, str] | None) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(timeout_s, connect=10.0)
-    clients = [httpx.AsyncClient(base_url=u, limits=limits, timeout=timeout) for u in urls]
+    clients = [httpx.AsyncClient(base_url=u, limits=limits, timeout=timeout, headers=headers)
+               for u in urls]
     turn = itertools.count()
     results: list[RequestResult] = []
 
@@ -107,9 +108,10 @@ async def _drive(urls: list[str], model: str, n: int, concurrency: int, max_toke
 
 
 def drive(urls: list[str], model: str, n: int, concurrency: int, max_tokens: int = 32,
-          timeout_s: float = 120.0) -> dict[str, Any]:
-    """Stream `n` completions (round robin over `urls`) with `concurrency` in flight."""
-    return asyncio.run(_drive(urls, model, n, concurrency, max_tokens, timeout_s))
+          timeout_s: float = 120.0, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """Stream `n` completions (round robin over `urls`) with `concurrency` in flight, each with
+    `headers` (e.g. a client key)."""
+    return asyncio.run(_drive(urls, model, n, concurrency, max_tokens, timeout_s, headers))
 
 
 # ---------------------------------------------------------------- peers
@@ -168,9 +170,9 @@ def start_path(path: str, urls: list[str], log_dir: Path) -> Proc:
     return start_rust_router(path, urls, log_dir)
 
 
-def smoke(url: str, model: str) -> None:
+def smoke(url: str, model: str, headers: dict[str, str] | None = None) -> None:
     """One streamed request must produce exactly 4 tokens, or the path is unusable."""
-    s = drive([url], model, 1, 1, max_tokens=4, timeout_s=60)
+    s = drive([url], model, 1, 1, max_tokens=4, timeout_s=60, headers=headers)
     if s["num_completed"] != 1 or s["total_output_tokens"] != 4:
         raise RuntimeError(f"smoke request failed: {s['errors'] or s['total_output_tokens']}")
 
