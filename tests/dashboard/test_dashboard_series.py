@@ -152,6 +152,9 @@ def test_the_slowest_first_bytes_of_the_window_are_kept_with_their_request_ids()
         ("r3", 0.9, None), ("r1", 0.5, None)]  # tracing off: no trace id
     clock.now = 111.0  # r1 (at 100) left the 10 s window, r3 (at 102) did not
     set_request_id("r5")
-    series.observe(view("b"), False, 0.05)  # faster than both, but r1's place is free
+    try:
+        series.observe(view("b"), False, 0.05)  # faster than both, but r1's place is free
+    finally:
+        set_request_id(None)  # the id is the process's context: no other test's
     assert [(s.request_id, s.instance_id) for s in series.slowest()] == [("r3", "a"), ("r5", "b")]
     assert series.slowest()[0].to_json()["ttft_ms"] == 900.0
