@@ -68,7 +68,7 @@ durations: install-dev
 	$(BIN)/python tests/split.py record $(PARTS_DIR)/0.json $(PARTS_DIR)/1.json
 
 lint: install-dev
-	$(BIN)/ruff check strata tests
+	$(BIN)/ruff check strata tests bench
 	$(BIN)/mypy strata
 
 bench: install

@@ -28,8 +28,8 @@ from typing import Any
 
 import httpx
 from gateway_overhead import BENCH, PY, RESULTS, ROOT, load_average
-
 from harness.procs import Proc, start_up
+
 from strata.sim.profile import LatencyProfile
 
 MODEL = "sim-failover"

@@ -19,10 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from sim_stack import CLIENT_KEY, MODEL, sim_stack  # noqa: E402
-
 from harness.fuzz import run_fuzz  # noqa: E402
 from harness.mutations import Mutator  # noqa: E402
+from sim_stack import CLIENT_KEY, MODEL, sim_stack  # noqa: E402
 
 RESULTS = ROOT / ".bench" / "results"
 

@@ -39,8 +39,8 @@ from typing import Any
 import httpx
 from failover import start_cluster, stop_cluster
 from gateway_overhead import PY, RESULTS, ROOT, SIM_PROFILE, load_average
-
 from harness.checks import completion_failure
+
 from strata.bench.report import percentile
 from strata.registry import create_model_registry
 from strata.registry.models import Release

@@ -15,9 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from workload import INPUT_LEN, NUM_PROMPTS, OUTPUT_LEN
-
 from harness.procs import Proc, http_ok, spawn
+from workload import INPUT_LEN, NUM_PROMPTS, OUTPUT_LEN
 
 ROOT = Path(__file__).resolve().parent.parent
 STRATA = ROOT / ".venv" / "bin" / "strata"

@@ -38,6 +38,7 @@ from harness.faults import (
     wait_for_instances,
 )
 from harness.procs import Proc, spawn
+
 from strata.cluster.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
