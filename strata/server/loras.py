@@ -97,6 +97,10 @@ class LoraTable:
 
     def _lease(self, name: str) -> None:
         self._num_leases[name] = self._num_leases.get(name, 0) + 1
+        self._touch(name)
+
+    def _touch(self, name: str) -> None:
+        """`name` is now the most recently used."""
         self._recent[name] = None
         self._recent.move_to_end(name)
 
@@ -146,8 +150,7 @@ class LoraTable:
         await self.engine.add_lora(adapter)
         self.config.loras[name] = adapter.digest
         self._bytes[adapter.digest] = int(getattr(adapter, "num_bytes", 0))
-        self._recent[name] = None
-        self._recent.move_to_end(name)
+        self._touch(name)
         if self.metrics is not None:
             self.metrics.loads.labels(self.config.served_model_name).inc()
             self.metrics.load_s.labels(self.config.served_model_name).observe(

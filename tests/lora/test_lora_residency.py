@@ -51,6 +51,14 @@ def make_table(events: list[str], files: dict[str, str]) -> tuple[LoraTable, Ser
     return table, metrics
 
 
+async def both_slots_held(events: list[str]) -> tuple[LoraTable, asyncio.Task[None]]:
+    """a and b resident and held (both slots of 2), and a load of c waiting for room."""
+    table, _ = make_table(events, {f"/{n}": f"{n}1" for n in "abcd"})
+    await table.acquire("a")
+    await table.acquire("b")
+    return table, asyncio.create_task(table.acquire("c"))
+
+
 def sample(metrics: ServerMetrics, name: str) -> float:
     value = metrics.registry.get_sample_value(name, {"model_name": "tiny"})
     return -1.0 if value is None else value
@@ -88,10 +96,7 @@ def test_lru_eviction_never_takes_a_held_adapter() -> None:
 def test_a_load_waits_while_every_resident_adapter_is_held() -> None:
     async def story() -> None:
         events: list[str] = []
-        table, _ = make_table(events, {f"/{n}": f"{n}1" for n in "abcd"})
-        await table.acquire("a")
-        await table.acquire("b")
-        waiting = asyncio.create_task(table.acquire("c"))
+        table, waiting = await both_slots_held(events)
         resident_a = asyncio.create_task(table.acquire("a"))  # queues behind the load
         await asyncio.sleep(0.05)
         assert not waiting.done() and not resident_a.done()
@@ -109,10 +114,7 @@ def test_a_load_waits_while_every_resident_adapter_is_held() -> None:
 def test_a_cancelled_wait_holds_nothing() -> None:
     async def story() -> None:
         events: list[str] = []
-        table, _ = make_table(events, {f"/{n}": f"{n}1" for n in "abcd"})
-        await table.acquire("a")
-        await table.acquire("b")
-        waiting = asyncio.create_task(table.acquire("c"))
+        table, waiting = await both_slots_held(events)
         await asyncio.sleep(0.05)
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):

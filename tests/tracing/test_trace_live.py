@@ -45,13 +45,19 @@ def served(spans: Spans) -> Iterator[tuple[SimInstance, ServedApp]]:
     instance.stop()
 
 
+def traced_chat(gateway: ServedApp, request_id: str) -> httpx.Response:
+    """The chat request under the client's sampled `traceparent`, answered 200."""
+    answer = httpx.post(f"{gateway.url}/v1/chat/completions", json=CHAT,
+                        headers={"traceparent": TRACEPARENT, "x-request-id": request_id},
+                        timeout=30)
+    assert answer.status_code == 200, answer.text
+    return answer
+
+
 def test_a_request_is_one_trace_from_the_client_through_the_gateway_to_the_engine(
         spans: Spans, served: tuple[SimInstance, ServedApp]) -> None:
     _, gateway = served
-    answer = httpx.post(f"{gateway.url}/v1/chat/completions", json=CHAT,
-                        headers={"traceparent": TRACEPARENT, "x-request-id": "req-traced"},
-                        timeout=30)
-    assert answer.status_code == 200, answer.text
+    answer = traced_chat(gateway, "req-traced")
     # the instance's span ends once its answer is sent, a moment after the client has it
     assert wait_until(lambda: {GATEWAY_SPAN, INSTANCE_SPAN} <= spans.names())
     got = spans.all()
@@ -93,10 +99,7 @@ def test_a_request_is_one_trace_from_the_client_through_the_gateway_to_the_engin
 def test_the_dashboard_links_a_slow_request_to_its_trace(
         spans: Spans, served: tuple[SimInstance, ServedApp]) -> None:
     _, gateway = served
-    answer = httpx.post(f"{gateway.url}/v1/chat/completions", json=CHAT,
-                        headers={"traceparent": TRACEPARENT, "x-request-id": "req-slow"},
-                        timeout=30)
-    assert answer.status_code == 200, answer.text
+    traced_chat(gateway, "req-slow")
     data = httpx.get(f"{gateway.url}/dashboard/data", timeout=10).json()  # keyless: the admin's
     [slow] = data["slow_requests"]
     assert (slow["request_id"], slow["trace_id"]) == ("req-slow", f"{CLIENT_TRACE_ID:032x}")

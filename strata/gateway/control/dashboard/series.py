@@ -91,7 +91,8 @@ class LiveSeries:
 
     def observe(self, view: InstanceView, is_error: bool, ttft_s: float | None) -> None:
         """One attempt's outcome (the proxy observer's signature)."""
-        slot = self._slot(int(self.clock()))
+        now = self.clock()
+        slot = self._slot(int(now))
         if is_error:
             slot.num_failures += 1
             return
@@ -99,10 +100,10 @@ class LiveSeries:
         if ttft_s is not None:
             slot.ttft_sum_s += ttft_s
             slot.ttft_max_s = max(slot.ttft_max_s, ttft_s)
-            self._keep_if_slow(view, ttft_s)
+            self._keep_if_slow(view, ttft_s, now)
 
-    def _keep_if_slow(self, view: InstanceView, ttft_s: float) -> None:
-        kept, now = self._slowest, self.clock()
+    def _keep_if_slow(self, view: InstanceView, ttft_s: float, now: float) -> None:
+        kept = self._slowest
         if len(kept) >= self.num_slowest and ttft_s <= kept[-1].ttft_s:
             if self._oldest_s > now - self.num_slots:  # every one kept is slower, and recent
                 return
