@@ -46,11 +46,13 @@ FILTERS: tuple[Filter, ...] = (serves_model, is_routable, serves_version, has_ro
 
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
-    """`instance`, or `status_code` (404/503) and `reason` when there is none."""
+    """`instance`, or `status_code` (404/503) and `reason` when there is none;
+    `num_candidates`: the instances the policy chose among."""
 
     instance: InstanceView | None
     status_code: int = 200
     reason: str = ""
+    num_candidates: int = 0
 
 
 class RoutingPipeline:
@@ -74,7 +76,8 @@ class RoutingPipeline:
     def route(self, request: RouteRequest, exclude: Collection[str] = ()) -> RouteDecision:
         candidates = self.candidates(request, exclude)
         if candidates:
-            return RouteDecision(self.policy.choose(request, candidates))
+            return RouteDecision(self.policy.choose(request, candidates),
+                                 num_candidates=len(candidates))
         return self._no_instance(request, exclude)
 
     def sent(self, request: RouteRequest, view: InstanceView) -> InFlight:

@@ -30,14 +30,13 @@ def routed(pipeline: RoutingPipeline, route: RouteRequest,
         return pipeline.route(route, exclude=exclude)
     with tracing.span("strata.gateway.route") as opened:
         decision = pipeline.route(route, exclude=exclude)
-        tracing.annotate(opened, **_decision(pipeline, route, decision, exclude))
+        tracing.annotate(opened, **_decision(pipeline.policy.name, route, decision, exclude))
     return decision
 
 
-def _decision(pipeline: RoutingPipeline, route: RouteRequest, decision: RouteDecision,
+def _decision(policy: str, route: RouteRequest, decision: RouteDecision,
               exclude: Collection[str]) -> dict[str, object]:
-    view, policy = decision.instance, pipeline.policy.name
-    num_candidates = len(pipeline.candidates(route, exclude))
+    view, num_candidates = decision.instance, decision.num_candidates
     if view is None:
         reason = decision.reason
     else:
