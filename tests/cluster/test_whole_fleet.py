@@ -171,7 +171,8 @@ def autoscaler_per_class_and_measured(fleet: Fleet) -> None:
 
     wait_until(lambda: pool_signal("fast", "itl_slo_s") is not None, 30, "the fast pool's SLO")
     assert (pool_signal("fast", "ttft_slo_s"), pool_signal("fast", "itl_slo_s")) == FAST_SLO
-    assert pool_signal("decode", "itl_slo_s") != FAST_SLO[1]  # the deployment's, not the class's
+    decode_itl_slo = pool_signal("decode", "itl_slo_s")
+    assert decode_itl_slo is not None and decode_itl_slo != FAST_SLO[1]  # the deployment's
     wait_until(lambda: (pool_signal("decode", "itl_p95_s") or 0.0) > 0, 60,
                "an ITL measured at the gateway for the decode pool")
 
