@@ -206,10 +206,9 @@ def _served_name(model: str) -> str:
         return KNOWN_MODELS[model].served_name
     path = Path(model)
     if path.is_file() and path.suffix == ".gguf":
-        from gguf import GGUFReader
+        from strata.model.gguf_file import read_gguf
 
-        field = GGUFReader(path).get_field("general.name")
-        return str(field.contents()) if field is not None else path.stem
+        return str(read_gguf(path).fields.get("general.name", path.stem))
     return model.rstrip("/").rpartition("/")[2] if "://" in model else path.resolve().name
 
 

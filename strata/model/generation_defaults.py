@@ -78,15 +78,10 @@ def generation_defaults_of(mode: str, model: GenerationDefaults,
 
 
 def _gguf_fields(path: Path) -> dict[str, Any]:
-    from gguf import GGUFReader  # the header only; tensors stay memory-mapped
+    from strata.model.gguf_file import read_gguf  # the header only; tensors stay mapped
 
-    reader = GGUFReader(path)
-    fields: dict[str, Any] = {}
-    for key, ours in _GGUF_FIELDS.items():
-        field = reader.get_field(key)
-        if field is not None:
-            fields[ours] = field.contents()
-    return fields
+    fields = read_gguf(path).fields
+    return {ours: fields[key] for key, ours in _GGUF_FIELDS.items() if key in fields}
 
 
 __all__ = ["GenerationDefaults", "generation_defaults_of", "read_generation_defaults"]

@@ -1,4 +1,4 @@
-"""Read a GGUF file (llama.cpp format) with the `gguf` package into HF-named float weights.
+"""Read a GGUF file (llama.cpp format) into HF-named float weights (the header by gguf_file.py).
 
 Tensors are dequantized with numpy (`gguf.quants.dequantize`) and renamed to Hugging Face names;
 llama's attn_q / attn_k are un-permuted back to the HF rotary layout. `open_gguf` reads only the
@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from gguf.quants import dequantize
 from tokenizers import processors
 
 from strata.errors import ModelLoadError
 from strata.model.config import ModelConfig
+from strata.model.gguf_file import GGUFFile, read_gguf
 from strata.model.model_fields import check_gguf_fields
 from strata.model.tokenizer import Tokenizer, byte_level_bpe
 from strata.progress import progress
@@ -66,7 +66,7 @@ class GGUFModel:
 class GGUFHeader:
     """What a GGUF file says before its tensor data: enough to plan a conversion."""
 
-    reader: GGUFReader
+    reader: GGUFFile
     config: ModelConfig
     tokenizer: Tokenizer
     name: str
@@ -81,8 +81,8 @@ class GGUFHeader:
 def open_gguf(path: Path) -> GGUFHeader:
     """The header of `path` (the tensor data stays in the file, memory-mapped)."""
     try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OSError) as e:
+        reader = read_gguf(path)
+    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as e:
         raise ModelLoadError(
             f"{path}: not a readable GGUF file (truncated or corrupt?): {e}"
         ) from None
@@ -114,21 +114,15 @@ def gguf_tensors(header: GGUFHeader, dtype: torch.dtype) -> Iterator[tuple[str, 
 class _Meta:
     """GGUF metadata fields; a missing required field names the file and the key."""
 
-    def __init__(self, reader: GGUFReader, path: Path) -> None:
+    def __init__(self, reader: GGUFFile, path: Path) -> None:
         self._reader, self.path = reader, path
 
     def get(self, key: str, default: Any = ...) -> Any:
-        field = self._reader.get_field(key)
-        if field is None:
+        if key not in self._reader.fields:
             if default is ...:
                 raise ModelLoadError(f"{self.path}: GGUF metadata field {key!r} is missing")
             return default
-        try:
-            return field.contents()
-        except (ValueError, IndexError, UnicodeDecodeError) as e:
-            raise ModelLoadError(
-                f"{self.path}: GGUF metadata field {key!r} is corrupt: {e}"
-            ) from None
+        return self._reader.fields[key]
 
     def under(self, prefix: str) -> dict[str, Any]:
         """Every field named `prefix.*`, by the rest of its name."""
@@ -136,7 +130,7 @@ class _Meta:
                 if name.startswith(prefix + ".")}
 
 
-def _config(meta: _Meta, arch: str, reader: GGUFReader, tok: Tokenizer) -> ModelConfig:
+def _config(meta: _Meta, arch: str, reader: GGUFFile, tok: Tokenizer) -> ModelConfig:
     hidden = int(meta.get(f"{arch}.embedding_length"))
     heads = int(meta.get(f"{arch}.attention.head_count"))
     names = {t.name for t in reader.tensors}
@@ -172,7 +166,7 @@ def _check_biases(names: list[str], arch: str, path: Path) -> None:
             )
 
 
-def _rope_freq_factors(reader: GGUFReader, head_dim: int, path: Path) -> tuple[float, ...] | None:
+def _rope_freq_factors(reader: GGUFFile, head_dim: int, path: Path) -> tuple[float, ...] | None:
     tensor = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
     if tensor is None:
         return None
