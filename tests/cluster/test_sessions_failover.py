@@ -39,7 +39,7 @@ from tiny_models import make_tiny_model_dir
 
 MODEL = "tiny"
 MAX_TOKENS = 8
-NUM_TURNS = 10
+NUM_TURNS = 6  # each turn kills the instance that answered it (6 restarts)
 START_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 30.0
 READY = re.compile(r"(Strata serving \S+|Strata gateway) on (http://127\.0\.0\.1:(\d+))")
