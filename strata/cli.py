@@ -7,7 +7,8 @@ model, the server) happen inside the subcommands so that `strata --help` and the
 fast.
 
 Environment: STRATA_CACHE_DIR (default `$XDG_CACHE_HOME/strata`, else `~/.cache/strata`) holds
-pulled models and dequantized weights; STRATA_RUN_DIR (default `$STRATA_CACHE_DIR/run`) what
+pulled models, dequantized weights and built C kernels (STRATA_KERNEL_CACHE_DIR moves the
+kernels alone); STRATA_RUN_DIR (default `$STRATA_CACHE_DIR/run`) what
 `strata up` keeps; STRATA_API_KEYS (comma separated) the accepted API keys; STRATA_ADMIN_KEYS
 (comma separated) the admin keys (for /admin/*); STRATA_INTERNAL_KEYS (comma separated) the
 fleet's internal keys (strata/protocol/keys.py); STRATA_REGISTRY the default registry URL;
@@ -26,6 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from strata.cache_dirs import cache_dir_from_env
 from strata.commands.argtypes import (
     non_negative_float,
     non_negative_int,
@@ -45,15 +47,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "serve", "gateway", "up", "status", "sessions", "store", "profile", "models", "release",
     "rollback", "doctor", "plan",
 )
-
-
-def cache_dir_from_env(env: Mapping[str, str]) -> Path:
-    """STRATA_CACHE_DIR, else $XDG_CACHE_HOME/strata, else ~/.cache/strata."""
-    if env.get("STRATA_CACHE_DIR"):
-        return Path(env["STRATA_CACHE_DIR"]).expanduser()
-    if env.get("XDG_CACHE_HOME"):
-        return Path(env["XDG_CACHE_HOME"]).expanduser() / "strata"
-    return Path.home() / ".cache" / "strata"
 
 
 def cli_env_from(env: Mapping[str, str]) -> CliEnv:

@@ -1,7 +1,9 @@
 """The suite's one conftest at the root: `STRATA_REQUIRE` (read here, once) says which tools a
 test may not skip for lack of (tests/required.py), and the `needs` marker applies it.
 `--record-durations=FILE` writes the seconds each test file took (setup, call and teardown of
-every test in it, module fixtures included): what tests/split.py balances `make test` by."""
+every test in it, module fixtures included): what tests/split.py balances `make test` by.
+`--record-cpu=FILE` writes the CPU seconds each file cost, the pytest process's and those of every
+process it started (tests/cpu_time.py): what a file costs the other part running beside it."""
 
 from __future__ import annotations
 
@@ -10,13 +12,22 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
+import cpu_time
 import pytest
 import required
+
+from strata.cache_dirs import cache_dir_from_env
+
+# One kernel cache for the whole run, whatever cache directory a test gives its processes: the
+# C kernels compile once (2.5 s of CPU) instead of once per instance and rank.
+os.environ.setdefault("STRATA_KERNEL_CACHE_DIR", str(cache_dir_from_env(os.environ) / "kernels"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--record-durations", default=None, metavar="FILE",
                      help="write {test file: seconds} of this run to FILE (tests/split.py)")
+    parser.addoption("--record-cpu", default=None, metavar="FILE",
+                     help="write {test file: CPU seconds of pytest and its processes} to FILE")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -46,11 +57,26 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _seconds_by_file[report.nodeid.split("::", 1)[0]] += report.duration
 
 
+_cpu_by_file: defaultdict[str, float] = defaultdict(float)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> object:
+    if not item.config.getoption("--record-cpu"):
+        return (yield)
+    before = cpu_time.tree_cpu_seconds()
+    outcome = yield
+    _cpu_by_file[item.nodeid.split("::", 1)[0]] += cpu_time.tree_cpu_seconds() - before
+    return outcome
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    target = session.config.getoption("--record-durations")
-    if target:
-        rounded = {path: round(s, 2) for path, s in sorted(_seconds_by_file.items())}
-        Path(target).write_text(json.dumps(rounded, indent=1) + "\n")
+    for option, by_file in (("--record-durations", _seconds_by_file),
+                            ("--record-cpu", _cpu_by_file)):
+        target = session.config.getoption(option)
+        if target:
+            rounded = {path: round(s, 2) for path, s in sorted(by_file.items())}
+            Path(target).write_text(json.dumps(rounded, indent=1) + "\n")
 
 
 _REQUIRED = pytest.StashKey[frozenset[str]]()

@@ -1,10 +1,18 @@
 """Builds Strata's C libraries (shipped as package data in `csrc/`) and loads them: the CPU
 kernels (`cpu_kernels.c`) and the shared-memory collectives of tensor parallel (`shm_comm.c`).
 
-The library is compiled at first use with the system C compiler (a plain C file, under a
-second) into a private temporary directory and loaded with ctypes; it links `libgomp.so.1` by
-soname, so it shares torch's already-loaded OpenMP runtime and thread count. The outcome is
-built once per process and kept (`kernels()`, `shm_collectives()`).
+The library is compiled at first use with the system C compiler (about 2.5 s of CPU for the
+kernels at -O3) and loaded with ctypes; it links `libgomp.so.1` by soname, so it shares torch's
+already-loaded OpenMP runtime and thread count. The outcome is built once per process and kept
+(`kernels()`, `shm_collectives()`), and a library that built is kept on disk too, in the kernel
+cache (strata/cache_dirs.py: `kernels/` of the cache directory), under a key of everything the
+build depends on: the sources (the C file and every header beside it), the flags, the compiler
+(its path, size and time) and, since `-march=native` builds for the CPU it runs on, the CPU's
+model and feature flags. Every later process on that machine (each instance, each parallel
+rank) loads the cached library instead of compiling again; a cache entry that does not load is
+built again and replaced. Entries are written whole (a private name, then a rename), so
+processes building at once never load a half-written file; a cache that cannot be written
+leaves the build in a temporary directory, as before.
 
 Fallback rules: with no C compiler, or when compiling fails, there is no library and the model
 uses its torch paths (a warning says which). `KernelBuild` keeps the two cases apart, so that
@@ -14,8 +22,11 @@ but cannot build the kernels.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import hashlib
 import logging
+import os
 import shutil
 import subprocess
 import tempfile
@@ -23,6 +34,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from strata.cache_dirs import kernel_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -65,18 +78,68 @@ def compile_library(source: Path, declare: Callable[[ctypes.CDLL], None],
     if cc is None:
         log.warning("no C compiler found: %s", fallback)
         return KernelBuild(None, None)
-    # The directory goes once the library is loaded: the mapping outlives the file.
-    with tempfile.TemporaryDirectory(prefix="strata-kernels-") as tmp:
-        lib = Path(tmp) / f"{source.stem}.so"
-        cmd = [cc, *flags, str(source), "-o", str(lib), "-lm"]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            error = done.stderr.strip() or f"{cc} exited with {done.returncode}"
-            log.warning("compiling %s failed (%s); %s", source.name, error[-500:], fallback)
-            return KernelBuild(None, cc, error)
-        handle = ctypes.CDLL(str(lib))
+    cached = kernel_cache_dir(os.environ) / f"{source.stem}-{build_key(source, flags, cc)}.so"
+    handle = _load_cached(cached)
+    if handle is None:
+        # The directory goes once the library is loaded: the mapping outlives the file.
+        with tempfile.TemporaryDirectory(prefix="strata-kernels-") as tmp:
+            lib = Path(tmp) / f"{source.stem}.so"
+            cmd = [cc, *flags, str(source), "-o", str(lib), "-lm"]
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                error = done.stderr.strip() or f"{cc} exited with {done.returncode}"
+                log.warning("compiling %s failed (%s); %s", source.name, error[-500:], fallback)
+                return KernelBuild(None, cc, error)
+            handle = ctypes.CDLL(str(lib))
+            _keep(lib, cached)
     declare(handle)
     return KernelBuild(handle, cc)
+
+
+def build_key(source: Path, flags: tuple[str, ...], compiler: str) -> str:
+    """What a built library depends on, hashed: the sources, flags, compiler and CPU."""
+    digest = hashlib.sha256()
+    for path in [source, *sorted(source.parent.glob("*.h"))]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    cc = Path(shutil.which(compiler) or compiler).resolve()
+    stat = cc.stat() if cc.exists() else None
+    digest.update(repr((flags, str(cc), stat and (stat.st_size, stat.st_mtime_ns))).encode())
+    digest.update(_cpu_signature())
+    return digest.hexdigest()[:24]
+
+
+def _cpu_signature() -> bytes:
+    """The first CPU's model and feature flags: what `-march=native` compiles for."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return b"no /proc/cpuinfo"
+    wanted = ("model name", "flags", "Features", "CPU part")  # x86 and Arm spellings
+    lines = [line for line in text.split("\n\n", 1)[0].splitlines() if line.startswith(wanted)]
+    return "\n".join(lines).encode()
+
+
+def _load_cached(path: Path) -> ctypes.CDLL | None:
+    if not path.exists():
+        return None
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:  # cut short or foreign: built again and replaced
+        log.warning("the cached kernel library %s does not load (%s); building it again", path, e)
+        return None
+
+
+def _keep(lib: Path, cached: Path) -> None:
+    """Copy a library that built into the cache, whole or not at all."""
+    partial = cached.with_name(f".{cached.name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        shutil.copyfile(lib, partial)
+        os.replace(partial, cached)
+    except OSError as e:
+        log.info("the kernel library is not cached (%s): the next process builds it again", e)
+        with contextlib.suppress(OSError):
+            partial.unlink()
 
 
 def _declare_all(handle: ctypes.CDLL) -> None:
