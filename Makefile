@@ -39,7 +39,8 @@ serve: install
 # With no PYTEST_ARGS the suite runs as two pytest processes side by side, so that both cores
 # work, each over half the test files by measured time (tests/split.py balances them by
 # tests/durations.json; `make durations` runs the suite and refreshes it). The first part
-# reports first, then the second's report (kept in $(VENV)/test-part-1.log) follows.
+# reports first, then the second's report (kept in $(VENV)/test-part-1.log) follows, then the
+# CPU the run used against the cores' time (--record-cpu: whether it was bound by CPU or waits).
 PARTS_DIR := $(VENV)/test-parts
 
 test: install-dev
@@ -49,13 +50,17 @@ ifeq ($(strip $(PYTEST_ARGS)),)
 	@$(BIN)/python tests/split.py part 1 2 > $(PARTS_DIR)/1.txt
 	@echo "+ pytest -q: $$(wc -l < $(PARTS_DIR)/0.txt) files beside $$(wc -l < $(PARTS_DIR)/1.txt) (balanced by tests/durations.json)"
 	@started=$$(date +%s); \
-	$(BIN)/python -m pytest -q --record-durations=$(PARTS_DIR)/1.json $$(cat $(PARTS_DIR)/1.txt) \
+	$(BIN)/python -m pytest -q --record-durations=$(PARTS_DIR)/1.json \
+		--record-cpu=$(PARTS_DIR)/1-cpu.json $$(cat $(PARTS_DIR)/1.txt) \
 		> $(PARTS_DIR)/1.log 2>&1 & second=$$!; \
 	trap 'kill $$second 2>/dev/null' INT TERM; \
-	$(BIN)/python -m pytest -q --record-durations=$(PARTS_DIR)/0.json $$(cat $(PARTS_DIR)/0.txt); first=$$?; \
+	$(BIN)/python -m pytest -q --record-durations=$(PARTS_DIR)/0.json \
+		--record-cpu=$(PARTS_DIR)/0-cpu.json $$(cat $(PARTS_DIR)/0.txt); first=$$?; \
 	wait $$second; second_status=$$?; \
 	echo "+ the second part ($$(wc -l < $(PARTS_DIR)/1.txt) files):"; cat $(PARTS_DIR)/1.log; \
-	echo "+ exit status: first part $$first, second part $$second_status; wall $$(( $$(date +%s) - started )) s"; \
+	wall=$$(( $$(date +%s) - started )); \
+	echo "+ exit status: first part $$first, second part $$second_status; wall $$wall s"; \
+	$(BIN)/python tests/split.py cpu $$wall $(PARTS_DIR)/0-cpu.json $(PARTS_DIR)/1-cpu.json; \
 	test $$first -eq 0 && test $$second_status -eq 0
 else
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -4,6 +4,8 @@ file took (tests/durations.json, refreshed by `make durations`), and records new
     python tests/split.py part I N      the files of part I of N (0-based), one a line
     python tests/split.py record A B..  merge the `--record-durations` files A, B.. into
                                         tests/durations.json (files no longer there dropped)
+    python tests/split.py cpu WALL A B..  the `--record-cpu` files A, B.. of a run of WALL
+                                        seconds: CPU used against the cores' time, top files
 
 Longest first, each file to the part with the least time so far (LPT: within 4/3 of the best
 split). A file not yet measured counts as the median of the measured ones.
@@ -12,6 +14,7 @@ split). A file not yet measured counts as the median of the measured ones.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -52,6 +55,20 @@ def record(recorded: list[Path]) -> dict[str, float]:
     return kept
 
 
+def cpu_summary(wall_s: float, recorded: list[Path], top: int = 8) -> str:
+    """How busy the cores were: with the parts' CPU near every core's whole time, the suite is
+    bound by CPU (a third part would not help); well under it, by waits."""
+    merged: dict[str, float] = {}
+    for path in recorded:
+        merged.update(json.loads(path.read_text()))
+    used, cores = sum(merged.values()), os.cpu_count() or 1
+    lines = [f"+ CPU: {used:.0f} s used by the tests and their processes over {wall_s:.0f} s "
+             f"wall on {cores} cores ({used / max(wall_s * cores, 1e-9):.0%} of their time)"]
+    ranked = sorted(merged.items(), key=lambda kv: -kv[1])[:top]
+    lines += [f"    {s:7.1f} s  {f}" for f, s in ranked]
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
     if argv[:1] == ["part"] and len(argv) == 3:
         index, num = int(argv[1]), int(argv[2])
@@ -59,6 +76,8 @@ def main(argv: list[str]) -> None:
     elif argv[:1] == ["record"] and len(argv) > 1:
         kept = record([Path(a) for a in argv[1:]])
         print(f"{DURATIONS.relative_to(ROOT)}: {len(kept)} files, {sum(kept.values()):.0f} s")
+    elif argv[:1] == ["cpu"] and len(argv) > 2:
+        print(cpu_summary(float(argv[1]), [Path(a) for a in argv[2:] if Path(a).exists()]))
     else:
         sys.exit(__doc__)
 
