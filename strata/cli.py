@@ -47,6 +47,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "serve", "gateway", "up", "status", "sessions", "store", "profile", "models", "release",
     "rollback", "doctor", "plan",
 )
+COMMAND_NAMES: tuple[str, ...] = ("chat", "bench", *COMMAND_MODULES)
 
 
 def cli_env_from(env: Mapping[str, str]) -> CliEnv:
@@ -67,10 +68,10 @@ def _keys(env: Mapping[str, str], name: str) -> tuple[str, ...]:
     return tuple(k.strip() for k in env.get(name, "").split(",") if k.strip())
 
 
-def _command_modules() -> list[Any]:
+def _command_module(name: str) -> Any:
     import importlib
 
-    return [importlib.import_module(f"strata.commands.{name}") for name in COMMAND_MODULES]
+    return importlib.import_module(f"strata.commands.{name}")
 
 
 def _add_chat(sub: argparse._SubParsersAction) -> None:
@@ -122,18 +123,22 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="with --check-determinism: the concurrent batch the prompts join")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `strata` argument parser with its four subcommands."""
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The `strata` argument parser with its subcommands; with `only` (a command's name), that
+    command's alone: a process started as `strata serve ...` does not import the modules of the
+    other commands (half a second of CPU at every start of an instance or a gateway)."""
     from strata import __version__
 
     parser = argparse.ArgumentParser(prog="strata", description="Strata LLM serving.")
     parser.add_argument("--version", action="version", version=f"strata {__version__}")
-    names = ["chat", "bench", *COMMAND_MODULES]
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(names) + "}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{" + ",".join(COMMAND_NAMES) + "}")
     for add in (_add_chat, _add_bench):
-        add(sub)
-    for module in _command_modules():
-        module.add_parser(sub)
+        if only in (None, add.__name__.removeprefix("_add_")):
+            add(sub)
+    for name in COMMAND_MODULES:
+        if only in (None, name):
+            _command_module(name).add_parser(sub)
     for command in _leaf_parsers(parser):
         command.add_argument("--log-format", choices=LOG_FORMATS, default=None,
                              help="text (default) or json: one JSON object per log line "
@@ -215,8 +220,7 @@ def cmd_check_determinism(args: argparse.Namespace, api_key: str | None) -> int:
 
 def _run(args: argparse.Namespace, env: CliEnv) -> int:
     if args.command in COMMAND_MODULES:
-        module = _command_modules()[COMMAND_MODULES.index(args.command)]
-        return int(module.run(args, env))
+        return int(_command_module(args.command).run(args, env))
     if args.command == "chat":
         return cmd_chat(args, env)
     return cmd_bench(args, env)
@@ -224,7 +228,9 @@ def _run(args: argparse.Namespace, env: CliEnv) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `strata` console script; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    only = given[0] if given and given[0] in COMMAND_NAMES else None
+    args = build_parser(only).parse_args(given)
     env = cli_env_from(os.environ)
     try:
         log_config = log_config_from(args, env)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import signal
@@ -13,7 +14,7 @@ import httpx
 import pytest
 from serve_process import ServeProcess, start_serve
 
-from strata.cli import build_parser, cache_dir_from_env, main
+from strata.cli import COMMAND_NAMES, build_parser, cache_dir_from_env, main
 from strata.clients.chat import ChatOptions, run_chat
 
 # --- flags ----------------------------------------------------------------------------------------
@@ -31,6 +32,33 @@ def test_serve_defaults() -> None:
     assert not args.no_prefix_cache and not args.no_chunked_prefill
     assert (args.max_waiting, args.threads, args.shutdown_timeout_s) == (1024, None, 30.0)
     assert args.log_level == "info"
+
+
+def _command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[tuple[object, ...]]:
+    """Each flag's names, default and choices, and its subcommands' in turn."""
+    found: list[tuple[object, ...]] = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found += [(name, *_flags(child)) for name, child in action.choices.items()]
+        else:
+            found.append((tuple(action.option_strings), action.dest, repr(action.default),
+                          repr(action.choices)))
+    return found
+
+
+@pytest.mark.parametrize("command", COMMAND_NAMES)
+def test_a_command_started_alone_parses_as_in_the_whole_parser(command: str) -> None:
+    """`strata serve ...` builds its own subcommand only (no other command module imported):
+    the flags it gets are the whole parser's, and the usage still names every command."""
+    alone, whole = build_parser(command), build_parser()
+    assert list(_command_parsers(alone)) == [command]
+    assert _flags(_command_parsers(alone)[command]) == _flags(_command_parsers(whole)[command])
+    assert alone.format_usage() == whole.format_usage()
 
 
 def test_bench_and_chat_defaults_talk_to_loopback() -> None:
