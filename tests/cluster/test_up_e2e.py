@@ -260,8 +260,10 @@ async def registry_state(url: str) -> tuple[list[str], list[str], tuple[str | No
 
 @pytest.mark.network
 def test_up_serves_the_default_model_through_the_gateway(tmp_path: Path) -> None:
+    # one replica: the spread over replicas is the simulated fleet's story above
     started = start_cluster(["--kv-cache-gb", "0.1"], tmp_path,
-                            {"STRATA_CACHE_DIR": str(shared_model_cache())}, timeout_s=600)
+                            {"STRATA_CACHE_DIR": str(shared_model_cache())}, timeout_s=600,
+                            replicas=1)
     try:
         client = OpenAI(base_url=f"{started.url}/v1", api_key="unused")
         reply = client.chat.completions.create(
