@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -44,11 +47,15 @@ def gateway_access() -> AccessTable:
     return AccessTable.of_operations(GATEWAY_OPERATIONS)
 
 
-def openapi_route() -> Route:
-    document = openapi_document("Strata gateway", GATEWAY_OPERATIONS)
+@functools.cache
+def gateway_openapi() -> dict[str, Any]:
+    """The gateway's OpenAPI document, built once, at its first GET (not at every start)."""
+    return openapi_document("Strata gateway", GATEWAY_OPERATIONS)
 
+
+def openapi_route() -> Route:
     async def openapi(request: Request) -> Response:
-        return JSONResponse(document)
+        return JSONResponse(gateway_openapi())
 
     return Route("/openapi.json", openapi, methods=["GET"])
 

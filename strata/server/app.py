@@ -101,8 +101,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
     app.state.instance = instance
     app.state.pd = pd = PD(instance, config.pd)
     app.state.loras = LoraTable(async_engine, config, lora_loader, metrics.lora, lora_bytes)
-    document = instance_openapi()  # GET /openapi.json serves it (openapi_routes.py)
-    app.openapi = lambda: document  # type: ignore[method-assign]
+    app.openapi = instance_openapi  # type: ignore[method-assign]  # built at its first GET
     app.add_middleware(LeaseRelease, table=lambda: app.state.loras)  # after the answer's end
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
     app.add_middleware(ModelVersionHeader,
