@@ -64,6 +64,11 @@ class ServerConfig:
     session_ttl_s: float | None = 86_400.0  # sliding: each stored turn restarts it; None: never
     session_redis_appendfsync: str | None = None  # "always": CONFIG SET AOF on the Redis store
     session_redis_replicas: int = 0  # a stored turn is acknowledged once this many replicas hold it
+    # strong: stored before acknowledged; session/eventual: written behind (write_behind.py),
+    # at most session_write_queue turns queued and, at session, none older than the bound
+    session_consistency: str = "strong"
+    session_flush_bound_s: float = 0.2
+    session_write_queue: int = 1024
     # KV offload (kv_offload.py): publish finished requests' KV blocks to the store, fetch
     # missing prefixes from it. Prompts shorter than kv_min_fetch_tokens never fetch.
     kv_offload: bool = False
