@@ -32,6 +32,7 @@ class PacedStore(MemorySessionStore):
         self.gate = asyncio.Event()
         self.gate.set()
         self.is_down = False
+        self.num_replies_to_lose = 0  # appends stored whose reply then fails
         self.closed_with: dict[str, int] | None = None
 
     async def append(self, session_id: str, *, tenant: str, expected_revision: int,
@@ -40,8 +41,13 @@ class PacedStore(MemorySessionStore):
         await self.gate.wait()
         if self.is_down:
             raise SessionStoreUnavailableError("store down")
-        return await super().append(session_id, tenant=tenant, expected_revision=expected_revision,
-                                    messages=messages, model=model, version=version, ttl_s=ttl_s)
+        record = await super().append(session_id, tenant=tenant,
+                                      expected_revision=expected_revision, messages=messages,
+                                      model=model, version=version, ttl_s=ttl_s)
+        if self.num_replies_to_lose:
+            self.num_replies_to_lose -= 1
+            raise SessionStoreUnavailableError("connection lost after the write")
+        return record
 
     async def close(self) -> None:
         self.closed_with = {r.session_id: r.revision for r in await self.list(limit=1000)}
@@ -111,6 +117,41 @@ def test_session_level_refuses_past_its_bound_and_loses_nothing_while_the_store_
         assert texts(await backend.get("a", tenant=T)) == ["a0", "a1"]
         assert texts(await backend.get("b", tenant=T)) == ["b0"]
         store.admit()  # caught up: turns are taken again
+
+    run(story)
+
+
+def test_a_write_whose_reply_was_lost_is_found_stored_on_retry_not_lost() -> None:
+    async def story(backend: PacedStore, store: WriteBehindSessionStore, _: ManualClock) -> None:
+        backend.num_replies_to_lose = 1
+        await turn(store, "r", 0, "r0")
+        await turn(store, "r", 1, "r1")
+        await store.flush()
+        assert texts(await backend.get("r", tenant=T)) == ["r0", "r1"]
+        assert (store.stats().num_flushed, store.stats().num_lost) == (2, 0)
+
+    run(story)
+
+
+def test_session_level_refuses_a_queue_that_would_take_longer_than_the_bound_to_write() -> None:
+    async def story(backend: PacedStore, store: WriteBehindSessionStore,
+                    clock: ManualClock) -> None:
+        slow = backend.append
+
+        async def append_taking_50_ms(*args: object, **kwargs: object) -> SessionRecord:
+            clock.advance(0.05)
+            return await slow(*args, **kwargs)  # type: ignore[arg-type]
+
+        backend.append = append_taking_50_ms  # type: ignore[method-assign]
+        await turn(store, "q", 0, "q0")
+        await store.flush()  # one write measured: 50 ms
+        backend.gate.clear()
+        for i in range(4):  # 4 x 50 ms = the 200 ms bound: still taken
+            await turn(store, f"q{i}", 0, "x")
+        with pytest.raises(SessionStoreUnavailableError, match="4 unwritten turns and this one "
+                           "take 250 ms to write, past the session level's bound of 200 ms"):
+            await turn(store, "q9", 0, "x")
+        backend.gate.set()
 
     run(story)
 

@@ -5,8 +5,10 @@
     session   the turn is acknowledged from this instance's memory and written to the store by
               one background flusher, in order; this instance reads its own writes (the pinned
               instance of a session). A turn is refused (SessionStoreUnavailableError, 503)
-              while the oldest unwritten turn is older than `bound_s` or the queue is full, so
-              an instance crash loses at most the turns acknowledged in the last `bound_s`
+              while the queue is full, its oldest turn is older than `bound_s`, or writing
+              it all would take longer (its length x the mean write): a turn is acknowledged
+              only when it is expected in the store within `bound_s`, so a crash loses about
+              the turns of the last `bound_s` (the lag is on /metrics)
     eventual  as `session` without the age bound: only the queue's length bounds what a
               crash loses and how stale another instance's read is
 
@@ -58,6 +60,7 @@ class _Write:
     version: str
     ttl_s: float | None
     enqueued_at: float
+    num_messages: int  # the session's length once this turn is in
     is_cancelled: bool = False  # deleted, or lost with an earlier turn of its session
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -82,12 +85,15 @@ class WriteBehindSessionStore:
     def __init__(self, backend: SessionStore, *, max_pending: int = 1024,
                  bound_s: float | None = 0.2, clock: Clock = time.monotonic,
                  wall_clock: Clock = time.time, retry_s: float = 0.05,
-                 close_timeout_s: float = 10.0) -> None:
+                 write_timeout_s: float = 2.0, close_timeout_s: float = 10.0) -> None:
         self.backend = backend
         self.max_pending = max_pending
         self.bound_s = bound_s
         self.clock, self.wall_clock = clock, wall_clock
-        self.retry_s, self.close_timeout_s = retry_s, close_timeout_s
+        # a write that hangs (a connection to a store that died mid-reply) is abandoned and
+        # retried: the retry finds it stored if it landed (_has_landed)
+        self.retry_s, self.write_timeout_s = retry_s, write_timeout_s
+        self.close_timeout_s = close_timeout_s
         self._pending: deque[_Write] = deque()
         self._latest: dict[Key, SessionRecord] = {}  # this instance's view while it has writes
         self._num_pending_of: dict[Key, int] = {}
@@ -96,6 +102,7 @@ class WriteBehindSessionStore:
         self._wakeup = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
         self._in_flight: _Write | None = None  # at the queue's front until it settles
+        self._write_s = 0.0  # moving mean of one write: the queue's drain time is its length x
 
     @property
     def level(self) -> str:
@@ -111,15 +118,22 @@ class WriteBehindSessionStore:
         return 0.0 if head is None else max(0.0, self.clock() - head.enqueued_at)
 
     def admit(self) -> None:
-        """Refuse a new turn (503) while the queue is full or, at `session`, behind its bound;
-        the instance calls it before generating, so a refused turn costs no generation."""
+        """Refuse a new turn (503) while the queue is full or, at `session`, while its oldest
+        turn or the time to write it all (its length x the mean write) passes the bound; the
+        instance calls it before generating, so a refused turn costs no generation."""
         if self._num_pending >= self.max_pending:
             self._refuse(f"{self._num_pending} turns wait to be written (the write-behind "
                          f"queue holds {self.max_pending})")
-        lag_s = self.lag_s()
-        if self.bound_s is not None and lag_s > self.bound_s:
+        if self.bound_s is None:
+            return
+        lag_s, drain_s = self.lag_s(), (self._num_pending + 1) * self._write_s
+        if lag_s > self.bound_s:
             self._refuse(f"the oldest unwritten turn is {lag_s * 1000:.0f} ms old, past the "
                          f"session level's bound of {self.bound_s * 1000:.0f} ms")
+        if drain_s > self.bound_s:
+            self._refuse(f"{self._num_pending} unwritten turns and this one take "
+                         f"{drain_s * 1000:.0f} ms to write, past the session level's bound of "
+                         f"{self.bound_s * 1000:.0f} ms")
 
     # --- the SessionStore contract -----------------------------------------------------------
 
@@ -143,8 +157,8 @@ class WriteBehindSessionStore:
             raise cas_failure(session_id, expected_revision, actual)
         added = tuple(json.loads(json.dumps(list(messages))))  # never aliases the caller's
         record = self._extended(current, key, added, model, version)
-        self._enqueue(_Write(key, expected_revision, added, model, version, ttl_s, self.clock()),
-                      record)
+        self._enqueue(_Write(key, expected_revision, added, model, version, ttl_s, self.clock(),
+                             len(record.messages)), record)
         return record
 
     async def delete(self, session_id: str, *, tenant: str) -> bool:
@@ -204,9 +218,16 @@ class WriteBehindSessionStore:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            self._in_flight = head
+            self._in_flight, start_s = head, self.clock()
             try:
-                is_settled = await self._write(head)
+                is_settled = await asyncio.wait_for(self._write(head), self.write_timeout_s)
+                took_s = self.clock() - start_s
+                self._write_s = took_s if not self._write_s else \
+                    self._write_s + 0.2 * (took_s - self._write_s)
+            except TimeoutError:
+                log.warning("session store: silent for %g s on a queued turn; retrying",
+                            self.write_timeout_s)
+                is_settled = False
             finally:
                 self._in_flight = None
             if is_settled:
@@ -224,6 +245,9 @@ class WriteBehindSessionStore:
                 messages=write.messages, model=write.model, version=write.version,
                 ttl_s=write.ttl_s)
         except (SessionConflictError, SessionNotFoundError) as exc:
+            if await self._has_landed(write):  # an earlier try stored it; its reply was lost
+                self._counts["flushed"] += 0 if write.is_cancelled else 1
+                return True
             if not write.is_cancelled:
                 log.warning("session %s: an acknowledged turn was not written: %s", session_id,
                             exc)
@@ -237,6 +261,18 @@ class WriteBehindSessionStore:
         if not write.is_cancelled:
             self._counts["flushed"] += 1
         return True
+
+    async def _has_landed(self, write: _Write) -> bool:
+        """Whether the store holds `write` at its revision: a try whose connection broke after
+        the store ran it is retried, and that retry's compare-and-set fails on the turn itself."""
+        try:
+            record = await self.backend.get(write.key[1], tenant=write.key[0])
+        except SessionStoreUnavailableError:
+            return False
+        if record is None or record.revision <= write.expected_revision:
+            return False
+        start = write.num_messages - len(write.messages)
+        return record.messages[start:write.num_messages] == write.messages
 
     def _head(self) -> _Write | None:
         """The oldest write not cancelled (cancelled ones are dropped from the front)."""
