@@ -11,7 +11,11 @@ import pytest
 
 from strata.clock import ManualClock
 from strata.errors import SessionConflictError, SessionStoreUnavailableError
+from strata.protocol.openai import ChatCompletionRequest
+from strata.server.config import ServerConfig
+from strata.server.errors import map_exception
 from strata.server.metrics import ServerMetrics
+from strata.server.sessions import Sessions
 from strata.state.sessions import (
     Message,
     SessionRecord,
@@ -248,3 +252,21 @@ def test_levels_through_the_factory_and_their_metrics() -> None:
         await store.close()
 
     asyncio.run(main())
+
+
+def test_the_instance_refuses_a_turn_the_queue_cannot_take_before_it_generates() -> None:
+    async def story(backend: PacedStore, store: WriteBehindSessionStore, _: ManualClock) -> None:
+        backend.gate.clear()
+        await turn(store, "full", 0, "queued")
+        config = ServerConfig(served_model_name="m")
+        sessions = Sessions(store, config, 64, None)  # type: ignore[arg-type]
+        req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(SessionStoreUnavailableError) as refused:
+            await sessions.begin(None, req, "other")  # type: ignore[arg-type]  # refused first
+        mapping = map_exception(refused.value)
+        assert (mapping.status_code, mapping.payload()["error"]["type"]) == (
+            503, "service_unavailable_error")
+        assert "the write-behind queue holds 1" in mapping.payload()["error"]["message"]
+        backend.gate.set()
+
+    run(story, bound_s=None, max_pending=1)
