@@ -59,8 +59,9 @@ def consistency_table(config: GatewayConfig) -> list[StateConsistency]:
             "strong: read-your-writes everywhere, a turn that lost a race is a 409; session: "
             "read-your-writes through the pinned instance, another instance reads up to the "
             "bound behind; eventual: another instance misses at most the queue's turns", None,
-            "store down: strong 503 and nothing stored, session/eventual queue until the bound "
-            "or the queue refuses (503), never drop; instance crash: strong loses nothing "
+            "store down: strong 503 and nothing stored; session/eventual go on for sessions "
+            "with queued turns until the bound or the queue refuses (503), never drop; "
+            "instance crash: strong loses nothing "
             "acknowledged, session the turns of the last bound, eventual the queue; a Redis "
             "crash keeps acknowledged turns with --session-redis-appendfsync always, a "
             "Sentinel failover with --session-redis-replicas >= 1"),
