@@ -7,7 +7,9 @@ price   one `strata serve --simulate` instance (the fitted SmolLM2 CPU profile) 
         TTFT, turn latency (to [DONE]) and the store's share of it (last token to [DONE]: the
         turn is stored there at `strong`, queued at `session`/`eventual`), p50/p99.
 checks  tests/harness/session_history.py for longer, with more writers and several Redis
-        kills per level (the CI form is tests/state/test_session_levels_checked.py).
+        kills per level (the CI form is tests/state/test_session_levels_checked.py); then
+        a writing instance SIGKILLed at session and eventual (tests/harness/session_crash.py):
+        the turns its queue lost and how long before the kill they were acknowledged.
 
     .venv/bin/python bench/session_levels.py price --replicated
     .venv/bin/python bench/session_levels.py checks --kills 3
@@ -30,6 +32,7 @@ from typing import Any
 
 import httpx
 from gateway_overhead import SIM_MODEL, SIM_PROFILE, WORDS, start_instance
+from harness import session_crash
 from harness import session_history as jepsen
 from harness.redis_server import RedisServer
 from procs import wait_http
@@ -183,7 +186,34 @@ def checks(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         finally:
             server.stop()
         print(level, results[level], flush=True)
+    results["instance_crash"] = crashes(binary, root, args)
     return results
+
+
+def crashes(binary: Path, root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The write-behind levels' loss window: a writing instance SIGKILLed (session_crash)."""
+    server = RedisServer(root / "crash", binary,
+                         extra_args=["--appendonly", "yes", "--appendfsync", "always"])
+    server.start()
+    results: dict[str, Any] = {}
+    try:
+        for level in ("session", "eventual"):
+            for _ in range(args.kills):
+                _flushdb(server.url)
+                crash = session_crash.crash(server.url, level, args.bound_ms)
+                results.setdefault(level, []).append(asdict(crash))
+                print(f"crash {level}: {crash}", flush=True)
+    finally:
+        server.stop()
+    return results
+
+
+def _flushdb(url: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    client.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -197,6 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kills", type=int, default=3)
     p.add_argument("--between-s", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=33)
+    p.add_argument("--bound-ms", type=float, default=200.0, help="the crashes' flush bound")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="session-levels-") as tmp:
         report = price(args, Path(tmp)) if args.what == "price" else checks(args, Path(tmp))
