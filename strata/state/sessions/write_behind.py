@@ -102,7 +102,7 @@ class WriteBehindSessionStore:
         self._wakeup = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
         self._in_flight: _Write | None = None  # at the queue's front until it settles
-        self._write_s = 0.0  # moving mean of one write: the queue's drain time is its length x
+        self._write_s = 0.0  # moving mean of one write (the drain time: x the queue length)
 
     @property
     def level(self) -> str:
