@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import pytest
 
 from strata.clock import ManualClock
-from strata.errors import SessionConflictError, SessionStoreUnavailableError
+from strata.errors import ConfigError, SessionConflictError, SessionStoreUnavailableError
 from strata.protocol.openai import ChatCompletionRequest
 from strata.server.config import ServerConfig
 from strata.server.errors import map_exception
@@ -270,3 +270,11 @@ def test_the_instance_refuses_a_turn_the_queue_cannot_take_before_it_generates()
         backend.gate.set()
 
     run(story, bound_s=None, max_pending=1)
+
+
+def test_a_server_config_with_an_unknown_level_or_bound_is_refused_naming_the_choices() -> None:
+    with pytest.raises(ConfigError, match="one of strong, session, eventual, got 'linear'"):
+        ServerConfig(served_model_name="m", session_consistency="linear")
+    with pytest.raises(ConfigError, match="flush bound must be > 0 s"):
+        ServerConfig(served_model_name="m", session_consistency="session",
+                     session_flush_bound_s=0.0)
