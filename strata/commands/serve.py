@@ -119,6 +119,19 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="acknowledge a stored turn only once N Redis replicas hold it (WAIT, "
                         "2 s): with a redis+sentinel:// store, a failover loses no "
                         "acknowledged turn (docs/consistency.md)")
+    p.add_argument("--session-consistency", choices=("strong", "session", "eventual"),
+                   default="strong",
+                   help="strong: a turn is stored before it is acknowledged; session: "
+                        "acknowledged from this instance's memory (it reads its own writes) "
+                        "and written behind, a turn refused (503) while the oldest unwritten "
+                        "one is older than --session-flush-bound-ms; eventual: written behind, "
+                        "bounded only by --session-write-queue (docs/consistency.md)")
+    p.add_argument("--session-flush-bound-ms", type=positive_float, default=200.0,
+                   metavar="MS", help="at --session-consistency session: the most an "
+                   "acknowledged turn may wait to be written (what a crash can lose)")
+    p.add_argument("--session-write-queue", type=positive_int, default=1024, metavar="N",
+                   help="session/eventual: turns that may wait to be written; a full queue "
+                        "refuses the turn (503), never drops it")
     _add_kv_flags(p)
     _add_pd_flags(p)
     p.add_argument("--simulate", default=None, metavar="PROFILE",

@@ -60,7 +60,7 @@ from strata.server.session_routes import session_routes
 from strata.server.sessions import Sessions
 from strata.server.translate import ServerTokenizer
 from strata.state.kv_store import KVStore
-from strata.state.sessions import SessionStore, create_session_store
+from strata.state.sessions import SessionStore, WriteBehindSessionStore, create_session_store
 
 # the paths whose requests are traced: a client's work and the hand-off's calls (not health,
 # metrics or the gateways' long polls of KV events)
@@ -148,11 +148,15 @@ def _open_parts(instance: Instance, stack: AsyncExitStack, session_store: Sessio
     if session_store is None and config.session_store_url is not None:
         session_store = create_session_store(
             config.session_store_url, redis_appendfsync=config.session_redis_appendfsync,
-            redis_replicas=config.session_redis_replicas)
-        stack.push_async_callback(session_store.close)
+            redis_replicas=config.session_redis_replicas,
+            consistency=config.session_consistency, flush_bound_s=config.session_flush_bound_s,
+            max_pending=config.session_write_queue)
+        stack.push_async_callback(session_store.close)  # a write-behind flushes first
     if session_store is not None:
         instance.sessions = Sessions(session_store, config, engine.max_model_len,
                                     instance.tokenizer)
+        if isinstance(session_store, WriteBehindSessionStore):
+            instance.metrics.watch_session_writes(session_store.stats)
     if instance.registration is not None:
         instance.registration.start()
         stack.push_async_callback(instance.registration.stop)

@@ -8,6 +8,7 @@ from strata.errors import ConfigError
 from strata.model.generation_defaults import GenerationDefaults
 from strata.server.pd.config import PDConfig
 from strata.state.kv_store import KVStoreLimits
+from strata.state.sessions import SessionStoreOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,11 @@ class ServerConfig:
     session_ttl_s: float | None = 86_400.0  # sliding: each stored turn restarts it; None: never
     session_redis_appendfsync: str | None = None  # "always": CONFIG SET AOF on the Redis store
     session_redis_replicas: int = 0  # a stored turn is acknowledged once this many replicas hold it
+    # strong: stored before acknowledged; session/eventual: written behind (write_behind.py),
+    # at most session_write_queue turns queued and, at session, none older than the bound
+    session_consistency: str = "strong"
+    session_flush_bound_s: float = 0.2
+    session_write_queue: int = 1024
     # KV offload (kv_offload.py): publish finished requests' KV blocks to the store, fetch
     # missing prefixes from it. Prompts shorter than kv_min_fetch_tokens never fetch.
     kv_offload: bool = False
@@ -109,6 +115,10 @@ class ServerConfig:
         if self.session_ttl_s is not None and self.session_ttl_s <= 0:
             raise ConfigError(f"session_ttl_s must be positive, got {self.session_ttl_s}; "
                               "pass None for sessions that never expire")
+        SessionStoreOptions(  # the session store's options, checked before the lifespan opens it
+            redis_appendfsync=self.session_redis_appendfsync,
+            redis_replicas=self.session_redis_replicas, consistency=self.session_consistency,
+            flush_bound_s=self.session_flush_bound_s, max_pending=self.session_write_queue)
         if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
             raise ConfigError(f"max_cpu_loras must be >= 1 (or None), got {self.max_cpu_loras}")
         if self.retry_after_s <= 0:

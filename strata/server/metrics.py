@@ -17,6 +17,7 @@ from strata.engine.outputs import EngineStats, RequestOutput
 
 if TYPE_CHECKING:
     from strata.model.parallel.pipeline import PipelineStats
+    from strata.state.sessions import WriteBehindStats
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -67,6 +68,7 @@ class ServerMetrics:
         self.lora = LoraMetrics(reg, model_name)
         self.ranks: RankMemoryMetrics | None = None
         self.pipeline: PipelineMetrics | None = None
+        self.session_writes: SessionWriteMetrics | None = None
 
     def watch_ranks(self, source: Callable[[], Iterable[tuple[int, int, int]]],
                     pipeline: Callable[[], PipelineStats] | None = None) -> None:
@@ -75,6 +77,10 @@ class ServerMetrics:
         self.ranks = RankMemoryMetrics(self.registry, self._model, source)
         if pipeline is not None:
             self.pipeline = PipelineMetrics(self.registry, self._model, pipeline)
+
+    def watch_session_writes(self, source: Callable[[], WriteBehindStats]) -> None:
+        """Report the session write-behind queue (session/eventual levels) at every scrape."""
+        self.session_writes = SessionWriteMetrics(self.registry, self._model, source)
 
     def observe_cancelled(self, reason: str) -> None:
         self.cancelled.labels(self._model, reason).inc()
@@ -109,6 +115,8 @@ class ServerMetrics:
             self.ranks.refresh()
         if self.pipeline is not None:
             self.pipeline.refresh()
+        if self.session_writes is not None:
+            self.session_writes.refresh()
 
     def render(self, stats: EngineStats) -> bytes:
         """The Prometheus text exposition, gauges refreshed from `stats`."""
@@ -170,6 +178,39 @@ class LoraMetrics:
                                 "LoRA adapter.", labels, buckets=_LATENCY_BUCKETS_S, registry=reg)
         for metric in (self.resident, self.resident_bytes, self.loads, self.evictions):
             metric.labels(model_name)  # shown (as 0) before the first event
+
+
+class SessionWriteMetrics:
+    """`strata:session_write_*`: turns acknowledged but not yet in the session store (the
+    session/eventual levels, strata/state/sessions/write_behind.py): what a crash would lose."""
+
+    def __init__(self, reg: CollectorRegistry, model_name: str,
+                 source: Callable[[], WriteBehindStats]) -> None:
+        labels = ["model_name", "level"]
+        self._source, self._model = source, model_name
+        self.pending = Gauge("strata:session_write_pending", "Acknowledged turns not yet "
+                             "written to the session store.", labels, registry=reg)
+        self.lag = Gauge("strata:session_write_lag_seconds", "Age of the oldest acknowledged "
+                         "turn not yet written (0: none).", labels, registry=reg)
+        self.bound = Gauge("strata:session_write_bound_seconds", "The lag past which a turn "
+                           "is refused (session level; -1: no bound).", labels, registry=reg)
+        self.outcomes = Counter("strata:session_write_turns", "Turns by outcome: flushed, "
+                                "lost (refused by the store, or unwritten at close), refused "
+                                "(503: queue full or lag past the bound).",
+                                [*labels, "outcome"], registry=reg)
+        self._seen: dict[str, int] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        stats = self._source()
+        labels = (self._model, stats.level)
+        self.pending.labels(*labels).set(stats.num_pending)
+        self.lag.labels(*labels).set(stats.lag_s)
+        self.bound.labels(*labels).set(-1 if stats.bound_s is None else stats.bound_s)
+        for outcome, count in (("flushed", stats.num_flushed), ("lost", stats.num_lost),
+                               ("refused", stats.num_refused)):
+            self.outcomes.labels(*labels, outcome).inc(count - self._seen.get(outcome, 0))
+            self._seen[outcome] = count
 
 
 class RankMemoryMetrics:

@@ -50,7 +50,7 @@ from strata.server.config import ServerConfig
 from strata.server.errors import map_exception
 from strata.server.generation import ChoiceState, Generation
 from strata.server.request_io import SSEResponse
-from strata.state.sessions import SessionStore
+from strata.state.sessions import SessionStore, WriteBehindSessionStore
 
 Message = dict[str, Any]
 STORED_FINISH_REASONS = frozenset({"stop", "length"})
@@ -213,6 +213,8 @@ class Sessions:
         if req.n != 1:
             raise InvalidRequestError("n must be 1 in a session (one answer is stored)",
                                       param="n")
+        if isinstance(self.store, WriteBehindSessionStore):
+            self.store.admit()  # a turn the queue cannot take is refused before it generates
         tenant = tenant_of(request)
         await self.locks.acquire((tenant, session_id))
         try:

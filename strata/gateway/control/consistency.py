@@ -51,12 +51,20 @@ def consistency_table(config: GatewayConfig) -> list[StateConsistency]:
     rows = [
         StateConsistency(
             "session_history", "the instances' --session-store",
-            "strong per session: compare-and-set on the revision of each turn",
-            "read-your-writes: a turn reads the stored history; a turn that lost a race is a "
-            "409 and is not stored", None,
-            "store down: 503 and nothing stored; a Redis crash keeps acknowledged turns with "
-            "--session-redis-appendfsync always, a Sentinel failover with "
-            "--session-redis-replicas >= 1"),
+            "chosen per instance by --session-consistency: strong (default; each turn a "
+            "compare-and-set on the store before it is acknowledged), session (acknowledged "
+            "from the instance's memory, written behind within --session-flush-bound-ms), "
+            "eventual (written behind, bounded by --session-write-queue); each instance's "
+            "level and lag on its /metrics (strata:session_write_*)",
+            "strong: read-your-writes everywhere, a turn that lost a race is a 409; session: "
+            "read-your-writes through the pinned instance, another instance reads up to the "
+            "bound behind; eventual: another instance misses at most the queue's turns", None,
+            "store down: strong 503 and nothing stored; session/eventual go on for sessions "
+            "with queued turns until the bound or the queue refuses (503), never drop; "
+            "instance crash: strong loses nothing "
+            "acknowledged, session the turns of the last bound, eventual the queue; a Redis "
+            "crash keeps acknowledged turns with --session-redis-appendfsync always, a "
+            "Sentinel failover with --session-redis-replicas >= 1"),
         StateConsistency(
             "session_pins",
             _store(sessions.store_url) if sessions.is_pinning else "off",

@@ -114,6 +114,7 @@ def cas_failure(session_id: str, expected_revision: int, actual_revision: int) -
 
 
 APPENDFSYNC = ("always", "everysec", "no")
+CONSISTENCY_LEVELS = ("strong", "session", "eventual")  # write_behind.py draws the three
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,12 +126,18 @@ class SessionStoreOptions:
     settings stand (start it with `--appendonly yes --appendfsync always` for zero loss).
     `redis_replicas`: a stored turn is acknowledged only once that many replicas hold it (Redis'
     WAIT, up to `redis_replica_timeout_s`; fewer is the store's unavailable error), so a
-    failover to a replica loses no acknowledged turn."""
+    failover to a replica loses no acknowledged turn.
+    `consistency`: "strong" writes each turn to the store before it is acknowledged; "session"
+    and "eventual" acknowledge from memory and write behind (write_behind.py), at most
+    `max_pending` turns queued and, at "session", none older than `flush_bound_s`."""
 
     clock: Clock = time.time
     redis_appendfsync: str | None = None
     redis_replicas: int = 0
     redis_replica_timeout_s: float = 2.0
+    consistency: str = "strong"
+    flush_bound_s: float = 0.2
+    max_pending: int = 1024
 
     def __post_init__(self) -> None:
         if self.redis_appendfsync is not None and self.redis_appendfsync not in APPENDFSYNC:
@@ -139,10 +146,17 @@ class SessionStoreOptions:
         if self.redis_replicas < 0 or self.redis_replica_timeout_s <= 0:
             raise ConfigError("redis_replicas must be >= 0 and redis_replica_timeout_s > 0, "
                               f"got {self.redis_replicas} and {self.redis_replica_timeout_s}")
+        if self.consistency not in CONSISTENCY_LEVELS:
+            raise ConfigError(f"session consistency must be one of "
+                              f"{', '.join(CONSISTENCY_LEVELS)}, got {self.consistency!r}")
+        if self.flush_bound_s <= 0 or self.max_pending < 1:
+            raise ConfigError("the session flush bound must be > 0 s and the write-behind queue "
+                              f"hold >= 1 turn, got {self.flush_bound_s} and {self.max_pending}")
 
 
 __all__ = [
     "APPENDFSYNC",
+    "CONSISTENCY_LEVELS",
     "Message",
     "SessionConflictError",
     "SessionNotFoundError",

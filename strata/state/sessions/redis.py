@@ -7,7 +7,8 @@ Two keys per session (the tenant is length-prefixed so no (tenant, id) pair can 
     {prefix}:msgs:{len(tenant)}:{tenant}:{id}  LIST of JSON messages, in order
 
 An append is one Lua script (compare the revision, RPUSH the messages, bump the revision, PEXPIRE
-both keys), so it is atomic on the server; a read is one script too, so it never sees a half
+both keys, answer the session as written), so it is atomic on the server and reports its own
+turn's revision, never a later writer's; a read is one script too, so it never sees a half
 written turn. TTL is Redis' own (PEXPIRE): an expired session is simply gone.
 
 Durability is Redis': with `appendfsync="always"` the store runs `CONFIG SET appendonly yes` and
@@ -43,7 +44,7 @@ from strata.state.sessions.base import (
 
 _APPEND = """
 local rev = tonumber(redis.call('HGET', KEYS[1], 'revision') or '0')
-if rev ~= tonumber(ARGV[1]) then return {0, rev} end
+if rev ~= tonumber(ARGV[1]) then return {0, rev, {}, {}} end
 if rev == 0 then
   redis.call('DEL', KEYS[1], KEYS[2])
   redis.call('HSET', KEYS[1], 'created_at', ARGV[2], 'tenant', ARGV[6], 'session_id', ARGV[7])
@@ -55,7 +56,7 @@ local ttl_ms = tonumber(ARGV[5])
 for _, key in ipairs(KEYS) do
   if ttl_ms > 0 then redis.call('PEXPIRE', key, ttl_ms) else redis.call('PERSIST', key) end
 end
-return {1, rev + 1}
+return {1, rev + 1, redis.call('HGETALL', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1)}
 """
 _READ = """
 local meta = redis.call('HGETALL', KEYS[1])
@@ -98,17 +99,15 @@ class RedisSessionStore:
         args = [expected_revision, repr(float(self.clock())), model, version, ttl_ms, tenant,
                 session_id, *(json.dumps(m) for m in messages)]
         if self.replicas:
-            is_done, revision = await self._db.replicated(
+            is_done, revision, meta, stored = await self._db.replicated(
                 self._append, keys=list(keys), args=args, num_replicas=self.replicas,
                 timeout_s=self.replica_timeout_s)
         else:
-            is_done, revision = await self._db.call(lambda: self._append(keys=keys, args=args))
+            is_done, revision, meta, stored = await self._db.call(
+                lambda: self._append(keys=keys, args=args))
         if not is_done:
             raise cas_failure(session_id, expected_revision, int(revision))
-        record = await self._get_key(keys)
-        if record is None:  # expired or deleted between the two scripts: report what was stored
-            raise cas_failure(session_id, int(revision), 0)
-        return record
+        return _record(meta, stored)
 
     async def delete(self, session_id: str, *, tenant: str) -> bool:
         num_deleted: int = await self._db.call(
@@ -141,15 +140,7 @@ class RedisSessionStore:
 
     async def _get_key(self, keys: tuple[str, str]) -> SessionRecord | None:
         reply = await self._db.call(lambda: self._read(keys=list(keys)))
-        if not reply:
-            return None
-        flat, messages = reply
-        meta = dict(zip(flat[::2], flat[1::2], strict=True))
-        return SessionRecord(
-            session_id=meta["session_id"], tenant=meta["tenant"],
-            messages=tuple(json.loads(m) for m in messages), revision=int(meta["revision"]),
-            model=meta["model"], version=meta["version"],
-            created_at=float(meta["created_at"]), updated_at=float(meta["updated_at"]))
+        return _record(*reply) if reply else None
 
     async def _configure(self, client: Any) -> None:
         try:
@@ -160,6 +151,16 @@ class RedisSessionStore:
                 f"redis session store {self.url}: cannot set appendfsync={self.appendfsync} "
                 f"({exc}); start redis-server with --appendonly yes --appendfsync "
                 f"{self.appendfsync} and pass no redis_appendfsync") from exc
+
+
+def _record(flat: Sequence[str], messages: Sequence[str]) -> SessionRecord:
+    """A session from its HGETALL (flat field, value pairs) and its LRANGE."""
+    meta = dict(zip(flat[::2], flat[1::2], strict=True))
+    return SessionRecord(
+        session_id=meta["session_id"], tenant=meta["tenant"],
+        messages=tuple(json.loads(m) for m in messages), revision=int(meta["revision"]),
+        model=meta["model"], version=meta["version"],
+        created_at=float(meta["created_at"]), updated_at=float(meta["updated_at"]))
 
 
 def _glob_escape(text: str) -> str:
