@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from strata.cache_dirs import cache_dir_from_env
+from strata.cache_dirs import cache_dir_from_env, kernel_cache_dir
 from strata.commands.argtypes import (
     non_negative_float,
     non_negative_int,
@@ -37,6 +37,7 @@ from strata.commands.argtypes import (
 from strata.commands.env import CliEnv
 from strata.errors import StrataError
 from strata.logs import LOG_FORMATS, LogConfig, configured
+from strata.model import kernel_build
 from strata.protocol.budgets import key_limits
 from strata.protocol.priority import key_ceilings
 
@@ -232,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     only = given[0] if given and given[0] in COMMAND_NAMES else None
     args = build_parser(only).parse_args(given)
     env = cli_env_from(os.environ)
+    kernel_build.use_cache_dir(kernel_cache_dir(os.environ))
     try:
         log_config = log_config_from(args, env)
     except StrataError as e:

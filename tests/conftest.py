@@ -17,10 +17,13 @@ import pytest
 import required
 
 from strata.cache_dirs import cache_dir_from_env
+from strata.model import kernel_build
 
 # One kernel cache for the whole run, whatever cache directory a test gives its processes: the
-# C kernels compile once (2.5 s of CPU) instead of once per instance and rank.
+# C kernels compile once (2.5 s of CPU) instead of once per instance and rank. The processes
+# read it from the environment (strata/cli.py), this one is told.
 os.environ.setdefault("STRATA_KERNEL_CACHE_DIR", str(cache_dir_from_env(os.environ) / "kernels"))
+kernel_build.use_cache_dir(Path(os.environ["STRATA_KERNEL_CACHE_DIR"]))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -5,7 +5,9 @@ The library is compiled at first use with the system C compiler (about 2.5 s of 
 kernels at -O3) and loaded with ctypes; it links `libgomp.so.1` by soname, so it shares torch's
 already-loaded OpenMP runtime and thread count. The outcome is built once per process and kept
 (`kernels()`, `shm_collectives()`), and a library that built is kept on disk too, in the kernel
-cache (strata/cache_dirs.py: `kernels/` of the cache directory), under a key of everything the
+cache that the process's entry point names (`use_cache_dir`: `strata` itself names
+`kernels/` of its cache directory, strata/cache_dirs.py, and a parallel instance hands its own to
+its ranks in their spec; a process that names none compiles), under a key of everything the
 build depends on: the sources (the C file and every header beside it), the flags, the compiler
 (its path, size and time) and, since `-march=native` builds for the CPU it runs on, the CPU's
 model and feature flags. Every later process on that machine (each instance, each parallel
@@ -34,8 +36,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-from strata.cache_dirs import kernel_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,9 @@ def compile_library(source: Path, declare: Callable[[ctypes.CDLL], None],
     if cc is None:
         log.warning("no C compiler found: %s", fallback)
         return KernelBuild(None, None)
-    cached = kernel_cache_dir(os.environ) / f"{source.stem}-{build_key(source, flags, cc)}.so"
-    handle = _load_cached(cached)
+    cached = (_cache_dir / f"{source.stem}-{build_key(source, flags, cc)}.so"
+              if _cache_dir is not None else None)
+    handle = _load_cached(cached) if cached is not None else None
     if handle is None:
         # The directory goes once the library is loaded: the mapping outlives the file.
         with tempfile.TemporaryDirectory(prefix="strata-kernels-") as tmp:
@@ -91,9 +92,24 @@ def compile_library(source: Path, declare: Callable[[ctypes.CDLL], None],
                 log.warning("compiling %s failed (%s); %s", source.name, error[-500:], fallback)
                 return KernelBuild(None, cc, error)
             handle = ctypes.CDLL(str(lib))
-            _keep(lib, cached)
+            if cached is not None:
+                _keep(lib, cached)
     declare(handle)
     return KernelBuild(handle, cc)
+
+
+_cache_dir: Path | None = None
+
+
+def use_cache_dir(path: Path | None) -> None:
+    """Keep and look for built libraries in `path` from now on in this process (None: none)."""
+    global _cache_dir
+    _cache_dir = path
+
+
+def cache_dir() -> Path | None:
+    """The kernel cache this process uses, to hand on to the processes it starts."""
+    return _cache_dir
 
 
 def build_key(source: Path, flags: tuple[str, ...], compiler: str) -> str:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from strata.model import kernel_build
 from strata.model.kernel_build import compile_library
 
 pytestmark = pytest.mark.needs("cc")
@@ -18,8 +20,8 @@ SOURCE = '#include "answer.h"\nint answer(void) { return ANSWER; }\n'
 
 
 @pytest.fixture
-def place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, Path]:
-    """(source, counting compiler, cache directory)."""
+def place(tmp_path: Path) -> Iterator[tuple[Path, Path, Path]]:
+    """(source, counting compiler, cache directory): the cache this process uses meanwhile."""
     src = tmp_path / "src"
     src.mkdir()
     (src / "answer.c").write_text(SOURCE)
@@ -28,9 +30,10 @@ def place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, 
     wrapper = tmp_path / "cc-counting"
     wrapper.write_text(f'#!/bin/sh\necho run >> {runs}\nexec {shutil.which("cc")} "$@"\n')
     wrapper.chmod(0o755)
-    cache = tmp_path / "kernels"
-    monkeypatch.setenv("STRATA_KERNEL_CACHE_DIR", str(cache))
-    return src / "answer.c", wrapper, cache
+    cache, before = tmp_path / "kernels", kernel_build.cache_dir()
+    kernel_build.use_cache_dir(cache)
+    yield src / "answer.c", wrapper, cache
+    kernel_build.use_cache_dir(before)
 
 
 def build(source: Path, compiler: Path, flags: tuple[str, ...] = ("-O1",)) -> int:
@@ -46,6 +49,14 @@ def build(source: Path, compiler: Path, flags: tuple[str, ...] = ("-O1",)) -> in
 def runs(compiler: Path) -> int:
     log = compiler.with_name("runs.log")
     return len(log.read_text().split()) if log.exists() else 0
+
+
+def test_a_process_that_names_no_cache_compiles_each_time(
+        place: tuple[Path, Path, Path]) -> None:
+    source, compiler, cache = place
+    kernel_build.use_cache_dir(None)
+    assert build(source, compiler) == 42 and build(source, compiler) == 42
+    assert runs(compiler) == 2 and not cache.exists()
 
 
 def test_a_second_build_loads_the_cached_library(place: tuple[Path, Path, Path]) -> None:
@@ -76,12 +87,11 @@ def test_an_entry_that_does_not_load_is_built_again(place: tuple[Path, Path, Pat
 
 
 def test_an_unwritable_cache_still_builds(place: tuple[Path, Path, Path],
-                                          monkeypatch: pytest.MonkeyPatch,
                                           tmp_path: Path) -> None:
     source, compiler, _ = place
     blocked = tmp_path / "a-file"
     blocked.write_text("")
-    monkeypatch.setenv("STRATA_KERNEL_CACHE_DIR", str(blocked / "kernels"))
+    kernel_build.use_cache_dir(blocked / "kernels")
     assert build(source, compiler) == 42
     assert build(source, compiler) == 42 and runs(compiler) == 2  # nothing kept, built again
     assert not blocked.is_dir() and not any(p.name.startswith(".") for p in tmp_path.iterdir())

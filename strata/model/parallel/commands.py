@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass
+from pathlib import Path
 
 from strata.engine.executor import ModelInput, ModelOutput, ScheduledSequence
 from strata.engine.request import SamplingParams
@@ -51,6 +52,7 @@ class RankSpec:
     model_version: str
     parent_pid: int
     faults: tuple[ShareFault, ...] = ()  # tests only: shares that cannot run (share.py)
+    kernel_cache_dir: Path | None = None  # rank 0's kernel cache (kernel_build.use_cache_dir)
 
     @property
     def layout(self) -> ParallelLayout:

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from strata.engine.executor import BatchHandle, ModelInput, ModelOutput
 from strata.errors import ConfigError, RankFailedError, ShareFailedError
+from strata.model import kernel_build
 from strata.model.config import DTYPE_BYTES
 from strata.model.kv_codec import FORMAT_VERSION, KVCodec, KVLayout, KVPayloadError
 from strata.model.parallel import shm
@@ -91,7 +92,7 @@ class ParallelExecutor:
         self._segments = create_segments(self.comm_spec)
         specs = [RankSpec(r, self.comm_spec, model.config, model.weights, dtype,
                           _rank_device(device, r), threads, model_name, model_version,
-                          os.getpid(), faults)
+                          os.getpid(), faults, kernel_build.cache_dir())
                  for r in range(layout.world_size)]
         self._start(specs, timeout_s, startup_timeout_s)
         self.launcher.watch(self._rank_exited)
