@@ -3,7 +3,8 @@
 An adapter loaded on demand gives the tokens of an always-resident one (HF+PEFT's, which
 tests/lora/test_lora_serve.py pins for resident adapters); 48 requests round-robin over the four
 adapters, 8 at a time, all succeed with their adapter's tokens while adapters are evicted and
-loaded back; /metrics shows at most two resident, the loads, evictions and load seconds.
+loaded back; /metrics shows at most two resident, the loads, evictions and load seconds, and
+GET /load each adapter's residency (what the gateway's adapter placement reads).
 """
 
 from __future__ import annotations
@@ -83,6 +84,12 @@ def test_an_adapter_loaded_on_demand_gives_the_resident_tokens(
     assert metric(server, "strata:lora_loads_total") == 3
     assert metric(server, "strata:lora_evictions_total") == 3
     assert metric(server, "strata:lora_resident_adapters") == 2
+    # the load report the gateway places adapters by: every adapter known, resident or not
+    report = httpx.get(f"{server.url}/load", timeout=30).json()["adapters"]
+    assert [(a["name"], a["digest"] is not None, a["num_loads"], a["num_evictions"])
+            for a in report] == [("lora-a", True, 1, 1), ("lora-b", False, 0, 1),
+                                 ("lora-c", False, 1, 1), ("lora-d", True, 1, 0)]
+    assert all(a["load_s"] > 0 for a in report if a["num_loads"])
 
 
 def test_round_robin_over_four_adapters_under_load_fails_nothing(
