@@ -27,11 +27,17 @@ from strata.gateway.path.forward import Handler, chain, path_steps
 from strata.gateway.path.response_cache import ResponseCacheLayer
 from strata.gateway.path.sessions import PinnedSessionPolicy, SessionRouter
 from strata.gateway.path.versions import VersionRouter, VersionStats
+from strata.gateway.routing.adapter_metrics import AdapterMetrics
 from strata.gateway.routing.health import HealthChecker, OutlierDetector
 from strata.gateway.routing.instances import InstanceSet
 from strata.gateway.routing.pd import PDRouter
 from strata.gateway.routing.pipeline import RoutingPipeline
-from strata.gateway.routing.policies import CacheAwarePolicy, RoutingPolicy, create_policy
+from strata.gateway.routing.policies import (
+    AdapterAwarePolicy,
+    CacheAwarePolicy,
+    RoutingPolicy,
+    create_policy,
+)
 from strata.gateway.routing.prefix.feed import PrefixRouting
 from strata.gateway.routing.prefix.index import PrefixIndex
 from strata.gateway.routing.sources import InstanceSource
@@ -105,6 +111,8 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
     instances = source.instances
     sessions = _session_router(config, pin_store, clock, exits)
     prefix = _prefix_routing(config, policy, instances, clock, exits)
+    if isinstance(policy, AdapterAwarePolicy):
+        AdapterMetrics(metrics.registry, policy, instances)
     if sessions is not None:
         policy = PinnedSessionPolicy(sessions, policy)
     control = control_client or httpx.AsyncClient(

@@ -38,7 +38,8 @@ def in_pool(request: RouteRequest, view: InstanceView) -> bool:
 
 
 def serves_model(request: RouteRequest, view: InstanceView) -> bool:
-    return request.model is None or view.model == request.model
+    """The request's model is the instance's base model or a LoRA adapter it knows."""
+    return request.model is None or view.serves(request.model)
 
 
 FILTERS: tuple[Filter, ...] = (serves_model, is_routable, serves_version, has_role, in_pool)
@@ -93,7 +94,8 @@ class RoutingPipeline:
             self.policy.on_request_finished(request, in_flight.view, is_success=is_success)
 
     def _no_instance(self, request: RouteRequest, exclude: Collection[str]) -> RouteDecision:
-        known = {view.model for view in self.instances.snapshot() if view.model}
+        known = {name for view in self.instances.snapshot() if view.model
+                 for name in (view.model, *view.reported.adapters)}
         if request.model is not None and request.model not in known:
             listed = ", ".join(sorted(known)) or "none"
             return RouteDecision(None, 404, f"The model `{request.model}` does not exist; "
