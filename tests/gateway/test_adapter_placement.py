@@ -12,12 +12,12 @@ import pytest
 from gateway_fakes import FakeClock
 
 from strata.gateway.config import AdapterPlacementConfig
+from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.routing.adapter_metrics import AdapterMetrics
 from strata.gateway.routing.instances import InstanceSet, InstanceView, ReportedLoad
 from strata.gateway.routing.pipeline import RoutingPipeline
 from strata.gateway.routing.policies import AdapterAwarePolicy, create_policy
 from strata.gateway.routing.policies.base import RouteRequest
-from strata.gateway.metrics import GatewayMetrics
 from strata.protocol.lora import AdapterResidency
 from strata.registry.instances.records import InstanceLoad
 
