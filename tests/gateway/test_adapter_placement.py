@@ -17,6 +17,7 @@ from strata.gateway.routing.adapter_metrics import AdapterMetrics
 from strata.gateway.routing.instances import InstanceSet, InstanceView, ReportedLoad
 from strata.gateway.routing.pipeline import RoutingPipeline
 from strata.gateway.routing.policies import AdapterAwarePolicy, create_policy
+from strata.gateway.routing.policies.adapter_aware import rendezvous_order
 from strata.gateway.routing.policies.base import RouteRequest
 from strata.protocol.lora import AdapterResidency
 from strata.registry.instances.records import InstanceLoad
@@ -149,6 +150,22 @@ def test_a_home_that_holds_the_adapter_wins_over_an_idle_one_that_would_load_it(
     for view in views:  # the warm home busier than the others, still under the bound:
         view.num_in_flight = 3 if view.instance_id == warm else 2  # ceil(1.25 * 10 / 4) = 4
     assert p.choose(RouteRequest(model="lora-0"), views).instance_id == warm
+
+
+def test_a_full_home_spills_to_an_instance_holding_the_adapter_before_a_cold_one() -> None:
+    p = policy(FakeClock())
+    views = fleet(4)
+    order = [v.instance_id for v in rendezvous_order("lora-7", views)]
+    assert [v.instance_id for v in p.home("lora-7", views)] == order[:1]
+    home, warm = order[0], order[-1]  # k = 1; the last in rendezvous order holds it
+    views = fleet(4, resident={warm: {"lora-7"}})
+    for view in views:  # the home at the bound: ceil(1.25 * (4 + 1) / 4) = 2
+        view.num_in_flight = 2 if view.instance_id == home else (1 if view.instance_id == warm
+                                                                 else 0)
+    assert p.choose(RouteRequest(model="lora-7"), views).instance_id == warm
+    views = fleet(4)  # nobody holds it: the next in rendezvous order
+    views[[v.instance_id for v in views].index(home)].num_in_flight = 2
+    assert p.choose(RouteRequest(model="lora-7"), views).instance_id == order[1]
 
 
 def test_base_model_requests_go_to_the_least_loaded() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import httpx
 from gateway_fakes import FakeClock, Upstreams, json_answer
@@ -92,8 +93,9 @@ def test_after_a_registry_outage_stale_heartbeats_of_healthy_instances_are_forgi
 
 
 def test_static_source_learns_models_and_load_and_waits_for_silent_instances() -> None:
-    load = {"num_running": 1, "num_waiting": 2, "kv_usage": 0.5, "num_in_flight": 3,
-            "draining": False}
+    load: dict[str, Any] = {"num_running": 1, "num_waiting": 2, "kv_usage": 0.5,
+                            "num_in_flight": 3, "draining": False,
+                            "adapters": [{"name": "sql", "digest": "9f", "num_loads": 2}]}
 
     def a(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models":
@@ -115,6 +117,8 @@ def test_static_source_learns_models_and_load_and_waits_for_silent_instances() -
             assert {k: (v.model, v.state) for k, v in views.items()} == {
                 "a": ("tiny", "ready"), "b": ("tiny", "ready"), "c": ("", "starting")}
             assert views["a"].url == "http://a" and views["a"].reported.kv_usage == 0.5
+            assert views["a"].serves("sql") and views["a"].is_resident("sql")
+            assert not views["b"].serves("sql")
             load["draining"] = True
             await source.refresh()
             assert views["a"].state == "draining"

@@ -17,13 +17,13 @@ evicts whatever was there. Here (Dynamo's answer, with the bounded loads of sess
     bound   an instance is eligible while its requests in flight are under the session bound,
             ceil((1 + epsilon) * (requests in flight + 1) / candidates) (consistent_hash.py)
 
-The pick is the first eligible home instance by (not warm, requests in flight, load key):
-warm is what the instance last reported resident (`InstanceView.is_resident`) or where this
-gateway sent the adapter in the last `warm_s`, so a request goes to a home that holds the
-adapter while one is under the bound, and loads it on another home only when they are full.
-With every home at the bound, the walk goes on in rendezvous order past the home set (the
-spill lands on the same next instances each time, which then hold the adapter too). Requests
-for the base model (and every other request) go to the least loaded candidate.
+The pick, among the eligible instances: one that is warm, home ones first, then the least
+loaded; else the least loaded home; else the next in rendezvous order past the home set (so a
+spill lands on the same few instances each time, which then hold the adapter too). Warm is what
+the instance last reported resident (`InstanceView.is_resident`) or where this gateway sent the
+adapter in the last `warm_s`: a request runs where its adapter is while that instance is under
+the bound, and a load happens on a home, never on a random instance. Requests for the base model
+(and every other request) go to the least loaded candidate.
 
 `choose` is pure over the snapshot, the demand table and the warm marks; the routed hook
 counts the request in the adapter's demand and marks the instance warm.
@@ -89,14 +89,15 @@ class AdapterAwarePolicy:
         capacity = bounded_capacity(total + 1, len(candidates), self.epsilon)
         order = rendezvous_order(adapter, candidates)
         k = self.demand.replicas(adapter, len(candidates))
-        home = [view for view in order[:k] if view.request_load < capacity]
-        if home:
-            return min(home, key=lambda view: (not self.is_warm(adapter, view),
-                                               view.request_load, view.load_key))
-        for view in order[k:]:
-            if view.request_load < capacity:
-                return view
-        raise AssertionError("bounded capacity invariant broken: every instance is full")
+        eligible = [(rank < k, view) for rank, view in enumerate(order)
+                    if view.request_load < capacity]
+        if not eligible:
+            raise AssertionError("bounded capacity invariant broken: every instance is full")
+        warm = [(is_home, view) for is_home, view in eligible if self.is_warm(adapter, view)]
+        if warm:
+            return min(warm, key=lambda pair: (not pair[0], pair[1].load_key))[1]
+        home = [view for is_home, view in eligible if is_home]
+        return min(home, key=lambda view: view.load_key) if home else eligible[0][1]
 
     def home(self, adapter: str, candidates: Sequence[InstanceView]) -> list[InstanceView]:
         """The adapter's home set among `candidates` now (its first k in rendezvous order)."""
