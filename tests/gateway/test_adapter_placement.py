@@ -1,8 +1,10 @@
 """`adapter_aware` placement stories on fake fleet views with an injected clock: a rare adapter
 has one home; k grows with an adapter's demand and shrinks with hysteresis; the bounded load
 holds under one hot adapter, which never floods the fleet; an instance leaving moves only the
-adapters it was home to; a request goes to a home that holds the adapter. And the seam: the
-pipeline serves adapter names that instances report, /metrics shows k and residency."""
+adapters it was home to; a request goes to a home that holds the adapter, a full home spills to
+an instance that holds it, and a home at the cap for a moment keeps it under the averaged
+bound. And the seam: the pipeline serves adapter names that instances report, /metrics shows k
+and residency."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from strata.gateway.routing.pipeline import RoutingPipeline
 from strata.gateway.routing.policies import AdapterAwarePolicy, create_policy
 from strata.gateway.routing.policies.adapter_aware import rendezvous_order
 from strata.gateway.routing.policies.base import RouteRequest
+from strata.gateway.routing.policies.load_average import LoadAverages
 from strata.protocol.lora import AdapterResidency
 from strata.registry.instances.records import InstanceLoad
 
@@ -166,6 +169,46 @@ def test_a_full_home_spills_to_an_instance_holding_the_adapter_before_a_cold_one
     views = fleet(4)  # nobody holds it: the next in rendezvous order
     views[[v.instance_id for v in views].index(home)].num_in_flight = 2
     assert p.choose(RouteRequest(model="lora-7"), views).instance_id == order[1]
+
+
+class Traffic:
+    """Requests sent through the policy's hooks and left in flight until `finish_all`."""
+
+    def __init__(self, p: AdapterAwarePolicy) -> None:
+        self.p = p
+        self.open: list[tuple[RouteRequest, InstanceView]] = []
+
+    def send(self, view: InstanceView, adapter: str, n: int = 1) -> None:
+        for _ in range(n):
+            request = RouteRequest(model=adapter)
+            view.num_in_flight += 1
+            self.p.on_request_routed(request, view)
+            self.open.append((request, view))
+
+    def finish_all(self) -> None:
+        for request, view in self.open:
+            view.num_in_flight -= 1
+            self.p.on_request_finished(request, view, is_success=True)
+        self.open.clear()
+
+
+def test_a_home_at_the_cap_for_a_moment_keeps_its_adapter_under_the_averaged_bound() -> None:
+    clock = FakeClock()
+    p, views = policy(clock), fleet(4)
+    traffic = Traffic(p)
+    home = p.home("lora-7", views)[0]
+    for view in views:  # one request each, 1 s long: the averages' window
+        traffic.send(view, "lora-1")
+    clock.advance(1.0)
+    traffic.finish_all()
+    for view in views:  # the others hold 2 requests for 5 s, the home none
+        traffic.send(view, "lora-1", 0 if view is home else 2)
+    clock.advance(5.0)
+    traffic.send(home, "lora-7", 4)  # a burst at the home: at the cap ceil(1.25 * 11 / 4)
+    assert home.request_load == 4 == math.ceil(1.25 * 11 / 4)
+    assert p.choose(RouteRequest(model="lora-7"), views) is home  # its average is near 0
+    p.averages = LoadAverages(clock)  # without the averages: spilled to another instance
+    assert p.choose(RouteRequest(model="lora-7"), views) is not home
 
 
 def test_base_model_requests_go_to_the_least_loaded() -> None:
