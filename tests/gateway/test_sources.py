@@ -10,6 +10,7 @@ from gateway_fakes import FakeClock, Upstreams, json_answer
 
 from strata.gateway.routing.instances import InstanceSet
 from strata.gateway.routing.sources import RegistrySource, StaticSource
+from strata.protocol.lora import AdapterResidency
 from strata.registry import InstanceLoad, InstanceRecord, InstanceState, create_registry
 
 
@@ -20,12 +21,14 @@ def test_registry_source_mirrors_records_and_keeps_the_gateways_own_state() -> N
 
     async def story() -> None:
         await registry.register(InstanceRecord("i1", "http://h1", "m", state=InstanceState.READY,
-                                               load=InstanceLoad(num_running=2)))
+                                               load=InstanceLoad(num_running=2, adapters=(
+                                                   AdapterResidency("sql", "d1"),))))
         await registry.register(InstanceRecord("i2", "http://h2", "m", version="v2",
                                                state=InstanceState.READY))
         await source.refresh()
         i1 = source.instances.get("i1")
         assert i1 is not None and i1.reported.num_running == 2 and i1.is_routable
+        assert i1.is_resident("sql")  # the heartbeat's adapters reach the view
         i1.num_in_flight = 3  # the gateway's own accounting survives a refresh
         await registry.heartbeat("i1", state=InstanceState.DRAINING,
                                  load=InstanceLoad(num_waiting=4))
