@@ -79,6 +79,7 @@ class Gateway:
     prefix: PrefixRouting | None = None  # --policy cache_aware: feeds its index (in background)
     classes: ClassFlow | None = None  # priority classes: pools, flow control, shedding
     usage: UsageStore | None = None  # tenants' usage and budget windows (GET /admin/usage)
+    adapters: AdapterMetrics | None = None  # --policy adapter_aware: the fleet's LoRA adapters
 
     @property
     def stats(self) -> GatewayStats:
@@ -111,8 +112,8 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
     instances = source.instances
     sessions = _session_router(config, pin_store, clock, exits)
     prefix = _prefix_routing(config, policy, instances, clock, exits)
-    if isinstance(policy, AdapterAwarePolicy):
-        AdapterMetrics(metrics.registry, policy, instances)
+    adapters = AdapterMetrics(metrics.registry, policy, instances) \
+        if isinstance(policy, AdapterAwarePolicy) else None
     if sessions is not None:
         policy = PinnedSessionPolicy(sessions, policy)
     control = control_client or httpx.AsyncClient(
@@ -145,7 +146,8 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
                        tenants=tenants)
     forward = chain(steps, proxy.forward)
     return Gateway(config, source, proxy, admission, health, control, metrics, forward, exits,
-                   sessions, versions, models, releases, cache, prefix, classes, usage)
+                   sessions, versions, models, releases, cache, prefix, classes, usage,
+                   adapters)
 
 
 def _proxy(config: GatewayConfig, instances: InstanceSet, policy: RoutingPolicy,

@@ -28,24 +28,38 @@ from strata.gateway.routing.policies.adapter_aware import AdapterAwarePolicy
 
 @dataclass(slots=True)
 class FleetAdapter:
-    """One adapter summed over the routable instances that know it."""
+    """One adapter summed over the routable instances that know it, with its k and share."""
 
+    name: str
     num_instances: int = 0
     num_resident: int = 0
     num_loads: int = 0
     num_evictions: int = 0
     load_s_sum: float = 0.0
     num_timed: int = 0
+    replicas: int = 1
+    share: float = 0.0
+
+    @property
+    def load_s(self) -> float:
+        """The instances' last load times, averaged (0: none loaded it yet)."""
+        return self.load_s_sum / self.num_timed if self.num_timed else 0.0
+
+    def to_json(self) -> dict[str, object]:
+        return {"adapter": self.name, "replicas": self.replicas, "share": round(self.share, 4),
+                "num_instances": self.num_instances, "num_resident": self.num_resident,
+                "num_loads": self.num_loads, "num_evictions": self.num_evictions,
+                "load_s": round(self.load_s, 4)}
 
 
-def fleet_adapters(instances: InstanceSet) -> dict[str, FleetAdapter]:
+def fleet_adapters(instances: InstanceSet, policy: AdapterAwarePolicy) -> list[FleetAdapter]:
     """Every adapter some routable instance knows, by name, summed over those instances."""
     out: dict[str, FleetAdapter] = {}
     for view in instances.snapshot():
         if not view.is_routable:
             continue
         for name, residency in view.reported.adapters.items():
-            row = out.setdefault(name, FleetAdapter())
+            row = out.get(name) or out.setdefault(name, FleetAdapter(name))
             row.num_instances += 1
             row.num_resident += residency.is_resident
             row.num_loads += residency.num_loads
@@ -53,11 +67,15 @@ def fleet_adapters(instances: InstanceSet) -> dict[str, FleetAdapter]:
             if residency.load_s > 0:
                 row.load_s_sum += residency.load_s
                 row.num_timed += 1
-    return out
+    for row in out.values():
+        row.replicas = policy.demand.replicas(row.name, row.num_instances)
+        row.share = policy.demand.share(row.name)
+    return [out[name] for name in sorted(out)]
 
 
 class AdapterMetrics(Collector):
-    """The series of the module docstring, computed at each scrape."""
+    """The series of the module docstring, computed at each scrape; `rows()` for the
+    dashboard."""
 
     def __init__(self, registry: CollectorRegistry, policy: AdapterAwarePolicy,
                  instances: InstanceSet) -> None:
@@ -65,8 +83,10 @@ class AdapterMetrics(Collector):
         self.instances = instances
         registry.register(self)
 
+    def rows(self) -> list[FleetAdapter]:
+        return fleet_adapters(self.instances, self.policy)
+
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        rows = sorted(fleet_adapters(self.instances).items())
         labels = ["adapter"]
         gauges = {
             "replicas": GaugeMetricFamily("strata:gateway_adapter_replicas",
@@ -75,30 +95,26 @@ class AdapterMetrics(Collector):
             "share": GaugeMetricFamily("strata:gateway_adapter_share",
                                        "The adapter's share of this gateway's recent requests.",
                                        labels=labels),
-            "resident": GaugeMetricFamily("strata:gateway_adapter_resident_instances",
-                                          "Instances that report the adapter resident.",
-                                          labels=labels),
+            "num_resident": GaugeMetricFamily("strata:gateway_adapter_resident_instances",
+                                              "Instances that report the adapter resident.",
+                                              labels=labels),
             "load_s": GaugeMetricFamily("strata:gateway_adapter_load_seconds",
                                         "The instances' last load time of the adapter, "
                                         "averaged.", labels=labels)}
-        loads = CounterMetricFamily("strata:gateway_adapter_loads",
-                                    "Loads of the adapter, summed over the instances.",
-                                    labels=labels)
-        evictions = CounterMetricFamily("strata:gateway_adapter_evictions",
-                                        "Evictions of the adapter, summed over the instances.",
-                                        labels=labels)
-        demand = self.policy.demand
-        for name, row in rows:
-            gauges["replicas"].add_metric([name], demand.replicas(name, row.num_instances))
-            gauges["share"].add_metric([name], demand.share(name))
-            gauges["resident"].add_metric([name], row.num_resident)
-            gauges["load_s"].add_metric([name], row.load_s_sum / row.num_timed
-                                        if row.num_timed else 0.0)
-            loads.add_metric([name], row.num_loads)
-            evictions.add_metric([name], row.num_evictions)
+        counters = {
+            "num_loads": CounterMetricFamily("strata:gateway_adapter_loads",
+                                             "Loads of the adapter, summed over the instances.",
+                                             labels=labels),
+            "num_evictions": CounterMetricFamily("strata:gateway_adapter_evictions",
+                                                 "Evictions of the adapter, summed over the "
+                                                 "instances.", labels=labels)}
+        for row in self.rows():
+            for field_name, gauge in gauges.items():
+                gauge.add_metric([row.name], getattr(row, field_name))
+            for field_name, counter in counters.items():
+                counter.add_metric([row.name], getattr(row, field_name))
         yield from gauges.values()
-        yield loads
-        yield evictions
+        yield from counters.values()
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         return iter(())
