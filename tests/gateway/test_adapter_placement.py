@@ -12,7 +12,9 @@ import math
 
 import pytest
 from gateway_fakes import FakeClock
+from live_fleet import gateway_config
 
+from strata.errors import ConfigError
 from strata.gateway.config import AdapterPlacementConfig
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.routing.adapter_metrics import AdapterMetrics
@@ -248,3 +250,15 @@ def test_the_load_report_carries_residency_through_json() -> None:
                                                  AdapterResidency("chat")))
     assert InstanceLoad.from_json(load.to_json()) == load
     assert "adapters" not in InstanceLoad().to_json()  # a base-only instance: as before
+
+
+def test_the_cli_builds_the_placement_settings_and_refuses_nonsense() -> None:
+    config = gateway_config(["--instances", "http://a", "--policy", "adapter_aware",
+                             "--adapter-spread", "3",
+                             "--adapter-window-s", "10", "--adapter-shrink-after-s", "20"])
+    assert (config.adapters.spread, config.adapters.window_s,
+            config.adapters.shrink_after_s) == (3.0, 10.0, 20.0)
+    p = create_policy("adapter_aware", config=config)
+    assert isinstance(p, AdapterAwarePolicy) and p.config is config.adapters
+    with pytest.raises(ConfigError, match="spread must be positive"):
+        AdapterPlacementConfig(spread=0)

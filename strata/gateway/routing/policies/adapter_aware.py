@@ -30,6 +30,9 @@ adapter in the last `warm_s`: a request runs where its adapter is while that ins
 the bound, and a load happens on a home, never on a random instance. Requests for the base model
 (and every other request) go to the least loaded candidate.
 
+Gateways agree on homes without talking: the order is a hash every process computes alike; k
+is each gateway's own measure of the adapter's share, the same wherever the traffic mix is.
+
 `choose` is pure over the snapshot, the demand table, the load averages and the warm marks;
 the routed hook counts the request in the adapter's demand, marks the instance warm and moves
 the averages, the finished hook moves them back.
