@@ -245,6 +245,15 @@ def test_the_pipeline_routes_adapter_names_the_instances_report_and_metrics_show
     assert sample("strata:gateway_adapter_share", {"adapter": "sql"}) == 1 / 64
 
 
+def test_an_unknown_name_among_many_adapters_lists_a_few_and_counts_the_rest() -> None:
+    pipeline = RoutingPipeline(InstanceSet(fleet(2)), policy(FakeClock()))
+    reason = pipeline.route(RouteRequest(model="poetry")).reason
+    assert reason.endswith("base, lora-0, lora-1, lora-10, lora-11, lora-12, lora-13, lora-14, "
+                           "lora-15, lora-16, lora-17, lora-18, lora-19, lora-2, lora-20, "
+                           "lora-21, lora-22, lora-23, lora-24, lora-25 and 21 more "
+                           "(GET /v1/models lists them)")
+
+
 def test_the_load_report_carries_residency_through_json() -> None:
     load = InstanceLoad(num_running=1, adapters=(AdapterResidency("sql", "ab", 2, 1, 0.05),
                                                  AdapterResidency("chat")))
