@@ -3,11 +3,12 @@ POST /v1/unload_lora_adapter; strata/server/lora_routes.py). Both answer 200 wit
 text, as vLLM does. And what an instance publishes of its adapters in its load report (registry
 heartbeats and GET /load), which the gateway's `adapter_aware` policy reads:
 
-    "adapters": [{"name": "sql", "digest": "9f1c..." | null, "num_loads": 3,
-                  "num_evictions": 2, "load_s": 0.071}, ...]
+    "adapters": [{"name": "sql", "digest": "9f1c...", "num_loads": 3, "num_evictions": 2,
+                  "load_s": 0.071}, {"name": "chat"}, ...]
 
 one entry per adapter the instance knows (it can load it on demand); `digest` is the content
-digest of the weights resident now, null when they are not; `load_s` the last load's time.
+digest of the weights resident now, absent (or null) when they are not; `load_s` the last
+load's time; a field at its default (none, 0) is left out.
 """
 
 from __future__ import annotations
@@ -49,8 +50,14 @@ class AdapterResidency:
         return self.digest is not None
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "digest": self.digest, "num_loads": self.num_loads,
-                "num_evictions": self.num_evictions, "load_s": self.load_s}
+        """The fields that are not their defaults (a heartbeat lists every adapter known, most
+        of them never loaded here: their entry is the name alone)."""
+        body: dict[str, Any] = {"name": self.name}
+        for key, value in (("digest", self.digest), ("num_loads", self.num_loads),
+                           ("num_evictions", self.num_evictions), ("load_s", self.load_s)):
+            if value:
+                body[key] = value
+        return body
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> AdapterResidency:

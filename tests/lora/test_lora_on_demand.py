@@ -89,10 +89,10 @@ def test_an_adapter_loaded_on_demand_gives_the_resident_tokens(
     assert metric(server, "strata:lora_resident_adapters") == 2
     # the load report the gateway places adapters by: every adapter known, resident or not
     report = httpx.get(f"{server.url}/load", timeout=30).json()["adapters"]
-    assert [(a["name"], a["digest"] is not None, a["num_loads"], a["num_evictions"])
+    assert [(a["name"], "digest" in a, a.get("num_loads", 0), a.get("num_evictions", 0))
             for a in report] == [("lora-a", True, 1, 1), ("lora-b", False, 0, 1),
                                  ("lora-c", False, 1, 1), ("lora-d", True, 1, 0)]
-    assert all(a["load_s"] > 0 for a in report if a["num_loads"])
+    assert all(a["load_s"] > 0 for a in report if "num_loads" in a)
 
 
 def test_round_robin_over_four_adapters_under_load_fails_nothing(
