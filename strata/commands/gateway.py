@@ -40,6 +40,7 @@ from strata.errors import ConfigError
 from strata.gateway.config import (
     PD_MODES,
     SESSION_ROUTING_MODES,
+    AdapterPlacementConfig,
     AdmissionConfig,
     GatewayConfig,
     PDRoutingConfig,
@@ -109,6 +110,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--session-local-pin-age-s", type=non_negative_float, default=1.0,
                    help="reuse this gateway's placement of a session read or written this "
                         "recently instead of reading the shared pin table (0: every request)")
+    p.add_argument("--adapter-spread", type=positive_float, default=2.0,
+                   help="--policy adapter_aware: a LoRA adapter with share S of the requests "
+                        "is placed on ceil(spread * S * instances) of them (at least one)")
+    p.add_argument("--adapter-window-s", type=positive_float, default=30.0,
+                   help="--policy adapter_aware: the window an adapter's share is measured over")
+    p.add_argument("--adapter-shrink-after-s", type=positive_float, default=60.0,
+                   help="--policy adapter_aware: an adapter's instances shrink only after its "
+                        "share stayed this long under the level they were sized for / 1.25")
     p.add_argument("--routing-poll-s", type=positive_float, default=0.2,
                    help="how often the model registry's routing pointers are re-read (a "
                         "release's flip reaches this gateway within this interval)")
@@ -216,6 +225,9 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
         rate_limit_per_s=args.rate_limit_per_s, shutdown_timeout_s=args.shutdown_timeout_s,
         keep_alive_s=args.keep_alive_s,
         sessions=_session_config(args),
+        adapters=AdapterPlacementConfig(window_s=args.adapter_window_s,
+                                        spread=args.adapter_spread,
+                                        shrink_after_s=args.adapter_shrink_after_s),
         versions=VersionConfig(routing_poll_s=args.routing_poll_s,
                                pin_store_url=args.version_pin_store,
                                release=_release_config(args)),

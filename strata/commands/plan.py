@@ -54,6 +54,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-blocks", type=positive_int, default=4096)
     p.add_argument("--request-overhead-ms", type=non_negative_float, default=2.0)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    lora = p.add_argument_group("LoRA adapters (with --adapters, the plan sizes adapter slots "
+                                "and k instead; strata/plan/adapters.py)")
+    lora.add_argument("--adapters", type=positive_int, default=None,
+                      help="LoRA adapters over one base model")
+    lora.add_argument("--adapter-zipf", type=non_negative_float, default=1.0,
+                      help="their popularity: Zipf exponent (0: all alike)")
+    lora.add_argument("--adapter-instances", type=positive_int, default=16)
+    lora.add_argument("--adapter-load-s", type=non_negative_float, default=0.1,
+                      help="one load: files read and checked, joined to the engine")
+    lora.add_argument("--adapter-service-s", type=positive_float, default=1.0,
+                      help="a request's time on its instance (with --rate)")
+    lora.add_argument("--adapter-max-loads", type=positive_float, default=10.0,
+                      help="cold loads per 100 requests the slots must keep under")
+    lora.add_argument("--adapter-max-wait-ms", type=positive_float, default=1000.0,
+                      help="p99 of a request's wait for its adapter (a load or a slot)")
 
 
 def run(args: argparse.Namespace, env: CliEnv) -> int:
@@ -63,6 +78,8 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
     from strata.plan.workload import workload_from_bench_report
     from strata.sim.profile import load_profile
 
+    if args.adapters is not None:
+        return _plan_adapters(args)
     measured: dict[str, Any] | None = None
     if args.trace is not None:
         if args.rate is not None or args.concurrency is not None:
@@ -92,4 +109,28 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
         if measured:
             print(f"measured by the trace: TTFT ms {measured.get('ttft_ms')}, "
                   f"TPOT ms {measured.get('tpot_ms')}")
+    return 0
+
+
+def _plan_adapters(args: argparse.Namespace) -> int:
+    """`strata plan --adapters N`: the slots per instance and k per adapter (simulated)."""
+    from strata.errors import ConfigError
+    from strata.plan.adapters import AdapterWorkload, format_slot_plan, size_slots
+
+    instances = args.adapter_instances
+    if args.concurrency is not None:
+        in_flight = args.concurrency / instances
+    elif args.rate is not None:
+        in_flight = args.rate * args.adapter_service_s / instances
+    else:
+        raise ConfigError("give the load: --rate REQ_PER_S or --concurrency N (in flight over "
+                          "the fleet)")
+    workload = AdapterWorkload(num_instances=instances, num_adapters=args.adapters,
+                               zipf=args.adapter_zipf, load_s=args.adapter_load_s,
+                               service_s=args.adapter_service_s,
+                               in_flight_per_instance=in_flight, seed=args.seed)
+    rows, chosen = size_slots(workload, max_loads_per_100=args.adapter_max_loads,
+                              max_wait_p99_ms=args.adapter_max_wait_ms)
+    print(format_slot_plan(workload, rows, chosen, args.adapter_max_loads,
+                           args.adapter_max_wait_ms))
     return 0

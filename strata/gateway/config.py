@@ -167,6 +167,27 @@ class SessionRoutingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterPlacementConfig:
+    """How `--policy adapter_aware` places LoRA adapters (policies/adapter_aware.py). An
+    adapter's demand is its share of the requests of the last `window_s` (exponentially
+    weighted); it is placed on k = ceil(spread * share * instances) instances, at least one. k
+    grows at once; it shrinks only once the share has stayed under the level k was sized for,
+    divided by (1 + hysteresis), for `shrink_after_s`. An instance the gateway sent an adapter
+    to counts as holding it for `warm_s` (until its own report says so or not)."""
+
+    window_s: float = 30.0
+    spread: float = 2.0
+    hysteresis: float = 0.25
+    shrink_after_s: float = 60.0
+    warm_s: float = 5.0
+    min_requests: float = 64.0  # a share is of at least this many requests (a cold start)
+
+    def __post_init__(self) -> None:
+        _positive(self, "window_s", "spread", "hysteresis", "shrink_after_s", "warm_s",
+                  "min_requests")
+
+
+@dataclass(frozen=True, slots=True)
 class VersionConfig:
     """Version routing and releases (on when the gateway has a model registry).
 
@@ -284,6 +305,7 @@ class GatewayConfig:
     # the gateway is closing at that moment (that request would fail with no answer); nginx's 75
     keep_alive_s: float = 75.0
     sessions: SessionRoutingConfig = field(default_factory=SessionRoutingConfig)
+    adapters: AdapterPlacementConfig = field(default_factory=AdapterPlacementConfig)
     versions: VersionConfig = field(default_factory=VersionConfig)
     response_cache_url: str | None = None  # opt-in: deterministic answers, keyed by version
     response_cache_ttl_s: float = 600.0
@@ -343,6 +365,7 @@ class GatewayConfig:
         return url or "memory://"
 
 
-__all__ = ["PD_MODES", "SESSION_ROUTING_MODES", "AdmissionConfig", "ClassConfig", "PDRoutingConfig",
+__all__ = ["PD_MODES", "SESSION_ROUTING_MODES", "AdapterPlacementConfig", "AdmissionConfig",
+           "ClassConfig", "PDRoutingConfig",
            "EjectionConfig", "GatewayConfig", "ResumeConfig", "RetryConfig",
            "SessionRoutingConfig", "TenantConfig", "VersionConfig"]

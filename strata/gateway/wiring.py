@@ -27,11 +27,17 @@ from strata.gateway.path.forward import Handler, chain, path_steps
 from strata.gateway.path.response_cache import ResponseCacheLayer
 from strata.gateway.path.sessions import PinnedSessionPolicy, SessionRouter
 from strata.gateway.path.versions import VersionRouter, VersionStats
+from strata.gateway.routing.adapter_metrics import AdapterMetrics
 from strata.gateway.routing.health import HealthChecker, OutlierDetector
 from strata.gateway.routing.instances import InstanceSet
 from strata.gateway.routing.pd import PDRouter
 from strata.gateway.routing.pipeline import RoutingPipeline
-from strata.gateway.routing.policies import CacheAwarePolicy, RoutingPolicy, create_policy
+from strata.gateway.routing.policies import (
+    AdapterAwarePolicy,
+    CacheAwarePolicy,
+    RoutingPolicy,
+    create_policy,
+)
 from strata.gateway.routing.prefix.feed import PrefixRouting
 from strata.gateway.routing.prefix.index import PrefixIndex
 from strata.gateway.routing.sources import InstanceSource
@@ -73,6 +79,7 @@ class Gateway:
     prefix: PrefixRouting | None = None  # --policy cache_aware: feeds its index (in background)
     classes: ClassFlow | None = None  # priority classes: pools, flow control, shedding
     usage: UsageStore | None = None  # tenants' usage and budget windows (GET /admin/usage)
+    adapters: AdapterMetrics | None = None  # --policy adapter_aware: the fleet's LoRA adapters
 
     @property
     def stats(self) -> GatewayStats:
@@ -105,6 +112,8 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
     instances = source.instances
     sessions = _session_router(config, pin_store, clock, exits)
     prefix = _prefix_routing(config, policy, instances, clock, exits)
+    adapters = AdapterMetrics(metrics.registry, policy, instances) \
+        if isinstance(policy, AdapterAwarePolicy) else None
     if sessions is not None:
         policy = PinnedSessionPolicy(sessions, policy)
     control = control_client or httpx.AsyncClient(
@@ -137,7 +146,8 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
                        tenants=tenants)
     forward = chain(steps, proxy.forward)
     return Gateway(config, source, proxy, admission, health, control, metrics, forward, exits,
-                   sessions, versions, models, releases, cache, prefix, classes, usage)
+                   sessions, versions, models, releases, cache, prefix, classes, usage,
+                   adapters)
 
 
 def _proxy(config: GatewayConfig, instances: InstanceSet, policy: RoutingPolicy,

@@ -53,7 +53,7 @@ from strata.server.openapi_routes import instance_access, instance_openapi
 from strata.server.pd.routes import pd_routes
 from strata.server.pd.state import PD
 from strata.server.prefix_routes import prefix_routes
-from strata.server.registration import Registration
+from strata.server.registration import Registration, with_adapters
 from strata.server.resume import resume_routes
 from strata.server.serving import ServingContext
 from strata.server.session_routes import session_routes
@@ -101,6 +101,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: ServerTokenizer, config: Se
     app.state.instance = instance
     app.state.pd = pd = PD(instance, config.pd)
     app.state.loras = LoraTable(async_engine, config, lora_loader, metrics.lora, lora_bytes)
+    if registration is not None:  # heartbeats carry the adapters' residency (gateway placement)
+        registration.load_fn = with_adapters(registration.load_fn, app.state.loras.residency)
     app.openapi = instance_openapi  # type: ignore[method-assign]  # built at its first GET
     app.add_middleware(LeaseRelease, table=lambda: app.state.loras)  # after the answer's end
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)

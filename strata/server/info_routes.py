@@ -74,7 +74,8 @@ async def metrics(request: Request) -> Response:
 
 async def load(request: Request) -> dict[str, Any]:
     instance = instance_of(request)
-    return {**engine_load(instance.engine)().to_json(), "draining": instance.is_draining}
+    report = engine_load(instance.engine, request.app.state.loras.residency)()
+    return {**report.to_json(), "draining": instance.is_draining}
 
 
 async def drain(request: Request) -> JSONResponse:

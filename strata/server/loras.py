@@ -19,6 +19,9 @@ With it, at most `max_resident` are, and:
               let go, bounded by the request's deadline and its client staying (cancel.py).
               With at least one slot that wait always ends: each request holds one adapter.
 
+`residency()` is what the instance publishes of its adapters in its load report (registry
+heartbeats and GET /load; strata/protocol/lora.py), for the gateway's adapter placement.
+
 Loads run one at a time, in arrival order (`_lock`); while one waits, requests for resident
 adapters queue behind it too, so that a popular adapter's stream of requests cannot keep its
 lease count above zero for ever and starve the load. Only the event loop calls these.
@@ -35,6 +38,7 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from strata.errors import InvalidRequestError, LoraError, ModelNotFoundError
+from strata.protocol.lora import AdapterResidency
 from strata.server.async_engine import AsyncEngine
 from strata.server.config import ServerConfig
 from strata.server.metrics import LoraMetrics
@@ -59,6 +63,9 @@ class LoraTable:
         self._recent: OrderedDict[str, None] = OrderedDict((n, None) for n in config.loras)
         self._bytes: dict[str, int] = dict(sizes or {})  # by digest
         self._freed = asyncio.Event()  # set when a lease ends (a waiting load looks again)
+        self._num_loads: dict[str, int] = {}  # by name, since start
+        self._num_evictions: dict[str, int] = {}
+        self._load_s: dict[str, float] = {}  # the last load's time
         self._observe()
 
     @property
@@ -70,6 +77,15 @@ class LoraTable:
 
     def num_leases(self, name: str) -> int:
         return self._num_leases.get(name, 0)
+
+    def residency(self) -> tuple[AdapterResidency, ...]:
+        """Every adapter known, by name: its resident digest (None when it is not), its loads
+        and evictions since start and its last load's time."""
+        names = sorted({*self.config.loras, *self.config.lora_paths})
+        return tuple(AdapterResidency(name, self.config.loras.get(name),
+                                      self._num_loads.get(name, 0),
+                                      self._num_evictions.get(name, 0),
+                                      self._load_s.get(name, 0.0)) for name in names)
 
     # requests
 
@@ -151,10 +167,12 @@ class LoraTable:
         self.config.loras[name] = adapter.digest
         self._bytes[adapter.digest] = int(getattr(adapter, "num_bytes", 0))
         self._touch(name)
+        load_s = time.perf_counter() - began
+        self._num_loads[name] = self._num_loads.get(name, 0) + 1
+        self._load_s[name] = load_s
         if self.metrics is not None:
             self.metrics.loads.labels(self.config.served_model_name).inc()
-            self.metrics.load_s.labels(self.config.served_model_name).observe(
-                time.perf_counter() - began)
+            self.metrics.load_s.labels(self.config.served_model_name).observe(load_s)
         self._observe()
         return str(adapter.digest)
 
@@ -169,6 +187,7 @@ class LoraTable:
                 continue
             digest = self.config.loras.pop(victim)
             self._recent.pop(victim, None)
+            self._num_evictions[victim] = self._num_evictions.get(victim, 0) + 1
             await self._retire(digest)
             if self.metrics is not None:
                 self.metrics.evictions.labels(self.config.served_model_name).inc()

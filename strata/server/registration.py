@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -22,6 +23,7 @@ import httpx
 
 from strata.clock import Clock
 from strata.errors import ConfigError, RegistryError
+from strata.protocol.lora import AdapterResidency
 from strata.registry import create_registry
 from strata.registry.instances.base import Registry
 from strata.registry.instances.records import (
@@ -38,13 +40,28 @@ LoadFn = Callable[[], InstanceLoad]
 ReadyFn = Callable[[], Awaitable[bool]]
 
 
-def engine_load(async_engine: AsyncEngine) -> LoadFn:
-    """The load an instance reports (registry heartbeats and GET /load)."""
+def engine_load(async_engine: AsyncEngine,
+                adapters: Callable[[], tuple[AdapterResidency, ...]] | None = None) -> LoadFn:
+    """The load an instance reports (registry heartbeats and GET /load), with its LoRA
+    adapters' residency when `adapters` is given (`LoraTable.residency`)."""
 
     def load() -> InstanceLoad:
         stats = async_engine.stats()
         return InstanceLoad(num_running=stats.num_running, num_waiting=stats.num_waiting,
-                            kv_usage=stats.kv_usage, num_in_flight=async_engine.num_in_flight)
+                            kv_usage=stats.kv_usage, num_in_flight=async_engine.num_in_flight,
+                            adapters=adapters() if adapters is not None else ())
+
+    return load
+
+
+def with_adapters(load_fn: LoadFn,
+                  adapters: Callable[[], tuple[AdapterResidency, ...]]) -> LoadFn:
+    """`load_fn`'s load with the instance's LoRA adapters' residency added (none: unchanged)."""
+
+    def load() -> InstanceLoad:
+        report = load_fn()
+        residency = adapters()
+        return dataclasses.replace(report, adapters=residency) if residency else report
 
     return load
 
@@ -175,4 +192,5 @@ def build_registration(registry_url: str, *, instance_id: str, advertise_url: st
                         ready_fn=http_ready_probe(record.url), owns_registry=True)
 
 
-__all__ = ["Registration", "build_registration", "engine_load", "http_ready_probe"]
+__all__ = ["Registration", "build_registration", "engine_load", "http_ready_probe",
+           "with_adapters"]

@@ -24,9 +24,11 @@ from strata.gateway.control.dashboard.page import (
     dashboard_routes,
 )
 from strata.gateway.routes import build_routes
+from strata.gateway.routing.instances import ReportedLoad
 from strata.gateway.routing.sources import RegistrySource
 from strata.gateway.wiring import build_gateway
 from strata.protocol.keys import tenant_of_key
+from strata.protocol.lora import AdapterResidency
 from strata.registry.instances.memory import MemoryRegistry
 from strata.registry.instances.records import InstanceRecord, InstanceState
 from strata.registry.models import (
@@ -273,3 +275,34 @@ def test_tenants_show_their_usage_to_the_admin_and_a_client_its_own_row_only() -
     assert len(slow) == 3 and {s["trace_id"] for s in slow} == {None}
     assert all(s["request_id"] and s["instance_id"] == "a" for s in slow)
     assert client.json()["slow_requests"] == []  # other tenants' request ids: the admin's
+
+
+def test_adapters_show_k_share_and_residency_with_adapter_aware_only() -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        return json_answer({"choices": [{"text": "ok"}]})
+
+    known = {"sql": AdapterResidency("sql", "d1", num_loads=2, num_evictions=1, load_s=0.05),
+             "chat": AdapterResidency("chat")}
+    a, b = view("a"), view("b")
+    a.reported = ReportedLoad(adapters=known)
+    b.reported = ReportedLoad(adapters={"sql": AdapterResidency("sql")})
+    clock = FakeClock(100.0)
+    gateway = build_gateway(GatewayConfig(policy="adapter_aware"), FixedSource(a, b),
+                            transport=Upstreams(a=answer, b=answer).transport(), clock=clock)
+    app = Starlette(routes=[*build_routes(), *dashboard_routes(gateway, clock=clock)])
+    app.state.gateway = gateway
+
+    async def story() -> dict[str, Any]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://gw") as client:
+            routed = await client.post("/v1/completions", json={"model": "sql", "prompt": "x"})
+            assert routed.status_code == 200  # an adapter name routes through the gateway
+            return (await client.get("/dashboard/data")).json()
+
+    assert asyncio.run(story())["adapters"] == [
+        {"adapter": "sql", "replicas": 1, "share": round(1 / 64, 4), "num_instances": 2,
+         "num_resident": 1, "num_loads": 2, "num_evictions": 1, "load_s": 0.05},
+        {"adapter": "chat", "replicas": 1, "share": 0.0, "num_instances": 1,
+         "num_resident": 0, "num_loads": 0, "num_evictions": 0, "load_s": 0.0}]
+    _, plain = dashboard(FakeClock())
+    assert plain.adapters is None  # another policy: the field stays null

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import httpx
 from gateway_fakes import FakeClock, Upstreams, json_answer
 
 from strata.gateway.routing.instances import InstanceSet
 from strata.gateway.routing.sources import RegistrySource, StaticSource
+from strata.protocol.lora import AdapterResidency
 from strata.registry import InstanceLoad, InstanceRecord, InstanceState, create_registry
 
 
@@ -19,12 +21,14 @@ def test_registry_source_mirrors_records_and_keeps_the_gateways_own_state() -> N
 
     async def story() -> None:
         await registry.register(InstanceRecord("i1", "http://h1", "m", state=InstanceState.READY,
-                                               load=InstanceLoad(num_running=2)))
+                                               load=InstanceLoad(num_running=2, adapters=(
+                                                   AdapterResidency("sql", "d1"),))))
         await registry.register(InstanceRecord("i2", "http://h2", "m", version="v2",
                                                state=InstanceState.READY))
         await source.refresh()
         i1 = source.instances.get("i1")
         assert i1 is not None and i1.reported.num_running == 2 and i1.is_routable
+        assert i1.is_resident("sql")  # the heartbeat's adapters reach the view
         i1.num_in_flight = 3  # the gateway's own accounting survives a refresh
         await registry.heartbeat("i1", state=InstanceState.DRAINING,
                                  load=InstanceLoad(num_waiting=4))
@@ -92,8 +96,9 @@ def test_after_a_registry_outage_stale_heartbeats_of_healthy_instances_are_forgi
 
 
 def test_static_source_learns_models_and_load_and_waits_for_silent_instances() -> None:
-    load = {"num_running": 1, "num_waiting": 2, "kv_usage": 0.5, "num_in_flight": 3,
-            "draining": False}
+    load: dict[str, Any] = {"num_running": 1, "num_waiting": 2, "kv_usage": 0.5,
+                            "num_in_flight": 3, "draining": False,
+                            "adapters": [{"name": "sql", "digest": "9f", "num_loads": 2}]}
 
     def a(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models":
@@ -115,6 +120,8 @@ def test_static_source_learns_models_and_load_and_waits_for_silent_instances() -
             assert {k: (v.model, v.state) for k, v in views.items()} == {
                 "a": ("tiny", "ready"), "b": ("tiny", "ready"), "c": ("", "starting")}
             assert views["a"].url == "http://a" and views["a"].reported.kv_usage == 0.5
+            assert views["a"].serves("sql") and views["a"].is_resident("sql")
+            assert not views["b"].serves("sql")
             load["draining"] = True
             await source.refresh()
             assert views["a"].state == "draining"

@@ -3,7 +3,9 @@
 An adapter loaded on demand gives the tokens of an always-resident one (HF+PEFT's, which
 tests/lora/test_lora_serve.py pins for resident adapters); 48 requests round-robin over the four
 adapters, 8 at a time, all succeed with their adapter's tokens while adapters are evicted and
-loaded back; /metrics shows at most two resident, the loads, evictions and load seconds.
+loaded back; /metrics shows at most two resident, the loads, evictions and load seconds, and
+GET /load each adapter's residency, which a gateway with `--policy adapter_aware` reads to
+route adapter names (in process, over real sockets).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from live_fleet import serve_gateway
+from live_server import wait_until
 from lora_fixtures import hf_greedy, make_adapter, make_models
 from resume_streams import frames_of
 from serve_process import ServeProcess, start_serve
@@ -83,6 +87,12 @@ def test_an_adapter_loaded_on_demand_gives_the_resident_tokens(
     assert metric(server, "strata:lora_loads_total") == 3
     assert metric(server, "strata:lora_evictions_total") == 3
     assert metric(server, "strata:lora_resident_adapters") == 2
+    # the load report the gateway places adapters by: every adapter known, resident or not
+    report = httpx.get(f"{server.url}/load", timeout=30).json()["adapters"]
+    assert [(a["name"], "digest" in a, a.get("num_loads", 0), a.get("num_evictions", 0))
+            for a in report] == [("lora-a", True, 1, 1), ("lora-b", False, 0, 1),
+                                 ("lora-c", False, 1, 1), ("lora-d", True, 1, 0)]
+    assert all(a["load_s"] > 0 for a in report if "num_loads" in a)
 
 
 def test_round_robin_over_four_adapters_under_load_fails_nothing(
@@ -98,3 +108,30 @@ def test_round_robin_over_four_adapters_under_load_fails_nothing(
     assert metric(server, "strata:lora_resident_bytes") > 0
     assert metric(server, "strata:lora_load_seconds_count") == metric(
         server, "strata:lora_loads_total")
+
+
+def test_the_gateway_places_adapters_by_the_residency_the_instance_reports(
+        server: ServeProcess, want: dict[str, list[int]]) -> None:
+    gateway = serve_gateway(["--instances", server.url, "--policy", "adapter_aware"])
+    try:
+        def gateway_metric(name: str, adapter: str) -> float | None:
+            body = httpx.get(f"{gateway.url}/metrics", timeout=30).text
+            prefix = f'{name}{{adapter="{adapter}"}} '
+            found = [line for line in body.splitlines() if line.startswith(prefix)]
+            return float(found[0].split()[-1]) if found else None
+
+        assert wait_until(lambda: gateway_metric(
+            "strata:gateway_adapter_resident_instances", "lora-b") is not None)
+        body = {"model": "lora-b", "prompt": PROMPT, "max_tokens": N, "temperature": 0.0,
+                "ignore_eos": True}
+        r = httpx.post(f"{gateway.url}/v1/completions", timeout=120, json=body)
+        assert r.status_code == 200, r.text  # an adapter name routes (it was a 404 before)
+        direct = httpx.post(f"{server.url}/v1/completions", timeout=120, json=body).json()
+        assert r.json()["choices"][0]["text"] == direct["choices"][0]["text"]
+        assert gateway_metric("strata:gateway_adapter_replicas", "lora-b") == 1
+        assert gateway_metric("strata:gateway_adapter_loads_total", "lora-b") is not None
+        missing = httpx.post(f"{gateway.url}/v1/completions", timeout=30,
+                             json={"model": "lora-z", "prompt": "x", "max_tokens": 1})
+        assert missing.status_code == 404 and "lora-b" in missing.text
+    finally:
+        gateway.stop()

@@ -13,9 +13,11 @@ capacity planner all count through it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from strata.protocol.lora import AdapterResidency
 
 READY, STARTING, DRAINING, DEAD = "ready", "starting", "draining", "dead"
 
@@ -27,6 +29,12 @@ class ReportedLoad:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
+    # the LoRA adapters it knows by name, resident or loadable on demand (protocol/lora.py)
+    adapters: Mapping[str, AdapterResidency] = field(default_factory=dict)
+
+
+def adapters_by_name(adapters: Iterable[AdapterResidency]) -> dict[str, AdapterResidency]:
+    return {adapter.name: adapter for adapter in adapters}
 
 
 @dataclass(slots=True)
@@ -65,6 +73,15 @@ class InstanceView:
         reported = self.reported.num_running + self.reported.num_waiting
         return max(self.num_in_flight, reported)
 
+    def serves(self, model: str) -> bool:
+        """Whether it answers `model`: its base model's name or an adapter it knows."""
+        return model == self.model or model in self.reported.adapters
+
+    def is_resident(self, adapter: str) -> bool:
+        """Whether it reported `adapter`'s weights resident (a request runs without a load)."""
+        residency = self.reported.adapters.get(adapter)
+        return residency is not None and residency.is_resident
+
     @property
     def load_key(self) -> tuple[int, int, float]:
         """Ordering used by the load-aware policies (lower is less loaded)."""
@@ -101,6 +118,8 @@ class LoadLike(Protocol):
     def num_waiting(self) -> int: ...
     @property
     def kv_usage(self) -> float: ...
+    @property
+    def adapters(self) -> tuple[AdapterResidency, ...]: ...
 
 
 class RecordLike(Protocol):
@@ -125,7 +144,8 @@ class RecordLike(Protocol):
 
 
 def load_from_record(load: LoadLike) -> ReportedLoad:
-    return ReportedLoad(load.num_running, load.num_waiting, load.kv_usage)
+    return ReportedLoad(load.num_running, load.num_waiting, load.kv_usage,
+                        adapters_by_name(load.adapters))
 
 
 class InstanceSet:
@@ -146,7 +166,7 @@ class InstanceSet:
 
     def serves(self, model: str, version: str | None) -> bool:
         """Whether some routable instance serves `model`@`version` (no sort, stops at one)."""
-        return any(v.model == model and v.version == version and v.is_routable
+        return any(v.serves(model) and v.version == version and v.is_routable
                    for v in self._views.values())
 
     def begin(self, view: InstanceView, num_tokens: int) -> InFlight:

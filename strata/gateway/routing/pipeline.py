@@ -38,10 +38,21 @@ def in_pool(request: RouteRequest, view: InstanceView) -> bool:
 
 
 def serves_model(request: RouteRequest, view: InstanceView) -> bool:
-    return request.model is None or view.model == request.model
+    """The request's model is the instance's base model or a LoRA adapter it knows."""
+    return request.model is None or view.serves(request.model)
 
 
 FILTERS: tuple[Filter, ...] = (serves_model, is_routable, serves_version, has_role, in_pool)
+
+
+MAX_NAMES_LISTED = 20  # a fleet of many LoRA adapters: the error names a few, counts the rest
+
+
+def names_listed(names: list[str]) -> str:
+    """`names` joined, the first MAX_NAMES_LISTED of them and how many more."""
+    shown = ", ".join(names[:MAX_NAMES_LISTED])
+    more = len(names) - MAX_NAMES_LISTED
+    return f"{shown} and {more} more (GET /v1/models lists them)" if more > 0 else shown
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +104,10 @@ class RoutingPipeline:
             self.policy.on_request_finished(request, in_flight.view, is_success=is_success)
 
     def _no_instance(self, request: RouteRequest, exclude: Collection[str]) -> RouteDecision:
-        known = {view.model for view in self.instances.snapshot() if view.model}
+        known = {name for view in self.instances.snapshot() if view.model
+                 for name in (view.model, *view.reported.adapters)}
         if request.model is not None and request.model not in known:
-            listed = ", ".join(sorted(known)) or "none"
+            listed = names_listed(sorted(known)) or "none"
             return RouteDecision(None, 404, f"The model `{request.model}` does not exist; "
                                             f"models served: {listed}")
         what = f"model `{request.model}`" if request.model else "this request"

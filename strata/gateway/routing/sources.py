@@ -26,7 +26,9 @@ from strata.gateway.routing.instances import (
     InstanceView,
     RecordLike,
     ReportedLoad,
+    adapters_by_name,
 )
+from strata.protocol.lora import residency_of
 
 logger = logging.getLogger("strata.gateway")
 
@@ -106,7 +108,7 @@ class StaticSource:
                 view.model = await self._learn_model(view.url)
                 view.state = READY
             await self._learn_load(view)
-        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
             logger.debug("refresh of %s failed: %s", view.url, exc)
 
     async def _learn_model(self, url: str) -> str:
@@ -123,7 +125,8 @@ class StaticSource:
         data = response.json()
         view.reported = ReportedLoad(int(data.get("num_running", 0)),
                                      int(data.get("num_waiting", 0)),
-                                     float(data.get("kv_usage", 0.0)))
+                                     float(data.get("kv_usage", 0.0)),
+                                     adapters_by_name(residency_of(data.get("adapters"))))
         view.state = DRAINING if data.get("draining") else READY
 
 

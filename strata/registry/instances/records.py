@@ -10,6 +10,7 @@ from enum import StrEnum
 from typing import Any
 
 from strata.errors import ConfigError
+from strata.protocol.lora import AdapterResidency, residency_of
 
 
 class Role(StrEnum):
@@ -37,17 +38,22 @@ class InstanceLoad:
     num_waiting: int = 0
     kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     num_in_flight: int = 0  # HTTP-level requests not finished yet
+    adapters: tuple[AdapterResidency, ...] = ()  # the LoRA adapters it knows (protocol/lora.py)
 
     def to_json(self) -> dict[str, Any]:
-        return {"num_running": self.num_running, "num_waiting": self.num_waiting,
-                "kv_usage": self.kv_usage, "num_in_flight": self.num_in_flight}
+        body: dict[str, Any] = {"num_running": self.num_running, "num_waiting": self.num_waiting,
+                                "kv_usage": self.kv_usage, "num_in_flight": self.num_in_flight}
+        if self.adapters:
+            body["adapters"] = [adapter.to_json() for adapter in self.adapters]
+        return body
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> InstanceLoad:
         return cls(num_running=int(data.get("num_running", 0)),
                    num_waiting=int(data.get("num_waiting", 0)),
                    kv_usage=float(data.get("kv_usage", 0.0)),
-                   num_in_flight=int(data.get("num_in_flight", 0)))
+                   num_in_flight=int(data.get("num_in_flight", 0)),
+                   adapters=residency_of(data.get("adapters")))
 
 
 @dataclass(frozen=True, slots=True)

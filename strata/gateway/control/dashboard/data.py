@@ -24,6 +24,10 @@
                  "requests", "errors", "rate_limited", "prompt_tokens", "cached_tokens",
                  "completion_tokens", "total_tokens"}]} (page.py shows a client key its own row
                  only)
+    adapters     null unless the policy is adapter_aware; else per LoRA adapter the fleet
+                 knows: [{"adapter", "replicas" (k), "share", "num_instances", "num_resident",
+                 "num_loads", "num_evictions", "load_s"}] (routing/adapter_metrics.py), the
+                 most resident first
     errors       what could not be read this time (the rest is still shown)
 
 One snapshot serves every viewer for `max_age_s`; who may press the buttons is added per request
@@ -119,6 +123,7 @@ class DashboardData:
             "slow_requests": [s.to_json() for s in self.series.slowest()],
             "trace_url": self.gateway.config.trace_url,
             "tenants": await self._tenants(now, errors),
+            "adapters": self._adapters(),
             "errors": errors,
         }
 
@@ -138,6 +143,13 @@ class DashboardData:
                         key=lambda item: (-item[1].total_tokens, -item[1].requests, item[0]))
         rows = [{"tenant": tenant, **counts.as_dict()} for tenant, counts in ranked]
         return {"window_s": self.tenants_window_s, "rows": rows}
+
+    def _adapters(self) -> list[dict[str, object]] | None:
+        adapters = self.gateway.adapters
+        if adapters is None:
+            return None
+        rows = sorted(adapters.rows(), key=lambda row: (-row.num_resident, -row.share, row.name))
+        return [row.to_json() for row in rows]
 
     async def _autoscaler(self, errors: list[str]) -> StatusReport | None:
         if self.autoscaler is None:

@@ -8,6 +8,9 @@
                      eps and the virtual nodes per instance come from the session settings
     cache_aware      where the prompt's prefix is cached (the instances' KV events), against
                      the work in flight, within the same bounded loads (cache_aware.py)
+    adapter_aware    a LoRA adapter's requests to its home set of k instances (rendezvous
+                     order, k from its demand), within the same bounded loads
+                     (adapter_aware.py); base-model requests to the least loaded
 
 Adding a policy is one file in this package (a class with `choose` and the two hooks of
 `RoutingPolicy`, see base.py) plus one row in `POLICIES`; code outside the package (a test, a
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from strata.clock import Clock
 from strata.errors import ConfigError
 from strata.gateway.config import GatewayConfig
+from strata.gateway.routing.policies.adapter_aware import AdapterAwarePolicy
 from strata.gateway.routing.policies.base import RouteRequest, RoutingPolicy, StatelessPolicy
 from strata.gateway.routing.policies.cache_aware import CacheAwarePolicy
 from strata.gateway.routing.policies.consistent_hash import ConsistentHashPolicy
@@ -36,7 +40,7 @@ from strata.gateway.routing.policies.power_of_two import PowerOfTwoPolicy
 from strata.gateway.routing.policies.round_robin import RoundRobinPolicy
 from strata.gateway.routing.prefix.index import PrefixIndex
 
-WORKLOAD_TRAITS = ("sessions", "prefix")  # what a row's `wants` may name
+WORKLOAD_TRAITS = ("sessions", "prefix", "adapters")  # what a row's `wants` may name
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +80,9 @@ POLICIES: dict[str, PolicyRow] = {
     "cache_aware": PolicyRow(lambda ctx: CacheAwarePolicy(
         PrefixIndex(clock=ctx.clock), epsilon=ctx.config.sessions.epsilon),
         wants=frozenset({"prefix"})),
+    "adapter_aware": PolicyRow(lambda ctx: AdapterAwarePolicy(
+        ctx.config.adapters, epsilon=ctx.config.sessions.epsilon, clock=ctx.clock),
+        wants=frozenset({"adapters"})),
 }
 
 
@@ -113,7 +120,8 @@ def create_policy(name: str, *, config: GatewayConfig | None = None,
     return policy_row(name).factory(context)
 
 
-__all__ = ["POLICIES", "WORKLOAD_TRAITS", "CacheAwarePolicy", "ConsistentHashPolicy",
-           "LeastLoadPolicy", "PolicyContext", "PolicyFactory", "PolicyRow", "PowerOfTwoPolicy",
+__all__ = ["POLICIES", "WORKLOAD_TRAITS", "AdapterAwarePolicy", "CacheAwarePolicy",
+           "ConsistentHashPolicy", "LeastLoadPolicy", "PolicyContext", "PolicyFactory",
+           "PolicyRow", "PowerOfTwoPolicy",
            "RoundRobinPolicy", "RouteRequest", "RoutingPolicy", "StatelessPolicy",
            "create_policy", "policy_names", "policy_row", "register_policy"]

@@ -79,6 +79,7 @@
     renderSessions(data);
     renderAutoscaler(data.autoscaler);
     renderTenants(data.tenants);
+    renderAdapters(data.adapters);
     renderSlow(data.slow_requests, data.trace_url);
     const errors = data.errors.length ? ` · could not read: ${data.errors.join(" · ")}` : "";
     $("footer").textContent = `updated ${clock(data.now)}${errors}`;
@@ -293,6 +294,20 @@
       el("tr", {data: {tenant: t.tenant}}, el("td", {text: t.tenant}),
         ...[t.requests, t.errors, t.rate_limited, t.prompt_tokens, t.cached_tokens,
             t.completion_tokens].map((n) => el("td", {class: "num", text: String(n)})))));
+  }
+
+  // LoRA adapters (--policy adapter_aware): k, share of the requests, residency over the
+  // instances that know each, loads and evictions summed over them, the mean last load time.
+  function renderAdapters(adapters) {
+    $("adapters-section").hidden = !adapters;
+    if (!adapters) return;
+    $("no-adapters").hidden = adapters.length > 0;
+    redraw($("adapters").tBodies[0], adapters, () => adapters.map((a) =>
+      el("tr", {data: {adapter: a.adapter}}, el("td", {text: a.adapter}),
+        ...[String(a.replicas), `${(100 * a.share).toFixed(1)} %`,
+            `${a.num_resident} / ${a.num_instances}`, String(a.num_loads),
+            String(a.num_evictions), a.load_s ? `${Math.round(1000 * a.load_s)} ms` : "-"]
+          .map((text) => el("td", {class: "num", text})))));
   }
 
   // The slowest first bytes of the window (the admin's view), each with its trace when the

@@ -1,0 +1,11 @@
+"""The LoRA tests borrow the gateway's live fleet helpers (a gateway in process on a real
+socket) and the server's wait."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+for folder in ("server", "gateway"):
+    sys.path.insert(0, str(HERE.parent / folder))
