@@ -256,3 +256,18 @@ def test_api_key_files_skip_blank_and_comment_lines_even_indented(tmp_path: Path
     keys = tmp_path / "keys"
     keys.write_text("# team\n  # indented note\n\n  k-one  \nk-two\nk-one\n")
     assert read_api_keys(keys, ("k-env", "k-two")) == ("k-one", "k-two", "k-env")
+
+
+def test_up_passes_the_session_level_to_every_instance(tmp_path: Path) -> None:
+    from strata.commands import up
+    from strata.commands.env import CliEnv
+
+    flags = ["--session-consistency", "session", "--session-flush-bound-ms", "50.0",
+             "--session-write-queue", "64", "--session-redis-replicas", "1"]
+    args = build_parser("up").parse_args(["up", "--simulate", "smollm2-cpu", *flags])
+    config = up._config(args, CliEnv(cache_dir=tmp_path, run_dir=tmp_path / "run"))
+    at = config.serve_args.index("--session-consistency")
+    assert list(config.serve_args[at:at + len(flags)]) == flags
+    with pytest.raises(SystemExit) as refused:  # a usage error at once, not N failed starts
+        build_parser("up").parse_args(["up", "--session-consistency", "linearizable"])
+    assert refused.value.code == 2

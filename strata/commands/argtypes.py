@@ -28,3 +28,15 @@ positive_float = _number(float, lambda v: v > 0, "a positive number")
 non_negative_float = _number(float, lambda v: v >= 0, "a number >= 0")
 port_number = _number(int, lambda v: 0 <= v <= 65535, "a port number (0-65535)")
 ratio = _number(float, lambda v: 0 <= v <= 1, "a ratio in [0, 1]")
+
+
+def one_of(*choices: str) -> Callable[[str], str]:
+    """An argparse type for a flag passed through to another command: one of `choices`."""
+
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(choices)}")
+        return text
+
+    return parse
+

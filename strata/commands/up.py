@@ -28,6 +28,7 @@ from strata.commands import up_parallel
 from strata.commands.argtypes import (
     non_negative_float,
     non_negative_int,
+    one_of,
     port_number,
     positive_float,
     positive_int,
@@ -47,6 +48,7 @@ from strata.errors import ConfigError, StrataError
 from strata.logs import announce
 from strata.protocol.auth import check_exposure
 from strata.registry.models import ModelVersion
+from strata.state.sessions.base import CONSISTENCY_LEVELS
 from strata.store.manifest import local_manifest_sha256
 
 
@@ -69,7 +71,9 @@ _SERVE_FLAGS: tuple[tuple[str, Any], ...] = (
     ("--served-model-name", str), ("--model-version", str), ("--dtype", str),
     ("--max-model-len", positive_int), ("--kv-cache-gb", positive_float),
     ("--block-size", positive_int), ("--max-num-seqs", positive_int), ("--simulate", str),
-    ("--session-store", str), ("--sim-start-s", non_negative_float),
+    ("--session-store", str), ("--session-consistency", one_of(*CONSISTENCY_LEVELS)),
+    ("--session-flush-bound-ms", positive_float), ("--session-write-queue", positive_int),
+    ("--session-redis-replicas", non_negative_int), ("--sim-start-s", non_negative_float),
     ("--max-queue-wait-s", non_negative_float), *PD_SERVE_FLAGS, *up_parallel.SERVE_FLAGS,
     *TRACING_FLAGS,  # the gateway gets them too (_config)
 )
