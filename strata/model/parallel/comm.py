@@ -175,9 +175,11 @@ class RankComms:
     liveness: Liveness | None = field(default=None)
 
     def peer_lost(self, exc: RankFailedError) -> None:
-        """A peer's heartbeats stopped: fail both groups (their waits raise now)."""
-        self.world.abort(max(exc.rank, 0))
-        self.tp.abort(max(exc.rank, 0))
+        """A peer's heartbeats stopped: fail both groups (their waits raise now, with `exc`)."""
+        for group in (self.world, self.tp):
+            if isinstance(group, TorchDistGroup) and group.failure is None:
+                group.failure = exc
+            group.abort(max(exc.rank, 0))
 
     def close(self) -> None:
         if self.liveness is not None:

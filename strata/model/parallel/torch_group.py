@@ -18,6 +18,7 @@ group: its sockets are shut down, so the blocked call raises too. Either way the
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -30,6 +31,9 @@ from strata.errors import RankFailedError
 from strata.model.parallel.liveness import GlooSockets
 
 T = TypeVar("T")
+# A peer that exits closes its gloo connections and its heartbeat connection at once: how long
+# a failed call waits for the heartbeats to say which rank it was.
+BLAME_WAIT_S = 1.0
 
 
 class TorchDistGroup:
@@ -46,6 +50,7 @@ class TorchDistGroup:
         self.group = group
         self.sockets = sockets
         self.failure: RankFailedError | None = None
+        self._aborted = threading.Event()
         self.comm_ns = 0
         self.num_calls = 0
         self._sending: list[tuple[dist.Work, Tensor]] = []
@@ -99,6 +104,7 @@ class TorchDistGroup:
         """
         if self.failure is None:
             self.failure = RankFailedError(f"rank {rank} failed", rank=rank)
+        self._aborted.set()
         if self.sockets is not None:
             self.sockets.sever()
 
@@ -136,6 +142,8 @@ class TorchDistGroup:
         try:
             return call()
         except RuntimeError as exc:  # gloo: a closed or severed connection, a timeout
+            if self.sockets is not None:  # with heartbeats: they name the rank
+                self._aborted.wait(BLAME_WAIT_S)
             if self.failure is not None:
                 raise self.failure from exc
             raise RankFailedError(f"a collective of ranks {self.ranks} failed: {exc}") from exc

@@ -12,7 +12,6 @@ import socket
 import threading
 import time
 
-
 from strata.errors import RankFailedError
 from strata.model.parallel.comm import free_port
 from strata.model.parallel.liveness import _HELLO, Liveness
