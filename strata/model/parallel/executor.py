@@ -55,6 +55,7 @@ from strata.model.parallel.pipeline import InFlight, PipelineStats, RankMemory, 
 from strata.model.parallel.rank import Rank
 from strata.model.parallel.shard_loader import PreparedModel
 from strata.model.parallel.share import ShareFault
+from strata.model.parallel.weight_source import source_of
 
 log = logging.getLogger("strata.model.parallel")
 T = TypeVar("T")
@@ -92,7 +93,9 @@ class ParallelExecutor:
             log.warning("ranks talk through torch.distributed (%s world, %s tp groups)",
                         self.comm_spec.world_backend, self.comm_spec.tp_backend)
         self._segments = create_segments(self.comm_spec)
-        specs = [RankSpec(r, self.comm_spec, model.config, model.weights, dtype,
+        hosts = self.comm_spec.hosts
+        source = source_of(model, dtype=dtype, host=hosts[0] if hosts else "")
+        specs = [RankSpec(r, self.comm_spec, model.config, source, dtype,
                           _rank_device(device, r), threads, model_name, model_version,
                           os.getpid(), faults)
                  for r in range(layout.world_size)]
