@@ -4,7 +4,9 @@ imports this to make each replica's group).
 W = T x P bundles, bundle i for rank i. STRICT_PACK with one pipeline stage: tensor parallel
 all-reduces twice a layer, so its ranks share one node (and its memory). PACK with several
 stages: the stages may spread over nodes when one is full, since a stage hands on its hidden
-states once a step. Bundle 0 is rank 0, the `strata serve` process.
+states once a step. Bundle 0 is rank 0, the `strata serve` process. The ranks of a CUDA
+instance reserve one GPU each in their bundles, so that Ray places them where GPUs are free and
+gives each actor its own (CUDA_VISIBLE_DEVICES).
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ def strategy_of(pipeline_size: int) -> str:
     return "STRICT_PACK" if pipeline_size == 1 else "PACK"
 
 
-def rank_bundles(world_size: int, cpus_per_rank: float,
-                 node_ip: str | None = None) -> list[dict[str, float]]:
-    """One bundle per rank; bundle 0 (rank 0, the serving process) pinned to `node_ip`."""
-    bundles = [{"CPU": cpus_per_rank} for _ in range(world_size)]
+def rank_bundles(world_size: int, cpus_per_rank: float, node_ip: str | None = None, *,
+                 gpus_per_rank: float = 0.0) -> list[dict[str, float]]:
+    """One bundle per rank (with `gpus_per_rank` GPUs when > 0); bundle 0 (rank 0, the serving
+    process) pinned to `node_ip`."""
+    gpus = {"GPU": gpus_per_rank} if gpus_per_rank > 0 else {}
+    bundles = [{"CPU": cpus_per_rank, **gpus} for _ in range(world_size)]
     if node_ip is not None:
         bundles[0][f"node:{node_ip}"] = NODE_PIN
     return bundles

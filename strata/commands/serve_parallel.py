@@ -177,9 +177,11 @@ def _launcher(args: argparse.Namespace) -> Any:
         return None
     from strata.cluster.ray_ranks import RayPlacement, RayRankLauncher
 
+    cuda = (args.device or ("cuda" if _has_cuda() else "cpu")).startswith("cuda")
     return RayRankLauncher(RayPlacement(address=args.ray_address, node_ip=args.ray_node_ip,
                                         placement_group=args.ray_placement_group,
-                                        cpus_per_rank=args.ray_cpus_per_rank))
+                                        cpus_per_rank=args.ray_cpus_per_rank,
+                                        gpus_per_rank=1.0 if cuda else 0.0))
 
 
 def _parallel_executor(async_engine: AsyncEngine) -> ParallelExecutor | None:

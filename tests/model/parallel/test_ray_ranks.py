@@ -52,6 +52,7 @@ def test_bundles_and_strategies() -> None:
     assert strategy_of(1) == "STRICT_PACK" and strategy_of(2) == "PACK"
     assert rank_bundles(2, 0.25, "10.0.0.7") == [{"CPU": 0.25, "node:10.0.0.7": 0.001},
                                                  {"CPU": 0.25}]
+    assert rank_bundles(2, 1, gpus_per_rank=1) == [{"CPU": 1, "GPU": 1}] * 2  # CUDA ranks
 
 
 @pytest.mark.parametrize(("tensor", "pipeline", "strategy"),
