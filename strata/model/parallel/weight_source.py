@@ -14,7 +14,6 @@ verifies each model version once.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from strata.errors import ModelLoadError
 from strata.model.parallel.shard_loader import PreparedModel, WeightFiles
+from strata.store.locks import file_lock
 
 NODE_LOCKS = "node-locks"
 
@@ -84,12 +84,8 @@ def node_lock(cache: Path, key: str) -> Iterator[None]:
     """An exclusive lock on `key` in this node's cache: ranks of one node take turns."""
     lock = cache / NODE_LOCKS / f"{_digest(key)}.lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
-    with lock.open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with file_lock(lock):
+        yield
 
 
 def _resolve_once(source: WeightSource, cache: Path) -> Path:
