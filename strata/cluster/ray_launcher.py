@@ -74,8 +74,10 @@ class InstanceActor:
         argv += ["--ray-node-ip", node.address] if joins_ray else []
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the actor
+        env = {**os.environ, ray_node.NODE_ENV: node.address}
         self._proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                      stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                      env=env)
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self) -> None:

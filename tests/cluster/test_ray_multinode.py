@@ -4,7 +4,7 @@ cluster for the module): node identities and addresses differ, and everything st
 loopback.
 
 - `strata up --ray --address ...` with a Redis registry spreads its replicas over both
-  workers; each instance listens on, and registers, its own node's address.
+  workers; each instance listens on, and registers, its own node's address (URL and node).
 - A pipeline-parallel instance whose two stages land on two nodes talks through gloo (the
   nodes are two hosts by their node ids, whatever their addresses) and answers greedily what
   one process answers; the rank on the other node gets the weights through the model store
@@ -135,6 +135,7 @@ def test_replicas_spread_over_both_workers_and_register_their_nodes_addresses(
         assert {n.address for n in nodes} == WORKERS  # one replica on each worker
         ready = wait_ready(launched, redis_url, 120)
         assert {host_of(r.url) for r in ready} == WORKERS
+        assert {r.node for r in ready} == WORKERS  # what `strata status` shows as NODE
         wait_routed(f"http://{config.host}:{config.port}", 2)
         assert complete(f"http://{config.host}:{config.port}") == 200
 
