@@ -52,7 +52,9 @@ def socket_fds() -> set[int]:
 
 class GlooSockets:
     """The sockets torch.distributed opened while this process joined its groups (those that
-    appeared between `__init__` and `taken`), so that they can be shut down."""
+    appeared between `__init__` and `taken`), so that they can be shut down. A socket another
+    thread opened in that window is taken too (e.g. a Ray driver's): it is shut down only when
+    the instance fails, which ends the process anyway."""
 
     def __init__(self) -> None:
         self._before = socket_fds()
