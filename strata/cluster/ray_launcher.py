@@ -200,16 +200,17 @@ class RayLauncher:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from strata.cluster.ray_placement import rank_bundles, strategy_of
+        from strata.cluster.ray_placement import gpus_per_rank, rank_bundles, strategy_of
 
         num_ranks = self.config.ranks_per_instance
-        cpus = self.config.num_cpus_per_instance / num_ranks
-        group = placement_group(rank_bundles(num_ranks, cpus),
+        cpus, gpus = self.config.num_cpus_per_instance / num_ranks, gpus_per_rank(argv)
+        group = placement_group(rank_bundles(num_ranks, cpus, gpus_per_rank=gpus),
                                 strategy=strategy_of(self.config.pipeline_parallel_size))
         argv += ["--distributed-executor", "ray", "--ray-placement-group", group.id.hex(),
                  "--ray-address", ray.get_runtime_context().gcs_address]
-        return group, {"num_cpus": cpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            placement_group=group, placement_group_bundle_index=0)}
+        return group, {"num_cpus": cpus, "num_gpus": gpus,
+                       "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                           placement_group=group, placement_group_bundle_index=0)}
 
     def _drain(self, instance_id: str) -> None:
         handle = self.instances[instance_id]

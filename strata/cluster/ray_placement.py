@@ -11,11 +11,25 @@ gives each actor its own (CUDA_VISIBLE_DEVICES).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 NODE_PIN = 0.001  # of the `node:<ip>` resource: pins a bundle to a node, reserves nothing
 
 
 def strategy_of(pipeline_size: int) -> str:
     return "STRICT_PACK" if pipeline_size == 1 else "PACK"
+
+
+def gpus_per_rank(serve_argv: Sequence[str]) -> float:
+    """1 when a `strata serve` command line asks for CUDA (`--device cuda[:N]`), else 0: the
+    driver cannot know the nodes' GPUs, so an instance reserves them only when told."""
+    device = None
+    for i, arg in enumerate(serve_argv):
+        if arg == "--device" and i + 1 < len(serve_argv):
+            device = serve_argv[i + 1]
+        elif arg.startswith("--device="):
+            device = arg.split("=", 1)[1]
+    return 1.0 if device is not None and device.startswith("cuda") else 0.0
 
 
 def rank_bundles(world_size: int, cpus_per_rank: float, node_ip: str | None = None, *,
