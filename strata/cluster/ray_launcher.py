@@ -61,23 +61,22 @@ def _die_with_parent() -> None:
 class InstanceActor:
     """A Ray actor that keeps one `strata serve` process alive for as long as it lives.
 
-    `argv` is the command line less where it listens: the actor adds its node's address and
-    `port` (a fresh one when `port` is taken there); with `joins_ray` (a parallel instance,
-    whose ranks are Ray actors too) it also says which node the process is a driver of."""
+    `argv` is the command line less where it listens: the actor adds its node's address (to
+    listen on and, as `--node`, to register) and `port` (a fresh one when `port` is taken
+    there); with `joins_ray` (a parallel instance, whose ranks are Ray actors too) it also says
+    which node the process is a driver of."""
 
     def __init__(self, argv: list[str], log_path: str, port: int,
                  joins_ray: bool = False) -> None:
         self._stopping = False
         node = ray_node.this_node()
         port = port if port_is_free(port, node.address) else free_port(node.address)
-        argv = [*argv, *listen_args(node.address, port)]
+        argv = [*argv, *listen_args(node.address, port), "--node", node.address]
         argv += ["--ray-node-ip", node.address] if joins_ray else []
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the actor
-        env = {**os.environ, ray_node.NODE_ENV: node.address}
         self._proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-                                      env=env)
+                                      stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self) -> None:

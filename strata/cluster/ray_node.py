@@ -30,10 +30,6 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
-# The environment variable by which an instance actor tells its `strata serve` which node it
-# runs on (registered, shown by `strata status`).
-NODE_ENV = "STRATA_NODE"
-
 LOOPBACK = "127.0.0.1"
 
 

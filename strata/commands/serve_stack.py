@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import logging
 import math
-import os
 import signal
 import socket
 import time
@@ -343,7 +342,6 @@ def _registration(args: argparse.Namespace, env: CliEnv, async_engine: AsyncEngi
     registry_url = args.registry or env.registry_url
     if not registry_url or registry_url == "none":
         return None
-    from strata.cluster.ray_node import NODE_ENV
     from strata.server.registration import build_registration
 
     return build_registration(
@@ -351,7 +349,7 @@ def _registration(args: argparse.Namespace, env: CliEnv, async_engine: AsyncEngi
         advertise_url=args.advertise_url or f"http://{args.host}:{port}", model=name,
         async_engine=async_engine, version=args.model_version,
         role=args.role, pool=args.pool, simulated=simulated, **parallel_identity(async_engine),
-        node=args.ray_node_ip or os.environ.get(NODE_ENV) or socket.gethostname(),
+        node=args.node or args.ray_node_ip or socket.gethostname(),
     )
 
 
