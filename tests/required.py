@@ -6,9 +6,10 @@ the tool it is skipped with the reason and the install command; but where `STRAT
 names the tool (or is `all`), its absence is a failure: CI installs every tool it can
 (.ci/run) and sets `STRATA_REQUIRE=all`, so a proof that could run never passes as a skip.
 
-CPU features (`amx`, `avx512_bf16`) cannot be installed: `all` does not include them, but a
-machine that has them may name them, and where they are missing the skip names the kernel
-branch that was not run. The tests' conftest reads the environment once (`configure`).
+CPU features (`amx`, `avx512_bf16`) and root's network namespaces (`netns`) cannot be installed:
+`all` does not include them, but a machine that has them may name them, and where they are
+missing the skip says what was not run. The tests' conftest reads the environment once
+(`configure`).
 
     tool          found by                                   installed by
     promtool      `promtool` on PATH                         apt-get install prometheus
@@ -18,6 +19,7 @@ branch that was not run. The tests' conftest reads the environment once (`config
     cc            a C compiler the kernel build finds        apt-get install gcc
     ray           the `ray` package                          pip (the dev extra)
     shm           /dev/shm                                   the kernel (tmpfs)
+    netns         `ip netns add` works (root, CAP_NET_ADMIN)  running as root
     amx           the GEMM's AMX kernel runs                 the CPU
     avx512_bf16   the GEMM's bf16 vector kernel exists       the CPU
 """
@@ -63,6 +65,19 @@ def _shm() -> bool:
     return SHM_DIR.is_dir()
 
 
+def _netns() -> bool:
+    import os
+    import subprocess
+
+    if shutil.which("ip") is None:
+        return False
+    probe = f"strata-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0
+    if made:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return made
+
+
 def _amx() -> bool:
     from strata.model import gemm
     return gemm.has_amx()
@@ -86,13 +101,16 @@ TOOLS = {tool.name: tool for tool in (
     Tool("ray", lambda: importlib.util.find_spec("ray") is not None,
          "the ray package is not installed (pip install -e '.[dev]')"),
     Tool("shm", _shm, "no /dev/shm (the ranks' shared memory)"),
+    Tool("netns", _netns, "cannot make network namespaces here (needs root and `ip`): the "
+         "two-namespace tests do not run"),
     Tool("amx", _amx, "this CPU has no AMX: the GEMM's amx kernel branch is not run here"),
     Tool("avx512_bf16", _avx512_bf16,
          "this CPU has no AVX512-BF16: the GEMM's bf16 vector kernel branch is not run here "
          "(bf16 weights run oneDNN)"),
 )}
 CPU_FEATURES = frozenset({"amx", "avx512_bf16"})
-ALL = frozenset(TOOLS) - CPU_FEATURES
+PRIVILEGES = frozenset({"netns"})  # not installable either: name it where CI runs as root
+ALL = frozenset(TOOLS) - CPU_FEATURES - PRIVILEGES
 
 _required: frozenset[str] = frozenset()
 

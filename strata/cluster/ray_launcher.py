@@ -61,16 +61,17 @@ def _die_with_parent() -> None:
 class InstanceActor:
     """A Ray actor that keeps one `strata serve` process alive for as long as it lives.
 
-    `argv` is the command line less where it listens: the actor adds its node's address and
-    `port` (a fresh one when `port` is taken there); with `joins_ray` (a parallel instance,
-    whose ranks are Ray actors too) it also says which node the process is a driver of."""
+    `argv` is the command line less where it listens: the actor adds its node's address (to
+    listen on and, as `--node`, to register) and `port` (a fresh one when `port` is taken
+    there); with `joins_ray` (a parallel instance, whose ranks are Ray actors too) it also says
+    which node the process is a driver of."""
 
     def __init__(self, argv: list[str], log_path: str, port: int,
                  joins_ray: bool = False) -> None:
         self._stopping = False
         node = ray_node.this_node()
         port = port if port_is_free(port, node.address) else free_port(node.address)
-        argv = [*argv, *listen_args(node.address, port)]
+        argv = [*argv, *listen_args(node.address, port), "--node", node.address]
         argv += ["--ray-node-ip", node.address] if joins_ray else []
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the actor
@@ -198,16 +199,17 @@ class RayLauncher:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from strata.cluster.ray_placement import rank_bundles, strategy_of
+        from strata.cluster.ray_placement import gpus_per_rank, rank_bundles, strategy_of
 
         num_ranks = self.config.ranks_per_instance
-        cpus = self.config.num_cpus_per_instance / num_ranks
-        group = placement_group(rank_bundles(num_ranks, cpus),
+        cpus, gpus = self.config.num_cpus_per_instance / num_ranks, gpus_per_rank(argv)
+        group = placement_group(rank_bundles(num_ranks, cpus, gpus_per_rank=gpus),
                                 strategy=strategy_of(self.config.pipeline_parallel_size))
         argv += ["--distributed-executor", "ray", "--ray-placement-group", group.id.hex(),
                  "--ray-address", ray.get_runtime_context().gcs_address]
-        return group, {"num_cpus": cpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            placement_group=group, placement_group_bundle_index=0)}
+        return group, {"num_cpus": cpus, "num_gpus": gpus,
+                       "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                           placement_group=group, placement_group_bundle_index=0)}
 
     def _drain(self, instance_id: str) -> None:
         handle = self.instances[instance_id]

@@ -24,6 +24,7 @@ process (a Ray driver): Ray kills them when it exits, and never restarts one alo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ class RayPlacement:
     node_ip: str | None = None  # the node this process runs on (None: Ray's pick)
     placement_group: str | None = None  # hex id of a group `strata up --ray` made
     cpus_per_rank: float | None = None  # default: the cluster's CPUs shared out, at most 1
+    gpus_per_rank: float = 0.0  # CUDA ranks: 1 (reserved in each rank's bundle)
 
     def __post_init__(self) -> None:
         if self.cpus_per_rank is not None and self.cpus_per_rank <= 0:
@@ -62,10 +64,14 @@ class RankActor:
         self._rank: Any = None
 
     def start(self, spec: RankSpec) -> RankReport:
+        import ray
+
         from strata.model.parallel.worker import start_rank
 
         logging.basicConfig(level=logging.INFO,
                             format=f"rank {spec.rank} %(levelname)s: %(message)s")
+        if spec.device.startswith("cuda") and ray.get_gpu_ids():
+            spec = dataclasses.replace(spec, device="cuda:0")  # Ray shows this actor its GPU
         self._rank = start_rank(spec)
         report: RankReport = self._rank.report()
         return report
@@ -86,6 +92,7 @@ class RayRankLauncher:
         self._group: Any = None
         self._owns_group = False
         self._cpus: list[float] = []
+        self._gpus: list[float] = []
         self._actors: dict[int, Any] = {}
         self._starting: dict[Any, int] = {}  # start() refs -> rank
         self._serving: dict[Any, int] = {}  # serve() refs -> rank
@@ -100,6 +107,7 @@ class RayRankLauncher:
         self._group = self._existing_group() or self._new_group(layout, here.address)
         ray.get(self._group.ready(), timeout=self.ready_timeout_s)
         self._cpus = [float(b.get("CPU", 0)) for b in self._group.bundle_specs]
+        self._gpus = [float(b.get("GPU", 0)) for b in self._group.bundle_specs]
         if len(self._cpus) != layout.world_size:
             raise ConfigError(f"placement group {self._group.id.hex()} has {len(self._cpus)} "
                               f"bundles; a {layout.name} instance needs {layout.world_size}")
@@ -123,7 +131,8 @@ class RayRankLauncher:
         cpus = self.placement.cpus_per_rank or min(
             1.0, float(ray.cluster_resources().get("CPU", 1)) / layout.world_size)
         self._owns_group = True
-        return placement_group(rank_bundles(layout.world_size, cpus, here),
+        return placement_group(rank_bundles(layout.world_size, cpus, here,
+                                            gpus_per_rank=self.placement.gpus_per_rank),
                                strategy=strategy_of(layout.pipeline_size))
 
     def start(self, specs: list[RankSpec]) -> None:
@@ -135,7 +144,8 @@ class RayRankLauncher:
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=self._group, placement_group_bundle_index=spec.rank)
             actor = actor_class.options(
-                num_cpus=self._cpus[spec.rank], scheduling_strategy=strategy, max_restarts=0,
+                num_cpus=self._cpus[spec.rank], num_gpus=self._gpus[spec.rank],
+                scheduling_strategy=strategy, max_restarts=0,
             ).remote()
             self._actors[spec.rank] = actor
             self._starting[actor.start.remote(spec)] = spec.rank

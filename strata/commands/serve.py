@@ -106,6 +106,9 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instance-id", default=None, help="default: HOSTNAME-PORT")
     p.add_argument("--advertise-url", default=None,
                    help="URL routers use to reach this instance (default http://HOST:PORT)")
+    p.add_argument("--node", default=None,
+                   help="the machine's name in the registry (`strata status` NODE; default: the "
+                        "host name; `strata up --ray` passes the Ray node's address)")
     p.add_argument("--role", choices=("mixed", "prefill", "decode"), default="mixed")
     p.add_argument("--pool", default="default")
     p.add_argument("--session-store", default=None, metavar="URL",

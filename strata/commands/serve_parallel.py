@@ -113,11 +113,22 @@ def load_for_serving(args: argparse.Namespace, path: Path,
                           "tensor and pipeline ranks read bf16 weights (--weights-dtype bf16)")
     from strata.model.parallel.shard_loader import prepare_model
 
-    prepared = prepare_model(path, dtype=args.dtype, cache_dir=cache_dir)
+    prepared = prepare_model(path, dtype=args.dtype, cache_dir=cache_dir,
+                             uri=_store_name(args.model), s3_endpoint_url=args.s3_endpoint_url)
     layout.validate(prepared.config)
     loaded = LoadedModel(prepared.config, {}, prepared.tokenizer, prepared.name, prepared.source,
                          read_generation_defaults(prepared.source))
     return loaded, ParallelModel(prepared, layout)
+
+
+def _store_name(model: str | None) -> str:
+    """What ranks on other nodes resolve: the URI or alias as given; "" for a local path (its
+    absolute form then, which every node must mount)."""
+    from strata.model.fetch import DEFAULT_MODEL
+    from strata.store import is_model_uri
+
+    name = model or DEFAULT_MODEL
+    return name if is_model_uri(name) or not Path(name).exists() else ""
 
 
 def _has_cuda() -> bool:
@@ -166,9 +177,11 @@ def _launcher(args: argparse.Namespace) -> Any:
         return None
     from strata.cluster.ray_ranks import RayPlacement, RayRankLauncher
 
+    cuda = (args.device or ("cuda" if _has_cuda() else "cpu")).startswith("cuda")
     return RayRankLauncher(RayPlacement(address=args.ray_address, node_ip=args.ray_node_ip,
                                         placement_group=args.ray_placement_group,
-                                        cpus_per_rank=args.ray_cpus_per_rank))
+                                        cpus_per_rank=args.ray_cpus_per_rank,
+                                        gpus_per_rank=1.0 if cuda else 0.0))
 
 
 def _parallel_executor(async_engine: AsyncEngine) -> ParallelExecutor | None:

@@ -352,6 +352,7 @@ def _registration(args: argparse.Namespace, env: CliEnv, async_engine: AsyncEngi
         advertise_url=args.advertise_url or f"http://{args.host}:{port}", model=name,
         async_engine=async_engine, version=args.model_version,
         role=args.role, pool=args.pool, simulated=simulated, **parallel_identity(async_engine),
+        node=args.node or args.ray_node_ip or socket.gethostname(),
     )
 
 

@@ -3,6 +3,7 @@ prefill/decode fleet, then each pool's roles.
 
 A parallel instance (tensor / pipeline parallel) is one row, its layout beside its model
 (`tiny@default (tp2)`), followed by one indented line per rank: host, pid, weight and KV bytes.
+NODE, last, is the machine each instance runs on (its Ray node's address, else the host name).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from strata.commands.env import CliEnv
 from strata.registry import InstanceRecord, create_registry
 from strata.registry.instances.records import RankInfo
 
-COLUMNS = ("INSTANCE", "URL", "MODEL", "ROLE", "POOL", "STATE", "RUN/WAIT", "KV", "HEARTBEAT")
+COLUMNS = ("INSTANCE", "URL", "MODEL", "ROLE", "POOL", "STATE", "RUN/WAIT", "KV", "HEARTBEAT",
+           "NODE")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -60,7 +62,8 @@ def _row(record: InstanceRecord, now: float) -> tuple[str, ...]:
         model += f" ({record.layout})"
     return (record.instance_id, record.url, model, record.role.value, record.pool,
             record.state.value, f"{load.num_running}/{load.num_waiting}",
-            f"{load.kv_usage:.0%}", f"{max(0.0, now - record.last_heartbeat):.1f}s ago")
+            f"{load.kv_usage:.0%}", f"{max(0.0, now - record.last_heartbeat):.1f}s ago",
+            record.node)
 
 
 def format_table(records: Sequence[InstanceRecord], *, now: float) -> str:

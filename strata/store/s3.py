@@ -9,17 +9,15 @@ against, so a later start with the same remote manifest downloads nothing.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from strata.errors import ConfigError, ModelLoadError
 from strata.progress import Progress, progress
+from strata.store.locks import file_lock
 from strata.store.manifest import (
     MANIFEST_NAME,
     VERIFIED_MARKER,
@@ -108,7 +106,7 @@ def fetch(uri: str, *, cache_dir: Path, config: S3Config, progress: bool = True)
     location, client = parse_s3_uri(uri), make_client(config)
     target = cache_path(cache_dir, location)
     target.mkdir(parents=True, exist_ok=True)
-    with _locked(target / ".lock"):
+    with file_lock(target / ".lock"):
         manifest_bytes = _get_manifest(client, location)
         digest = manifest_digest(manifest_bytes)
         if _marker(target) == digest:
@@ -119,16 +117,6 @@ def fetch(uri: str, *, cache_dir: Path, config: S3Config, progress: bool = True)
         _remove_stale(target, manifest)
         _write_atomic(target / VERIFIED_MARKER, digest.encode())
     return target
-
-
-@contextmanager
-def _locked(lock_file: Path) -> Iterator[None]:
-    with lock_file.open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _get_manifest(client: Any, location: S3Location) -> bytes:

@@ -4,10 +4,11 @@ cluster for the module): node identities and addresses differ, and everything st
 loopback.
 
 - `strata up --ray --address ...` with a Redis registry spreads its replicas over both
-  workers; each instance listens on, and registers, its own node's address.
+  workers; each instance listens on, and registers, its own node's address (URL and node).
 - A pipeline-parallel instance whose two stages land on two nodes talks through gloo (the
   nodes are two hosts by their node ids, whatever their addresses) and answers greedily what
-  one process answers.
+  one process answers; the rank on the other node gets the weights through the model store
+  into its node cache.
 - A worker node lost (killed, not drained) under load: no request fails (the gateway retries
   before the first byte), and Ray brings the lost instance back on the remaining worker, where
   it registers that node's address. Runs last: it takes a node out of the module's cluster.
@@ -46,8 +47,10 @@ from strata.cluster.seed import ClusterSeed
 from strata.model.parallel.executor import ParallelExecutor
 from strata.model.parallel.layout import ParallelLayout
 from strata.model.parallel.shard_loader import prepare_model
+from strata.model.parallel.weight_source import NODE_LOCKS
 from strata.registry import InstanceRecord, InstanceState, create_registry
 from strata.registry.models import ModelVersion
+from strata.store import write_manifest
 
 WORKERS = {node_address(1), node_address(2)}
 SIM = ModelVersion("smol", "v1", "sim:smollm2-cpu")
@@ -132,6 +135,7 @@ def test_replicas_spread_over_both_workers_and_register_their_nodes_addresses(
         assert {n.address for n in nodes} == WORKERS  # one replica on each worker
         ready = wait_ready(launched, redis_url, 120)
         assert {host_of(r.url) for r in ready} == WORKERS
+        assert {r.node for r in ready} == WORKERS  # what `strata status` shows as NODE
         wait_routed(f"http://{config.host}:{config.port}", 2)
         assert complete(f"http://{config.host}:{config.port}") == 200
 
@@ -147,11 +151,15 @@ def reference(nine: Path) -> list[Greedy]:
 
 
 def test_two_stages_on_two_nodes_talk_gloo_and_answer_what_one_process_answers(
-        cluster: Cluster, nine: Path, reference: list[Greedy]) -> None:
-    """Rank 0 is this process, on the head; rank 1 must go to another node (STRICT_SPREAD)."""
+        cluster: Cluster, nine: Path, reference: list[Greedy], tmp_path: Path) -> None:
+    """Rank 0 is this process, on the head; rank 1 must go to another node (STRICT_SPREAD),
+    where it resolves the model through the store into the node cache (verified against the
+    manifest there, leaving the node's marker) instead of opening rank 0's files."""
     group = placement_group([{f"node:{node_address(0)}": 0.001}, {"CPU": 0.5}],
                             strategy="STRICT_SPREAD")
-    prepared = prepare_model(nine, dtype="float32", cache_dir=None)
+    write_manifest(nine)
+    cache = tmp_path / "node-cache"
+    prepared = prepare_model(nine, dtype="float32", cache_dir=cache)
     launcher = RayRankLauncher(RayPlacement(placement_group=group.id.hex()))
     executor = ParallelExecutor(prepared, ParallelLayout(1, 2), dtype="float32", timeout_s=60,
                                 launcher=launcher)
@@ -166,6 +174,7 @@ def test_two_stages_on_two_nodes_talk_gloo_and_answer_what_one_process_answers(
         executor.shutdown()
         remove_placement_group(group)
     assert_same(got, reference)
+    assert len(list((cache / NODE_LOCKS).glob("*.verified"))) == 1  # rank 1's node verified
 
 
 def test_a_worker_node_lost_under_load_fails_nothing_and_its_instance_returns_elsewhere(

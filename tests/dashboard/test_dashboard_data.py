@@ -161,7 +161,8 @@ def test_the_snapshot_tells_each_instance_s_condition_and_heartbeat_age() -> Non
     async def story() -> dict[str, Any]:
         for iid, state in (("a", InstanceState.READY), ("b", InstanceState.STARTING)):
             await instances.register(InstanceRecord(iid, f"http://{iid}", "m", "v1",
-                                                    state=state, simulated=True))
+                                                    state=state, simulated=True,
+                                                    node=f"node-{iid}"))
         clock.advance(2.5)
         app, gateway = dashboard(clock, instances=instances)
         await gateway.source.refresh()
@@ -176,6 +177,7 @@ def test_the_snapshot_tells_each_instance_s_condition_and_heartbeat_age() -> Non
                                             "b": ("starting", 2.5, True, False)}
     assert rows["a"]["load"] == {"num_in_flight": 0, "num_running": 0, "num_waiting": 0,
                                  "kv_usage": 0.0}
+    assert [rows[iid]["node"] for iid in "ab"] == ["node-a", "node-b"]
 
 
 def test_models_show_their_parts_replicas_and_newest_release() -> None:

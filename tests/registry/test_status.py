@@ -41,7 +41,7 @@ def test_status_lists_instances_of_the_run_dir_registry(tmp_path: Path,
     assert status.run(parse(["status"]), env) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["INSTANCE", "URL", "MODEL", "ROLE", "POOL", "STATE", "RUN/WAIT",
-                                "KV", "HEARTBEAT"]
+                                "KV", "HEARTBEAT", "NODE"]
     assert lines[1].split()[:7] == ["i-dead", "http://127.0.0.1:8002", "tiny@default", "mixed",
                                     "default", "dead", "0/0"]
     assert lines[2].split()[:9] == ["i-live", "http://127.0.0.1:8001", "tiny@v2", "(simulated)",
@@ -71,12 +71,14 @@ def test_status_reads_the_registry_strata_up_uses(tmp_path: Path,
     assert config.registry_url == status.default_registry_url(env) == expected
 
 
-def test_format_table_aligns_columns() -> None:
+def test_format_table_aligns_columns_and_names_each_instances_node() -> None:
     record = InstanceRecord("a", "http://h:1", "m", last_heartbeat=100.0,
-                            load=InstanceLoad(kv_usage=0.5))
+                            load=InstanceLoad(kv_usage=0.5), node="10.0.0.2")
+    assert InstanceRecord.from_json(record.to_json()) == record  # through every backend
     assert status.format_table([record], now=101.25).splitlines() == [
-        "INSTANCE  URL         MODEL      ROLE   POOL     STATE     RUN/WAIT  KV   HEARTBEAT",
-        "a         http://h:1  m@default  mixed  default  starting  0/0       50%  1.2s ago",
+        "INSTANCE  URL         MODEL      ROLE   POOL     STATE     RUN/WAIT  KV   HEARTBEAT  NODE",
+        "a         http://h:1  m@default  mixed  default  starting  0/0       50%  1.2s ago   "
+        "10.0.0.2",
     ]
 
 

@@ -1,4 +1,5 @@
-"""Models on a real S3-compatible server (moto, loopback): push, fetch, verify, share a cache."""
+"""Models on a real S3-compatible server (moto, loopback): push, fetch, verify, share a cache;
+the ranks of a parallel instance on two nodes fetch into each node's cache once."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from s3_server import CountingMotoServer
+from s3_server import DUMMY, CountingMotoServer
+from test_node_cache import ONE_FILE, at_once
 
 from strata.errors import ModelLoadError
 from strata.model.loader import load_model
+from strata.model.parallel.shard_loader import WeightFiles
+from strata.model.parallel.weight_source import WeightSource, resolve_on_node
 from strata.store import MANIFEST_NAME, S3Config, push_dir, read_manifest, resolve_model_uri
 from strata.store.s3 import make_client
 
@@ -137,3 +141,27 @@ def test_the_endpoint_flag_overrides_the_configured_endpoint(
     path = resolve_model_uri(uri, cache_dir=tmp_path / "cache", s3_config=unreachable,
                              s3_endpoint_url=s3.endpoint_url, progress=False)
     assert sorted(p.name for p in path.iterdir() if p.name in MODEL_FILES) == sorted(MODEL_FILES)
+
+
+def test_each_node_fetches_each_file_once_into_its_own_cache(
+        tiny_dir: Path, tmp_path: Path, s3: S3Config, bucket: str,
+        s3_server: CountingMotoServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", DUMMY.access_key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", DUMMY.secret_access_key)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", DUMMY.region_name)
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir, src)
+    uri = f"s3://{bucket}/models/tiny"
+    push_dir(src, uri, s3, progress=False)
+    source = WeightSource(uri, ONE_FILE, str(tmp_path / "unused"), "float32",
+                          s3_endpoint_url=s3.endpoint_url, host="head",
+                          prepared=WeightFiles({"*": str(src / "model.safetensors")}))
+    node_a, node_b = tmp_path / "node-a", tmp_path / "node-b"
+    got = at_once([lambda: resolve_on_node(source, "a", node_a),
+                    lambda: resolve_on_node(source, "a", node_a),
+                    lambda: resolve_on_node(source, "b", node_b)])
+    a1, a2, b = (Path(w.files["*"]) for w in got)
+    assert a1 == a2 and a1.is_relative_to(node_a) and b.is_relative_to(node_b)
+    assert a1.read_bytes() == b.read_bytes() == (src / "model.safetensors").read_bytes()
+    assert s3_server.gets(f"/{bucket}/models/tiny/model.safetensors") == 2  # once per node
+    assert resolve_on_node(source, "head") == source.prepared  # rank 0's host: its own files

@@ -18,13 +18,18 @@ hosts, and one host may be reached by several names. A rank learns nothing else 
 the torch.distributed rendezvous is at rank 0's address (`init_method`), and its store
 exchanges the peers' addresses. Rank 0 creates the segments on its host; the tp segment of a
 stage on another host is created there by the stage's tp rank 0, and its peers wait for it.
+
+With torch.distributed, every rank also keeps a heartbeat connection with rank 0 (liveness.py,
+at rank 0's address, port `liveness_port`): a peer lost without closing its connections (its
+node gone) fails the groups of every rank within `liveness.DEADLINE_S` plus an interval, where
+gloo alone would wait out its timeout.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Protocol
 
@@ -32,9 +37,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from strata.errors import ConfigError
+from strata.errors import ConfigError, RankFailedError
 from strata.model.parallel import shm
 from strata.model.parallel.layout import ParallelLayout
+from strata.model.parallel.liveness import GlooSockets, Liveness
 from strata.model.parallel.shm import ShmGroup
 from strata.model.parallel.torch_group import TorchDistGroup
 
@@ -103,6 +109,7 @@ class CommSpec:
     device: str = "cpu"
     timeout_s: float = 60.0  # one collective
     hosts: tuple[str, ...] = ()  # the host id of every rank; () means all on rank 0's host
+    liveness_port: int | None = None  # rank 0's heartbeat port (with torch.distributed)
 
     def __post_init__(self) -> None:
         for backend in (self.world_backend, self.tp_backend):
@@ -142,12 +149,14 @@ def plan_comm(layout: ParallelLayout, hosts: list[Host], *, device: str, timeout
     tp = "shm" if local and stages_local else fallback
     if local:
         shm.sweep_stale_segments()
-    init = None
+    init, liveness = None, None
     if world != "shm" or tp != "shm":
         address = hosts[0].address
         init = f"tcp://{address}:{port or free_port(address)}"
+        liveness = free_port(address)
     return CommSpec(layout, shm.new_segment_prefix(), world_backend=world, tp_backend=tp,
-                    init_method=init, device=device, timeout_s=timeout_s, hosts=tuple(ids))
+                    init_method=init, device=device, timeout_s=timeout_s, hosts=tuple(ids),
+                    liveness_port=liveness)
 
 
 def free_port(address: str) -> int:
@@ -163,8 +172,18 @@ def free_port(address: str) -> int:
 class RankComms:
     world: Communicator
     tp: Communicator
+    liveness: Liveness | None = field(default=None)
+
+    def peer_lost(self, exc: RankFailedError) -> None:
+        """A peer's heartbeats stopped: fail both groups (their waits raise now, with `exc`)."""
+        for group in (self.world, self.tp):
+            if isinstance(group, TorchDistGroup) and group.failure is None:
+                group.failure = exc
+            group.abort(max(exc.rank, 0))
 
     def close(self) -> None:
+        if self.liveness is not None:
+            self.liveness.stop()
         self.tp.close()
         self.world.close()
         if dist.is_available() and dist.is_initialized():
@@ -187,8 +206,10 @@ def create_segments(spec: CommSpec) -> list[str]:
     return names
 
 
-def connect(spec: CommSpec, rank: int) -> RankComms:
-    """Join both groups of `rank` (every rank calls this, in any order, at about the same time)."""
+def connect(spec: CommSpec, rank: int,
+            on_peer_lost: Callable[[RankFailedError], None] | None = None) -> RankComms:
+    """Join both groups of `rank` (every rank calls this, in any order, at about the same time).
+    With torch.distributed, a peer lost fails both groups, then calls `on_peer_lost`."""
     layout = spec.layout
     stage, tp_rank = layout.coords(rank).stage, layout.coords(rank).tp_rank
     tp_groups: list[TorchDistGroup] = []
@@ -208,7 +229,25 @@ def connect(spec: CommSpec, rank: int) -> RankComms:
     else:
         tp = ShmGroup.attach(spec.segment(f"tp{stage}"), tp_rank, layout.tensor_size,
                              timeout_s=spec.timeout_s)
-    return RankComms(world, tp)
+    comms = RankComms(world, tp)
+    if spec.liveness_port is not None:
+        comms.liveness = _start_liveness(spec, rank, comms, on_peer_lost)
+    return comms
+
+
+def _start_liveness(spec: CommSpec, rank: int, comms: RankComms,
+                    then: Callable[[RankFailedError], None] | None) -> Liveness:
+    assert spec.init_method is not None and spec.liveness_port is not None
+    address = spec.init_method.removeprefix("tcp://").rsplit(":", 1)[0]
+
+    def lost(exc: RankFailedError) -> None:
+        comms.peer_lost(exc)
+        if then is not None:
+            then(exc)
+
+    if rank == 0:
+        return Liveness.serve(address, spec.liveness_port, spec.layout.world_size - 1, lost)
+    return Liveness.join(address, spec.liveness_port, rank, lost, timeout_s=spec.timeout_s)
 
 
 def _attach_remote_stage(spec: CommSpec, stage: int, tp_rank: int) -> ShmGroup:
@@ -236,16 +275,20 @@ def _init_torch(spec: CommSpec, rank: int) -> tuple[TorchDistGroup, list[TorchDi
     """The default group (world) and one group per stage: every rank creates all, in order."""
     layout = spec.layout
     backend = "nccl" if "nccl" in (spec.world_backend, spec.tp_backend) else "gloo"
-    # The world group's timeout covers an idle worker's wait for the next step.
+    sockets = GlooSockets()
+    # The default group's timeout covers an idle worker's wait for the next step (a lost peer
+    # is found by the heartbeats, not by this timeout).
     dist.init_process_group(backend, init_method=spec.init_method, rank=rank,
                             world_size=layout.world_size, timeout=timedelta(days=1))
     timeout = timedelta(seconds=spec.timeout_s)
     device = torch.device(spec.device)
     world = TorchDistGroup(list(range(layout.world_size)), rank, device,
-                           dist.new_group(list(range(layout.world_size)), timeout=timeout))
+                           dist.new_group(list(range(layout.world_size)), timeout=timeout),
+                           sockets)
     stages = []
     for stage in range(layout.pipeline_size):
         ranks = layout.stage_ranks(stage)
         group = dist.new_group(ranks, timeout=timeout)
-        stages.append(TorchDistGroup(ranks, rank, device, group))
+        stages.append(TorchDistGroup(ranks, rank, device, group, sockets))
+    sockets.taken()
     return world, stages

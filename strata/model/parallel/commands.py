@@ -32,8 +32,8 @@ from strata.engine.request import SamplingParams
 from strata.model.config import ModelConfig
 from strata.model.parallel.comm import CommSpec
 from strata.model.parallel.layout import ParallelLayout
-from strata.model.parallel.shard_loader import WeightFiles
 from strata.model.parallel.share import ShareFault
+from strata.model.parallel.weight_source import WeightSource
 from strata.types import RequestId
 
 
@@ -44,7 +44,7 @@ class RankSpec:
     rank: int
     comm: CommSpec
     config: ModelConfig
-    weights: WeightFiles
+    weights: WeightSource  # resolved on the rank's node
     dtype: str
     device: str
     threads: int

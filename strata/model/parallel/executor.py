@@ -12,6 +12,8 @@ P = 1 rank 0 samples itself and a batch is done when `submit` returns.
 Failure: a rank that dies makes the collectives of the others raise within ~50 ms
 (`RankFailedError`, also raised by `submit`, `collect` and `execute`), and the launcher's watcher
 reports it even while the instance is idle (`on_failure`, set by the server to stop the engine).
+Across hosts a rank whose node is lost without a word is found by the heartbeats (liveness.py)
+within ~2.5 s, with the same effects; the error names the lost rank.
 Either way the executor is failed for good: the ranks no longer agree where they are, so the
 instance must be restarted whole. With one pipeline stage, a rank that only could not run its
 share of a step keeps the ranks in step and says so (share.py): `execute` raises
@@ -54,6 +56,7 @@ from strata.model.parallel.pipeline import InFlight, PipelineStats, RankMemory, 
 from strata.model.parallel.rank import Rank
 from strata.model.parallel.shard_loader import PreparedModel
 from strata.model.parallel.share import ShareFault
+from strata.model.parallel.weight_source import source_of
 
 log = logging.getLogger("strata.model.parallel")
 T = TypeVar("T")
@@ -76,6 +79,7 @@ class ParallelExecutor:
         self.max_concurrent_batches = layout.pipeline_size
         self.on_failure: Callable[[RankFailedError], None] | None = None
         self.failure: RankFailedError | None = None
+        self._failure_reported = False
         self.stats = StepStats()
         self.kv_codec: KVCodec | None = None
         self._num_slots = 0
@@ -90,7 +94,9 @@ class ParallelExecutor:
             log.warning("ranks talk through torch.distributed (%s world, %s tp groups)",
                         self.comm_spec.world_backend, self.comm_spec.tp_backend)
         self._segments = create_segments(self.comm_spec)
-        specs = [RankSpec(r, self.comm_spec, model.config, model.weights, dtype,
+        hosts = self.comm_spec.hosts
+        source = source_of(model, dtype=dtype, host=hosts[0] if hosts else "")
+        specs = [RankSpec(r, self.comm_spec, model.config, source, dtype,
                           _rank_device(device, r), threads, model_name, model_version,
                           os.getpid(), faults, kernel_build.cache_dir())
                  for r in range(layout.world_size)]
@@ -104,7 +110,7 @@ class ParallelExecutor:
         comms = None
         try:
             self.launcher.start(specs[1:])
-            comms = connect(self.comm_spec, 0)
+            comms = connect(self.comm_spec, 0, on_peer_lost=self._rank_exited)
             self.rank = Rank(specs[0], comms)
             # Ready means connected: every rank mapped its segments, which can go now.
             self.reports = [self.rank.report(), *self.launcher.wait_ready(startup_timeout_s)]
@@ -220,6 +226,8 @@ class ParallelExecutor:
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop every rank (idempotent)."""
+        if self.rank.comms.liveness is not None:
+            self.rank.comms.liveness.expect_end()
         if self.failure is None:
             try:
                 self._broadcast(Stop())
@@ -252,7 +260,9 @@ class ParallelExecutor:
             raise
         except RankFailedError as exc:
             self._fail(exc)
-            raise
+            if self.failure is exc or self.failure is None:
+                raise
+            raise self.failure from exc  # the first cause: it names the lost rank
         except BaseException as exc:  # rank 0 broke off mid-command: the others wait in vain
             self._fail(RankFailedError(f"rank 0 failed mid-command: {exc!r}", rank=0))
             raise
@@ -278,17 +288,21 @@ class ParallelExecutor:
         self.rank.comms.world.broadcast_bytes(data, root=0)
 
     def _rank_exited(self, exc: RankFailedError) -> None:
-        """The launcher's watcher: a rank process ended while the instance was serving."""
+        """The launcher's watcher or the heartbeats: a rank ended or was lost while the instance
+        was serving (reported once)."""
         log.error("%s", exc)
         self._fail(exc)
-        if self.on_failure is not None:
+        if self.on_failure is not None and not self._failure_reported:
+            self._failure_reported = True
             self.on_failure(exc)
 
     def _fail(self, exc: RankFailedError) -> None:
         if self.failure is None:
             self.failure = exc
-        for group in (self.rank.comms.world, self.rank.comms.tp):
-            group.abort(max(exc.rank, 0))
+        rank = getattr(self, "rank", None)  # None while rank 0 still starts
+        if rank is not None:
+            for group in (rank.comms.world, rank.comms.tp):
+                group.abort(max(exc.rank, 0))
 
     def _rank_kv_bytes_per_token(self, rank: int) -> int:
         shard = self.layout.shard(rank, self.config)

@@ -49,6 +49,7 @@ from strata.model.parallel.commands import (
 from strata.model.parallel.layout import ParallelLayout, even_split
 from strata.model.parallel.shard_loader import load_shard
 from strata.model.parallel.share import CallCount, ShareFault, placeholder_batch, report_shares
+from strata.model.parallel.weight_source import resolve_on_node
 from strata.model.shard import RankShard
 
 log = logging.getLogger("strata.model.parallel")
@@ -122,7 +123,9 @@ class Rank:
         self.comms = comms
         self.shard: RankShard = spec.layout.shard(spec.rank, spec.config)
         self.coords = spec.layout.coords(spec.rank)
-        weights = load_shard(spec.weights, spec.config, self.shard, spec.dtype)
+        host = spec.comm.hosts[spec.rank] if spec.comm.hosts else ""
+        files = resolve_on_node(spec.weights, host)
+        weights = load_shard(files, spec.config, self.shard, spec.dtype)
         self.comm = RankShardComm(comms, spec.layout, spec.rank, spec.config)
         self.executor = TorchExecutor(
             spec.config, weights, dtype=spec.dtype, device=spec.device,

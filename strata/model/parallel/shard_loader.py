@@ -3,8 +3,9 @@
 `prepare_model` runs once, in the serving process, before any rank starts: it reads an HF
 directory's config and tokenizer, or converts a GGUF file into the safetensors cache tensor by
 tensor (gguf_cache.convert_gguf) and reads them from its metadata; it checks every tensor's shape
-in the file headers. Its `WeightFiles` (tensor name -> safetensors file) travel to the ranks,
-and `load_shard` reads a rank's slices through `safe_open(...).get_slice`: rows of q/k/v,
+in the file headers. Its `WeightFiles` (tensor name -> safetensors file) serve the ranks on its
+node; ranks on other nodes get theirs through the model store (weight_source.py). `load_shard`
+reads a rank's slices through `safe_open(...).get_slice`: rows of q/k/v,
 gate/up, the embedding and the LM head; columns of o and down; only the rank's stage's layers.
 """
 
@@ -48,11 +49,16 @@ class PreparedModel:
     name: str
     source: Path
     weights: WeightFiles
+    uri: str = ""  # the model as the store names it (ranks on other nodes resolve it)
+    cache_dir: Path | None = None
+    s3_endpoint_url: str | None = None
 
 
-def prepare_model(path: str | Path, *, dtype: str, cache_dir: Path | None) -> PreparedModel:
+def prepare_model(path: str | Path, *, dtype: str, cache_dir: Path | None, uri: str = "",
+                  s3_endpoint_url: str | None = None) -> PreparedModel:
     """Config, tokenizer and weight files of an HF directory or a `.gguf` file (converted into
-    `cache_dir` first); raises ModelLoadError naming a missing or misshapen tensor."""
+    `cache_dir` first); raises ModelLoadError naming a missing or misshapen tensor. `uri`
+    (default: `path` itself) is what ranks on other nodes resolve through the model store."""
     torch_dtype = torch_dtype_of(dtype)
     src = Path(path)
     if src.is_dir():
@@ -76,6 +82,8 @@ def prepare_model(path: str | Path, *, dtype: str, cache_dir: Path | None) -> Pr
         raise ConfigError(f"{src}: Phi-3 checkpoints keep q/k/v and gate/up fused; serve them "
                           "in one process (without tensor or pipeline parallel)")
     _check_shapes(prepared.weights, prepared.config, str(src))
+    prepared.uri, prepared.cache_dir = uri or str(src.resolve()), cache_dir
+    prepared.s3_endpoint_url = s3_endpoint_url
     return prepared
 
 

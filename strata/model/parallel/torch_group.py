@@ -9,10 +9,16 @@ block, a rank waits only in receives and collectives, which every peer reaches i
 The step "broadcast" is therefore one send per rank from the root (one serialization; the same
 bytes), on the default group, whose timeout is long: an idle worker waits in it for the next
 step.
+
+A peer that exits closes its connections and the call waiting on it raises at once; a peer that
+is lost without closing anything is found by the heartbeats (liveness.py), which `abort` the
+group: its sockets are shut down, so the blocked call raises too. Either way the call raises
+`RankFailedError`, naming the aborted rank where one was named.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -21,20 +27,30 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from strata.errors import RankFailedError
+from strata.model.parallel.liveness import GlooSockets
+
 T = TypeVar("T")
+# A peer that exits closes its gloo connections and its heartbeat connection at once: how long
+# a failed call waits for the heartbeats to say which rank it was.
+BLAME_WAIT_S = 1.0
 
 
 class TorchDistGroup:
     """A `Communicator` over a torch.distributed process group (gloo or NCCL). Per-call
-    timeouts are the group's own (set at creation): `timeout_s` is ignored."""
+    timeouts are the group's own (set at creation): `timeout_s` is ignored. `sockets` are this
+    process's torch.distributed sockets, shared by all its groups (`abort` shuts them down)."""
 
     def __init__(self, ranks: list[int], global_rank: int, device: torch.device,
-                 group: dist.ProcessGroup | None) -> None:
+                 group: dist.ProcessGroup | None, sockets: GlooSockets | None = None) -> None:
         self.ranks = ranks
         self.rank = ranks.index(global_rank) if global_rank in ranks else -1
         self.world_size = len(ranks)
         self.device = device
         self.group = group
+        self.sockets = sockets
+        self.failure: RankFailedError | None = None
+        self._aborted = threading.Event()
         self.comm_ns = 0
         self.num_calls = 0
         self._sending: list[tuple[dist.Work, Tensor]] = []
@@ -83,8 +99,14 @@ class TorchDistGroup:
         self._timed(lambda: dist.barrier(group=self.group))
 
     def abort(self, rank: int) -> None:
-        """gloo and NCCL have no abort word: peers learn from the closed connection or their
-        timeout."""
+        """Declare `rank` (global) failed: this process's gloo sockets are shut down, so every
+        call of its groups, blocked or later, raises (peers learn from the closed connections).
+        """
+        if self.failure is None:
+            self.failure = RankFailedError(f"rank {rank} failed", rank=rank)
+        self._aborted.set()
+        if self.sockets is not None:
+            self.sockets.sever()
 
     def close(self) -> None:
         """The process group goes with `RankComms.close` (sends still pending with it)."""
@@ -119,6 +141,12 @@ class TorchDistGroup:
         start = time.perf_counter_ns()
         try:
             return call()
+        except RuntimeError as exc:  # gloo: a closed or severed connection, a timeout
+            if self.sockets is not None:  # with heartbeats: they name the rank
+                self._aborted.wait(BLAME_WAIT_S)
+            if self.failure is not None:
+                raise self.failure from exc
+            raise RankFailedError(f"a collective of ranks {self.ranks} failed: {exc}") from exc
         finally:
             self.comm_ns += time.perf_counter_ns() - start
             self.num_calls += 1

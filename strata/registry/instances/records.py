@@ -94,6 +94,7 @@ class InstanceRecord:
     simulated: bool = False
     layout: str = "tp1"  # tensor x pipeline parallel: tp1, tp2, pp2, tp2xpp2
     ranks: tuple[RankInfo, ...] = ()  # of a parallel instance, in rank order
+    node: str = ""  # the machine it runs on: its Ray node's address, else the host name
 
     def __post_init__(self) -> None:
         if not self.instance_id:
@@ -114,7 +115,8 @@ class InstanceRecord:
                 "version": self.version, "role": self.role.value, "pool": self.pool,
                 "state": self.state.value, "load": self.load.to_json(),
                 "last_heartbeat": self.last_heartbeat, "simulated": self.simulated,
-                "layout": self.layout, "ranks": [r.to_json() for r in self.ranks]}
+                "layout": self.layout, "ranks": [r.to_json() for r in self.ranks],
+                "node": self.node}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> InstanceRecord:
@@ -128,7 +130,8 @@ class InstanceRecord:
                    last_heartbeat=float(data.get("last_heartbeat", 0.0)),
                    simulated=bool(data.get("simulated", False)),
                    layout=str(data.get("layout", "tp1")),
-                   ranks=tuple(RankInfo.from_json(r) for r in data.get("ranks") or ()))
+                   ranks=tuple(RankInfo.from_json(r) for r in data.get("ranks") or ()),
+                   node=str(data.get("node", "")))
 
 
 __all__ = ["InstanceLoad", "InstanceRecord", "InstanceState", "RankInfo", "Role"]

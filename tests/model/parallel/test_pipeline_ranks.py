@@ -3,11 +3,15 @@
 Float32 greedy tokens stay identical to one process (and logprobs within 1e-4) with two batches
 in flight, under heavy chunking and preemption too (batch invariance); the stages' busy time and
 rank 0's communication are counted; a KV export drains the pipeline first; and stages that name
-two hosts talk through gloo between stages and shared memory inside each, as across machines.
+two hosts talk through gloo between stages and shared memory inside each, as across machines,
+and fail within 5 s when one host goes silent (liveness.py).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,8 +26,10 @@ from model.parallel.parallel_helpers import (
     run_greedy,
 )
 
+from strata.engine.engine import Engine
 from strata.engine.executor import AsyncModelExecutor, ModelInput, ScheduledSequence
-from strata.engine.request import SamplingParams
+from strata.engine.request import Request, SamplingParams
+from strata.errors import RankFailedError
 from strata.model.executor import TorchExecutor
 from strata.model.loader import load_model
 from strata.model.parallel.comm import Host
@@ -31,6 +37,7 @@ from strata.model.parallel.executor import ParallelExecutor
 from strata.model.parallel.launcher import MpRankLauncher
 from strata.model.parallel.shard_loader import PreparedModel
 from strata.model.parallel.shm import SHM_DIR
+from strata.model.parallel.worker import EXIT_RANK_FAILED
 from strata.types import RequestId
 
 pytestmark = pytest.mark.needs("shm")
@@ -107,22 +114,47 @@ def test_a_kv_export_drains_the_batches_in_flight(pp2: ParallelExecutor, model_d
     assert [pp2.collect(h) for h in handles] == want
 
 
-def test_stages_on_two_hosts_talk_through_gloo_between_and_shm_within(
+def test_stages_on_two_hosts_talk_through_gloo_and_a_frozen_host_fails_within_5_s(
         prepared: PreparedModel, reference: list[Greedy]) -> None:
     """T=2 x P=2 with stage 1 on "another host" (the same machine under another host id): the
     world group is gloo, each stage's tp group shared memory (stage 1's segment made by rank 2),
-    and the tokens do not change."""
+    and the tokens do not change. Then rank 2 is frozen mid-step (SIGSTOP: silent, its sockets
+    open, as when its node is lost), which gloo alone would wait out for a day: the heartbeats
+    fail rank 0's step within 5 s, naming rank 2, and rank 3 on the frozen rank's host leaves
+    by itself (exit code 3: rank 0 cut it off)."""
     hosts = [Host("a", "127.0.0.1")] * 2 + [Host("b", "127.0.0.1")] * 2
     executor = parallel_executor(prepared, 2, 2, launcher=MpRankLauncher(hosts=hosts))
     in_flight: list[int] = []
+    pids = executor.launcher.pids()
     try:
         spec = executor.comm_spec
         assert (spec.world_backend, spec.tp_backend) == ("gloo", "shm")
         assert spec.init_method is not None and spec.init_method.startswith("tcp://127.0.0.1:")
-        got = run_greedy(make_engine(executor, prepared.config.vocab_size), prompts(),
-                         in_flight=in_flight)
+        engine = make_engine(executor, prepared.config.vocab_size)
+        got = run_greedy(engine, prompts(), in_flight=in_flight)
+        failed, elapsed = _freeze_mid_step(engine, pids[2])
     finally:
-        executor.shutdown()
+        os.kill(pids[2], signal.SIGKILL)
+        executor.shutdown(timeout_s=5.0)
     assert_same(got, reference)
     assert max(in_flight) == 1
     assert not list(SHM_DIR.glob(f"{spec.prefix}-*")), "every segment was unlinked"
+    assert failed.rank == 2 and "rank 2 sent no heartbeat" in str(failed), failed
+    assert elapsed < 5.0
+    stage_1_peer = executor.launcher._procs[3]  # type: ignore[attr-defined]
+    assert stage_1_peer.exitcode == EXIT_RANK_FAILED
+
+
+def _freeze_mid_step(engine: Engine, pid: int) -> tuple[RankFailedError, float]:
+    """SIGSTOP `pid` after a few steps of a long request; the error of the engine's step and
+    how long after the freeze it came."""
+    params = SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True)
+    engine.add_request(Request(RequestId("frozen"), prompts()[0], params, arrival_time=0.0))
+    for _ in range(3):
+        engine.step()
+    os.kill(pid, signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as failed:
+        while engine.has_unfinished_requests():
+            engine.step()
+    return failed.value, time.monotonic() - start

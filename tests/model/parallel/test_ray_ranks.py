@@ -21,7 +21,7 @@ from model.parallel.parallel_helpers import (
     run_greedy,
 )
 
-from strata.cluster.ray_placement import rank_bundles, strategy_of
+from strata.cluster.ray_placement import gpus_per_rank, rank_bundles, strategy_of
 from strata.cluster.ray_ranks import RayPlacement, RayRankLauncher
 from strata.engine.request import Request, SamplingParams
 from strata.errors import RankFailedError
@@ -52,6 +52,9 @@ def test_bundles_and_strategies() -> None:
     assert strategy_of(1) == "STRICT_PACK" and strategy_of(2) == "PACK"
     assert rank_bundles(2, 0.25, "10.0.0.7") == [{"CPU": 0.25, "node:10.0.0.7": 0.001},
                                                  {"CPU": 0.25}]
+    assert rank_bundles(2, 1, gpus_per_rank=1) == [{"CPU": 1, "GPU": 1}] * 2  # CUDA ranks
+    assert [gpus_per_rank(argv) for argv in (["--device", "cuda"], ["--device=cuda:1"],
+                                             ["--device", "cpu"], ["serve", "m"])] == [1, 1, 0, 0]
 
 
 @pytest.mark.parametrize(("tensor", "pipeline", "strategy"),

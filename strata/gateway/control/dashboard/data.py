@@ -4,7 +4,7 @@
     gateway      port, policy, requests in flight and queued, instances known and routable
     control      which buttons can work here: `drain` always, `releases` with a model registry
     instances    per instance: model, version, role, pool, status (ready, starting, draining,
-                 unhealthy, ejected, dead), load, heartbeat age, prefix-cache hit rate
+                 unhealthy, ejected, dead), load, heartbeat age, prefix-cache hit rate, node
     models       versions with their part (live, canary, previous), desired and running
                  replicas (dashboard_models.py)
     releases     the newest release of each model with the path of its state machine
@@ -180,6 +180,7 @@ class DashboardData:
             "version": view.version, "role": view.role, "pool": view.pool, "state": view.state,
             "status": status_of(view), "routable": view.is_routable,
             "simulated": record.simulated if record is not None else None,
+            "node": record.node if record is not None else None,
             "load": {"num_in_flight": view.num_in_flight,
                      "num_running": view.reported.num_running,
                      "num_waiting": view.reported.num_waiting,

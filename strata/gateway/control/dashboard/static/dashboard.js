@@ -150,6 +150,7 @@
       if (row.cells[i].textContent !== value) row.cells[i].textContent = value;
     });
     row.dataset.status = inst.status;
+    row.cells[0].title = inst.node ? `node ${inst.node}` : "";
     row.cells[4].className = `status status-${inst.status}`;
     const button = row.cells[10].firstChild;
     button.disabled = !state.access.admin || ["draining", "dead"].includes(inst.status);
