@@ -36,41 +36,50 @@ $(DEV_STAMP): pyproject.toml | $(BIN)/python
 serve: install
 	$(BIN)/strata serve $(ARGS)
 
-# With no PYTEST_ARGS the suite runs as two pytest processes side by side, so that both cores
-# work, each over half the test files by measured time (tests/split.py balances them by
-# tests/durations.json; `make durations` runs the suite and refreshes it). The first part
-# reports first, then the second's report (kept in $(VENV)/test-part-1.log) follows, then the
-# CPU the run used against the cores' time (--record-cpu: whether it was bound by CPU or waits).
+# With no PYTEST_ARGS the suite runs as $(PARTS) pytest processes side by side, each over its
+# share of the test files by measured time (tests/split.py balances them by tests/durations.json;
+# `make durations` runs the suite and refreshes it). Three, not two, on two cores: a part keeps
+# less than one core busy (its tests wait on processes, sockets and clocks; `make test` prints
+# the CPU each run used against the cores' time), so a third fills what the two leave idle.
+# The first part reports first, then each other's report (kept in $(PARTS_DIR)/N.log).
+PARTS ?= 3
 PARTS_DIR := $(VENV)/test-parts
+OTHER_PARTS = $(shell seq 1 $$(( $(PARTS) - 1 )))
 
 test: install-dev
 ifeq ($(strip $(PYTEST_ARGS)),)
 	@mkdir -p $(PARTS_DIR)
-	@$(BIN)/python tests/split.py part 0 2 > $(PARTS_DIR)/0.txt
-	@$(BIN)/python tests/split.py part 1 2 > $(PARTS_DIR)/1.txt
-	@echo "+ pytest -q: $$(wc -l < $(PARTS_DIR)/0.txt) files beside $$(wc -l < $(PARTS_DIR)/1.txt) (balanced by tests/durations.json)"
-	@started=$$(date +%s); \
-	$(BIN)/python -m pytest -q --record-durations=$(PARTS_DIR)/1.json \
-		--record-cpu=$(PARTS_DIR)/1-cpu.json $$(cat $(PARTS_DIR)/1.txt) \
-		> $(PARTS_DIR)/1.log 2>&1 & second=$$!; \
-	trap 'kill $$second 2>/dev/null' INT TERM; \
+	@rm -f $(PARTS_DIR)/*.json $(PARTS_DIR)/*.log
+	@for i in $$(seq 0 $$(( $(PARTS) - 1 ))); do \
+		$(BIN)/python tests/split.py part $$i $(PARTS) > $(PARTS_DIR)/$$i.txt; done
+	@echo "+ pytest -q in $(PARTS) parts side by side: $$(for i in $$(seq 0 $$(( $(PARTS) - 1 ))); do printf '%s ' $$(wc -l < $(PARTS_DIR)/$$i.txt); done)files (balanced by tests/durations.json)"
+	@started=$$(date +%s); pids=""; \
+	for i in $(OTHER_PARTS); do \
+		$(BIN)/python -m pytest -q --record-durations=$(PARTS_DIR)/$$i.json \
+			--record-cpu=$(PARTS_DIR)/$$i-cpu.json $$(cat $(PARTS_DIR)/$$i.txt) \
+			> $(PARTS_DIR)/$$i.log 2>&1 & pids="$$pids $$!"; \
+	done; \
+	trap 'kill $$pids 2>/dev/null' INT TERM; \
 	$(BIN)/python -m pytest -q --record-durations=$(PARTS_DIR)/0.json \
-		--record-cpu=$(PARTS_DIR)/0-cpu.json $$(cat $(PARTS_DIR)/0.txt); first=$$?; \
-	wait $$second; second_status=$$?; \
-	echo "+ the second part ($$(wc -l < $(PARTS_DIR)/1.txt) files):"; cat $(PARTS_DIR)/1.log; \
+		--record-cpu=$(PARTS_DIR)/0-cpu.json $$(cat $(PARTS_DIR)/0.txt); statuses=$$?; \
+	i=1; for pid in $$pids; do \
+		wait $$pid; statuses="$$statuses $$?"; \
+		echo "+ part $$i ($$(wc -l < $(PARTS_DIR)/$$i.txt) files):"; cat $(PARTS_DIR)/$$i.log; \
+		i=$$(( i + 1 )); \
+	done; \
 	wall=$$(( $$(date +%s) - started )); \
-	echo "+ exit status: first part $$first, second part $$second_status; wall $$wall s"; \
-	$(BIN)/python tests/split.py cpu $$wall $(PARTS_DIR)/0-cpu.json $(PARTS_DIR)/1-cpu.json; \
-	test $$first -eq 0 && test $$second_status -eq 0
+	echo "+ exit status of each part: $$statuses; wall $$wall s"; \
+	$(BIN)/python tests/split.py cpu $$wall $(PARTS_DIR)/*-cpu.json; \
+	for status in $$statuses; do test $$status -eq 0 || exit 1; done
 else
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 endif
 
 # Runs the suite as `make test` does (whatever its outcome), then writes what each test file
-# took into tests/durations.json: commit it so that CI's two parts stay balanced.
+# took into tests/durations.json: commit it so that CI's parts stay balanced.
 durations: install-dev
 	-@$(MAKE) --no-print-directory test PYTEST_ARGS=
-	$(BIN)/python tests/split.py record $(PARTS_DIR)/0.json $(PARTS_DIR)/1.json
+	$(BIN)/python tests/split.py record $$(ls $(PARTS_DIR)/*.json | grep -v -- -cpu.json)
 
 lint: install-dev
 	$(BIN)/ruff check strata tests bench
