@@ -10,17 +10,21 @@ loopback.
   one process answers; the rank on the other node gets the weights through the model store
   into its node cache.
 - A worker node lost (killed, not drained) under load: no request fails (the gateway retries
-  before the first byte), and Ray brings the lost instance back on the remaining worker, where
-  it registers that node's address. Runs last: it takes a node out of the module's cluster.
+  before the first byte), a stream running on the lost node is resumed on the other worker and
+  ends whole, and Ray brings the lost instance back on the remaining worker, where it registers
+  that node's address. Runs last: it takes a node out of the module's cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -126,6 +130,62 @@ def complete(gateway: str) -> int:
     return reply.status_code
 
 
+@dataclass
+class Stream:
+    """A long completion streamed in a thread: where it ran first, and how it ended."""
+
+    thread: threading.Thread = field(default_factory=threading.Thread)
+    started: threading.Event = field(default_factory=threading.Event)
+    status: int = 0
+    instance: str = ""
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    done: bool = False
+
+    def read(self, gateway: str) -> None:
+        body = {"model": "smol", "prompt": "tell me a long story", "max_tokens": 400,
+                "ignore_eos": True, "temperature": 0, "stream": True}
+        try:
+            with httpx.stream("POST", f"{gateway}/v1/completions", json=body,
+                              timeout=120) as reply:
+                self.status, self.instance = reply.status_code, reply.headers.get(
+                    "x-strata-instance", "")
+                self.started.set()
+                for line in reply.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            self.errors.append(event["error"])
+                        for choice in event.get("choices", []):
+                            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        finally:
+            self.started.set()
+
+
+def streams_until_one_on(gateway: str, host: str, registry_url: str) -> list[Stream]:
+    """Streams started one at a time until one runs on an instance at `host` (the gateway
+    places them; all go on to their end)."""
+    streams: list[Stream] = []
+    for _ in range(8):
+        stream = Stream()
+        stream.thread = threading.Thread(target=stream.read, args=(gateway,), daemon=True)
+        stream.thread.start()
+        assert stream.started.wait(30) and stream.status == 200, stream.status
+        streams.append(stream)
+        on = {r.instance_id: host_of(r.url) for r in records(registry_url)}
+        if on.get(stream.instance) == host:
+            return streams
+    raise AssertionError(f"no stream of {len(streams)} went to an instance on {host}")
+
+
+def gateway_metric(gateway: str, name: str) -> float:
+    text = httpx.get(f"{gateway}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
 def test_replicas_spread_over_both_workers_and_register_their_nodes_addresses(
         cluster: Cluster, tmp_path: Path, redis_url: str) -> None:  # noqa: F811
     config = sim_config(tmp_path, redis_url)
@@ -194,9 +254,11 @@ def test_a_worker_node_lost_under_load_fails_nothing_and_its_instance_returns_el
 
         loader = threading.Thread(target=load)
         loader.start()
+        streams = []
         try:
             while len(statuses) < 10:
                 time.sleep(0.05)
+            streams = streams_until_one_on(gateway, node_address(2), redis_url)
             lost = next(n for n in cluster.worker_nodes if n.node_ip_address == node_address(2))
             lost_at = time.monotonic()
             cluster.remove_node(lost, allow_graceful=False)
@@ -208,7 +270,14 @@ def test_a_worker_node_lost_under_load_fails_nothing_and_its_instance_returns_el
         finally:
             stop.set()
             loader.join(60)
+            for stream in streams:
+                stream.thread.join(120)
         assert {host_of(r.url) for r in ready} == {node_address(1)}
         assert [s for s in statuses if s != 200] == [], "a request failed"
+        # every stream ran whole, the one on the lost node resumed on the other worker
+        assert [(s.status, s.errors, s.finish_reason, s.done) for s in streams] == [
+            (200, [], "length", True)] * len(streams)
+        assert gateway_metric(gateway, "strata:gateway_stream_resumes_total") >= 1
         print(f"node lost: both instances ready on the other worker after {recovery_s:.1f} s; "
-              f"{len(statuses)} requests, all 200")
+              f"{len(statuses)} requests, all 200; {len(streams)} streams whole, "
+              f"one resumed from the lost node")
