@@ -16,6 +16,7 @@ unreadable file raises `ValueError`, which the loader reports with the file's na
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 from dataclasses import dataclass
@@ -105,7 +106,15 @@ class _Cursor:
 
 
 def read_gguf(path: Path) -> GGUFFile:
-    """The fields and tensors of the GGUF file at `path` (its data stays in the map)."""
+    """The fields and tensors of the GGUF file at `path` (its data stays in the map). Read once
+    per process while the file is unchanged: the loader, its generation defaults and `strata up`
+    each ask for the same header. The fields are shared: read them, never change them."""
+    stat = path.stat()
+    return _read(path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _read(path: Path, mtime_ns: int, size: int) -> GGUFFile:
     with path.open("rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
