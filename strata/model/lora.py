@@ -187,18 +187,3 @@ def _pair_or_zero(found: dict[tuple[int, str], dict[str, Tensor]], layer: int, m
 def _short(name: str) -> str:
     """A model id without a local directory's path: the last two path parts."""
     return "/".join(name.rstrip("/").split("/")[-2:])
-
-
-# The rows of each adapter present in a step: (adapter, row indices into the step's tokens).
-RowGroups = list[tuple[LoraAdapter, Tensor]]
-
-
-def apply(out: Tensor, x: Tensor, groups: RowGroups, layer: int, which: str) -> Tensor:
-    """`out[rows] += (x[rows] @ A.T) @ B.T` for each adapter's rows; other rows untouched."""
-    for adapter, rows in groups:
-        pair: LoraPair | None = getattr(adapter.layers[layer], which)
-        if pair is None:
-            continue
-        xs = x.index_select(0, rows)
-        out.index_add_(0, rows, (xs @ pair.a.T) @ pair.b.T)
-    return out
