@@ -137,6 +137,8 @@ def test_adapter_versions_are_registered_under_their_base_and_bad_ones_refused(
     assert [m["name"] for m in listed] == ["tiny"]
     assert [v["version"] for v in listed[0]["adapters"][0]["versions"]] == ["v1", "v2", "v3"]
     assert "  sql (adapter)  v1" in format_models(listed)
+    unloaded = stack.complete("sql@v1")
+    assert unloaded.status_code == 503 and "loaded on no ready" in unloaded.text, unloaded.text
     never = stack.complete("sql")  # registered, never released
     assert never.status_code == 404 and "no live version" in never.json()["error"]["message"]
     unknown = stack.complete("sql@v7")
@@ -149,6 +151,9 @@ def test_a_release_flips_requests_to_the_new_weights_without_restarting_or_faili
     first = stack.release("sql@v1")
     assert first["state"] == "done", first
     assert first["base"] == "tiny" and first["replicas"] == 1
+    # a first release has nothing to retire: done at the flip, which the gateway reads within
+    # its routing poll (--routing-poll-s, 0.2 s); later ones are done after the propagation
+    wait_until(lambda: stack.complete("sql").status_code == 200, 5, "the gateway to see v1 live")
     before = stack.complete("sql")
     assert before.status_code == 200 and before.headers["x-adapter-version"] == "sql@v1"
     v1_text = before.json()["choices"][0]["text"]
@@ -178,6 +183,8 @@ def test_a_release_flips_requests_to_the_new_weights_without_restarting_or_faili
     TEXTS.update({version: found.pop() for version, found in texts.items()})
     models = stack.instance_models()
     assert "sql@v2" in models and "sql@v1" not in models  # the old version was unloaded
+    retired = stack.complete("sql@v1")  # named, but loaded nowhere now: never another version
+    assert retired.status_code == 503 and "loaded on no ready" in retired.text, retired.text
     assert stack.instance.proc.poll() is None and stack.instance.proc.pid == pid
     listed = stack.admin("GET", "/admin/models").json()["models"][0]["adapters"][0]
     assert listed["routing"]["live"] == "v2" and listed["routing"]["previous"] == "v1"

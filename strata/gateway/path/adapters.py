@@ -6,6 +6,8 @@ sent under that version's own name, which is all an instance knows it by.
     model: "sql@v1"      that version (or `X-Model-Version: v1`); a version the adapter does not
                          have is a 404 that lists its versions, never another version
     no live version      an adapter registered but never released is a 404 that says so
+    not loaded           a version no routable instance lists (never released, or retired) is
+                         a 503 that says so, not another version
 
 A release loads `sql@v2` on the base's instances with the registered sha256 (the instance
 refuses other files: strata/registry/releases/adapter_steps.py), so the version named is the
@@ -58,24 +60,27 @@ class AdapterRouter:
         known = self.versions.adapter_versions.get(model or "")
         if model is None or known is None:
             return None
-        if version is not None:
-            if version in known:
-                return AdapterChoice(f"{model}@{version}")
+        if version is not None and version not in known:
             return AdapterChoice(status_code=404, reason=(
                 f"Version `{version}` of adapter `{model}` does not exist; versions: "
                 f"{', '.join(sorted(known))}"))
-        routing = self.versions.adapters.get(model)
-        if routing is None or routing.live is None:
-            return AdapterChoice(status_code=404, reason=(
-                f"Adapter `{model}` has no live version yet; release one with `strata release "
-                f"{model}@VERSION` (versions: {', '.join(sorted(known))})"))
-        return AdapterChoice(f"{model}@{self._version(routing)}")
+        if version is None:
+            routing = self.versions.adapters.get(model)
+            if routing is None or routing.live is None:
+                return AdapterChoice(status_code=404, reason=(
+                    f"Adapter `{model}` has no live version yet; release one with `strata "
+                    f"release {model}@VERSION` (versions: {', '.join(sorted(known))})"))
+            version = self._version(routing)
+        chosen = version
+        if not self._listed(f"{model}@{chosen}"):
+            return AdapterChoice(status_code=503, reason=(
+                f"Adapter version `{model}@{chosen}` is loaded on no ready instance (only a "
+                "released version is; a release may be loading it now)"))
+        return AdapterChoice(f"{model}@{chosen}")
 
     def _version(self, routing: ModelRouting) -> str:
         def listed(version: str | None) -> bool:
-            return version is not None and any(
-                view.serves(f"{routing.name}@{version}") and view.is_routable
-                for view in self.versions.instances.snapshot())
+            return version is not None and self._listed(f"{routing.name}@{version}")
 
         if routing.canary is not None and listed(routing.canary) \
                 and self.rng.random() < routing.canary_weight:
@@ -85,6 +90,11 @@ class AdapterRouter:
         if not listed(live) and listed(routing.previous):
             return routing.previous or live
         return live
+
+    def _listed(self, lora_name: str) -> bool:
+        """Whether a routable instance lists `lora_name` (its heartbeat, as last read)."""
+        return any(view.serves(lora_name) and view.is_routable
+                   for view in self.versions.instances.snapshot())
 
 
 class ChooseAdapter:

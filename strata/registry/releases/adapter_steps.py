@@ -9,9 +9,11 @@ sends a request for `name` to the live version's name (strata/gateway/path/adapt
 
     pending       -> starting
     starting      load name@to on every READY instance of the base's live version (the
-                  targets), then wait until each one's heartbeat lists it (so every gateway can
-                  route there); a load refused (files that do not match, an adapter that does
-                  not fit the base) or none listed by ready_timeout_s rolls back
+                  targets), then wait until each one's heartbeat lists it, and propagation_s
+                  more (every gateway's view of the instances has it before the flip: a first
+                  release has no previous version to fall back on); a load refused (files that
+                  do not match, an adapter that does not fit the base) or none listed by
+                  ready_timeout_s rolls back
     warming       one real request for name@to to each target (retried), else roll back
     canary        routing.canary := to at its weight for canary_window_s; rolled back when a
                   target stops listing it (restarted, or it was unloaded)
@@ -178,9 +180,13 @@ class AdapterSteps(ReleaseSteps):
                        if r.instance_id in wanted)
 
         release, is_listed = await self._wait(release, listed, deadline)
-        return release, "" if is_listed else (
-            f"{record.key} not listed by every instance of {release.base} after "
-            f"ready_timeout_s={self.config.ready_timeout_s}")
+        if not is_listed:
+            return release, (f"{record.key} not listed by every instance of {release.base} "
+                             f"after ready_timeout_s={self.config.ready_timeout_s}")
+        seen_at = self.clock() + self.config.propagation_s  # every gateway's view has it
+        while self.clock() < seen_at:
+            release = await self._tick(release, min(self.config.poll_s, seen_at - self.clock()))
+        return release, ""
 
     async def _warm_everywhere(self, release: Release, version: str) -> tuple[Release, str]:
         key = f"{release.name}@{version}"
