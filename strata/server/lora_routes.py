@@ -6,7 +6,8 @@
     POST /v1/unload_lora_adapter   {"lora_name"}: 200; a name not served: 404
 
 Both take the admin key or the fleet's internal key (openapi_routes.py): a gateway's release
-controller loads and unloads registered adapter versions (strata/registry/releases/adapters.py). The instance's table of names is `LoraTable`
+controller loads and unloads registered adapter versions
+(strata/registry/releases/adapter_steps.py). The instance's table of names is `LoraTable`
 (loras.py: which adapters are known, which resident, who holds them), which changes it one
 change at a time. A load (making room first under --max-cpu-loras) reads and checks the files off
 the event loop (the `LoraLoader` `strata serve` gives: strata.model.lora.load_adapter against
