@@ -79,8 +79,8 @@ def _add(client: ControlClient, args: argparse.Namespace) -> int:
             "serve_args": args.serve_arg, "base": base or None}
     stored = client.call("POST", "/admin/models", body)
     digest = stored["manifest_sha256"][:12] or "no manifest"
-    what = f"adapter of {stored['base']} " if stored.get("base") else ""
-    print(f"registered {what}{stored['name']}@{stored['version']} -> {stored['uri']} "
+    base = f"{stored['base']}:" if stored.get("base") else ""
+    print(f"registered {base}{stored['name']}@{stored['version']} -> {stored['uri']} "
           f"({digest})")
     return 0
 

@@ -1,9 +1,10 @@
 """An adapter release end to end: a real `strata serve` of the tiny model and a real `strata
 gateway`, sharing a SQLite registry, with client, admin and internal keys.
 
-Adapter versions are registered under their base (`POST /admin/models` with `base`, as
-`strata models add tiny:sql@v1 DIR` sends it) and listed under it; bad ones are refused with a
-4xx. `sql@v1` is released, then `sql@v2` under a steady stream of requests for `sql` through
+Adapter versions are registered under their base (`strata models add tiny:sql@v1 DIR`, and
+`POST /admin/models` with `base` as it sends it) and listed under it (`strata models list`);
+bad ones are refused with a 4xx. `sql@v1` is released (`strata release sql@v1`, which follows
+it to the end), then `sql@v2` under a steady stream of requests for `sql` through
 the gateway: none fails, answers say `X-Adapter-Version: sql@v1` until the flip and
 `sql@v2` after it (never back), each with its weights' tokens; v1 is unloaded at the end and
 the base instance is the same process throughout. A version whose files were replaced after it
@@ -29,7 +30,8 @@ from live_stack import GatewayProcess, start_gateway
 from lora_fixtures import make_models
 from serve_process import ServeProcess, start_serve
 
-from strata.commands.models import format_models, split_adapter
+from strata.cli import main as strata_cli
+from strata.commands.models import split_adapter
 from strata.protocol.lora import adapter_digest
 
 CLIENT, ADMIN, INTERNAL = "rel-client-key", "rel-admin-key", "rel-internal-key"
@@ -72,6 +74,10 @@ class Stack:
         wait_until(finished, 60, f"release {release_id} to finish", interval_s=0.1)
         return final
 
+    def cli(self, *argv: str) -> int:
+        """`strata ARGV` in this process, against the gateway with the admin key."""
+        return strata_cli([*argv, "--gateway", self.gateway.url, "--api-key", ADMIN])
+
     def instance_models(self) -> set[str]:
         body = httpx.get(f"{self.instance.url}/v1/models", timeout=10,
                          headers={"Authorization": f"Bearer {CLIENT}"}).json()
@@ -111,14 +117,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def test_adapter_versions_are_registered_under_their_base_and_bad_ones_refused(
-        stack: Stack) -> None:
+        stack: Stack, capsys: pytest.CaptureFixture[str]) -> None:
     paths = stack.paths
     assert split_adapter("tiny:sql@v1") == ("tiny", "sql", "v1")
     assert split_adapter("tiny@v1") == ("", "tiny", "v1")
-    first = stack.add("sql", "v1", paths["a"])
-    assert first.status_code == 201, first.text
-    assert first.json()["manifest_sha256"] == adapter_digest(paths["a"])  # hashed by the gateway
-    assert stack.add("sql", "v2", paths["b"]).status_code == 201
+    assert stack.cli("models", "add", "tiny:sql@v1", str(paths["a"])) == 0
+    digest = adapter_digest(paths["a"])
+    assert f"registered tiny:sql@v1 -> {paths['a']} ({digest[:12]})" in capsys.readouterr().out
+    assert stack.add("sql", "v2", paths["b"], manifest_sha256="").status_code == 201  # hashed
+    assert stack.admin("GET", "/admin/models").json()["models"][0]["adapters"][0]["versions"][
+        1]["manifest_sha256"] == adapter_digest(paths["b"])  # by the gateway
     assert stack.add("sql", "v3", paths["bad"]).status_code == 201  # its files change below
     refusals = {
         "unknown base": (stack.admin("POST", "/admin/models", {
@@ -136,7 +144,8 @@ def test_adapter_versions_are_registered_under_their_base_and_bad_ones_refused(
     listed = stack.admin("GET", "/admin/models").json()["models"]
     assert [m["name"] for m in listed] == ["tiny"]
     assert [v["version"] for v in listed[0]["adapters"][0]["versions"]] == ["v1", "v2", "v3"]
-    assert "  sql (adapter)  v1" in format_models(listed)
+    assert stack.cli("models", "list") == 0
+    assert "  sql (adapter)  v1" in capsys.readouterr().out
     unloaded = stack.complete("sql@v1")
     assert unloaded.status_code == 503 and "loaded on no ready" in unloaded.text, unloaded.text
     never = stack.complete("sql")  # registered, never released
@@ -148,8 +157,9 @@ def test_adapter_versions_are_registered_under_their_base_and_bad_ones_refused(
 def test_a_release_flips_requests_to_the_new_weights_without_restarting_or_failing(
         stack: Stack) -> None:
     pid = stack.instance.proc.pid
-    first = stack.release("sql@v1")
-    assert first["state"] == "done", first
+    assert stack.cli("release", "sql@v1") == 0  # follows it until done
+    first = stack.admin("GET", "/admin/releases?model=sql").json()["releases"][-1]
+    assert first["state"] == "done" and first["to_version"] == "v1", first
     assert first["base"] == "tiny" and first["replicas"] == 1
     # a first release has nothing to retire: done at the flip, which the gateway reads within
     # its routing poll (--routing-poll-s, 0.2 s); later ones are done after the propagation
