@@ -89,7 +89,10 @@ async def _forget_run_state(models: ModelRegistry, instances: Registry, now: flo
             await models.put_release(failed, expected_revision=release.revision)
             log.warning("release %s of %s was unfinished: marked failed (%s)",
                         release.release_id, release.name, RESTART_REASON)
-    for routing in await models.list_routing():
+    adapters = {v.name for v in await models.list_versions() if v.is_adapter}
+    for routing in await models.list_routing():  # adapters stay live: the gateways load them
+        if routing.name in adapters:              # on the new instances (AdapterSync)
+            continue
         if routing.name != keep_routing_of and (routing.live or routing.canary):
             cleared = replace(routing, live=None, canary=None, canary_weight=0.0)
             await models.set_routing(cleared, expected_revision=routing.revision)

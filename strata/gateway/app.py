@@ -147,6 +147,8 @@ async def _start_background(gateway: Gateway) -> list[asyncio.Task[None]]:
                                                gateway.releases.resume_once)))
         tasks.append(asyncio.create_task(every(gateway.releases.publish_interval_s,
                                                gateway.releases.publish_health)))
+        tasks.append(asyncio.create_task(every(gateway.releases.resume_interval_s,
+                                               gateway.releases.sync_adapters)))
     if gateway.prefix is not None:
         tasks.append(asyncio.create_task(gateway.prefix.run()))
     return tasks

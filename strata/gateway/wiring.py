@@ -208,7 +208,8 @@ def _release_service(config: GatewayConfig, models: ModelRegistry, instances: Re
         models, instances, stats, versions, control, owner=controller_owner(config.port),
         warm_timeout_s=config.versions.warm_timeout_s,
         api_key=config.internal_key or config.client_key,
-        publish_interval_s=config.versions.health_publish_s, config=config.versions.release)
+        publish_interval_s=config.versions.health_publish_s, config=config.versions.release,
+        fleet_key=config.internal_key or (config.admin_keys or (None,))[0])
     _close_with(exits, releases.close)
     return releases
 

@@ -15,7 +15,6 @@ one pair of matmuls covers all three (two) modules; the scaling is folded into B
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from torch import Tensor
 
 from strata.errors import LoraError
 from strata.model.config import ModelConfig
+from strata.protocol.lora import adapter_digest
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_MAX_RANK = 64
@@ -76,12 +76,8 @@ def moved(adapter: LoraAdapter, dtype: torch.dtype, device: str) -> LoraAdapter:
 
 
 def file_digest(path: str | Path) -> str:
-    """sha256 of the adapter's config then weights files."""
-    root = Path(path)
-    h = hashlib.sha256()
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
-        h.update((root / name).read_bytes())
-    return h.hexdigest()
+    """sha256 of the adapter's config then weights files (strata/protocol/lora.py)."""
+    return adapter_digest(path)
 
 
 def _out_in(config: ModelConfig, module: str) -> tuple[int, int]:

@@ -9,17 +9,33 @@ heartbeats and GET /load), which the gateway's `adapter_aware` policy reads:
 one entry per adapter the instance knows (it can load it on demand); `digest` is the content
 digest of the weights resident now, absent (or null) when they are not; `load_s` the last
 load's time; a field at its default (none, 0) is left out.
+
+An adapter's identity is its name plus `adapter_digest`: the sha256 of its config then its
+weights file. The instance names its KV blocks with it, the model registry records it for each
+adapter version, and a load that carries `sha256` is refused unless the files read are those.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def adapter_digest(path: str | Path) -> str:
+    """sha256 of the adapter's config then weights files (OSError when one is missing)."""
+    root = Path(path)
+    h = hashlib.sha256()
+    for name in ADAPTER_FILES:
+        h.update((root / name).read_bytes())
+    return h.hexdigest()
 
 
 class LoadLoraAdapterRequest(BaseModel):
@@ -27,6 +43,8 @@ class LoadLoraAdapterRequest(BaseModel):
 
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1, max_length=4096)  # a directory on the instance
+    # Strata's: the adapter_digest the files must have (a registered adapter version), or None
+    sha256: str | None = Field(default=None, pattern="^[0-9a-f]{64}$")
 
 
 class UnloadLoraAdapterRequest(BaseModel):
@@ -77,5 +95,6 @@ def residency_of(entries: Any) -> tuple[AdapterResidency, ...]:
     return tuple(AdapterResidency.from_json(entry) for entry in entries)
 
 
-__all__ = ["LOAD_PATH", "UNLOAD_PATH", "AdapterResidency", "LoadLoraAdapterRequest",
-           "UnloadLoraAdapterRequest", "residency_of"]
+__all__ = ["ADAPTER_FILES", "LOAD_PATH", "UNLOAD_PATH", "AdapterResidency",
+           "LoadLoraAdapterRequest", "UnloadLoraAdapterRequest", "adapter_digest",
+           "residency_of"]

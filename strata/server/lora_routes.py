@@ -1,10 +1,13 @@
 """LoRA adapters loaded and unloaded while the instance serves (vLLM's routes and bodies).
 
-    POST /v1/load_lora_adapter     {"lora_name", "lora_path"}: 200; the same files again: 200,
-                                   nothing changes; a name served with other weights is replaced
+    POST /v1/load_lora_adapter     {"lora_name", "lora_path"[, "sha256"]}: 200; the same files
+                                   again: 200, nothing changes; a name served with other weights
+                                   is replaced; files whose digest is not `sha256`: 400
     POST /v1/unload_lora_adapter   {"lora_name"}: 200; a name not served: 404
 
-Both take the admin key (openapi_routes.py). The instance's table of names is `LoraTable`
+Both take the admin key or the fleet's internal key (openapi_routes.py): a gateway's release
+controller loads and unloads registered adapter versions
+(strata/registry/releases/adapter_steps.py). The instance's table of names is `LoraTable`
 (loras.py: which adapters are known, which resident, who holds them), which changes it one
 change at a time. A load (making room first under --max-cpu-loras) reads and checks the files off
 the event loop (the `LoraLoader` `strata serve` gives: strata.model.lora.load_adapter against
@@ -41,7 +44,7 @@ def lora_table(request: Request) -> LoraTable:
 
 async def load_lora_adapter(request: Request) -> PlainTextResponse:
     body = await parse_body(request, LoadLoraAdapterRequest)
-    changed = await lora_table(request).load(body.lora_name, body.lora_path)
+    changed = await lora_table(request).load(body.lora_name, body.lora_path, body.sha256)
     done = "added successfully" if changed else "was already loaded with these files"
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' {done}.")
 

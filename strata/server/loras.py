@@ -122,8 +122,10 @@ class LoraTable:
 
     # the admin routes
 
-    async def load(self, name: str, path: str) -> bool:
-        """Serve the adapter at `path` as `name`; False when it already did (same digest)."""
+    async def load(self, name: str, path: str, sha256: str | None = None) -> bool:
+        """Serve the adapter at `path` as `name`; False when it already did (same digest).
+        With `sha256` (a registered adapter version's), files with another digest are refused
+        before the engine sees them: the name never serves other weights than registered."""
         if name == self.config.served_model_name:
             raise InvalidRequestError(f"lora_name {name!r} is the base model's name",
                                       param="lora_name")
@@ -135,7 +137,7 @@ class LoraTable:
                 await self._make_room(keep=name)
             old = self.config.loras.get(name)
             try:
-                digest = await asyncio.shield(self._load(name, path))
+                digest = await asyncio.shield(self._load(name, path, sha256))
             except LoraError as exc:
                 raise InvalidRequestError(str(exc), param="lora_path") from exc
             self.config.lora_paths[name] = path
@@ -157,12 +159,15 @@ class LoraTable:
 
     # residency
 
-    async def _load(self, name: str, path: str) -> str:
-        """Read, add, map; the digest. Shielded: once begun it ends mapped, so the engine never
-        holds weights that no name (and no eviction) reaches."""
+    async def _load(self, name: str, path: str, sha256: str | None = None) -> str:
+        """Read, check, add, map; the digest. Shielded: once begun it ends mapped, so the engine
+        never holds weights that no name (and no eviction) reaches."""
         assert self.loader is not None
         began = time.perf_counter()
         adapter = await asyncio.to_thread(self.loader, name, path)
+        if sha256 is not None and adapter.digest != sha256:
+            raise LoraError(f"the adapter files at {path} have sha256 {adapter.digest}, not "
+                            f"{sha256} (the registered version's): other files were put there")
         await self.engine.add_lora(adapter)
         self.config.loras[name] = adapter.digest
         self._bytes[adapter.digest] = int(getattr(adapter, "num_bytes", 0))

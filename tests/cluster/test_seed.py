@@ -55,11 +55,14 @@ def test_a_restart_keeps_the_catalogue_and_re_seeds_the_run_state() -> None:
         other = ModelVersion("other", "x", "sim:smollm2-cpu")
         await models.add_version(other)
         await models.set_routing(ModelRouting("other", live="x"), expected_revision=0)
+        await models.add_version(ModelVersion("sql", "a1", "/adapters/sql", "0" * 64, base="m"))
+        await models.set_routing(ModelRouting("sql", live="a1"), expected_revision=0)
         await instances.register(InstanceRecord("m-v1-0", "http://127.0.0.1:1", "m", "v1",
                                                 state=InstanceState.READY))
 
         await seed_registry(models, instances, ClusterSeed(V1, replicas=1), now=20.0)
-        assert [v.key for v in await models.list_versions()] == ["m@v1", "m@v2", "other@x"]
+        assert [v.key for v in await models.list_versions()] == ["m@v1", "m@v2", "other@x",
+                                                                 "sql@a1"]
         assert [(d.key, d.replicas) for d in await models.list_deployments()] == [("m@v1", 1)]
         assert await instances.list_instances() == []
         failed = await models.get_release("r1")
@@ -69,6 +72,8 @@ def test_a_restart_keeps_the_catalogue_and_re_seeds_the_run_state() -> None:
         assert failed.history[-1] == ("failed", 20.0)
         cleared = await models.get_routing("other")
         assert cleared is not None and cleared.live is None
+        adapter = await models.get_routing("sql")  # the gateways load it on the new instances
+        assert adapter is not None and adapter.live == "a1"
         routing = await models.get_routing("m")
         assert routing is not None and routing.live == "v1"
 

@@ -89,9 +89,11 @@ def test_a_gateway_has_one_step_per_feature_that_is_on_in_the_documented_order()
     assert steps_of(build(sessions=SessionRoutingConfig(mode="external"))) == [
         *FIRST, "Proxy.forward"]
     models = create_model_registry("memory://")
-    assert steps_of(build(models=models)) == [*FIRST, "ChooseVersion", "Proxy.forward"]
+    assert steps_of(build(models=models)) == [*FIRST, "ChooseAdapter", "ChooseVersion",
+                                              "Proxy.forward"]
     assert steps_of(build(models=models, response_cache_url="memory://", sessions=sticky)) == [
-        *FIRST, "ChooseVersion", "CacheAnswers", "PlaceSession", "Proxy.forward"]
+        *FIRST, "ChooseAdapter", "ChooseVersion", "CacheAnswers", "PlaceSession",
+        "Proxy.forward"]
 
 
 class FailingClose(httpx.AsyncClient):

@@ -59,10 +59,22 @@ def test_re_adding_a_version_is_a_no_op_unless_it_differs(make: Make) -> None:
         clock.now = 2000.0
         assert await reg.add_version(ModelVersion("chat", "v1", "/m/1", "cd" * 32)) == first
         for changed in ({"uri": "/m/other"}, {"manifest_sha256": "ef" * 32},
-                        {"serve_args": ("--max-num-seqs", "4")}):
+                        {"serve_args": ("--max-num-seqs", "4")}, {"base": "other"}):
             with pytest.raises(ConflictError, match="chat@v1 is already registered"):
                 await reg.add_version(replace(first, **changed))  # type: ignore[arg-type]
         assert await reg.list_versions() == [first]
+
+    story(make, body)
+
+
+def test_an_adapter_version_keeps_its_base(make: Make) -> None:
+    async def body(reg: ModelRegistry, clock: ManualClock) -> None:
+        adapter = await reg.add_version(ModelVersion("sql", "v1", "/a/sql", "ab" * 32,
+                                                     base="chat"))
+        assert adapter.is_adapter and adapter.base == "chat"
+        assert await reg.get_version("sql", "v1") == adapter
+        assert await reg.list_versions("sql") == [adapter]
+        assert not (await reg.add_version(ModelVersion("chat", "v1", "/m/1"))).is_adapter
 
     story(make, body)
 

@@ -1,9 +1,15 @@
 """The control-plane admin API of a gateway with a model registry (behind its API keys).
 
-    GET  /admin/models                      every model: routing pointer, versions, instances
+    GET  /admin/models                      every model: routing pointer, versions, instances,
+                                            and its LoRA adapters (each with its own routing
+                                            pointer and versions, and the instances listing
+                                            each version)
     POST /admin/models                      register name@version -> URI (201; 409 if it differs;
                                             400 for a URI outside --model-root or a flag
-                                            outside the table: control/intake.py)
+                                            outside the table: control/intake.py); with
+                                            `base`, a LoRA adapter version of that model
+                                            (control/adapter_intake.py: 404 unknown base, 400
+                                            files that do not match the sha256 given)
     POST /admin/releases                    start a release (202); 404 unknown version, 409 busy
     GET  /admin/releases[?model=NAME]       releases, oldest first
     GET  /admin/releases/{release_id}       one release (its state, history and stats)
@@ -25,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from strata.errors import ConfigError, ConflictError, RequestError, StrataError
+from strata.gateway.control.adapter_intake import check_adapter
 from strata.gateway.control.intake import check_serve_args, check_uri
 from strata.gateway.control.releases import ReleaseService
 from strata.gateway.upstream.pools import error_response
@@ -78,13 +85,22 @@ async def list_models(request: Request, models: ModelRegistry,
     routings = {r.name: r for r in await models.list_routing()}
     views = _gateway(request).source.instances.snapshot()
     entries: dict[str, dict[str, Any]] = {}
+    adapters: dict[str, dict[str, Any]] = {}
     for v in await models.list_versions():
-        entry = entries.setdefault(v.name, {"name": v.name, "routing": None, "versions": []})
-        serving = [x.instance_id for x in views if x.model == v.name and x.version == v.version
-                   and x.is_routable]
+        table = adapters if v.is_adapter else entries
+        entry = table.setdefault(v.name, {"name": v.name, "routing": None, "versions": []})
+        serving = [x.instance_id for x in views if x.is_routable and (
+            x.serves(v.key) if v.is_adapter else x.model == v.name and x.version == v.version)]
         entry["versions"].append(v.to_json() | {"routable_instances": serving})
+        if v.is_adapter:
+            entry["base"] = v.base
     for name, routing in routings.items():
-        entries.setdefault(name, {"name": name, "versions": []})["routing"] = routing.to_json()
+        table = adapters if name in adapters else entries
+        table.setdefault(name, {"name": name, "versions": []})["routing"] = routing.to_json()
+    for name in sorted(adapters):
+        base = entries.setdefault(adapters[name]["base"], {"name": adapters[name]["base"],
+                                                           "routing": None, "versions": []})
+        base.setdefault("adapters", []).append(adapters[name])
     return JSONResponse({"models": [entries[name] for name in sorted(entries)]})
 
 
@@ -95,9 +111,14 @@ async def add_model(request: Request, models: ModelRegistry,
     version = ModelVersion(
         name=str(data["name"]), version=str(data["version"]), uri=str(data["uri"]),
         manifest_sha256=str(data.get("manifest_sha256") or ""),
-        serve_args=tuple(str(a) for a in data.get("serve_args") or ()), created_at=time.time())
+        serve_args=tuple(str(a) for a in data.get("serve_args") or ()), created_at=time.time(),
+        base=str(data.get("base") or ""))
     check_uri(version.uri, _gateway(request).config.model_roots)
     check_serve_args(version.serve_args)
+    if version.is_adapter:
+        version = await check_adapter(version, models)
+    elif version.name in {v.name for v in await models.list_versions() if v.is_adapter}:
+        raise ConflictError(f"{version.name!r} is a LoRA adapter's name; a model needs its own")
     stored = await models.add_version(version)
     return JSONResponse(stored.to_json(), status_code=201)
 

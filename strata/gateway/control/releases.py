@@ -12,7 +12,11 @@ canary, each gateway publishes its window of the canary and of the live version 
 published recently to its own (`PooledHealth`, registry/version_health.py).
 
 The gateway never starts processes: a release writes Deployments, and the launcher in use
-(`strata up`'s supervisor, or its Ray launcher) starts and retires instances to match.
+(`strata up`'s supervisor, or its Ray launcher) starts and retires instances to match. A LoRA
+adapter's release starts nothing either: it loads the new adapter version into the base's
+running instances through their admin routes (control/adapters.py), and every
+`resume_interval_s` each gateway also loads the adapter versions that take traffic on instances
+that lack them (`AdapterSync`: an instance started after the release).
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ import httpx
 
 from strata.clock import Clock
 from strata.errors import ConflictError
+from strata.gateway.control.adapters import InstanceAdapters
 from strata.gateway.path.versions import VersionRouter, VersionStats
 from strata.registry.instances.base import Registry
 from strata.registry.instances.records import InstanceRecord
 from strata.registry.models import ModelRegistry, Release, Strategy
+from strata.registry.releases.adapter_sync import AdapterSync
 from strata.registry.releases.controller import ReleaseConfig, ReleaseController, VersionHealth
 from strata.registry.releases.health import HealthBoard, pooled
 
@@ -104,16 +110,21 @@ class ReleaseService:
 
     def __init__(self, controller: ReleaseController, *, resume_interval_s: float = 1.0,
                  publisher: HealthPublisher | None = None,
-                 publish_interval_s: float = 1.0) -> None:
+                 publish_interval_s: float = 1.0, adapters: AdapterSync | None = None) -> None:
         self.controller = controller
         self.resume_interval_s = resume_interval_s
         self.publisher = publisher
         self.publish_interval_s = publish_interval_s
+        self.adapters = adapters
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     async def publish_health(self) -> None:
         if self.publisher is not None:
             await self.publisher.publish_once()
+
+    async def sync_adapters(self) -> None:
+        if self.adapters is not None:
+            await self.adapters.sync_once()
 
     async def start(self, name: str, version: str, *, strategy: Strategy,
                     canary_weight: float, replicas: int | None) -> Release:
@@ -160,17 +171,21 @@ def build_release_service(models: ModelRegistry, instances: Registry, stats: Ver
                           router: VersionRouter, control: httpx.AsyncClient, *, owner: str,
                           warm_timeout_s: float, api_key: str | None,
                           publish_interval_s: float = 1.0,
-                          config: ReleaseConfig | None = None) -> ReleaseService:
+                          config: ReleaseConfig | None = None,
+                          fleet_key: str | None = None) -> ReleaseService:
     """The service of one gateway; `owner` names it in release leases and health windows.
-    Windows older than five publish intervals (at least 5 s) do not count."""
+    Windows older than five publish intervals (at least 5 s) do not count. `fleet_key` opens
+    the instances' adapter routes (the internal key, else an admin key)."""
     health = PooledHealth(models, stats, gateway=owner,
                           max_age_s=max(5 * publish_interval_s, 5.0))
     warm = InstanceWarmer(control, timeout_s=warm_timeout_s, api_key=api_key)
+    fleet = InstanceAdapters(control, timeout_s=warm_timeout_s, key=fleet_key)
     controller = ReleaseController(models, instances, owner=owner, warm=warm, health=health,
-                                   config=config)
+                                   config=config, adapters=fleet)
     publisher = HealthPublisher(models, stats, router, gateway=owner)
     return ReleaseService(controller, publisher=publisher,
-                          publish_interval_s=publish_interval_s)
+                          publish_interval_s=publish_interval_s,
+                          adapters=AdapterSync(models, instances, fleet))
 
 
 __all__ = ["HealthPublisher", "InstanceWarmer", "PooledHealth", "ReleaseService",

@@ -10,6 +10,9 @@ the chain of `path_steps`, which ends in the proxy; each step below wraps the ne
                     refused first (strata/gateway/path/classes.py)
     Admit           an admission slot, held until the answer is fully sent (streams: until
                     they end), by class; a full queue is answered 429/503 at once
+    ChooseAdapter   with a model registry: a registered LoRA adapter's version (live, canary,
+                    or the one named), sent under that version's name
+                    (strata/gateway/path/adapters.py)
     ChooseVersion   with a model registry: the model version (explicit, session, canary, live;
                     strata/gateway/path/versions.py), chosen once more when that version is gone
     CacheAnswers    with a response cache too: a deterministic answer asked again comes from
@@ -45,6 +48,7 @@ from starlette.responses import Response
 from strata import tracing
 from strata.errors import OverloadedError
 from strata.gateway.metrics import GatewayMetrics
+from strata.gateway.path.adapters import AdapterRouter, ChooseAdapter
 from strata.gateway.path.admission import Admission
 from strata.gateway.path.classes import ClassFlow, RouteByClass
 from strata.gateway.path.response_cache import CACHE_HEADER, ResponseCacheLayer, cache_key
@@ -82,6 +86,7 @@ def path_steps(*, admission: Admission, metrics: GatewayMetrics, proxy: Proxy,
         steps.append(RouteByClass(classes, metrics))
     steps.append(Admit(admission, metrics))
     if versions is not None:
+        steps.append(ChooseAdapter(AdapterRouter(versions, versions.rng), metrics))
         steps.append(ChooseVersion(versions, metrics))
         if cache is not None:  # a cache key carries the chosen version
             steps.append(CacheAnswers(cache, versions))

@@ -13,7 +13,9 @@ The version of a request, in this order:
     live       everything else goes to the model's `live` version
 
 A model without a routing record (no registry, or an older cluster) is served by any version,
-as before. The routing records are polled from the model registry (`refresh`, every
+as before. The routing records of LoRA adapters (names with adapter versions registered) are
+kept apart, in `adapters` and `adapter_versions`, for the adapter step (path/adapters.py).
+The routing records are polled from the model registry (`refresh`, every
 `routing_poll_s`), so every gateway sees a flip of the live pointer within that interval.
 """
 
@@ -62,16 +64,20 @@ class VersionRouter:
         self.rng = rng or random.Random()
         self.routing: dict[str, ModelRouting] = {}
         self.versions: dict[str, set[str]] = {}
+        self.adapters: dict[str, ModelRouting] = {}  # a registered adapter's routing, by name
+        self.adapter_versions: dict[str, set[str]] = {}
 
     async def refresh(self) -> None:
         """Read every routing record and version; on failure the last ones are kept."""
         routings = await self.models.list_routing()
         versions = await self.models.list_versions()
-        self.routing = {r.name: r for r in routings}
         known: dict[str, set[str]] = {}
+        adapters: dict[str, set[str]] = {}
         for v in versions:
-            known.setdefault(v.name, set()).add(v.version)
-        self.versions = known
+            (adapters if v.is_adapter else known).setdefault(v.name, set()).add(v.version)
+        self.routing = {r.name: r for r in routings if r.name not in adapters}
+        self.adapters = {r.name: r for r in routings if r.name in adapters}
+        self.versions, self.adapter_versions = known, adapters
 
     def served(self, model: str, *, routable: bool) -> set[str]:
         """Versions of `model` that known (or only routable) instances serve."""

@@ -1,6 +1,7 @@
 """The control plane's records: model versions, routing pointers, deployments and releases.
 
-    ModelVersion   name@version -> where its weights are (URI) and their manifest hash
+    ModelVersion   name@version -> where its weights are (URI) and their manifest hash; an
+                   adapter version names its `base` model (a LoRA adapter: its files' sha256)
     ModelRouting   per model: the `live` version, the `previous` one (rollback), a weighted canary
     Deployment     desired state the launcher reconciles: N instances of name@version
     Release        the state machine of one release, stored so that any controller can resume it
@@ -49,7 +50,10 @@ def split_model_version(text: str) -> tuple[str, str | None]:
 class ModelVersion:
     """One immutable version of a model. `uri`: a local path, file://, s3://, a default-model
     name, or `sim:PROFILE` (a simulated instance). `manifest_sha256`: the sha256 of the weights'
-    manifest when registered ("" when the URI has none)."""
+    manifest when registered ("" when the URI has none). `base`: for a LoRA adapter version,
+    the base model it runs on ("" for a model); its `manifest_sha256` is then the adapter's
+    digest (strata/protocol/lora.py) and its instances' name for it is `key` (adapter@version),
+    so that no instance ever answers for one version with another's weights."""
 
     name: str
     version: str
@@ -57,6 +61,7 @@ class ModelVersion:
     manifest_sha256: str = ""
     serve_args: tuple[str, ...] = ()  # extra `strata serve` flags for this version's instances
     created_at: float = 0.0
+    base: str = ""  # a LoRA adapter version: the base model's name
 
     def __post_init__(self) -> None:
         for part in ("name", "version", "uri"):
@@ -73,17 +78,23 @@ class ModelVersion:
     def is_simulated(self) -> bool:
         return self.uri.startswith("sim:")
 
+    @property
+    def is_adapter(self) -> bool:
+        return bool(self.base)
+
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "version": self.version, "uri": self.uri,
+        body = {"name": self.name, "version": self.version, "uri": self.uri,
                 "manifest_sha256": self.manifest_sha256, "serve_args": list(self.serve_args),
                 "created_at": self.created_at}
+        return body | {"base": self.base} if self.base else body
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelVersion:
         return cls(name=str(data["name"]), version=str(data["version"]), uri=str(data["uri"]),
                    manifest_sha256=str(data.get("manifest_sha256", "")),
                    serve_args=tuple(str(a) for a in data.get("serve_args", ())),
-                   created_at=float(data.get("created_at", 0.0)))
+                   created_at=float(data.get("created_at", 0.0)),
+                   base=str(data.get("base") or ""))
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,17 +178,22 @@ class Release:
     created_at: float = 0.0
     updated_at: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)  # e.g. ready_to_flip_s
+    base: str = ""  # a LoRA adapter's release: its base model (loaded on its instances)
 
     @property
     def is_terminal(self) -> bool:
         return self.state.is_terminal
+
+    @property
+    def is_adapter(self) -> bool:
+        return bool(self.base)
 
     def moved_to(self, state: ReleaseState, now: float, reason: str = "") -> Release:
         return replace(self, state=state, reason=reason or self.reason,
                        history=(*self.history, (state.value, now)), updated_at=now)
 
     def to_json(self) -> dict[str, Any]:
-        return {"release_id": self.release_id, "name": self.name,
+        body = {"release_id": self.release_id, "name": self.name,
                 "to_version": self.to_version, "from_version": self.from_version,
                 "strategy": self.strategy.value, "canary_weight": self.canary_weight,
                 "replicas": self.replicas, "state": self.state.value, "reason": self.reason,
@@ -185,6 +201,7 @@ class Release:
                 "lease_until": self.lease_until, "revision": self.revision,
                 "created_at": self.created_at, "updated_at": self.updated_at,
                 "stats": dict(self.stats)}
+        return body | {"base": self.base} if self.base else body
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Release:
@@ -203,7 +220,8 @@ class Release:
                    revision=int(data.get("revision", 0)),
                    created_at=float(data.get("created_at", 0.0)),
                    updated_at=float(data.get("updated_at", 0.0)),
-                   stats={str(k): float(v) for k, v in (data.get("stats") or {}).items()})
+                   stats={str(k): float(v) for k, v in (data.get("stats") or {}).items()},
+                   base=str(data.get("base") or ""))
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,12 @@ stored state; a record taken by another owner stops this driver. Because every s
 what is done before acting, a controller that crashes in any state leaves a record that any
 other controller resumes (`resumable`, then `drive`) to the same terminal state.
 
-Every effect goes through the registries or the injected `warm`; no HTTP or processes here.
+A LoRA adapter's version (a ModelVersion with `base`) is released through the same record,
+lease and states, but by loading it into the base's running instances instead of starting new
+ones (adapter_steps.py): the controller needs an `AdapterFleet` for that.
+
+Every effect goes through the registries, the injected `warm` or the injected `adapters`; no
+HTTP or processes here.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from strata.errors import (
 )
 from strata.registry.instances.base import Registry
 from strata.registry.models.base import ModelRegistry, Release, ReleaseState, Strategy
+from strata.registry.releases.adapter_steps import AdapterFleet, AdapterSteps, base_targets
 from strata.registry.releases.policy import (
     HealthOf,
     ReleaseConfig,
@@ -83,7 +89,8 @@ class ReleaseController:
     def __init__(self, models: ModelRegistry, instances: Registry, *, owner: str, warm: Warm,
                  health: HealthOf | None = None, config: ReleaseConfig | None = None,
                  clock: Clock = time.time,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                 adapters: AdapterFleet | None = None) -> None:
         if not owner:
             raise ConfigError("a release controller needs a non-empty owner (unique per "
                               "controller, e.g. the gateway's host:port)")
@@ -92,15 +99,22 @@ class ReleaseController:
         self.health = health
         self.config = config or ReleaseConfig()
         self.clock = clock
+        self.instances = instances
         self._steps = ReleaseSteps(models, instances, owner=owner, warm=warm, health=health,
                                    config=self.config, clock=clock, sleep=sleep)
+        self._adapter_steps = None if adapters is None else AdapterSteps(
+            models, instances, owner=owner, fleet=adapters, config=self.config, clock=clock,
+            sleep=sleep)
         self._driving: set[str] = set()  # release ids a drive() of this controller runs
 
     async def start(self, name: str, version: str, *, strategy: Strategy = Strategy.BLUE_GREEN,
                     canary_weight: float = 0.1, replicas: int | None = None) -> Release:
         """Store a PENDING release of name@version (leased to this controller: drive it next)."""
         live = await self._check_startable(name, version, strategy, canary_weight)
-        if replicas is None:
+        base = await self._adapter_base(name, version)
+        if base:
+            replicas = await self._adapter_targets(name, version, base)
+        elif replicas is None:
             replicas = await self._live_replicas(name, live)
         if replicas < 1:
             raise InvalidRequestError(f"replicas must be >= 1, got {replicas}")
@@ -110,7 +124,7 @@ class ReleaseController:
             to_version=version, from_version=live, strategy=strategy,
             canary_weight=canary_weight, replicas=replicas,
             history=((S.PENDING.value, now),), owner=self.owner,
-            lease_until=now + self.config.lease_s, created_at=now, updated_at=now)
+            lease_until=now + self.config.lease_s, created_at=now, updated_at=now, base=base)
         try:
             return await self.models.put_release(release, expected_revision=0)
         except ConflictError:
@@ -128,7 +142,7 @@ class ReleaseController:
             release = await self._acquire(release_id)
             while not release.is_terminal:
                 try:
-                    release = await self._steps.step(release)
+                    release = await self._steps_of(release).step(release)
                 except ReleaseSupersededError as changed:
                     release = changed.release
                     if release.owner != self.owner:
@@ -172,6 +186,32 @@ class ReleaseController:
 
     # --- internals ----------------------------------------------------------------------------
 
+    def _steps_of(self, release: Release) -> ReleaseSteps:
+        if not release.is_adapter:
+            return self._steps
+        if self._adapter_steps is None:
+            raise ConfigError(f"release {release.release_id} is of a LoRA adapter and this "
+                              "controller has no AdapterFleet to load it with")
+        return self._adapter_steps
+
+    async def _adapter_base(self, name: str, version: str) -> str:
+        """The base model of name@version when it is an adapter version, else ""."""
+        record = await self.models.get_version(name, version)
+        if record is None or not record.is_adapter:
+            return ""
+        if self._adapter_steps is None:
+            raise InvalidRequestError(f"{name}@{version} is a LoRA adapter version and this "
+                                      "controller cannot load adapters")
+        return record.base
+
+    async def _adapter_targets(self, name: str, version: str, base: str) -> int:
+        """How many instances the adapter version will be loaded on (at least one)."""
+        num_targets = len(await base_targets(self.models, self.instances, base))
+        if num_targets < 1:
+            raise InvalidRequestError(f"{name}@{version} is an adapter of {base!r}, which has "
+                                      "no ready instance to load it on; start one first")
+        return num_targets
+
     async def _acquire(self, release_id: str) -> Release:
         while True:
             release = await self.models.get_release(release_id)
@@ -202,8 +242,10 @@ class ReleaseController:
         live = routing.live if routing is not None else None
         if live == version:
             raise InvalidRequestError(f"{name}@{version} is already live; nothing to release")
-        if strategy is Strategy.CANARY:
-            _check_canary(name, live, canary_weight, has_health=self.health is not None)
+        if strategy is Strategy.CANARY:  # an adapter's canary is watched by its loads alone
+            is_adapter = bool(await self._adapter_base(name, version))
+            _check_canary(name, live, canary_weight,
+                          has_health=self.health is not None or is_adapter)
         if await self._in_progress(name) is not None:
             raise await self._in_progress_error(name)
         return live

@@ -214,10 +214,18 @@ class ReleaseSteps:
             f"{await num_ready()} of {replicas} instances of {release.name}@{version} ready "
             f"after ready_timeout_s={self.config.ready_timeout_s}")
 
-    async def _warm_all(self, release: Release,
-                        records: list[InstanceRecord]) -> tuple[Release, str]:
-        """Warm every record at once (the lease is renewed meanwhile); "" or the first failure."""
-        tasks = [asyncio.ensure_future(self._warm_one(record)) for record in records]
+    async def _warm_all(self, release: Release, records: list[InstanceRecord],
+                        warm: Warm | None = None) -> tuple[Release, str]:
+        """Warm every record at once with `warm` (default: this controller's) while the lease is
+        renewed; "" or the first failure."""
+        return await self._all(release, [self._warm_one(record, warm or self.warm)
+                                         for record in records])
+
+    async def _all(self, release: Release,
+                   calls: list[Awaitable[str]]) -> tuple[Release, str]:
+        """Run `calls` (each "" or why it failed) at once, renewing the lease meanwhile; ""
+        or the first failure."""
+        tasks = [asyncio.ensure_future(call) for call in calls]
         try:
             while not all(task.done() for task in tasks):
                 release = await self._tick(release)
@@ -227,13 +235,13 @@ class ReleaseSteps:
         failures = [task.result() for task in tasks if task.result()]
         return release, (failures[0] if failures else "")
 
-    async def _warm_one(self, record: InstanceRecord) -> str:
+    async def _warm_one(self, record: InstanceRecord, warm: Warm) -> str:
         error = ""
         for attempt in range(WARM_ATTEMPTS):
             if attempt:
                 await self.sleep(self.config.poll_s)
             try:
-                await self.warm(record)
+                await warm(record)
                 return ""
             except Exception as exc:  # any failure of the real request counts against it
                 error = f"{type(exc).__name__}: {exc}"
