@@ -89,8 +89,8 @@ def sharded(adapter: LoraAdapter, config: ModelConfig, shard: RankShard) -> Lora
                        before the all-reduce, whose sum over ranks is x @ A.T @ B.T.
 
     Layers of other pipeline stages are empty, so `adapter.layers` keeps the whole model's
-    indices (the model calls `apply` with global layer numbers). The whole model's shard gives
-    `adapter` itself; cutting copies nothing else, so the values are those of the whole."""
+    indices (the model calls `apply` with global layer numbers). A cut copies values and never
+    rounds them; the whole model's shard gets `adapter` itself."""
     if shard.is_full(config):
         return adapter
     hd, heads, kv_heads = config.head_dim, config.num_attention_heads, config.num_key_value_heads
