@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from bf16_rule import Run
 from model.parallel.parallel_helpers import MAX_TOKENS, make_engine, prompts
@@ -55,10 +56,11 @@ def one_process(paths: dict[str, Path], dtype: str) -> list[Run]:
     return runs(executor, loaded.config.vocab_size, digests)
 
 
-def parallel(paths: dict[str, Path], tensor: int, pipeline: int, dtype: str) -> ParallelExecutor:
+def parallel(paths: dict[str, Path], tensor: int, pipeline: int, dtype: str,
+             **options: Any) -> ParallelExecutor:
     prepared = prepare_model(paths["base"], dtype=dtype, cache_dir=None)
     return ParallelExecutor(prepared, ParallelLayout(tensor, pipeline), dtype=dtype,
-                            timeout_s=60)
+                            timeout_s=60, **options)
 
 
 def run_parallel(executor: ParallelExecutor, paths: dict[str, Path]) -> list[Run]:

@@ -3,10 +3,11 @@
 The nine-head tiny model (T=2 splits its heads 5 + 4 around a shared KV head, so both ranks
 hold KV head 1 and its adapter rows) with two PEFT adapters (A: all seven modules, r=4; B: q,
 v, down, r=8, rsLoRA): the 16 prompts of the parallel tests on the base, A and B by turns, in
-one batch. T=2 and P=2 give T=1's greedy tokens, logprobs within 1e-4 (bf16, the default dtype:
-test_lora_parallel_bf16.py), and the cuts themselves add up to the whole. An adapter removed
-from a T=2 executor is gone on both ranks: a step that still names it fails on each, and the
-executor goes on.
+one batch. T=2, and P=2 with its stages on two host ids (the adapters reach stage 1 over gloo),
+give T=1's greedy tokens, logprobs within 1e-4 (bf16, the default dtype:
+test_lora_parallel_bf16.py); the cuts themselves add up to the whole. An adapter removed from a
+T=2 executor is gone on both ranks: a step that still names it fails on each, and the executor
+goes on.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from strata.engine.executor import ModelInput, ScheduledSequence
 from strata.engine.request import SamplingParams
 from strata.errors import ShareFailedError
 from strata.model.lora import LoraPair, sharded
+from strata.model.parallel.comm import Host
 from strata.model.parallel.executor import ParallelExecutor
+from strata.model.parallel.launcher import MpRankLauncher
 from strata.model.parallel.layout import ParallelLayout
 from strata.model.parallel.shard_loader import prepare_model
 from strata.types import RequestId
@@ -108,10 +111,14 @@ def test_t2_with_adapters_is_identical_to_t1(tp2: ParallelExecutor,
     assert_same(run_parallel(tp2, nine_head_loras), reference)
 
 
-def test_p2_with_adapters_is_identical_to_t1(nine_head_loras: dict[str, Path],
-                                             reference: list[Run]) -> None:
-    executor = parallel(nine_head_loras, 1, 2, "float32")
+def test_p2_on_two_hosts_with_adapters_is_identical_to_t1(nine_head_loras: dict[str, Path],
+                                                          reference: list[Run]) -> None:
+    """Stage 1 on "another host" (the same machine under another host id, as
+    test_pipeline_ranks.py does): the adapters reach it over gloo, as over a Ray cluster."""
+    hosts = [Host("a", "127.0.0.1"), Host("b", "127.0.0.1")]
+    executor = parallel(nine_head_loras, 1, 2, "float32", launcher=MpRankLauncher(hosts=hosts))
     try:
+        assert executor.comm_spec.world_backend == "gloo"
         assert_same(run_parallel(executor, nine_head_loras), reference)
     finally:
         executor.shutdown()
