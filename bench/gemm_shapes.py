@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from strata.model import gemm
-from strata.model.llama import linear, pack_linear_weight
+from strata.model.linear import linear, pack_linear_weight
 from strata.model.quant import quantize
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),

@@ -6,8 +6,9 @@ price   one `strata serve --simulate` instance (the fitted SmolLM2 CPU profile) 
         all sessions at once, each session's turns one after the other, streamed. Per run:
         TTFT, turn latency (to [DONE]) and the store's share of it (last token to [DONE]: the
         turn is stored there at `strong`, queued at `session`/`eventual`), p50/p99.
-checks  tests/harness/session_history.py for longer, with more writers and several Redis
-        kills per level (the CI form is tests/state/test_session_levels_checked.py); then
+checks  tests/harness/session_history.py for longer, with more writers, several Redis
+        kills per level and as many partitions of one instance from Redis (a loopback proxy
+        that resets its connections; CI form: tests/state/test_session_levels_checked.py); then
         a writing instance SIGKILLed at session and eventual (tests/harness/session_crash.py):
         the turns its queue lost and how long before the kill they were acknowledged.
 
@@ -35,6 +36,7 @@ from gateway_overhead import SIM_MODEL, SIM_PROFILE, WORDS, start_instance
 from harness import session_crash
 from harness import session_history as jepsen
 from harness.redis_server import RedisServer
+from harness.tcp_proxy import ChaosProxy
 from procs import wait_http
 
 from strata.bench.report import percentile
@@ -145,32 +147,40 @@ def price(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 async def checks_of(level: str, server: RedisServer, args: argparse.Namespace) -> dict[str, Any]:
     workload = jepsen.Workload(num_sessions=12, num_writers=24, seed=args.seed,
                                is_pinned=level != "strong", cross_reads=level == "eventual")
-    stores: list[SessionStore] = [create_session_store(server.url, consistency=level,
+    proxy = ChaosProxy(server.port).start()  # instance 0 reaches the store through it
+    urls = [f"redis://127.0.0.1:{proxy.port}/0", server.url, server.url]
+    stores: list[SessionStore] = [create_session_store(url, consistency=level,
                                                        max_pending=MAX_PENDING)
-                                  for _ in range(3)]
+                                  for url in urls]
     history, kills = jepsen.History(), []
+    partitions: list[jepsen.Fault] = []
     stop = asyncio.Event()
     writers = asyncio.ensure_future(jepsen.run_writers(stores, history, workload, stop))
-    for _ in range(args.kills):
+    for _ in range(args.kills):  # each round: a Redis kill, then instance 0 cut from Redis
         await asyncio.sleep(args.between_s)
         kills.append(await jepsen.kill_redis(server, history))
+        await asyncio.sleep(args.between_s)
+        partitions.append(await jepsen.partition_store(proxy, history, 0, len(stores),
+                                                       min_cut_s=1.0))
     await asyncio.sleep(args.between_s)
     stop.set()
     await writers
     for store in stores:
         await store.close()
+    proxy.stop()
     reader = create_session_store(server.url)
     final = await jepsen.final_histories(reader, [f"s{i}" for i in range(12)])
     await reader.close()
     lost = len(jepsen.lost_turns(history, final))
     violations = len(jepsen.read_your_writes_violations(history))
     stale = jepsen.staleness(history) if level == "eventual" else None
-    holds = lost == 0 and all(k.is_applied for k in kills) and (
+    holds = lost == 0 and all(k.is_applied for k in [*kills, *partitions]) and (
         stale.max_missed_turns <= MAX_PENDING if stale else violations == 0)
     return {"holds": holds, "acknowledged": len(history.acked()), "lost": lost,
             "read_your_writes_violations": violations,
             "staleness": asdict(stale) if stale else None,
-            "kills": [asdict(k) | {"is_applied": k.is_applied} for k in kills]}
+            "kills": [asdict(k) | {"is_applied": k.is_applied} for k in kills],
+            "partitions": [asdict(p) | {"is_applied": p.is_applied} for p in partitions]}
 
 
 def checks(args: argparse.Namespace, root: Path) -> dict[str, Any]:

@@ -46,15 +46,18 @@ def load(model: str | None) -> LoadedModel:
 
 def build_engine(loaded: LoadedModel, *, prefix_cache: bool = True, chunked: bool = True,
                  max_num_batched_tokens: int = 512, kv_gb: float = 1.0,
-                 max_num_seqs: int = 64, prefill_stretch: float | None = None) -> Engine:
-    """`prefill_stretch` None: SchedulerConfig's default."""
+                 max_num_seqs: int = 64, prefill_stretch: float | None = None,
+                 max_loras: int | None = None) -> Engine:
+    """`prefill_stretch` None: SchedulerConfig's default; `max_loras` None: no limit of
+    adapters per step."""
     executor = TorchExecutor(loaded.config, loaded.weights, dtype="bfloat16")
     num_blocks = CacheConfig.blocks_for_gb(kv_gb, executor.kv_bytes_per_token(), 16)
     cache = CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=prefix_cache)
     budget = max_num_batched_tokens if chunked else 2048
     stretch = {} if prefill_stretch is None else {"prefill_stretch": prefill_stretch}
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                            max_model_len=2048, enable_chunked_prefill=chunked, **stretch)
+                            max_model_len=2048, enable_chunked_prefill=chunked,
+                            max_loras=max_loras, **stretch)
     return Engine(executor, cache, sched, loaded.tokenizer, vocab_size=loaded.config.vocab_size)
 
 

@@ -53,6 +53,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=positive_int, default=64)
     p.add_argument("--kv-blocks", type=positive_int, default=4096)
     p.add_argument("--request-overhead-ms", type=non_negative_float, default=2.0)
+    p.add_argument("--session-consistency", choices=("strong", "session", "eventual"),
+                   default="strong",
+                   help="the session store's level (strata serve --session-consistency): "
+                        "strong adds --session-write-ms to every turn of a stored session; "
+                        "session and eventual write behind the answer")
+    p.add_argument("--session-write-ms", type=non_negative_float, default=13.7,
+                   help="one turn's store write (default: bench/session_levels.py, single "
+                        "Redis, p50 at strong)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     lora = p.add_argument_group("LoRA adapters (with --adapters, the plan sizes adapter slots "
                                 "and k instead; strata/plan/adapters.py)")
@@ -100,7 +108,9 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
     inputs = PlanInputs(workload, slo, load_profile(args.profile), max_ranks=args.max_ranks,
                         steps=steps, shape=EngineShape(max_num_seqs=args.max_num_seqs,
                                                        kv_blocks=args.kv_blocks),
-                        costs=Costs(request_overhead_ms=args.request_overhead_ms))
+                        costs=Costs(request_overhead_ms=args.request_overhead_ms,
+                                    session_consistency=args.session_consistency,
+                                    session_write_ms=args.session_write_ms))
     result = plan(inputs)
     if args.json:
         print(json.dumps(plan_json(result, measured=measured), indent=2))

@@ -27,7 +27,8 @@ from strata.model.attention import PagedKVCache, PrefillChunk, StepBatch
 from strata.model.config import ModelConfig
 from strata.model.kv_codec import FORMAT_VERSION, KVCodec, KVLayout
 from strata.model.llama import LlamaModel, Weights
-from strata.model.lora import LoraAdapter, RowGroups, moved, sharded
+from strata.model.lora import LoraAdapter, moved, sharded
+from strata.model.lora_batch import StackCache, StepLoras, step_loras
 from strata.model.masks import MaskWorker
 from strata.model.parallel.layout import ParallelLayout
 from strata.model.sampler import Sampler
@@ -67,6 +68,7 @@ class TorchExecutor:
         self.kv_codec: KVCodec | None = None
         self._identity = (model_name, model_version)
         self.loras: dict[str, LoraAdapter] = {}  # by content digest; a sequence names one
+        self.lora_stacks = StackCache()  # the step's adapters stacked (strata.model.lora_batch)
 
     def add_lora(self, adapter: LoraAdapter) -> str:
         """Hold `adapter` (the whole model's) by its digest (see `LoraExecutor`): one rank of a
@@ -82,6 +84,7 @@ class TorchExecutor:
 
     def remove_lora(self, digest: str) -> None:
         self.loras.pop(digest, None)
+        self.lora_stacks.forget(digest)
 
     @property
     def lora_dtype(self) -> torch.dtype:
@@ -184,8 +187,8 @@ class TorchExecutor:
                 may_modify_logits=True)
         return {s.request_id: t for s, t in zip(sampled, tokens, strict=True)}
 
-    def _lora_groups(self, seqs: list[ScheduledSequence]) -> RowGroups:
-        """The step's token rows of each adapter its sequences name (in `seqs` order)."""
+    def _lora_groups(self, seqs: list[ScheduledSequence]) -> StepLoras | None:
+        """The step's adapters and the token rows of each (in `seqs` order)."""
         rows: dict[str, list[int]] = {}
         start = 0
         for s in seqs:
@@ -193,14 +196,14 @@ class TorchExecutor:
             if s.lora_digest:
                 rows.setdefault(s.lora_digest, []).extend(range(start, start + n))
             start += n
-        groups: RowGroups = []
+        groups: list[tuple[LoraAdapter, list[int]]] = []
         for digest, idx in rows.items():
             adapter = self.loras.get(digest)
             if adapter is None:
                 raise RuntimeError(f"invariant lora_loaded: no LoRA adapter {digest[:12]} is "
                                    "loaded")
-            groups.append((adapter, torch.tensor(idx, dtype=torch.long, device=self.device)))
-        return groups
+            groups.append((adapter, idx))
+        return step_loras(self.lora_stacks, groups, start, self.device)
 
 
 def build_step_batch(seqs: list[ScheduledSequence], block_size: int, null_slot: int,

@@ -24,16 +24,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from strata.errors import ModelLoadError
-from strata.model import cpu_kernels, gemm, lora
+from strata.model import cpu_kernels, gemm, lora_batch
 from strata.model.attention import DecodePlan, HeadGroups, PagedKVCache, StepBatch, attention
 from strata.model.config import ModelConfig, RopeScaling
 from strata.model.gemm import PackedWeight
+from strata.model.linear import Linear, linear, pack_linear_weight
 from strata.model.quant import QuantWeight, stack_rows
 from strata.model.shard import LocalComm, RankShard, ShardComm
 
 Weights = Mapping[str, Tensor | QuantWeight]
-Linear = Tensor | PackedWeight  # what `linear` takes
-_PACK_BATCH_HINT = 32  # oneDNN's packing hint; measured the same speed for 1 .. 512 rows
 
 
 @dataclass(slots=True)
@@ -115,37 +114,6 @@ def _llama3_scale(inv_freq: Tensor, rs: RopeScaling) -> Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def pack_linear_weight(weight: Tensor | QuantWeight) -> Linear:
-    """A weight (out, in) packed once for the matmuls that run it; use it with `linear` only.
-    Quantized: the C kernels' tile layout. bf16 on CPU: oneDNN's blocked layout (else reordered
-    on every call), plus the C kernels' on an AVX512-BF16 CPU (faster up to
-    `gemm.BF16_MAX_ROWS` rows: bench/gemm_shapes.py). Anything else stays as it is."""
-    if isinstance(weight, QuantWeight):
-        return gemm.pack(weight)
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not _can_pack():
-        return weight
-    dense = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
-    if weight.shape[1] % 32 or not gemm.supports_bf16():
-        return dense
-    return gemm.pack(weight, dense)
-
-
-def linear(x: Tensor, weight: Linear, bias: Tensor | None = None) -> Tensor:
-    """`F.linear` for plain or `pack_linear_weight`-packed weights."""
-    if isinstance(weight, PackedWeight):
-        if weight.dense is None or x.shape[0] <= gemm.BF16_MAX_ROWS:
-            return gemm.matmul(x, weight, bias)
-        weight = weight.dense
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
-def _can_pack() -> bool:
-    return (torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     # Computed in float32 and cast back before the weight, as HF does, for bf16 parity.
     x32 = x.float()
@@ -222,10 +190,10 @@ class LlamaModel:
         )
 
     def forward(self, batch: StepBatch, kv_cache: PagedKVCache,
-                loras: lora.RowGroups | None = None) -> Tensor | None:
+                loras: lora_batch.StepLoras | None = None) -> Tensor | None:
         """Run one step; returns float32 logits (S, vocab) for `batch.sample_rows` on the
         sampling rank, None on the others (the whole model always returns them). `loras`: the
-        rows of each LoRA adapter in the step (strata.model.lora); other rows run the base."""
+        step's LoRA adapters and their rows (strata.model.lora_batch); other rows run the base."""
         x = self._embed(batch.input_ids) if self.embed is not None else self.comm.recv_hidden(
             torch.empty((batch.input_ids.shape[0], self.config.hidden_size), dtype=self.dtype,
                         device=self.device))
@@ -234,7 +202,7 @@ class LlamaModel:
         delta: Tensor | None = None  # the last MLP's output, added to x by the next norm
         for i, layer in enumerate(self.layers):
             delta = self._layer_forward(layer, x, delta, cos, sin, batch, plan, kv_cache.layer(i),
-                                        loras or [], self.shard.layers[i])
+                                        loras, self.shard.layers[i])
         if delta is not None:
             x.add_(delta)
         if self.norm is None or self.lm_head is None:  # not the last stage: hand x on
@@ -266,10 +234,11 @@ class LlamaModel:
 
     def _layer_forward(self, layer: _Layer, x: Tensor, delta: Tensor | None, cos: Tensor,
                        sin: Tensor, batch: StepBatch, plan: DecodePlan,
-                       kv: tuple[Tensor, Tensor], loras: lora.RowGroups, index: int) -> Tensor:
+                       kv: tuple[Tensor, Tensor], loras: lora_batch.StepLoras | None,
+                       index: int) -> Tensor:
         """Adds `delta` into the residual stream `x` in place; returns this layer's MLP output."""
         h = self._add_norm(x, delta, layer.input_norm)
-        qkv = lora.apply(linear(h, layer.qkv, layer.qkv_bias), h, loras, index, "qkv")
+        qkv = lora_batch.apply(linear(h, layer.qkv, layer.qkv_bias), h, loras, index, "qkv")
         heads, kv_heads = len(self.shard.q_heads), len(self.shard.kv_heads)
         hd = self.config.head_dim
         q_dim, kv_dim = heads * hd, kv_heads * hd
@@ -284,11 +253,11 @@ class LlamaModel:
         kv[1].index_copy_(0, batch.slot_mapping, v)
         attn = attention(q, k, v, batch, plan, kv, self.heads)
         flat = attn.view(x.shape[0], q_dim)
-        out = self.comm.all_reduce(lora.apply(linear(flat, layer.o), flat, loras, index, "o"))
+        adapt = lora_batch.apply
+        out = self.comm.all_reduce(adapt(linear(flat, layer.o), flat, loras, index, "o"))
         h = self._add_norm(x, out, layer.post_norm)
-        act = self._silu_mul(lora.apply(linear(h, layer.gate_up), h, loras, index, "gate_up"))
-        return self.comm.all_reduce(lora.apply(linear(act, layer.down), act, loras, index,
-                                               "down"))
+        act = self._silu_mul(adapt(linear(h, layer.gate_up), h, loras, index, "gate_up"))
+        return self.comm.all_reduce(adapt(linear(act, layer.down), act, loras, index, "down"))
 
     def _add_norm(self, x: Tensor, delta: Tensor | None, weight: Tensor) -> Tensor:
         """`x += delta` in place, then RMSNorm(x) * weight (one fused C call on CPU)."""

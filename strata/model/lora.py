@@ -78,8 +78,8 @@ def moved(adapter: LoraAdapter, dtype: torch.dtype, device: str) -> LoraAdapter:
 
 def sharded(adapter: LoraAdapter, config: ModelConfig, shard: RankShard) -> LoraAdapter:
     """What one rank of a parallel model holds of `adapter`: each pair cut as the rank's base
-    weights are (strata/model/parallel/shard_loader.shard_slices), so that `apply` on a rank
-    adds exactly its share of the adapter's product.
+    weights are (strata/model/parallel/shard_loader.shard_slices), so that the product a rank
+    adds (strata.model.lora_batch) is exactly its share of the adapter's.
 
         qkv, gate_up   column-parallel: B's rows of the rank's q heads, KV heads (a KV head that
                        two ranks hold, both hold its rows) and v heads; of its gate and up rows.
@@ -89,7 +89,7 @@ def sharded(adapter: LoraAdapter, config: ModelConfig, shard: RankShard) -> Lora
                        before the all-reduce, whose sum over ranks is x @ A.T @ B.T.
 
     Layers of other pipeline stages are empty, so `adapter.layers` keeps the whole model's
-    indices (the model calls `apply` with global layer numbers). A cut copies values and never
+    indices (the model names layers by their global number). A cut copies values and never
     rounds them; the whole model's shard gets `adapter` itself."""
     if shard.is_full(config):
         return adapter
@@ -236,18 +236,3 @@ def _pair_or_zero(found: dict[tuple[int, str], dict[str, Tensor]], layer: int, m
 def _short(name: str) -> str:
     """A model id without a local directory's path: the last two path parts."""
     return "/".join(name.rstrip("/").split("/")[-2:])
-
-
-# The rows of each adapter present in a step: (adapter, row indices into the step's tokens).
-RowGroups = list[tuple[LoraAdapter, Tensor]]
-
-
-def apply(out: Tensor, x: Tensor, groups: RowGroups, layer: int, which: str) -> Tensor:
-    """`out[rows] += (x[rows] @ A.T) @ B.T` for each adapter's rows; other rows untouched."""
-    for adapter, rows in groups:
-        pair: LoraPair | None = getattr(adapter.layers[layer], which)
-        if pair is None:
-            continue
-        xs = x.index_select(0, rows)
-        out.index_add_(0, rows, (xs @ pair.a.T) @ pair.b.T)
-    return out

@@ -60,7 +60,8 @@ class Turn:
     arrival_s: float
     num_prompt_tokens: int
     first_token_s: float | None = None
-    finish_s: float | None = None
+    finish_s: float | None = None  # its last token
+    answered_s: float | None = None  # the turn ended: last token, then a `strong` store write
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
 
@@ -312,10 +313,11 @@ class Fleet:
         if self.watch is not None and turn.first_token_s is not None:
             self.watch.finished((self.now - turn.first_token_s) / (turn.num_output_tokens - 1)
                                 if turn.num_output_tokens > 1 else None)
+        turn.answered_s = self.now + self.costs.session_write_s(self.arch.sessions)
         job, index = flight.job, flight.turn_index
         job.history = flight.request.all_token_ids
         if index + 1 < len(job.turns):
-            self.push(self.now + self.workload.think_time_s, "arrive", (job, index + 1))
+            self.push(turn.answered_s + self.workload.think_time_s, "arrive", (job, index + 1))
         elif self.workload.concurrency is not None:
             self._start_next_job()
 

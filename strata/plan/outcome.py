@@ -36,6 +36,7 @@ class Outcome:
     arch: Architecture
     ttft_ms: dict[str, float]
     tpot_ms: dict[str, float]
+    turn_ms: dict[str, float]  # arrival until the turn ended (its store write included)
     output_tokens_per_s: float
     requests_per_s: float
     instances: float  # mean instances paid for over the run (autoscaled: < the most)
@@ -56,6 +57,7 @@ class Outcome:
                 "kv_offload": self.arch.kv_offload, "autoscaled": self.arch.autoscale,
                 "instances": round(self.instances, 2), "ranks": round(self.ranks, 2),
                 "ttft_ms": _rounded(self.ttft_ms), "tpot_ms": _rounded(self.tpot_ms),
+                "turn_ms": _rounded(self.turn_ms),
                 "output_tokens_per_s": round(self.output_tokens_per_s, 1),
                 "requests_per_s": round(self.requests_per_s, 3),
                 "utilization": round(self.utilization, 3),
@@ -83,12 +85,14 @@ def outcome(arch: Architecture, run: FleetResult, slo: Slo) -> Outcome:
     ttfts = [first - t.arrival_s for t, first, _ in done]
     tpots = [(end - first) / (t.num_output_tokens - 1) for t, first, end in done
              if t.num_output_tokens > 1]
+    turns = [(t.answered_s or end) - t.arrival_s for t, _, end in done]
     start = min((t.arrival_s for t, _, _ in done), default=0.0)
     span = max(max((end for _, _, end in done), default=0.0) - start, 1e-9)
     num_prompt = sum(t.num_prompt_tokens for t, _, _ in done)
     instances = run.instance_seconds / max(run.duration_s, 1e-9)
     out = Outcome(
         arch, _stats_ms(ttfts), _stats_ms(tpots) if tpots else dict.fromkeys(_KEYS, 0.0),
+        _stats_ms(turns),
         output_tokens_per_s=sum(t.num_output_tokens for t, _, _ in done) / span,
         requests_per_s=len(done) / span, instances=instances, ranks=instances * arch.tp,
         utilization=min(1.0, run.busy_seconds / max(run.instance_seconds, 1e-9)),

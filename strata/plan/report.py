@@ -6,7 +6,7 @@ from typing import Any
 
 from strata.bench.report import json_safe
 from strata.plan.outcome import Outcome
-from strata.plan.search import Plan
+from strata.plan.search import Plan, PlanInputs
 
 PLAN_FORMAT = 1
 
@@ -22,6 +22,7 @@ def plan_json(plan: Plan, *, measured: dict[str, Any] | None = None) -> dict[str
         "slo": {"ttft_ms": slo.ttft_ms, "ttft_percentile": slo.ttft_percentile,
                 "tpot_ms": slo.tpot_ms, "tpot_percentile": slo.tpot_percentile},
         "max_ranks": inputs.max_ranks,
+        "session_consistency": inputs.costs.session_consistency,
         "configs": [row.to_json() for row in plan.rows],
         "best": plan.best.to_json() if plan.best else None,
         "ruled_out": [{"config": row.arch.label, "ranks": round(row.ranks, 2),
@@ -42,6 +43,19 @@ def _cell(stats: dict[str, float]) -> str:
     return "/".join(f"{stats[k]:.0f}" for k in ("p50", "p90", "p99"))
 
 
+def _session_line(inputs: PlanInputs) -> list[str]:
+    """What the session store's level costs a turn, for a multi-turn workload."""
+    if inputs.workload.num_turns < 2:
+        return []
+    costs = inputs.costs
+    if costs.session_consistency == "strong":
+        what = f"a stored session's turn ends {costs.session_write_ms:g} ms later (written " \
+               "before the answer)"
+    else:
+        what = "turns written behind the answer (a crash loses the unwritten ones)"
+    return [f"sessions: {costs.session_consistency} consistency: {what}"]
+
+
 def format_plan(plan: Plan) -> str:
     inputs, slo = plan.inputs, plan.inputs.slo
     w = inputs.workload
@@ -53,6 +67,7 @@ def format_plan(plan: Plan) -> str:
         f"{w.output.low}-{w.output.high}, {w.num_turns} turn(s) per session",
         f"SLO: TTFT p{slo.ttft_percentile:g} <= {slo.ttft_ms:g} ms, TPOT "
         f"p{slo.tpot_percentile:g} <= {slo.tpot_ms:g} ms",
+        *_session_line(inputs),
         "",
         f"{'config':<40}{'ranks':>6}  {'TTFT p50/90/99 ms':<20}{'TPOT p50/90/99 ms':<19}"
         f"{'out tok/s':>10}{'hit':>5}  {'SLO':<4} bottleneck",
@@ -68,7 +83,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"no configuration within {inputs.max_ranks} ranks meets the SLO")
     else:
         lines.append(f"cheapest that meets the SLO: {plan.best.arch.label} "
-                     f"({plan.best.ranks:.1f} ranks)")
+                     f"({plan.best.ranks:.1f} ranks); a turn p50/90/99 "
+                     f"{_cell(plan.best.turn_ms)} ms")
         for row in _cheaper(plan):
             lines.append(f"  ruled out: {row.arch.label} ({row.ranks:.1f}): {row.bottleneck}")
     lines.append(f"{plan.num_simulations} simulations in {plan.wall_s:.1f} s")

@@ -12,8 +12,13 @@ acknowledged or saw; the checks read only the history and the store's final stat
                          the acknowledgement, sees it
     staleness            eventual: what a read on another instance misses, in turns and seconds
 
-A fault is verified as applied: the Redis killed is another process than the one restarted, and
-operations failed between the two (`RedisKill`).
+Faults, each verified as applied:
+
+    RedisKill        the store SIGKILLed and restarted: another process serves after, and
+                     operations failed between the two
+    StorePartition   one instance cut from the store (a loopback proxy between them resets every
+                     connection, open or new) while the others reach it: operations failed on
+                     the cut instance and others were acknowledged elsewhere meanwhile
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from harness.redis_server import RedisServer, serving_pid
+from harness.tcp_proxy import ChaosProxy
 from strata.errors import StrataError
 from strata.state.sessions import SessionStore
 
@@ -54,10 +60,17 @@ class History:
     def acked(self, kind: str = "append") -> list[Op]:
         return [op for op in self.ops if op.kind == kind and op.is_ok]
 
-    def num_failed_between(self, start_s: float, end_s: float) -> int:
+    def num_failed_between(self, start_s: float, end_s: float, *,
+                           instance: int | None = None) -> int:
         return sum(1 for op in self.ops
                    if op.error and op.error != "SessionConflictError"
-                   and start_s <= op.start_s <= end_s)
+                   and start_s <= op.start_s <= end_s
+                   and (instance is None or op.instance == instance))
+
+    def num_acked_between(self, start_s: float, end_s: float, *, instance: int) -> int:
+        return sum(1 for op in self.ops
+                   if op.is_ok and op.instance == instance and start_s <= op.start_s
+                   and op.end_s <= end_s)
 
     async def read(self, store: SessionStore, instance: int, session: str) -> Op:
         start_s = time.monotonic()
@@ -218,19 +231,66 @@ async def kill_redis(server: RedisServer, history: History, *, min_down_s: float
                      history.num_failed_between(start_s, start_s + outage_s), outage_s)
 
 
-async def run_with_kill(stores: Sequence[SessionStore], server: RedisServer, workload: Workload,
-                        *, before_s: float, after_s: float) -> tuple[History, RedisKill]:
-    """Writers for `before_s`, the kill and restart under them, writers for `after_s` more."""
+@dataclass(frozen=True, slots=True)
+class StorePartition:
+    """One instance cut from the store for a while, with the evidence that it happened."""
+
+    instance: int
+    num_resets: int  # connections the proxy reset (open ones, and new ones while cut)
+    num_failed_ops: int  # operations that failed on the cut instance meanwhile
+    num_acked_elsewhere: int  # operations acknowledged on the other instances meanwhile
+    cut_s: float
+
+    @property
+    def is_applied(self) -> bool:
+        return self.num_resets > 0 and self.num_failed_ops > 0 and self.num_acked_elsewhere > 0
+
+
+async def partition_store(proxy: ChaosProxy, history: History, instance: int, num_instances: int,
+                          *, min_cut_s: float = 0.3, max_cut_s: float = 3.0) -> StorePartition:
+    """Cut `instance` (whose store connects through `proxy`) from the store until an operation
+    of it failed (at least `min_cut_s`), then heal: every connection reset, new ones too."""
+    start_s, resets_before = time.monotonic(), proxy.num_resets
+    proxy.reset_probability = 1.0
+    await asyncio.to_thread(proxy.reset_all)
+    await asyncio.sleep(min_cut_s)
+    while history.num_failed_between(start_s, time.monotonic(), instance=instance) == 0 \
+            and time.monotonic() - start_s < max_cut_s:
+        await asyncio.sleep(0.02)
+    proxy.reset_probability = 0.0
+    end_s = time.monotonic()
+    elsewhere = sum(history.num_acked_between(start_s, end_s, instance=i)
+                    for i in range(num_instances) if i != instance)
+    return StorePartition(instance, proxy.num_resets - resets_before,
+                          history.num_failed_between(start_s, end_s, instance=instance),
+                          elsewhere, end_s - start_s)
+
+
+Fault = RedisKill | StorePartition
+
+
+async def run_with_fault(stores: Sequence[SessionStore], workload: Workload,
+                         fault: Callable[[History], Awaitable[Fault]], *, before_s: float,
+                         after_s: float) -> tuple[History, Fault]:
+    """Writers for `before_s`, the fault under them, writers for `after_s` more."""
     history, stop = History(), asyncio.Event()
     writers = asyncio.ensure_future(run_writers(stores, history, workload, stop))
     await asyncio.sleep(before_s)
-    fault = await kill_redis(server, history)
+    applied = await fault(history)
     await asyncio.sleep(after_s)
     stop.set()
     await writers
-    return history, fault
+    return history, applied
 
 
-__all__ = ["History", "Op", "RedisKill", "Staleness", "Workload",
-           "final_histories", "kill_redis", "lost_turns", "read_your_writes_violations",
-           "run_with_kill", "run_writers", "staleness"]
+async def run_with_kill(stores: Sequence[SessionStore], server: RedisServer, workload: Workload,
+                        *, before_s: float, after_s: float) -> tuple[History, Fault]:
+    """Writers for `before_s`, the kill and restart under them, writers for `after_s` more."""
+    return await run_with_fault(stores, workload, lambda h: kill_redis(server, h),
+                                before_s=before_s, after_s=after_s)
+
+
+__all__ = ["Fault", "History", "Op", "RedisKill", "Staleness", "StorePartition", "Workload",
+           "final_histories", "kill_redis", "lost_turns", "partition_store",
+           "read_your_writes_violations", "run_with_fault", "run_with_kill", "run_writers",
+           "staleness"]

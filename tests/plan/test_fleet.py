@@ -258,3 +258,32 @@ def test_instance_slots_hold_arrivals_at_the_gateway_until_an_instance_is_ready(
     assert not fleet.held
     with pytest.raises(ValueError, match="slots"):
         Fleet(ONE, round_profile, fixed(1, 100, 5, rate_per_s=1.0), initial_replicas=0)
+
+
+@pytest.mark.parametrize("sessions", ["external", "hybrid", "sticky"])
+def test_a_strong_session_store_lengthens_each_turn_by_its_write_behind_levels_do_not(
+        round_profile: LatencyProfile, sessions: str) -> None:
+    """One session of 3 turns, one at a time: at `strong` each turn of a stored session ends
+    (and the next starts) 25 ms after its last token; `eventual` writes behind; sticky sessions
+    (no store) pay nothing at any level. TTFT and TPOT never carry the write."""
+    workload = Workload(num_requests=3, concurrency=1, num_turns=3, prompt=LengthDist(50, 50),
+                        output=LengthDist(5, 5))
+    arch = Architecture("sessions", policy="consistent_hash", sessions=sessions)
+    runs = {level: Fleet(arch, round_profile, workload, costs=Costs(
+        request_overhead_ms=0.0, session_read_ms=0.0, session_consistency=level,
+        session_write_ms=25.0)).run() for level in ("strong", "eventual")}
+    write = 0.025 if sessions != "sticky" else 0.0
+    for level, run in runs.items():
+        for turn in run.turns:
+            assert turn.answered_s - turn.finish_s == pytest.approx(
+                write if level == "strong" else 0.0)
+        for before, after in zip(run.turns, run.turns[1:], strict=False):
+            assert after.arrival_s == pytest.approx(before.answered_s)  # no think time
+    strong, eventual = runs["strong"].turns, runs["eventual"].turns
+    assert [t.first_token_s - t.arrival_s for t in strong] == pytest.approx(
+        [t.first_token_s - t.arrival_s for t in eventual])
+
+
+def test_an_unknown_session_level_is_refused() -> None:
+    with pytest.raises(ConfigError, match="session consistency is one of strong"):
+        Costs(session_consistency="linearizable")

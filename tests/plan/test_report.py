@@ -9,7 +9,7 @@ from strata.plan.report import format_plan, plan_json
 from strata.sim.profile import LatencyProfile
 
 ROW_KEYS = {"config", "step", "policy", "replicas", "prefill_instances", "tp", "sessions",
-            "kv_offload", "autoscaled", "instances", "ranks", "ttft_ms", "tpot_ms",
+            "kv_offload", "autoscaled", "instances", "ranks", "ttft_ms", "tpot_ms", "turn_ms",
             "output_tokens_per_s", "requests_per_s", "utilization", "prefix_hit_rate",
             "num_preemptions", "num_requests", "meets_slo", "bottleneck", "stopped_early",
             "simulated_in_s"}
