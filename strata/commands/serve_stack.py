@@ -87,7 +87,7 @@ def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
         resident = adapters[:getattr(args, "max_cpu_loras", None) or len(adapters)]
         async_engine = build_async_engine(args, loaded, name, parallel, resident)
         loaded.weights.clear()  # the executor holds its own (packed) copies
-    loader = None if parallel is not None else lora_loader(args, loaded, async_engine)
+    loader = lora_loader(args, loaded, async_engine)
     defaults = generation_defaults_of(args.generation_config, loaded.generation_defaults,
                                       alias.generation_defaults if alias else None)
     log.info("sampling defaults (--generation-config %s): %s", args.generation_config,
@@ -102,14 +102,14 @@ def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
 def lora_loader(args: argparse.Namespace, loaded: LoadedModel,
                 async_engine: AsyncEngine) -> LoraLoader:
     """Reads an adapter as --lora-modules does, in the executor's dtype and device (so the
-    engine thread, which adds it, copies nothing)."""
-    from strata.model.executor import TorchExecutor
+    engine thread, which adds it, copies nothing; a parallel executor's device is the CPU,
+    whence every rank gets its cut)."""
     from strata.model.lora import load_adapter
 
     executor = getattr(async_engine.engine, "executor", None)
-    if not isinstance(executor, TorchExecutor):
-        raise ConfigError("LoRA adapters need the PyTorch executor")
-    dtype, device = executor.lora_dtype, executor.device
+    dtype, device = getattr(executor, "lora_dtype", None), getattr(executor, "lora_device", None)
+    if dtype is None or device is None:
+        raise ConfigError("LoRA adapters need the PyTorch executor (one process or parallel)")
 
     def load(name: str, path: str) -> LoraAdapter:
         return load_adapter(name, path, loaded.config, base_model=str(loaded.source),
@@ -190,9 +190,7 @@ def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str,
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     executor = make_executor(args, loaded, parallel, device, name)
     for adapter in loras or []:
-        if parallel is not None:
-            raise ConfigError("--lora-modules is not supported with tensor or pipeline parallel")
-        executor.add_lora(adapter)
+        executor.add_lora(adapter)  # a parallel executor hands each rank its cut
     max_model_len = args.max_model_len or min(loaded.config.max_position_embeddings,
                                               DEFAULT_MAX_MODEL_LEN)
     scheduler_config = scheduler_config_from(args, max_model_len)

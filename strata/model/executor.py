@@ -27,7 +27,7 @@ from strata.model.attention import PagedKVCache, PrefillChunk, StepBatch
 from strata.model.config import ModelConfig
 from strata.model.kv_codec import FORMAT_VERSION, KVCodec, KVLayout
 from strata.model.llama import LlamaModel, Weights
-from strata.model.lora import LoraAdapter, moved
+from strata.model.lora import LoraAdapter, moved, sharded
 from strata.model.lora_batch import StackCache, StepLoras, step_loras
 from strata.model.masks import MaskWorker
 from strata.model.parallel.layout import ParallelLayout
@@ -71,13 +71,12 @@ class TorchExecutor:
         self.lora_stacks = StackCache()  # the step's adapters stacked (strata.model.lora_batch)
 
     def add_lora(self, adapter: LoraAdapter) -> str:
-        """Hold `adapter` by its digest (see `LoraExecutor`); a no-op copy when it was loaded
-        in the model's dtype and device."""
-        if len(self.shard.layers) != self.config.num_hidden_layers or self.model.is_vocab_split \
-                or len(self.shard.q_heads) != self.config.num_attention_heads:
-            raise ConfigError("LoRA adapters need the whole model on one rank")
+        """Hold `adapter` (the whole model's) by its digest (see `LoraExecutor`): one rank of a
+        parallel model keeps its shard's cut of it (`lora.sharded`). A no-op copy when it was
+        loaded in the model's dtype and device."""
         if adapter.digest not in self.loras:
-            self.loras[adapter.digest] = moved(adapter, _DTYPES[self.dtype], self.device)
+            mine = sharded(adapter, self.config, self.shard)
+            self.loras[adapter.digest] = moved(mine, _DTYPES[self.dtype], self.device)
         return adapter.digest
 
     def has_lora(self, digest: str) -> bool:
@@ -91,6 +90,11 @@ class TorchExecutor:
     def lora_dtype(self) -> torch.dtype:
         """The dtype adapters are held in (load them in it: `add_lora` then copies nothing)."""
         return _DTYPES[self.dtype]
+
+    @property
+    def lora_device(self) -> str:
+        """The device adapters are held on (load them there: `add_lora` then copies nothing)."""
+        return self.device
 
     @property
     def vocab_size(self) -> int:

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from strata.errors import LoraError
 from strata.model.config import ModelConfig
+from strata.model.shard import RankShard
 from strata.protocol.lora import adapter_digest
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -73,6 +74,54 @@ def moved(adapter: LoraAdapter, dtype: torch.dtype, device: str) -> LoraAdapter:
     layers = [LoraLayer(mv(x.qkv), mv(x.o), mv(x.gate_up), mv(x.down)) for x in adapter.layers]
     return LoraAdapter(adapter.name, adapter.path, adapter.digest, adapter.rank, adapter.scaling,
                        layers)
+
+
+def sharded(adapter: LoraAdapter, config: ModelConfig, shard: RankShard) -> LoraAdapter:
+    """What one rank of a parallel model holds of `adapter`: each pair cut as the rank's base
+    weights are (strata/model/parallel/shard_loader.shard_slices), so that the product a rank
+    adds (strata.model.lora_batch) is exactly its share of the adapter's.
+
+        qkv, gate_up   column-parallel: B's rows of the rank's q heads, KV heads (a KV head that
+                       two ranks hold, both hold its rows) and v heads; of its gate and up rows.
+                       A whole: every rank sees the whole input.
+        o, down        row-parallel: A's columns of the rank's input slice (its q heads, its MLP
+                       rows); B whole. Each rank's (x_r @ A_r.T) @ B.T joins its partial output
+                       before the all-reduce, whose sum over ranks is x @ A.T @ B.T.
+
+    Layers of other pipeline stages are empty, so `adapter.layers` keeps the whole model's
+    indices (the model names layers by their global number). A cut copies values and never
+    rounds them; the whole model's shard gets `adapter` itself."""
+    if shard.is_full(config):
+        return adapter
+    hd, heads, kv_heads = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+    q = _span(shard.q_heads, hd)
+    kv = _span(shard.kv_heads, hd)
+    qkv_rows = [q, _shift(kv, heads * hd), _shift(kv, (heads + kv_heads) * hd)]
+    mlp = _span(shard.intermediate, 1)
+    gate_up_rows = [mlp, _shift(mlp, config.intermediate_size)]
+
+    def cut(pair: LoraPair | None, rows: list[slice] | None, cols: slice | None
+            ) -> LoraPair | None:
+        if pair is None:
+            return None
+        a = pair.a if cols is None else pair.a[:, cols]
+        b = pair.b if rows is None else torch.cat([pair.b[r] for r in rows])
+        return LoraPair(a.contiguous(), b.contiguous())
+
+    empty = LoraLayer(None, None, None, None)
+    layers = [LoraLayer(cut(x.qkv, qkv_rows, None), cut(x.o, None, q),
+                        cut(x.gate_up, gate_up_rows, None), cut(x.down, None, mlp))
+              if i in shard.layers else empty for i, x in enumerate(adapter.layers)]
+    return LoraAdapter(adapter.name, adapter.path, adapter.digest, adapter.rank, adapter.scaling,
+                       layers)
+
+
+def _span(r: range, width: int) -> slice:
+    return slice(r.start * width, r.stop * width)
+
+
+def _shift(s: slice, by: int) -> slice:
+    return slice(s.start + by, s.stop + by)
 
 
 def file_digest(path: str | Path) -> str:

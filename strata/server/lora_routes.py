@@ -18,7 +18,7 @@ ends; later requests for the name get 404 (strata/engine/loras.py). Since every 
 the digest, a name reloaded with other weights never hits the old weights' KV.
 
 A bad path or adapter is a 400 with the `LoraError`'s message, as is the base model's own name
-and an instance that cannot load adapters (simulated, parallel or an encoder).
+and an instance that cannot load adapters (simulated or an encoder).
 """
 
 from __future__ import annotations

@@ -130,8 +130,8 @@ class LoraTable:
             raise InvalidRequestError(f"lora_name {name!r} is the base model's name",
                                       param="lora_name")
         if self.loader is None:
-            raise InvalidRequestError("this instance cannot load LoRA adapters (a simulated, "
-                                      "parallel or embedding instance)", param="lora_path")
+            raise InvalidRequestError("this instance cannot load LoRA adapters (a simulated "
+                                      "or embedding instance)", param="lora_path")
         async with self._lock:
             if name not in self.config.loras:
                 await self._make_room(keep=name)

@@ -15,10 +15,20 @@ commands in the same order, which is what keeps their collectives matched:
                                        samples, i.e. one pipeline stage)
     ExportKV(block_ids)                every rank sends its slices of the blocks to rank 0
     ImportKV(block_ids, bodies)        every rank writes its slices of whole-model blocks
+    AddLora(adapter)                   every rank keeps its cut of a whole LoRA adapter, which
+                                       rank 0 read and checked (strata.model.lora.sharded)
+    RemoveLora(digest)                 every rank frees its cut of the adapter
     Stop()                             workers leave their loop
 
 With several pipeline stages rank 0 does not wait for a Step's tokens before it broadcasts the
 next one (up to P batches in flight); every rank still runs the commands in broadcast order.
+So an adapter is added on every rank before the first step that names it, and freed only after
+the last one (the engine frees it once no request in flight names it).
+
+Adapters travel as tensors in the command, as KV bodies do, not as a path each rank reads (as
+the weights are): an adapter is megabytes where the weights are gigabytes, rank 0 already holds
+it whole (it read and checked it to answer the load by name), and a rank on another node then
+needs no copy of the files, nor can it read other files than rank 0's under the same digest.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from pathlib import Path
 from strata.engine.executor import ModelInput, ModelOutput, ScheduledSequence
 from strata.engine.request import SamplingParams
 from strata.model.config import ModelConfig
+from strata.model.lora import LoraAdapter
 from strata.model.parallel.comm import CommSpec
 from strata.model.parallel.layout import ParallelLayout
 from strata.model.parallel.share import ShareFault
@@ -83,19 +94,20 @@ class Step:
 @dataclass(frozen=True, slots=True)
 class StepRows:
     block_size: int
-    rows: list[tuple[list[int], int, list[int], bool]]
+    rows: list[tuple[list[int], int, list[int], bool, str]]  # ..., needs_sample, lora_digest
 
     @staticmethod
     def of(model_input: ModelInput) -> StepRows:
         return StepRows(model_input.block_size,
-                        [(s.token_ids, s.start_pos, s.block_ids, s.needs_sample)
+                        [(s.token_ids, s.start_pos, s.block_ids, s.needs_sample, s.lora_digest)
                          for s in model_input.sequences])
 
     def model_input(self) -> ModelInput:
         """The step as `TorchExecutor.execute` takes it, without what only sampling reads."""
         return ModelInput([ScheduledSequence(_NO_ID, tokens, start, blocks, needs, _NO_PARAMS,
-                                             [], [])
-                           for tokens, start, blocks, needs in self.rows], self.block_size)
+                                             [], [], lora_digest=lora)
+                           for tokens, start, blocks, needs, lora in self.rows],
+                          self.block_size)
 
 
 _NO_ID = RequestId("")
@@ -114,11 +126,21 @@ class ImportKV:
 
 
 @dataclass(frozen=True, slots=True)
+class AddLora:
+    adapter: LoraAdapter  # the whole model's, on the CPU
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveLora:
+    digest: str
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     pass
 
 
-Command = Allocate | Step | StepRows | ExportKV | ImportKV | Stop
+Command = Allocate | Step | StepRows | ExportKV | ImportKV | AddLora | RemoveLora | Stop
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,5 +159,6 @@ def encode(command: Command | StageOutput | list[int]) -> bytes:
 
 def decode(data: bytes) -> Command:
     command = pickle.loads(data)  # noqa: S301 -- bytes from rank 0 of this instance only
-    assert isinstance(command, Allocate | Step | StepRows | ExportKV | ImportKV | Stop)
+    assert isinstance(command, Allocate | Step | StepRows | ExportKV | ImportKV | AddLora
+                      | RemoveLora | Stop)
     return command

@@ -2,7 +2,8 @@
 
 Rank 0 runs in this process, on the engine's thread; the launcher places and starts the others.
 Each engine call becomes one command (commands.py), serialized once and broadcast to every rank
-through shared memory, then run by rank 0 itself. The engine's interface does not change.
+through shared memory, then run by rank 0 itself. The engine's interface does not change;
+LoRA adapters too are commands (`add_lora`, `remove_lora`: each rank keeps its cut of them).
 
 It is also an `AsyncModelExecutor` with P batches in flight (P = pipeline stages): `submit`
 broadcasts the step and runs stage 0's share; `collect` takes the sampled tokens of the oldest
@@ -37,14 +38,17 @@ from strata.errors import ConfigError, RankFailedError, ShareFailedError
 from strata.model import kernel_build
 from strata.model.config import DTYPE_BYTES
 from strata.model.kv_codec import FORMAT_VERSION, KVCodec, KVLayout, KVPayloadError
+from strata.model.lora import LoraAdapter, moved
 from strata.model.parallel import shm
 from strata.model.parallel.comm import connect, create_segments, plan_comm
 from strata.model.parallel.commands import (
+    AddLora,
     Allocate,
     Command,
     ExportKV,
     ImportKV,
     RankSpec,
+    RemoveLora,
     Step,
     StepRows,
     Stop,
@@ -199,6 +203,33 @@ class ParallelExecutor:
         if bodies:
             self._run(ImportKV(block_ids[: len(bodies)], bodies))
         return len(bodies)
+
+    # --- LoraExecutor -------------------------------------------------------------------------
+
+    @property
+    def lora_dtype(self) -> torch.dtype:
+        """The dtype adapters are held in (load them in it: nothing is converted)."""
+        return self.rank.executor.lora_dtype
+
+    @property
+    def lora_device(self) -> str:
+        """Load adapters on the CPU: they reach the ranks pickled in a command (commands.py)."""
+        return "cpu"
+
+    def add_lora(self, adapter: LoraAdapter) -> str:
+        """Every rank keeps its cut of `adapter` (the whole model's, checked by the caller),
+        before any later step runs (commands run in order)."""
+        if not self.has_lora(adapter.digest):
+            self._run(AddLora(moved(adapter, self.lora_dtype, "cpu")))
+        return adapter.digest
+
+    def has_lora(self, digest: str) -> bool:
+        return self.rank.executor.has_lora(digest)  # every rank holds what rank 0 holds
+
+    def remove_lora(self, digest: str) -> None:
+        """Every rank frees its cut, after the batches in flight that may still name it."""
+        if self.has_lora(digest):
+            self._run(RemoveLora(digest))
 
     # --- health, memory, counters, shutdown ----------------------------------------------------
 

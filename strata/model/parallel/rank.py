@@ -35,12 +35,14 @@ from strata.model.executor import TorchExecutor
 from strata.model.gemm import PackedWeight
 from strata.model.parallel.comm import RankComms
 from strata.model.parallel.commands import (
+    AddLora,
     Allocate,
     Command,
     ExportKV,
     ImportKV,
     RankReport,
     RankSpec,
+    RemoveLora,
     StageOutput,
     Step,
     StepRows,
@@ -153,6 +155,10 @@ class Rank:
             return self._export(command.block_ids)
         elif isinstance(command, ImportKV):
             self._import(command.block_ids, command.bodies)
+        elif isinstance(command, AddLora):
+            self.executor.add_lora(command.adapter)  # keeps this shard's cut
+        elif isinstance(command, RemoveLora):
+            self.executor.remove_lora(command.digest)
         return None
 
     def forward(self, model_input: ModelInput) -> ModelOutput:
