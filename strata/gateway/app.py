@@ -137,11 +137,11 @@ async def _start_background(gateway: Gateway) -> list[asyncio.Task[None]]:
              asyncio.create_task(every(config.health_check_interval_s,
                                        gateway.health.check_once)),
              asyncio.create_task(every(config.resume.stall_sweep_s, gateway.proxy.stalls.sweep))]
-    if gateway.versions is not None:
+    if gateway.routing_poll is not None:  # re-reads the routing, publishes this gateway's view
         with contextlib.suppress(Exception):  # logged by `every` from then on
-            await gateway.versions.refresh()
+            await gateway.routing_poll.poll_once()
         tasks.append(asyncio.create_task(every(config.versions.routing_poll_s,
-                                               gateway.versions.refresh)))
+                                               gateway.routing_poll.poll_once)))
     if gateway.releases is not None:
         tasks.append(asyncio.create_task(every(gateway.releases.resume_interval_s,
                                                gateway.releases.resume_once)))
