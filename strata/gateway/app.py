@@ -153,11 +153,17 @@ async def _start_background(gateway: Gateway) -> list[asyncio.Task[None]]:
 
 
 async def every(interval_s: float, step: Callable[[], Awaitable[None]]) -> None:
-    """Runs `step` forever, `interval_s` apart; a failing step is logged, not fatal."""
+    """Runs `step` forever, `interval_s` apart; a failing step is logged, not fatal. A
+    cancellation that the step turned into another error (redis-py's reads under
+    `asyncio.timeout` do, when the cancel meets their deadline) still ends the loop: otherwise
+    the gateway's shutdown would wait on this task forever."""
     while True:
         try:
             await step()
         except Exception:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError from None
             logger.exception("background step failed")
         await asyncio.sleep(interval_s)
 

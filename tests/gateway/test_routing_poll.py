@@ -12,12 +12,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 
 import pytest
 from gateway_fakes import view
 
 from strata.clock import ManualClock
+from strata.gateway.app import every
 from strata.gateway.control.views import RoutingPoll
 from strata.gateway.path.versions import VersionRouter
 from strata.gateway.routing.instances import InstanceSet
@@ -143,5 +145,32 @@ def test_a_flip_counts_once_its_live_version_is_routable_and_strict_never_falls_
         assert strict.served_revisions() == (("m", 2),)  # routed to v2 (503 until it is up)
         assert (await bounded.choose("m", None, None)).version == "v1"  # falls back
         assert (await strict.choose("m", None, None)).version == "v2"  # never to previous
+
+    asyncio.run(story())
+
+
+def test_the_poll_loop_ends_on_a_cancel_that_the_step_turned_into_another_error() -> None:
+    converted: list[bool] = []
+
+    async def step() -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:  # what redis-py's timeout does at its deadline, once
+            if converted:
+                raise
+            converted.append(True)
+            raise TimeoutError from None
+
+    async def story() -> None:
+        task = asyncio.create_task(every(0.01, step))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.wait({task}, timeout=1.0)
+        is_ended = task.done()  # before: the error was logged and the loop went on
+        if not is_ended:
+            task.cancel()  # not converted this time: the loop ends
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        assert is_ended and task.cancelled() and converted == [True]
 
     asyncio.run(story())
