@@ -275,7 +275,7 @@ class SqliteModelRegistry:
             return [r[0] for r in conn.execute("SELECT record FROM routing_views WHERE "
                                                "published_at >= ? ORDER BY gateway", (since,))]
 
-        return [RoutingView.from_json(json.loads(t)) for t in await self._db.transaction(read)]
+        return [RoutingView.from_json(json.loads(t)) for t in await self._db.call(read)]
 
 
 _VIEWS_TABLE = ("CREATE TABLE IF NOT EXISTS routing_views (gateway TEXT PRIMARY KEY, "
