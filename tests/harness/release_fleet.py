@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import random
 import socket
 import threading
 import time
@@ -173,7 +174,9 @@ class Stream:
 
 class ReleaseFleet:
     def __init__(self, redis_url: str, gateway_flags: Sequence[str]) -> None:
-        self.redis_url = redis_url
+        # a database of its own on that server: a process that is not ours polling the port
+        # (another user's gateway whose Redis had the port before) reads and writes database 0
+        self.redis_url = f"{redis_url.rsplit('/', 1)[0]}/{random.randint(1, 15)}"
         self.gateway_flags = list(gateway_flags)
         self.proxy: ChaosProxy | None = None
         self.instances: list[Served] = []
