@@ -165,6 +165,14 @@ class Stream:
                 n += 1
                 time.sleep(self.interval_s)
 
+    def finish_after(self, at: float, timeout_s: float = 30.0) -> list[Answer]:
+        """Once a request sent after `at` (wall clock) was answered: every answer."""
+        deadline = time.monotonic() + timeout_s
+        while not any(a.sent_at > at for a in list(self.answers)):
+            assert time.monotonic() < deadline, "the stream stopped answering"
+            time.sleep(0.01)
+        return self.finish()
+
     def finish(self) -> list[Answer]:
         self.stop.set()
         if self.thread is not None:
