@@ -6,7 +6,8 @@
   (strict) or unfenced (bounded); a view that changes is timed anew.
 - A strict release on the fake clock: with one gateway silent, the flip is not reported (the
   release stays `flipping`) until the silence passes that gateway's lease; a gateway that
-  comes back with the new revision is acked instead. A bounded release does not wait.
+  comes back with the new revision is acked instead. A bounded release does not wait. A
+  rollback's flip back waits the same way before the new version retires.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from redis_server import redis_server, redis_url  # noqa: F401
 from registry.release_world import CONFIG, World, states
 
 from strata.clock import ManualClock
-from strata.registry.models import ModelRegistry
+from strata.registry.models import ModelRegistry, Release, ReleaseState
 from strata.registry.models.views import VIEW_RETENTION_S, RoutingView
 from strata.registry.releases.controller import ReleaseConfig, ReleaseController
 from strata.registry.releases.flip_acks import FlipAcks, FlipWatch
@@ -146,3 +147,27 @@ def test_bounded_flip_does_not_wait_for_views() -> None:
     world, final = run_release(CONFIG)
     assert entered(final, "retiring") - final.stats["flipped_at"] < 0.01
     assert "flip_acked_s" not in final.stats
+
+
+def test_strict_flip_back_of_a_rollback_waits_for_the_views_too() -> None:
+    async def main() -> tuple[Release, float]:
+        world = await World.create()
+        gateways = Gateways(world)
+        await gateways.sleep(0.0)
+        controller = ReleaseController(world.models, world.instances, owner="driver",
+                                       warm=world.warm, config=STRICT_CONFIG,
+                                       clock=world.clock, sleep=gateways.sleep)
+        release = await controller.start("m", "v2")
+        task = asyncio.create_task(controller.drive(release.release_id))
+        await world.wait_for(release.release_id, ReleaseState.RETIRING)
+        gateways.b_reads = False  # b stops reading before the rollback's flip back
+        await controller.request_rollback("m")
+        final = await task
+        drained = [at for at, what in world.launcher.events if what.startswith("drain m-v2")]
+        return final, min(drained)
+
+    final, v2_drained_at = asyncio.run(main())
+    assert final.state is ReleaseState.ROLLED_BACK
+    # v2 retires only once b fenced itself: one lease after the driver first read its view
+    assert v2_drained_at - final.stats["flipped_back_at"] > 2.0
+    assert final.stats["flip_back_acked_s"] > 2.0
