@@ -129,6 +129,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "by another gateway (or this one, restarted)")
     p.add_argument("--release-ready-timeout-s", type=positive_float, default=600.0,
                    help="a release rolls back when its new instances are not ready by then")
+    p.add_argument("--release-consistency", choices=("bounded", "strict"), default="bounded",
+                   help="caches across a release: bounded (a flip reaches every gateway within "
+                        "--routing-poll-s, unproven) or strict (a release's flip completes only "
+                        "once every gateway's published view carries it or the gateway fenced "
+                        "itself: a view not renewed for --routing-lease-s refuses routed "
+                        "requests with a 503); docs/consistency.md")
+    p.add_argument("--routing-lease-s", type=positive_float, default=2.0,
+                   help="strict: how long this gateway routes on a view it could not renew (a "
+                        "poll that read the registry and published its view); at least twice "
+                        "--routing-poll-s")
     p.add_argument("--release-propagation-s", type=non_negative_float, default=1.0,
                    help="after a flip, how long before the old version retires (every gateway "
                         "re-reads the routing meanwhile; pinned sessions stay on it until then)")
@@ -229,6 +239,7 @@ def build_config(args: argparse.Namespace, env: CliEnv) -> GatewayConfig:
                                         spread=args.adapter_spread,
                                         shrink_after_s=args.adapter_shrink_after_s),
         versions=VersionConfig(routing_poll_s=args.routing_poll_s,
+                               routing_lease_s=args.routing_lease_s,
                                pin_store_url=args.version_pin_store,
                                release=_release_config(args)),
         response_cache_url=args.response_cache, response_cache_ttl_s=args.response_cache_ttl_s,
@@ -253,7 +264,8 @@ def _release_config(args: argparse.Namespace) -> ReleaseConfig:
                          canary_min_requests=args.canary_min_requests,
                          canary_max_error_rate=args.canary_max_error_rate,
                          canary_max_ttft_p99_ratio=args.canary_max_ttft_ratio,
-                         propagation_s=args.release_propagation_s)
+                         propagation_s=args.release_propagation_s,
+                         consistency=args.release_consistency)
 
 
 def build_source(config: GatewayConfig,

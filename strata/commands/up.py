@@ -89,6 +89,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000, help="the gateway's port")
     p.add_argument("--policy", default=None, help="gateway routing policy")
+    p.add_argument("--release-consistency", choices=("bounded", "strict"), default=None,
+                   help="the gateway's --release-consistency (default bounded)")
     p.add_argument("--gateway-arg", action="append", default=[], metavar="FLAG",
                    help="one more `strata gateway` flag, repeatable "
                         "(e.g. --gateway-arg=--max-in-flight=64)")
@@ -253,7 +255,9 @@ def _config(args: argparse.Namespace, env: CliEnv,
     replicas, num_prefill, named = cluster_shape(args)
     threads = up_parallel.rank_threads(args, replicas)  # `strata serve --threads` is per rank
     autoscale = gateway_args(args, _model_name(args), args.simulate) if args.autoscale else []
-    gateway = [*(["--policy", args.policy] if args.policy else []), *autoscale,
+    gateway = [*(["--policy", args.policy] if args.policy else []),
+               *(["--release-consistency", args.release_consistency]
+                 if args.release_consistency else []), *autoscale,
                *_auth_args(args, keys), *log_flags, *tracing_args(args), *args.gateway_arg]
     return LocalClusterConfig(
         replicas=replicas, num_prefill=num_prefill, class_pools=named, run_dir=env.run_dir,

@@ -137,11 +137,11 @@ async def _start_background(gateway: Gateway) -> list[asyncio.Task[None]]:
              asyncio.create_task(every(config.health_check_interval_s,
                                        gateway.health.check_once)),
              asyncio.create_task(every(config.resume.stall_sweep_s, gateway.proxy.stalls.sweep))]
-    if gateway.versions is not None:
+    if gateway.routing_poll is not None:  # re-reads the routing, publishes this gateway's view
         with contextlib.suppress(Exception):  # logged by `every` from then on
-            await gateway.versions.refresh()
+            await gateway.routing_poll.poll_once()
         tasks.append(asyncio.create_task(every(config.versions.routing_poll_s,
-                                               gateway.versions.refresh)))
+                                               gateway.routing_poll.poll_once)))
     if gateway.releases is not None:
         tasks.append(asyncio.create_task(every(gateway.releases.resume_interval_s,
                                                gateway.releases.resume_once)))
@@ -155,11 +155,17 @@ async def _start_background(gateway: Gateway) -> list[asyncio.Task[None]]:
 
 
 async def every(interval_s: float, step: Callable[[], Awaitable[None]]) -> None:
-    """Runs `step` forever, `interval_s` apart; a failing step is logged, not fatal."""
+    """Runs `step` forever, `interval_s` apart; a failing step is logged, not fatal. A
+    cancellation that the step turned into another error (redis-py's reads under
+    `asyncio.timeout` do, when the cancel meets their deadline) still ends the loop: otherwise
+    the gateway's shutdown would wait on this task forever."""
     while True:
         try:
             await step()
         except Exception:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError from None
             logger.exception("background step failed")
         await asyncio.sleep(interval_s)
 

@@ -200,17 +200,30 @@ class VersionConfig:
     stats_window_s: float = 60.0  # at most; see `health_window_s`
     health_publish_s: float = 1.0  # while a canary runs: this gateway's window to the registry
     warm_timeout_s: float = 120.0
+    # --release-consistency strict: routing that was not renewed (a poll that read the registry
+    # and published this gateway's view) for this long refuses what the routing decides
+    routing_lease_s: float = 2.0
     release: ReleaseConfig = field(default_factory=ReleaseConfig)  # timeouts, lease, canary
 
     def __post_init__(self) -> None:
         _positive(self, "routing_poll_s", "pin_ttl_s", "stats_window_s", "health_publish_s",
-                  "warm_timeout_s")
+                  "warm_timeout_s", "routing_lease_s")
+        if self.is_strict and self.routing_lease_s < 2 * self.routing_poll_s:
+            raise ConfigError(
+                f"--routing-lease-s ({self.routing_lease_s:g}) must be at least twice "
+                f"--routing-poll-s ({self.routing_poll_s:g}) with --release-consistency strict: "
+                "a gateway refuses routed requests once it has not renewed its view for the "
+                "lease, so one slow poll must not fence it")
         if self.release.propagation_s < self.routing_poll_s:
             raise ConfigError(
                 f"--release-propagation-s ({self.release.propagation_s:g}) must be at least "
                 f"--routing-poll-s ({self.routing_poll_s:g}): the old version retires that long "
                 "after a flip, and a gateway that has not polled since the flip still sends "
                 "requests to it")
+
+    @property
+    def is_strict(self) -> bool:
+        return self.release.consistency == "strict"
 
     @property
     def health_window_s(self) -> float:

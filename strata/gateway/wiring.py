@@ -20,6 +20,7 @@ import httpx
 from strata.clock import Clock
 from strata.gateway.config import GatewayConfig
 from strata.gateway.control.releases import ReleaseService, build_release_service, controller_owner
+from strata.gateway.control.views import RoutingPoll
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.path.admission import Admission
 from strata.gateway.path.classes import ClassFlow
@@ -80,6 +81,7 @@ class Gateway:
     classes: ClassFlow | None = None  # priority classes: pools, flow control, shedding
     usage: UsageStore | None = None  # tenants' usage and budget windows (GET /admin/usage)
     adapters: AdapterMetrics | None = None  # --policy adapter_aware: the fleet's LoRA adapters
+    routing_poll: RoutingPoll | None = None  # with a model registry: read, publish the view
 
     @property
     def stats(self) -> GatewayStats:
@@ -123,14 +125,16 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
     health = HealthChecker(instances, proxy.detector, control, config.health_timeout_s)
     admission = Admission(config.admission)
     cache = _response_cache(config, exits)
-    versions, releases = None, None
+    versions, releases, routing_poll = None, None, None
     if models is not None:
+        owner = controller_owner(config.port)
         versions = _version_router(config, models, instances, rng, exits)
+        routing_poll = _routing_poll(config, versions, models, source, owner)
         stats = VersionStats(config.versions.health_window_s)
         proxy.observers.append(stats.observe)
         if instance_registry is not None:
             releases = _release_service(config, models, instance_registry, stats, versions,
-                                        control, exits)
+                                        control, exits, owner)
     classes = None
     if config.classes.is_on:
         classes = ClassFlow(config.classes, config.admission, instances, clock)
@@ -147,7 +151,7 @@ def build_gateway(config: GatewayConfig, source: InstanceSource, *,
     forward = chain(steps, proxy.forward)
     return Gateway(config, source, proxy, admission, health, control, metrics, forward, exits,
                    sessions, versions, models, releases, cache, prefix, classes, usage,
-                   adapters)
+                   adapters, routing_poll)
 
 
 def _proxy(config: GatewayConfig, instances: InstanceSet, policy: RoutingPolicy,
@@ -198,14 +202,23 @@ def _version_router(config: GatewayConfig, models: ModelRegistry, instances: Ins
                     exits: contextlib.AsyncExitStack) -> VersionRouter:
     pins = _version_pins(config)
     _close_with(exits, pins.close)
-    return VersionRouter(models, instances, pins, rng=rng)
+    settings = config.versions
+    return VersionRouter(models, instances, pins, rng=rng,
+                         lease_s=settings.routing_lease_s if settings.is_strict else None)
+
+
+def _routing_poll(config: GatewayConfig, versions: VersionRouter, models: ModelRegistry,
+                  source: InstanceSource, owner: str) -> RoutingPoll:
+    settings = config.versions
+    return RoutingPoll(versions, models, gateway=owner, level=settings.release.consistency,
+                       lease_s=settings.routing_lease_s, source=source)
 
 
 def _release_service(config: GatewayConfig, models: ModelRegistry, instances: Registry,
                      stats: VersionStats, versions: VersionRouter, control: httpx.AsyncClient,
-                     exits: contextlib.AsyncExitStack) -> ReleaseService:
+                     exits: contextlib.AsyncExitStack, owner: str) -> ReleaseService:
     releases = build_release_service(
-        models, instances, stats, versions, control, owner=controller_owner(config.port),
+        models, instances, stats, versions, control, owner=owner,
         warm_timeout_s=config.versions.warm_timeout_s,
         api_key=config.internal_key or config.client_key,
         publish_interval_s=config.versions.health_publish_s, config=config.versions.release,

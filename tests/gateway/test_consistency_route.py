@@ -10,7 +10,12 @@ from typing import Any
 
 import httpx
 import pytest
-from live_fleet import serve_gateway
+from live_fleet import gateway_config, serve_gateway
+
+from strata.cli import build_parser
+from strata.commands import up
+from strata.commands.env import CliEnv
+from strata.errors import ConfigError
 
 
 def rows_of(tmp_path: Path, *flags: str) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -59,3 +64,30 @@ def test_each_row_follows_the_flags(tmp_path: Path) -> None:
     assert rows["prefix_index"]["level"].startswith("eventual")
     usage = rows["tenant_usage_and_budgets"]
     assert (usage["store"], usage["level"][:6]) == ("Redis (shared)", "atomic")
+
+
+def test_strict_release_consistency_has_its_own_row_and_a_lease_of_two_polls(
+        tmp_path: Path) -> None:
+    rows = dict(rows_of(tmp_path, "--release-consistency", "strict", "--routing-lease-s", "3"))
+    routing = rows["model_routing_and_releases"]
+    assert routing["level"].startswith("strict: a release's flip completes only once")
+    assert routing["staleness_bound_s"] == 0.0  # relative to the flip's completion
+    assert "refuses routed requests 3 s after" in routing["after_failure"]
+    bounded = dict(rows_of(tmp_path))["model_routing_and_releases"]
+    assert bounded["level"].startswith("bounded")
+    with pytest.raises(ConfigError, match="at least twice --routing-poll-s"):
+        gateway_config(["--instances", "http://127.0.0.1:9", "--release-consistency", "strict",
+                        "--routing-poll-s", "0.5", "--routing-lease-s", "0.9"])
+    gateway_config(["--instances", "http://127.0.0.1:9", "--routing-poll-s", "0.5",
+                    "--routing-lease-s", "0.9"])  # bounded: the lease fences nothing
+
+
+def test_up_passes_the_release_consistency_to_its_gateway(tmp_path: Path) -> None:
+    args = build_parser("up").parse_args(["up", "--simulate", "smollm2-cpu",
+                                          "--release-consistency", "strict"])
+    config = up._config(args, CliEnv(cache_dir=tmp_path, run_dir=tmp_path / "run"))
+    at = config.gateway_args.index("--release-consistency")
+    assert config.gateway_args[at + 1] == "strict"
+    plain = build_parser("up").parse_args(["up", "--simulate", "smollm2-cpu"])
+    assert "--release-consistency" not in up._config(
+        plain, CliEnv(cache_dir=tmp_path, run_dir=tmp_path / "run")).gateway_args

@@ -45,7 +45,7 @@ def _store(url: str | None, *, absent: str = "memory of this gateway") -> str:
 
 
 def consistency_table(config: GatewayConfig) -> list[StateConsistency]:
-    sessions, versions = config.sessions, config.versions
+    sessions = config.sessions
     pins_shared = sessions.store_url not in (None, "memory", "memory://")
     version_pins = config.version_pin_store_url
     rows = [
@@ -81,14 +81,7 @@ def consistency_table(config: GatewayConfig) -> list[StateConsistency]:
             "a session keeps the version of its first turn through a release", None,
             "store down: the live version; gateway gone: pins in its memory are lost"
             if version_pins == "memory://" else "store down: the live version"),
-        StateConsistency(
-            "model_routing_and_releases", _store(config.registry_url, absent="none (--instances)"),
-            "eventual, bounded: each gateway polls the registry",
-            "a release's flip reaches every gateway within the poll; the old version retires "
-            f"{versions.release.propagation_s:g} s after the flip (never before a poll)",
-            versions.routing_poll_s,
-            "registry down: the last view stays (unbounded); gateway gone: its release lease "
-            "lapses and another gateway resumes the release"),
+        _routing_row(config),
         StateConsistency(
             "instance_registry", _store(config.registry_url, absent="none (--instances)"),
             "eventual, bounded: polled; a record is dead 5 s after its last heartbeat",
@@ -125,6 +118,34 @@ def consistency_table(config: GatewayConfig) -> list[StateConsistency]:
         _usage_row(config),
     ]
     return rows
+
+
+def _routing_row(config: GatewayConfig) -> StateConsistency:
+    """Model routing and releases at --release-consistency strict or bounded."""
+    versions, store = config.versions, _store(config.registry_url, absent="none (--instances)")
+    if versions.is_strict:
+        return StateConsistency(
+            "model_routing_and_releases", store,
+            "strict: a release's flip completes only once every gateway's published routing "
+            "view carries it or the gateway fenced itself (its view not renewed for "
+            "--routing-lease-s); the old version's answers, response-cache entries included, "
+            "go only to requests sent before that",
+            "no request sent after a flip completed is routed to the old version (a session "
+            "pinned to it or an explicit version excepted); a gateway that cannot read the "
+            "registry for the lease answers routed requests 503 (Retry-After) until it can",
+            0.0,
+            f"registry down: this gateway refuses routed requests {versions.routing_lease_s:g} "
+            "s after its last renewed view, and a release's flip waits that long for it; "
+            "gateway gone: the same wait, its release lease lapses and another gateway "
+            "resumes the release")
+    return StateConsistency(
+        "model_routing_and_releases", store,
+        "bounded: each gateway polls the registry",
+        "a release's flip reaches every gateway within the poll; the old version retires "
+        f"{versions.release.propagation_s:g} s after the flip (never before a poll)",
+        versions.routing_poll_s,
+        "registry down: the last view stays (unbounded); gateway gone: its release lease "
+        "lapses and another gateway resumes the release")
 
 
 def _usage_row(config: GatewayConfig) -> StateConsistency:

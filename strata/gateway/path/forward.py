@@ -164,7 +164,8 @@ class ChooseVersion:
         choice = await self.versions.choose(route.model, route.version, route.session_id)
         if choice.status_code != 200:
             self.metrics.errors.labels(f"version_{choice.status_code}").inc()
-            return error_response(choice.status_code, choice.reason)
+            return error_response(choice.status_code, choice.reason,
+                                  retry_after_s=choice.retry_after_s)
         response = await call_next(_at_version(request, choice.version))
         if _version_is_gone(choice, response):
             again = await self._choose_again(route, choice)

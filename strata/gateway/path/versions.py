@@ -17,6 +17,14 @@ as before. The routing records of LoRA adapters (names with adapter versions reg
 kept apart, in `adapters` and `adapter_versions`, for the adapter step (path/adapters.py).
 The routing records are polled from the model registry (`refresh`, every
 `routing_poll_s`), so every gateway sees a flip of the live pointer within that interval.
+
+With a routing lease (`--release-consistency strict`, `lease_s`), a view that was not renewed
+for `lease_s` (gateway/control/views.py renews it after each poll that read the registry and
+published this gateway's view) is stale: every request whose version the routing view decides
+(live, canary, a session's first turn or its move) is refused with a 503 and Retry-After until
+a poll renews it. An explicit version and a session's existing pin still go through: the client
+or the shared pin store named that version, not this view, and an answer always comes from the
+version named (a pinned session stays on its version through a release by design).
 """
 
 from __future__ import annotations
@@ -51,21 +59,51 @@ class VersionChoice:
     moved_from: str | None = None
     status_code: int = 200
     reason: str = ""
+    is_pinned: bool = False  # a session's existing pin decided it, not the routing view
+    retry_after_s: float | None = None
+
+    @property
+    def is_routed(self) -> bool:
+        """Whether this gateway's routing view decided the version."""
+        return self.source != EXPLICIT and not self.is_pinned
 
 
 class VersionRouter:
     """Decides versions over the last routing records read from the model registry."""
 
     def __init__(self, models: ModelRegistry, instances: InstanceSet, pins: PinStore | None, *,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, lease_s: float | None = None,
+                 clock: Clock = time.monotonic) -> None:
         self.models = models
         self.instances = instances
         self.pins = pins
         self.rng = rng or random.Random()
+        self.lease_s = lease_s  # None: never stale (bounded)
+        self.clock = clock
+        self.renewed_at: float | None = None  # the start of the last poll that renewed the view
         self.routing: dict[str, ModelRouting] = {}
         self.versions: dict[str, set[str]] = {}
         self.adapters: dict[str, ModelRouting] = {}  # a registered adapter's routing, by name
         self.adapter_versions: dict[str, set[str]] = {}
+
+    def renew(self, began_at: float) -> None:
+        """A poll that began at `began_at` (this router's clock) read the registry and
+        published its view: the view is fresh for `lease_s` from then."""
+        if self.renewed_at is None or began_at > self.renewed_at:
+            self.renewed_at = began_at
+
+    @property
+    def is_stale(self) -> bool:
+        """With a lease: whether the view went unrenewed for longer than it."""
+        if self.lease_s is None:
+            return False
+        return self.renewed_at is None or self.clock() - self.renewed_at > self.lease_s
+
+    def served_revisions(self) -> tuple[tuple[str, int], ...]:
+        """Per model, the routing revision new traffic is served from: a record counts once
+        its live version is routable here (until then `_reachable` keeps live on `previous`)."""
+        return tuple(sorted((name, r.revision) for name, r in self.routing.items()
+                            if r.live is None or self._reachable(r).live == r.live))
 
     async def refresh(self) -> None:
         """Read every routing record and version; on failure the last ones are kept."""
@@ -87,7 +125,19 @@ class VersionRouter:
     async def choose(self, model: str | None, version: str | None, session_id: str | None,
                      *, avoid: str | None = None) -> VersionChoice:
         """The version for a request; `avoid`: a session's version that just failed to take it
-        (every instance of it gone), so the session moves as if that version had retired."""
+        (every instance of it gone), so the session moves as if that version had retired. A
+        stale view (with a lease) refuses a routed choice."""
+        choice = await self._choose(model, version, session_id, avoid)
+        if choice.is_routed and self.is_stale:
+            return VersionChoice(
+                None, choice.source, status_code=503, retry_after_s=1.0,
+                reason=f"routing view stale: this gateway has not read the model registry for "
+                       f"more than its routing lease ({self.lease_s:g} s), so it cannot tell "
+                       "which version is live; retry, or name a version (X-Model-Version)")
+        return choice
+
+    async def _choose(self, model: str | None, version: str | None, session_id: str | None,
+                      avoid: str | None) -> VersionChoice:
         if model is None and len(self.routing) == 1:
             model = next(iter(self.routing))
         if model is None:
@@ -108,12 +158,14 @@ class VersionRouter:
         """`routing` as this gateway can serve it now. Routing records are polled faster than
         instances, so a flip (or a canary) can arrive before the new version's instances do:
         until one of them is routable here, live stays on `previous` and the canary gets no
-        traffic, rather than answering 503 for a version that is up."""
+        traffic, rather than answering 503 for a version that is up. With a lease (strict) live
+        never falls back: `previous` is the version a flip retired (the routing poll re-reads
+        the instances when a record changes, so the new ones are seen at once)."""
         def serves(version: str | None) -> bool:
             return version is not None and self.instances.serves(routing.name, version)
 
         live = routing.live
-        if not serves(live) and serves(routing.previous):
+        if self.lease_s is None and not serves(live) and serves(routing.previous):
             live = routing.previous
         canary = routing.canary if serves(routing.canary) else None
         if live == routing.live and canary == routing.canary:
@@ -141,7 +193,7 @@ class VersionRouter:
             logger.warning("version pin store unreachable; session %s is not pinned", session_id)
             return VersionChoice(_split(session_id, routing), SESSION)
         if pinned is not None and pinned in routable:
-            return VersionChoice(pinned, SESSION)
+            return VersionChoice(pinned, SESSION, is_pinned=True)
         target = _split(session_id, routing)
         if target is None:
             return VersionChoice(None, ANY)
@@ -153,7 +205,7 @@ class VersionRouter:
             except PinStoreError:
                 break
             if pinned is not None and pinned in routable:
-                return VersionChoice(pinned, SESSION)
+                return VersionChoice(pinned, SESSION, is_pinned=True)
         moved = pinned if pinned is not None and pinned != target else None
         return VersionChoice(target, SESSION, moved_from=moved)
 

@@ -35,6 +35,7 @@ from typing import Any, Protocol, runtime_checkable
 from strata.clock import Clock
 from strata.errors import ConfigError, ConflictError
 from strata.registry.models.deployments import Deployment, DeploymentState, PoolSize
+from strata.registry.models.views import ViewBoard
 from strata.registry.releases.health import HealthBoard
 
 
@@ -233,9 +234,10 @@ class ModelRegistryOptions:
 
 
 @runtime_checkable
-class ModelRegistry(HealthBoard, Protocol):
-    """Models, versions, routing pointers, deployments, releases and the gateways' health
-    windows (HealthBoard, registry/version_health.py).
+class ModelRegistry(HealthBoard, ViewBoard, Protocol):
+    """Models, versions, routing pointers, deployments, releases, the gateways' health
+    windows (HealthBoard, registry/releases/health.py) and their routing views (ViewBoard,
+    registry/models/views.py).
 
     Contract (tests/registry/test_models_contract.py runs it on every backend):
     - `add_version` stores an immutable version; adding an identical record again is a no-op,

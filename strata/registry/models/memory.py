@@ -30,6 +30,7 @@ from strata.registry.models.cas import (
     stamp_version,
     version_conflict,
 )
+from strata.registry.models.views import VIEW_RETENTION_S, RoutingView
 from strata.registry.releases.health import HEALTH_RETENTION_S, HealthWindow
 
 
@@ -44,6 +45,7 @@ class MemoryModelRegistry:
         self._releases: dict[str, str] = {}  # release_id -> JSON
         self._health: dict[tuple[str, str], str] = {}  # (name@version, gateway) -> JSON
         self._leases: dict[str, str] = {}  # name -> JSON
+        self._views: dict[str, str] = {}  # gateway -> JSON (registry/models/views.py)
 
     # --- versions ---------------------------------------------------------------------------
 
@@ -177,6 +179,20 @@ class MemoryModelRegistry:
         revision = 0 if stored is None else int(json.loads(stored)["revision"])
         if revision != expected_revision:
             raise stale(kind, key, expected_revision, revision)
+
+    # --- routing views (strata/registry/models/views.py) ---------------------------------------
+
+    async def put_view(self, view: RoutingView) -> RoutingView:
+        stored = replace(view, published_at=self.clock())
+        self._views[stored.gateway] = _dump(stored)
+        return stored
+
+    async def list_views(self) -> list[RoutingView]:
+        since = self.clock() - VIEW_RETENTION_S
+        for gateway, text in list(self._views.items()):
+            if json.loads(text)["published_at"] < since:
+                del self._views[gateway]
+        return [RoutingView.from_json(json.loads(self._views[g])) for g in sorted(self._views)]
 
 
 def _dump(record: Any) -> str:

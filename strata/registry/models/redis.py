@@ -42,6 +42,7 @@ from strata.registry.models.cas import (
     stamp_version,
     version_conflict,
 )
+from strata.registry.models.views import VIEW_RETENTION_S, RoutingView
 from strata.registry.releases.health import HEALTH_RETENTION_S, HealthWindow
 from strata.state.redis_db import RedisDatabase
 
@@ -298,8 +299,29 @@ class RedisModelRegistry:
         texts: list[str | None] = await self._db.call(lambda: self._client.mget(keys))
         return texts
 
+    # --- routing views (strata/registry/models/views.py) ---------------------------------------
+    # {prefix}:views  HASH  gateway -> its view (JSON); views past VIEW_RETENTION_S are dropped
+    # when listed
 
-def _dump(record: ModelVersion | ModelRouting | Deployment | Release | HealthWindow | Lease) -> str:
+    async def put_view(self, view: RoutingView) -> RoutingView:
+        stored = replace(view, published_at=self.clock())
+        key, text = self._key("views"), _dump(stored)
+        await self._db.call(lambda: self._client.hset(key, stored.gateway, text))
+        return stored
+
+    async def list_views(self) -> list[RoutingView]:
+        key = self._key("views")
+        texts: dict[str, str] = await self._db.call(lambda: self._client.hgetall(key))
+        views = [RoutingView.from_json(json.loads(texts[g])) for g in sorted(texts)]
+        since = self.clock() - VIEW_RETENTION_S
+        gone = [v.gateway for v in views if v.published_at < since]
+        if gone:
+            await self._db.call(lambda: self._client.hdel(key, *gone))
+        return [v for v in views if v.published_at >= since]
+
+
+def _dump(record: ModelVersion | ModelRouting | Deployment | Release | HealthWindow | Lease
+          | RoutingView) -> str:
     return json.dumps(record.to_json())
 
 

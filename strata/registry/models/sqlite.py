@@ -45,6 +45,7 @@ from strata.registry.models.cas import (
     stamp_version,
     version_conflict,
 )
+from strata.registry.models.views import VIEW_RETENTION_S, RoutingView
 from strata.registry.releases.health import HEALTH_RETENTION_S, HealthWindow
 from strata.state.sqlite_db import SqliteDatabase, sqlite_path
 
@@ -250,6 +251,36 @@ class SqliteModelRegistry:
         """The first column of every row."""
         return await self._db.call(lambda c: [r[0] for r in c.execute(sql, params)])
 
+    # --- routing views (strata/registry/models/views.py) ---------------------------------------
+    # their table is made on first use (a file written by an older Strata lacks it)
+
+    async def put_view(self, view: RoutingView) -> RoutingView:
+        stored = replace(view, published_at=self.clock())
+
+        def write(conn: Conn) -> None:
+            conn.execute(_VIEWS_TABLE)
+            conn.execute("DELETE FROM routing_views WHERE published_at < ?",
+                         (stored.published_at - VIEW_RETENTION_S,))
+            conn.execute("INSERT OR REPLACE INTO routing_views (gateway, published_at, record) "
+                         "VALUES (?, ?, ?)", (stored.gateway, stored.published_at, _dump(stored)))
+
+        await self._db.transaction(write)
+        return stored
+
+    async def list_views(self) -> list[RoutingView]:
+        since = self.clock() - VIEW_RETENTION_S
+
+        def read(conn: Conn) -> list[str]:
+            conn.execute(_VIEWS_TABLE)
+            return [r[0] for r in conn.execute("SELECT record FROM routing_views WHERE "
+                                               "published_at >= ? ORDER BY gateway", (since,))]
+
+        return [RoutingView.from_json(json.loads(t)) for t in await self._db.call(read)]
+
+
+_VIEWS_TABLE = ("CREATE TABLE IF NOT EXISTS routing_views (gateway TEXT PRIMARY KEY, "
+                "published_at REAL NOT NULL, record TEXT NOT NULL)")
+
 
 def _release_refusal(conn: Conn, new: Release, expected_revision: int) -> ConflictError:
     stored = _one(conn, "SELECT revision FROM releases WHERE release_id = ?", (new.release_id,))
@@ -267,7 +298,8 @@ def _one(conn: Conn, sql: str, params: tuple[Any, ...]) -> Any:
     return None if row is None else row[0]
 
 
-def _dump(record: ModelVersion | ModelRouting | Deployment | Release | HealthWindow | Lease) -> str:
+def _dump(record: ModelVersion | ModelRouting | Deployment | Release | HealthWindow | Lease
+          | RoutingView) -> str:
     return json.dumps(record.to_json())
 
 

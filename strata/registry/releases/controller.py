@@ -24,7 +24,9 @@ checks what is already done), then moves on with one compare-and-set write of th
     starting      wait until `replicas` instances of name@to are READY (ready_timeout_s)
     warming       one real request to each (`warm`, retried); stats["ready_at"]
     canary        routing.canary := to at canary_weight, judged every poll for canary_window_s
-    flipping      routing.live := to (previous := from, canary cleared): one atomic write
+    flipping      routing.live := to (previous := from, canary cleared): one atomic write;
+                  at consistency strict, then wait until every gateway's routing view carries
+                  it or that gateway fenced itself (flip_acks.py; stats["flip_acked_s"])
     retiring      propagation_s after the flip, name@from's deployment RETIRING; wait until
                   its instances are gone (retire_timeout_s, then done with a note)
     rolling_back  after a ready timeout, a failed warm, a bad canary or request_rollback

@@ -1,6 +1,6 @@
 """What a release is judged by: its timeouts and lease, and a canary's health thresholds.
 
-    ReleaseConfig    timeouts, lease, canary thresholds (validated once)
+    ReleaseConfig    timeouts, lease, canary thresholds, consistency level (validated once)
     VersionHealth    recent requests, errors and TTFT p99 of one version (the gateways measure it)
     judge_canary     "" while a canary is healthy, else why it must roll back
     Warm, HealthOf   the callables a ReleaseController is given
@@ -27,6 +27,10 @@ class ReleaseConfig:
     canary_max_ttft_p99_ratio: float = 2.0  # canary TTFT p99 / live TTFT p99
     propagation_s: float = 1.0  # after a flip, before the old version is retired
     keep_releases: int = 20  # finished releases kept per model (older ones are deleted)
+    # strict: the flip is done only once every gateway's routing view (registry/models/views.py)
+    # acknowledged it or the gateway fenced itself (its view silent longer than its lease);
+    # bounded: every gateway moves within its poll, unproven (registry/releases/flip_acks.py)
+    consistency: str = "bounded"
 
     def __post_init__(self) -> None:
         for name in ("ready_timeout_s", "retire_timeout_s", "poll_s", "lease_s",
@@ -38,6 +42,9 @@ class ReleaseConfig:
         if self.lease_s < 2 * self.poll_s:
             raise ConfigError(f"release lease_s ({self.lease_s}) must be at least 2 x poll_s "
                               f"({self.poll_s}) so that the lease is renewed before it lapses")
+        if self.consistency not in ("strict", "bounded"):
+            raise ConfigError("release consistency must be strict or bounded, "
+                              f"got {self.consistency!r}")
         if self.keep_releases < 1:
             raise ConfigError(f"release keep_releases must be >= 1, got {self.keep_releases}")
         if self.canary_min_requests < 1:

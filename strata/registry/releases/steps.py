@@ -22,6 +22,7 @@ from strata.registry.models.base import (
     Strategy,
 )
 from strata.registry.releases.effects import ReleaseEffects
+from strata.registry.releases.flip_acks import FlipWatch
 from strata.registry.releases.policy import HealthOf, ReleaseConfig, Warm, judge_canary
 
 S = ReleaseState
@@ -106,7 +107,24 @@ class ReleaseSteps:
         stats = {"flipped_at": flipped_at}
         if "ready_at" in release.stats:
             stats["ready_to_flip_s"] = flipped_at - release.stats["ready_at"]
+        if self.config.consistency == "strict":
+            release, acked = await self._await_acks(release, routing.revision)
+            stats.update(acked)
         return await self._move(release, S.RETIRING, stats=stats)
+
+    async def _await_acks(self, release: Release,
+                          revision: int) -> tuple[Release, dict[str, float]]:
+        """Wait until every gateway acknowledged routing `revision` or fenced itself
+        (flip_acks.py); the wait's stats. A resumed release waits again: a view acked once
+        stays acked, and a silent one is timed anew from this driver's first reading."""
+        watch = FlipWatch(release.name, revision, self.clock)
+        started = self.clock()
+        while not (acks := watch.judge(await self.models.list_views())).is_done:
+            release = await self._tick(release, self.config.poll_s / 4)
+        return release, {"flip_acked_s": self.clock() - started,
+                         "gateways_acked": float(len(acks.acked)),
+                         "gateways_fenced": float(len(acks.fenced)),
+                         "gateways_unfenced": float(len(acks.unfenced))}
 
     async def _retire_old(self, release: Release) -> Release:
         routing = await self.models.get_routing(release.name)
@@ -161,10 +179,13 @@ class ReleaseSteps:
             await self.effects.put_deployment(name, old, DeploymentState.RETIRING, None)
             return release, (f"rollback failed: {failure}; {name}@{release.to_version} stays "
                              "live")
-        await self.effects.update_routing(
+        routing, _ = await self.effects.update_routing(
             name, lambda r: None if r.live == old else r.flipped_to(old))
-        return await self.write(replace(release, stats={**release.stats,
-                                                        "flipped_back_at": self.clock()})), ""
+        stats = {"flipped_back_at": self.clock()}
+        if self.config.consistency == "strict":  # the flip back is a flip: proven the same way
+            release, acked = await self._await_acks(release, routing.revision)
+            stats["flip_back_acked_s"] = acked["flip_acked_s"]
+        return await self.write(replace(release, stats={**release.stats, **stats})), ""
 
     # --- shared pieces --------------------------------------------------------------------------
 
