@@ -7,8 +7,8 @@ microseconds each in bf16) outweighed the base model's own matmuls in decode (be
 0.38-0.57x the base's throughput at 4 adapters, 2026-12-06).
 
 Here the step's adapters are stacked instead, in the spirit of Punica's SGMV: A of every
-adapter concatenated along the rank (sum of ranks, in), B side by side (out, sum of ranks), both
-packed like the base weights (strata.model.linear). Then for every row of the step
+adapter concatenated along the rank (sum of ranks, in), B side by side (out, sum of ranks).
+Then for every row of the step
 
     u = x @ A_all.T          one matmul over every row
     u *= mask                each row keeps only its own adapter's columns (base rows: none)
@@ -17,7 +17,11 @@ packed like the base weights (strata.model.linear). Then for every row of the st
 Zeroed columns add exact zeros, so a row gets its own adapter's product and nothing else; the
 extra work is the other adapters' few columns (a rank is 8-64 against thousands of features).
 The stacks are built per layer on first use and kept for later steps with the same adapters
-(`StackCache`); the mask is built once per step for each column layout.
+(`StackCache`); the mask is built once per step for each column layout. A new stack's
+matrices are plain; once its set of adapters has run `PACK_AFTER_STEPS` steps they are packed
+like the base weights (strata.model.linear: 10-40 % off each call), a few per step: a pack
+costs about 0.2 ms a matrix and SmolLM2 has 240 of them per set, a 130 ms stall had a new set
+packed them all at once (measured 2026-12-06), and sets change often under many adapters.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from strata.model.linear import Linear, linear, pack_linear_weight
 from strata.model.lora import LoraAdapter, LoraPair
 
 SITES = ("qkv", "o", "gate_up", "down")
+PACK_AFTER_STEPS = 8  # a set of adapters that ran this many steps gets its matrices packed
+PACKS_PER_STEP = 8  # ... this many a step (about 0.2 ms each), so no step stalls
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +47,7 @@ class StackedSite:
     a: Linear  # (sum of ranks, in)
     b: Linear  # (out, sum of ranks)
     column_slots: tuple[int, ...]  # the adapter slot (index in the stack) of each rank column
+    is_packed: bool = False
 
 
 class AdapterStack:
@@ -48,6 +55,7 @@ class AdapterStack:
 
     def __init__(self, adapters: tuple[LoraAdapter, ...]) -> None:
         self.adapters = adapters
+        self.num_steps = 0  # steps that ran this set
         self._sites: dict[tuple[int, str], StackedSite | None] = {}
 
     @property
@@ -55,10 +63,21 @@ class AdapterStack:
         return tuple(a.digest for a in self.adapters)
 
     def site(self, layer: int, which: str) -> StackedSite | None:
+        """The stacked pairs of one fused linear (None: no adapter of the set adapts it)."""
         key = (layer, which)
         if key not in self._sites:
             self._sites[key] = self._stack(layer, which)
         return self._sites[key]
+
+    def pack(self, layer: int, which: str) -> StackedSite:
+        """Pack one site's matrices (it exists and is not packed yet)."""
+        site = self._sites[(layer, which)]
+        assert site is not None and isinstance(site.a, Tensor) and isinstance(site.b, Tensor) \
+            and not site.is_packed, "invariant pack_once: plain matrices, packed once"
+        packed = StackedSite(pack_linear_weight(site.a), pack_linear_weight(site.b),
+                             site.column_slots, is_packed=True)
+        self._sites[(layer, which)] = packed
+        return packed
 
     def _stack(self, layer: int, which: str) -> StackedSite | None:
         pairs: list[tuple[int, LoraPair]] = []
@@ -71,7 +90,7 @@ class AdapterStack:
         a = torch.cat([p.a for _, p in pairs]).contiguous()
         b = torch.cat([p.b for _, p in pairs], dim=1).contiguous()
         columns = tuple(slot for slot, p in pairs for _ in range(p.a.shape[0]))
-        return StackedSite(pack_linear_weight(a), pack_linear_weight(b), columns)
+        return StackedSite(a, b, columns)
 
 
 class StackCache:
@@ -79,7 +98,7 @@ class StackCache:
     at most: a steady load runs one set step after step). `forget` drops every stack holding a
     removed adapter, so its memory goes with it."""
 
-    def __init__(self, capacity: int = 2) -> None:
+    def __init__(self, capacity: int = 4) -> None:
         self.capacity = capacity
         self._stacks: OrderedDict[tuple[str, ...], AdapterStack] = OrderedDict()
 
@@ -105,6 +124,7 @@ class StepLoras:
     stack: AdapterStack
     row_slots: Tensor  # (T,) long
     every_row_one_adapter: bool  # one adapter and no base row: no mask needed
+    packs_left: int = 0  # matrices this step may still pack (PACKS_PER_STEP once the set is old)
     _masks: dict[tuple[int, ...], Tensor] = field(default_factory=dict)
 
     def apply(self, out: Tensor, x: Tensor, layer: int, which: str) -> Tensor:
@@ -112,6 +132,9 @@ class StepLoras:
         site = self.stack.site(layer, which)
         if site is None:
             return out
+        if not site.is_packed and self.packs_left > 0:
+            site = self.stack.pack(layer, which)
+            self.packs_left -= 1
         u = linear(x, site.a)
         if not self.every_row_one_adapter:
             u.mul_(self._mask(site.column_slots, u.dtype))
@@ -136,7 +159,10 @@ def step_loras(stacks: StackCache, rows: list[tuple[LoraAdapter, list[int]]],
     for slot, (_, idx) in enumerate(ordered):
         slots[idx] = slot
     whole = len(ordered) == 1 and len(ordered[0][1]) == num_rows
-    return StepLoras(stacks.get(tuple(a for a, _ in ordered)), slots.to(device), whole)
+    stack = stacks.get(tuple(a for a, _ in ordered))
+    stack.num_steps += 1
+    packs = PACKS_PER_STEP if stack.num_steps > PACK_AFTER_STEPS else 0
+    return StepLoras(stack, slots.to(device), whole, packs)
 
 
 def apply(out: Tensor, x: Tensor, loras: StepLoras | None, layer: int, which: str) -> Tensor:
@@ -144,5 +170,5 @@ def apply(out: Tensor, x: Tensor, loras: StepLoras | None, layer: int, which: st
     return out if loras is None else loras.apply(out, x, layer, which)
 
 
-__all__ = ["SITES", "AdapterStack", "StackCache", "StackedSite", "StepLoras", "apply",
-           "step_loras"]
+__all__ = ["PACKS_PER_STEP", "PACK_AFTER_STEPS", "SITES", "AdapterStack", "StackCache",
+           "StackedSite", "StepLoras", "apply", "step_loras"]

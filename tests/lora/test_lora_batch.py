@@ -68,3 +68,23 @@ def test_stacks_are_kept_per_adapter_set_whatever_the_order_and_forgotten_on_rem
     cache.forget("digest-a")
     after = step_loras(cache, [(a, [0]), (b, [1])], 2, "cpu")
     assert after is not None and after.stack is not newest.stack
+
+
+def test_a_set_that_keeps_running_is_packed_a_few_matrices_a_step_with_the_same_result() -> None:
+    from strata.model.lora import moved
+    from strata.model.lora_batch import PACK_AFTER_STEPS
+
+    a, b = (moved(adapter(n, r, seed), torch.bfloat16, "cpu") for n, r, seed in
+            (("a", 4, 1), ("b", 8, 2)))
+    rows = [(a, [0, 2]), (b, [1])]
+    x, out = torch.randn(3, IN).bfloat16(), torch.randn(3, OUT).bfloat16()
+    cache = StackCache()
+    first = step_loras(cache, rows, 3, "cpu")
+    assert first is not None and first.packs_left == 0  # a new set runs plain
+    want = first.apply(out.clone(), x, 0, "qkv")
+    for _ in range(PACK_AFTER_STEPS):
+        step = step_loras(cache, rows, 3, "cpu")
+    assert step is not None and step.packs_left > 0
+    got = step.apply(out.clone(), x, 0, "qkv")
+    assert step.stack.site(0, "qkv").is_packed  # type: ignore[union-attr]
+    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-2)
