@@ -99,7 +99,8 @@ def run_config(loaded: LoadedModel, paths: dict[str, str], name: str,
         async def worker() -> None:
             nonlocal total
             while queue:
-                total += await one(queue.pop(0))
+                n = await one(queue.pop(0))  # awaited first: `total +=` would read it early
+                total += n
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         seconds = time.perf_counter() - t0
         await engine.shutdown(10.0)
