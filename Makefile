@@ -41,7 +41,7 @@ serve: install
 # `make durations` runs the suite and refreshes it). Three, not two, on two cores: a part keeps
 # less than one core busy (its tests wait on processes, sockets and clocks; `make test` prints
 # the CPU each run used against the cores' time), so a third fills what the two leave idle:
-# 669 s of wall time, cores 78 % busy, on the 2-core development machine.
+# 669 s of wall time, cores 78 % busy, on a 2-core EPYC; 782 s, 83 % busy, on a 2-vCPU AMX Xeon.
 # The first part reports first, then each other's report (kept in $(PARTS_DIR)/N.log).
 PARTS ?= 3
 PARTS_DIR := $(VENV)/test-parts
