@@ -72,12 +72,17 @@ class BuiltEngine:
 
 def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
     """Load the model (an alias is pulled) and build the engine stack over it."""
+    from strata.model import gemm
     from strata.model.bert import is_encoder_dir
     from strata.model.fetch import DEFAULT_MODEL, KNOWN_MODELS
 
     path = model_path(args, env)
     if is_encoder_dir(path):
         raise ConfigError(f"{path} is a sentence encoder (BERT): serve it with --task embed")
+    if getattr(args, "deterministic", False):
+        gemm.use_one_kernel(True)  # before any rank starts: they copy it (RankSpec)
+        log.info("deterministic: one matmul kernel at every batch size (%s)",
+                 "AMX tiles" if gemm.has_amx() else "the vector kernel")
     log.info("loading %s", path)
     with openmp_free_main_thread(rank_threads(args)):
         loaded, parallel = load_for_serving(args, path, env.cache_dir)

@@ -25,6 +25,24 @@ BF16_MAX_ROWS = 64
 # Rows from which the AMX kernel replaces the vector one, where the CPU has AMX: quantized
 # weights pay a decode per call, bf16 weights do not (bench/gemm_shapes.py, 2026-12-01).
 AMX_MIN_ROWS = {"bf16": 2, "q8_0": 8, "q4_0": 8, "q4_1": 8}
+# One kernel at every row count (`strata serve --deterministic`): the kernels compute a row
+# differently (the AMX path rounds dequantized weights to bf16 first), so picking one by M
+# makes a request's tokens depend on its batch (issue 31). Set once per process, before a step.
+_one_kernel = False
+
+
+def use_one_kernel(on: bool) -> None:
+    """Run every matmul of this process on one kernel whatever its row count: the AMX tiles
+    where they run, else the vector kernel; bf16 weights never on oneDNN's copy. A row's result
+    is then the same alone or in any batch (docs/benchmarks.md: -12 % on the fixed load, -30 %
+    on one stream, measured on an AMX Xeon)."""
+    global _one_kernel
+    _one_kernel = on
+
+
+def one_kernel() -> bool:
+    """Whether `use_one_kernel(True)` holds in this process."""
+    return _one_kernel
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +102,8 @@ def pack(weight: Tensor | QuantWeight, dense: Tensor | None = None) -> PackedWei
 def matmul(x: Tensor, weight: PackedWeight, bias: Tensor | None = None, *,
            kernel: str = "auto") -> Tensor:
     """x (M, K) bf16 @ W^T (+ bias (N,) bf16) -> (M, N) bf16. `kernel`: auto (AMX from
-    `AMX_MIN_ROWS[kind]` rows where it runs, else the vector kernel), or "vector", "amx",
+    `AMX_MIN_ROWS[kind]` rows where it runs, from 1 row under `use_one_kernel`, else the
+    vector kernel), or "vector", "amx",
     "portable" (the quantized kernels' portable loop) for tests and benchmarks."""
     lib = kernel_library()
     assert lib is not None, "invariant kernel_built"
@@ -96,7 +115,8 @@ def matmul(x: Tensor, weight: PackedWeight, bias: Tensor | None = None, *,
         return out
     b = bias.contiguous().data_ptr() if bias is not None else None
     if kernel == "auto":
-        kernel = "amx" if m >= AMX_MIN_ROWS[weight.kind] and has_amx() else "vector"
+        min_rows = 1 if _one_kernel else AMX_MIN_ROWS[weight.kind]
+        kernel = "amx" if m >= min_rows and has_amx() else "vector"
     args = (x.data_ptr(), m, k, weight.data.data_ptr(), n, b, out.data_ptr())
     if kernel == "amx":
         assert has_amx(), "invariant amx: check has_amx() first"

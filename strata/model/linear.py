@@ -39,7 +39,7 @@ def pack_linear_weight(weight: Tensor | QuantWeight) -> Linear:
 def linear(x: Tensor, weight: Linear, bias: Tensor | None = None) -> Tensor:
     """`F.linear` for plain or `pack_linear_weight`-packed weights."""
     if isinstance(weight, PackedWeight):
-        if weight.dense is None or x.shape[0] <= gemm.BF16_MAX_ROWS:
+        if weight.dense is None or x.shape[0] <= gemm.BF16_MAX_ROWS or gemm.one_kernel():
             return gemm.matmul(x, weight, bias)
         weight = weight.dense
     if weight.is_mkldnn:

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from strata.engine.executor import BatchHandle, ModelInput, ModelOutput
 from strata.errors import ConfigError, RankFailedError, ShareFailedError
-from strata.model import kernel_build
+from strata.model import gemm, kernel_build
 from strata.model.config import DTYPE_BYTES
 from strata.model.kv_codec import FORMAT_VERSION, KVCodec, KVLayout, KVPayloadError
 from strata.model.lora import LoraAdapter, moved
@@ -102,7 +102,7 @@ class ParallelExecutor:
         source = source_of(model, dtype=dtype, host=hosts[0] if hosts else "")
         specs = [RankSpec(r, self.comm_spec, model.config, source, dtype,
                           _rank_device(device, r), threads, model_name, model_version,
-                          os.getpid(), faults, kernel_build.cache_dir())
+                          os.getpid(), faults, kernel_build.cache_dir(), gemm.one_kernel())
                  for r in range(layout.world_size)]
         self._start(specs, timeout_s, startup_timeout_s)
         self.launcher.watch(self._rank_exited)
