@@ -58,6 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the session store's level (strata serve --session-consistency): "
                         "strong adds --session-write-ms to every turn of a stored session; "
                         "session and eventual write behind the answer")
+    # the default is strata.plan.costs.SESSION_WRITE_MS (not imported here: the CLI's start)
     p.add_argument("--session-write-ms", type=non_negative_float, default=13.7,
                    help="one turn's store write (default: bench/session_levels.py, single "
                         "Redis, p50 at strong)")

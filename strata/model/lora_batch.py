@@ -35,7 +35,6 @@ from torch import Tensor
 from strata.model.linear import Linear, linear, pack_linear_weight
 from strata.model.lora import LoraAdapter, LoraPair
 
-SITES = ("qkv", "o", "gate_up", "down")
 PACK_AFTER_STEPS = 8  # a set of adapters that ran this many steps gets its matrices packed
 PACKS_PER_STEP = 8  # ... this many a step (about 0.2 ms each), so no step stalls
 
@@ -57,10 +56,6 @@ class AdapterStack:
         self.adapters = adapters
         self.num_steps = 0  # steps that ran this set
         self._sites: dict[tuple[int, str], StackedSite | None] = {}
-
-    @property
-    def digests(self) -> tuple[str, ...]:
-        return tuple(a.digest for a in self.adapters)
 
     def site(self, layer: int, which: str) -> StackedSite | None:
         """The stacked pairs of one fused linear (None: no adapter of the set adapts it)."""
@@ -170,5 +165,5 @@ def apply(out: Tensor, x: Tensor, loras: StepLoras | None, layer: int, which: st
     return out if loras is None else loras.apply(out, x, layer, which)
 
 
-__all__ = ["PACKS_PER_STEP", "PACK_AFTER_STEPS", "SITES", "AdapterStack", "StackCache",
+__all__ = ["PACKS_PER_STEP", "PACK_AFTER_STEPS", "AdapterStack", "StackCache",
            "StackedSite", "StepLoras", "apply", "step_loras"]

@@ -38,6 +38,7 @@ from strata.sim.profile import LatencyProfile
 from strata.sim.transfer import fit_min_uncached_tokens
 from strata.state.sessions import CONSISTENCY_LEVELS
 
+SESSION_WRITE_MS = 13.7  # bench/session_levels.py price: store p50 at strong, single Redis
 HANDOFF_OVERHEAD_MS = 15.0  # what the gateway's default --pd-min-uncached-tokens assumes
 
 
@@ -54,7 +55,7 @@ class Costs:
     pd_min_uncached_tokens: int | None = None
     start_s: float = 5.0
     session_consistency: str = "strong"
-    session_write_ms: float = 13.7
+    session_write_ms: float = SESSION_WRITE_MS
     tensor_parallel: TensorParallel = field(default_factory=TensorParallel)
 
     def __post_init__(self) -> None:

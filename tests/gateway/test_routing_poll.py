@@ -22,7 +22,8 @@ from strata.clock import ManualClock
 from strata.gateway.app import every
 from strata.gateway.control.views import RoutingPoll
 from strata.gateway.path.versions import VersionRouter
-from strata.gateway.routing.instances import InstanceSet
+from strata.gateway.routing.instances import InstanceSet, ReportedLoad
+from strata.protocol.lora import AdapterResidency
 from strata.registry.models import ModelRegistry, ModelRouting, ModelVersion, create_model_registry
 from strata.registry.models.views import RoutingView
 from strata.state.pins import MemoryPinStore
@@ -107,6 +108,7 @@ def test_a_strict_router_past_its_lease_refuses_only_what_its_view_decides() -> 
             refused = await router.choose("m", None, session)
             assert (refused.status_code, refused.retry_after_s) == (503, 1.0)
             assert refused.reason.startswith("routing view stale")
+        assert await router.pins.get("m\x00new-session") is None  # refused: nothing pinned
         assert (await router.choose("m", "v1", None)).status_code == 200  # explicit
         pinned = await router.choose("m", None, "old-session")
         assert (pinned.version, pinned.is_pinned, pinned.status_code) == ("v1", True, 200)
@@ -172,5 +174,32 @@ def test_the_poll_loop_ends_on_a_cancel_that_the_step_turned_into_another_error(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         assert is_ended and task.cancelled() and converted == [True]
+
+    asyncio.run(story())
+
+
+def test_an_adapters_flip_counts_once_an_instance_lists_its_live_version() -> None:
+    """A strict adapter release waits for the gateways' views like a model's: the adapter's
+    revision is served once its live version is listed (or its previous one is not)."""
+    async def story() -> None:
+        clock = ManualClock(100.0)
+        models = await registry(clock)
+        for version in ("v1", "v2"):
+            await models.add_version(ModelVersion("sql", version, f"sim:{version}", base="m"))
+        await models.set_routing(ModelRouting("sql", live="v2", previous="v1"),
+                                 expected_revision=0)
+
+        def lists(*adapters: str) -> InstanceSet:
+            load = ReportedLoad(0, 0, adapters={a: AdapterResidency(a) for a in adapters})
+            listing = view("a", version="v1")
+            listing.reported = load
+            return InstanceSet([listing])
+
+        for listed, served in ((("sql@v1",), False), (("sql@v1", "sql@v2"), True),
+                               ((), True)):
+            router, _ = setup(models, clock, strict=True, instances=lists(*listed))
+            await router.refresh()
+            assert (("sql", 1) in router.served_revisions()) is served, listed
+            assert ("m", 1) in router.served_revisions()
 
     asyncio.run(story())

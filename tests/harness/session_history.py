@@ -283,14 +283,7 @@ async def run_with_fault(stores: Sequence[SessionStore], workload: Workload,
     return history, applied
 
 
-async def run_with_kill(stores: Sequence[SessionStore], server: RedisServer, workload: Workload,
-                        *, before_s: float, after_s: float) -> tuple[History, Fault]:
-    """Writers for `before_s`, the kill and restart under them, writers for `after_s` more."""
-    return await run_with_fault(stores, workload, lambda h: kill_redis(server, h),
-                                before_s=before_s, after_s=after_s)
-
-
 __all__ = ["Fault", "History", "Op", "RedisKill", "Staleness", "StorePartition", "Workload",
            "final_histories", "kill_redis", "lost_turns", "partition_store",
-           "read_your_writes_violations", "run_with_fault", "run_with_kill", "run_writers",
+           "read_your_writes_violations", "run_with_fault", "run_writers",
            "staleness"]

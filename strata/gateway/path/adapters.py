@@ -92,9 +92,7 @@ class AdapterRouter:
         return live
 
     def _listed(self, lora_name: str) -> bool:
-        """Whether a routable instance lists `lora_name` (its heartbeat, as last read)."""
-        return any(view.serves(lora_name) and view.is_routable
-                   for view in self.versions.instances.snapshot())
+        return self.versions.lists(lora_name)
 
 
 class ChooseAdapter:

@@ -100,10 +100,21 @@ class VersionRouter:
         return self.renewed_at is None or self.clock() - self.renewed_at > self.lease_s
 
     def served_revisions(self) -> tuple[tuple[str, int], ...]:
-        """Per model, the routing revision new traffic is served from: a record counts once
-        its live version is routable here (until then `_reachable` keeps live on `previous`)."""
-        return tuple(sorted((name, r.revision) for name, r in self.routing.items()
-                            if r.live is None or self._reachable(r).live == r.live))
+        """Per model and per adapter, the routing revision new traffic is served from: a
+        record counts once its live version is routable here (until then `_reachable` keeps a
+        model on `previous`, and AdapterRouter an adapter whose live version no instance lists
+        while its previous one is listed)."""
+        models = [(name, r.revision) for name, r in self.routing.items()
+                  if r.live is None or self._reachable(r).live == r.live]
+        adapters = [(name, r.revision) for name, r in self.adapters.items()
+                     if r.live is None or self.lists(f"{name}@{r.live}")
+                     or r.previous is None or not self.lists(f"{name}@{r.previous}")]
+        return tuple(sorted(models + adapters))
+
+    def lists(self, lora_name: str) -> bool:
+        """Whether a routable instance lists the adapter `lora_name` (its heartbeat, as last
+        read)."""
+        return self.instances.lists(lora_name)
 
     async def refresh(self) -> None:
         """Read every routing record and version; on failure the last ones are kept."""
@@ -197,6 +208,8 @@ class VersionRouter:
         target = _split(session_id, routing)
         if target is None:
             return VersionChoice(None, ANY)
+        if self.is_stale:  # a stale view must not write the pin it would then refuse
+            return VersionChoice(target, SESSION)
         for _ in range(3):  # a racing gateway may pin first: follow its pin
             try:
                 if await self.pins.set_if(key, target, expected=pinned):

@@ -169,6 +169,11 @@ class InstanceSet:
         return any(v.serves(model) and v.version == version and v.is_routable
                    for v in self._views.values())
 
+    def lists(self, name: str) -> bool:
+        """Whether some routable instance answers `name` (a model or an adapter it reported;
+        no sort, stops at one)."""
+        return any(v.serves(name) and v.is_routable for v in self._views.values())
+
     def begin(self, view: InstanceView, num_tokens: int) -> InFlight:
         """Count one request (of `num_tokens` estimated tokens) in flight on `view`."""
         view.num_in_flight += 1

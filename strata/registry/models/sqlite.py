@@ -68,6 +68,8 @@ _SCHEMA = (
     "published_at REAL NOT NULL, record TEXT NOT NULL, PRIMARY KEY (key, gateway))",
     "CREATE TABLE IF NOT EXISTS leases (name TEXT PRIMARY KEY, revision INTEGER NOT NULL, "
     "record TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS routing_views (gateway TEXT PRIMARY KEY, "
+    "published_at REAL NOT NULL, record TEXT NOT NULL)",
 )
 _PRUNE_RELEASES = (
     "DELETE FROM releases WHERE name = ?1 AND is_terminal = 1 AND release_id NOT IN "
@@ -252,13 +254,12 @@ class SqliteModelRegistry:
         return await self._db.call(lambda c: [r[0] for r in c.execute(sql, params)])
 
     # --- routing views (strata/registry/models/views.py) ---------------------------------------
-    # their table is made on first use (a file written by an older Strata lacks it)
+    # (the schema is applied, idempotently, whenever a file opens: an older file gains the table)
 
     async def put_view(self, view: RoutingView) -> RoutingView:
         stored = replace(view, published_at=self.clock())
 
         def write(conn: Conn) -> None:
-            conn.execute(_VIEWS_TABLE)
             conn.execute("DELETE FROM routing_views WHERE published_at < ?",
                          (stored.published_at - VIEW_RETENTION_S,))
             conn.execute("INSERT OR REPLACE INTO routing_views (gateway, published_at, record) "
@@ -271,15 +272,10 @@ class SqliteModelRegistry:
         since = self.clock() - VIEW_RETENTION_S
 
         def read(conn: Conn) -> list[str]:
-            conn.execute(_VIEWS_TABLE)
             return [r[0] for r in conn.execute("SELECT record FROM routing_views WHERE "
                                                "published_at >= ? ORDER BY gateway", (since,))]
 
         return [RoutingView.from_json(json.loads(t)) for t in await self._db.call(read)]
-
-
-_VIEWS_TABLE = ("CREATE TABLE IF NOT EXISTS routing_views (gateway TEXT PRIMARY KEY, "
-                "published_at REAL NOT NULL, record TEXT NOT NULL)")
 
 
 def _release_refusal(conn: Conn, new: Release, expected_revision: int) -> ConflictError:

@@ -31,7 +31,6 @@ that calls the instance's admin routes with the fleet's key (gateway/control/ada
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from typing import Protocol
 
 from strata.clock import Clock
@@ -154,10 +153,7 @@ class AdapterSteps(ReleaseSteps):
         if failure:
             return release, (f"rollback failed: {failure}; {release.name}@"
                              f"{release.to_version} stays live")
-        await self.effects.update_routing(
-            release.name, lambda r: None if r.live == old else r.flipped_to(old))
-        return await self.write(replace(release, stats={**release.stats,
-                                                        "flipped_back_at": self.clock()})), ""
+        return await self._flip_live_back(release, old), ""
 
     # --- loads ----------------------------------------------------------------------------------
 

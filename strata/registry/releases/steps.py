@@ -179,13 +179,18 @@ class ReleaseSteps:
             await self.effects.put_deployment(name, old, DeploymentState.RETIRING, None)
             return release, (f"rollback failed: {failure}; {name}@{release.to_version} stays "
                              "live")
+        return await self._flip_live_back(release, old), ""
+
+    async def _flip_live_back(self, release: Release, old: str) -> Release:
+        """Flip live back to `old` in one write (a model's or an adapter's rollback), proven
+        like the flip itself under strict."""
         routing, _ = await self.effects.update_routing(
-            name, lambda r: None if r.live == old else r.flipped_to(old))
+            release.name, lambda r: None if r.live == old else r.flipped_to(old))
         stats = {"flipped_back_at": self.clock()}
         if self.config.consistency == "strict":  # the flip back is a flip: proven the same way
             release, acked = await self._await_acks(release, routing.revision)
             stats["flip_back_acked_s"] = acked["flip_acked_s"]
-        return await self.write(replace(release, stats={**release.stats, **stats})), ""
+        return await self.write(replace(release, stats={**release.stats, **stats}))
 
     # --- shared pieces --------------------------------------------------------------------------
 
