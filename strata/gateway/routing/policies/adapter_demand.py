@@ -95,9 +95,5 @@ class DemandTable:
         wanted = math.ceil(self.config.spread * level * num_instances - 1e-9)
         return max(1, min(num_instances, wanted))
 
-    def adapters(self) -> list[str]:
-        """The adapters seen, by name."""
-        return sorted(self._adapters)
-
 
 __all__ = ["AdapterDemand", "DecayingCount", "DemandTable"]
