@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
+from harness import pooled_http as http
 from sim_stack import ADMIN_KEY, CLIENT_KEY, INTERNAL_KEY, MODEL, OTHER_CLIENT_KEY, Targets
 
 from strata.gateway.openapi_routes import GATEWAY_OPERATIONS
@@ -85,7 +85,7 @@ def expected(kinds: frozenset[str], key_kind: str | None) -> int | None:
 def served_documents(keyed: Targets) -> dict[str, dict[str, Any]]:
     """The documents as the processes serve them (GET /openapi.json)."""
     auth = {"Authorization": f"Bearer {CLIENT_KEY}"}
-    return {target: httpx.get(f"{url}/openapi.json", headers=auth, timeout=10).json()
+    return {target: http.get(f"{url}/openapi.json", headers=auth, timeout=10).json()
             for target, url in keyed.urls.items()}
 
 
@@ -104,7 +104,7 @@ def test_every_operation_answers_each_key_as_documented(
     url = keyed.urls[target] + path.format(**PATH_PARAMS, instance_id=_instance_id(keyed))
     for key_name, (key, key_kind) in KEYS.items():
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        response = httpx.request(method, url, json=BODIES.get(path), headers=headers,
+        response = http.request(method, url, json=BODIES.get(path), headers=headers,
                                  timeout=15)
         assert response.status_code < 500, (key_name, response.status_code, response.text)
         want = expected(kinds, key_kind)
@@ -143,7 +143,7 @@ def test_a_client_key_opens_no_fleet_route(keyed: Targets) -> None:
     drain), and the table documents each of them as the fleet's."""
     for method, path in FLEET_ONLY:
         for key in (CLIENT_KEY, OTHER_CLIENT_KEY):
-            answer = httpx.request(method, keyed.instance.url + path.format(**PATH_PARAMS),
+            answer = http.request(method, keyed.instance.url + path.format(**PATH_PARAMS),
                                    json=BODIES.get(path), timeout=15,
                                    headers={"Authorization": f"Bearer {key}"})
             assert answer.status_code == 403, (method, path, answer.text)
@@ -163,7 +163,7 @@ _ids: dict[str, str] = {}
 
 def _instance_id(keyed: Targets) -> str:
     if "id" not in _ids:
-        listed = httpx.get(keyed.gateway.url + "/admin/instances", timeout=10,
+        listed = http.get(keyed.gateway.url + "/admin/instances", timeout=10,
                            headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
         _ids["id"] = listed["instances"][0]["instance_id"]
     return _ids["id"]
