@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from deploy_files import DEPLOY, REPO
-from harness.procs import Proc, http_ok, spawn, wait_until
+from harness import pooled_http
+from harness.procs import Proc, spawn, wait_until
 from redis_server import redis_server_binary
 
 from strata.cluster.ports import free_port
@@ -74,7 +75,7 @@ class LocalFleet:
 
 def _is_ready(c: Container) -> bool:
     if c.ready_path is not None:
-        return http_ok(f"http://127.0.0.1:{c.port}{c.ready_path}")
+        return pooled_http.ok(f"http://127.0.0.1:{c.port}{c.ready_path}")
     try:
         with socket.create_connection(("127.0.0.1", c.port), timeout=1):
             return True

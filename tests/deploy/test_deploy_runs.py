@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from deploy_files import CHART, DEPLOY, load_yaml, render_chart
+from harness import pooled_http as http
 from local_fleet import (
     Container,
     LocalFleet,
@@ -70,18 +71,18 @@ def drive(gateway: str, keys: Keys, num_instances: int) -> dict[str, Any]:
     client = keys.auth(keys.client)
     body = {"model": model_of(gateway, keys, num_instances), "max_tokens": 8, "temperature": 0,
             "messages": [{"role": "user", "content": "hello from the deploy test"}]}
-    answer = httpx.post(f"{gateway}/v1/chat/completions", json=body, headers=client, timeout=60)
+    answer = http.post(f"{gateway}/v1/chat/completions", json=body, headers=client, timeout=60)
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["completion_tokens"] == 8
-    streamed = httpx.post(f"{gateway}/v1/chat/completions", json=body | {"stream": True},
+    streamed = http.post(f"{gateway}/v1/chat/completions", json=body | {"stream": True},
                           headers=client, timeout=60)
     assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
-    listed = httpx.get(f"{gateway}/admin/instances", headers=keys.auth(keys.admin),
+    listed = http.get(f"{gateway}/admin/instances", headers=keys.auth(keys.admin),
                        timeout=10).json()["instances"]
     victim = listed[-1]["instance_id"]
     path = f"{gateway}/admin/instances/{victim}/drain"
-    assert httpx.post(path, headers=client, timeout=10).status_code == 403
-    drained = httpx.post(path, headers=keys.auth(keys.admin), timeout=30)
+    assert http.post(path, headers=client, timeout=10).status_code == 403
+    drained = http.post(path, headers=keys.auth(keys.admin), timeout=30)
     assert drained.status_code == 202, drained.text
     assert drained.json()["instance_status"] == 202  # the instance took the internal key
     return {"instance_id": victim, "url": listed[-1]["url"]}
@@ -90,13 +91,13 @@ def drive(gateway: str, keys: Keys, num_instances: int) -> dict[str, Any]:
 def model_of(gateway: str, keys: Keys, num_instances: int) -> str:
     """The model the fleet serves, once the gateway routes to every instance."""
     wait_until(lambda: _routable(gateway) == num_instances, 60, "every instance routable")
-    models = httpx.get(f"{gateway}/v1/models", headers=keys.auth(keys.client), timeout=10)
+    models = http.get(f"{gateway}/v1/models", headers=keys.auth(keys.client), timeout=10)
     return str(models.json()["data"][0]["id"])
 
 
 def _routable(gateway: str) -> int:
     try:
-        answer = httpx.get(f"{gateway}/ready", timeout=2)
+        answer = http.get(f"{gateway}/ready", timeout=2)
     except httpx.HTTPError:
         return -1
     return int(answer.json()["num_routable"]) if answer.status_code == 200 else 0
@@ -109,7 +110,7 @@ def refuses_without_password(port: int) -> bool:
 
 
 def remote_prefills(gateway: str) -> float:
-    text = httpx.get(f"{gateway}/metrics", timeout=10).text
+    text = http.get(f"{gateway}/metrics", timeout=10).text
     for line in text.splitlines():
         if line.startswith('strata:gateway_pd_prefills_total{outcome="ok"}'):
             return float(line.split()[-1])
@@ -140,7 +141,7 @@ def test_the_chart_starts_as_shipped(fleet: LocalFleet, tmp_path: Path, values: 
         long = {"model": model_of(gateway, keys, len(instances)), "max_tokens": 4,
                 "prompt": "word " * 400}
         before = remote_prefills(gateway)
-        answer = httpx.post(f"{gateway}/v1/completions", json=long, timeout=60,
+        answer = http.post(f"{gateway}/v1/completions", json=long, timeout=60,
                             headers=keys.auth(keys.client))
         assert answer.status_code == 200, answer.text
         assert remote_prefills(gateway) == before + 1
@@ -149,7 +150,7 @@ def test_the_chart_starts_as_shipped(fleet: LocalFleet, tmp_path: Path, values: 
     hook = subprocess.run(pre_stop(manifests, pod), env=pod.env, capture_output=True,
                           text=True, timeout=60, check=False)
     assert hook.returncode == 0, hook.stdout + hook.stderr  # the preStop drain, its own key
-    assert httpx.get(f"http://127.0.0.1:{pod.port}/ready", timeout=5).status_code == 503
+    assert http.get(f"http://127.0.0.1:{pod.port}/ready", timeout=5).status_code == 503
 
 
 def test_the_compose_file_starts_as_shipped(fleet: LocalFleet, tmp_path: Path) -> None:
@@ -186,6 +187,6 @@ def test_the_images_default_command_starts_keyed(fleet: LocalFleet, tmp_path: Pa
                            process_env(env), port, "/ready")])
     client = (tmp_path / "keys" / "api.keys").read_text().strip()
     url = f"http://127.0.0.1:{port}/v1/models"
-    assert httpx.get(url, timeout=10).status_code == 401
-    assert httpx.get(url, headers={"Authorization": f"Bearer {client}"},
+    assert http.get(url, timeout=10).status_code == 401
+    assert http.get(url, headers={"Authorization": f"Bearer {client}"},
                      timeout=10).status_code == 200
