@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import pytest
 from cluster_process import Cluster, start_cluster, wait_until
+from harness import pooled_http
 from headless_chromium import WatchedPage, chromium, require_chromium, watched_page
 from playwright.sync_api import BrowserContext, Page, expect
 
@@ -131,13 +132,13 @@ def row(page: Page, instance_id: str) -> Any:
 
 
 def gateway_view(cluster: Cluster) -> dict[str, dict[str, Any]]:
-    listed = httpx.get(f"{cluster.url}/admin/instances", timeout=5,
+    listed = pooled_http.get(f"{cluster.url}/admin/instances", timeout=5,
                        headers={"Authorization": f"Bearer {admin_key(cluster)}"}).json()
     return {i["instance_id"]: i for i in listed["instances"]}
 
 
 def data(cluster: Cluster) -> dict[str, Any]:
-    return httpx.get(f"{cluster.url}/dashboard/data", headers=AUTH, timeout=5).json()
+    return pooled_http.get(f"{cluster.url}/dashboard/data", headers=AUTH, timeout=5).json()
 
 
 def strata(cluster: Cluster, *args: str) -> subprocess.Popen[str]:
@@ -176,7 +177,7 @@ def test_the_page_shows_the_fleet_and_loads_nothing_from_elsewhere(
         expect(page.locator(f"#chart-{chart} canvas")).to_have_count(1)
     # the decode charts fill while the page polls (the instances' counters are read then)
     wait_until(lambda: sum(v is not None for v in data(cluster)["series"]["output_tokens_per_s"])
-               >= 8, 60, "eight seconds of output tokens/s")
+               >= 8, 60, "eight seconds of output tokens/s", interval_s=0.25)
     assert sum(data(cluster)["series"]["answers_per_s"]) > 0
     page.wait_for_function("() => Number(document.body.dataset.updated) > 0")
     shots(page, "dashboard.png")
