@@ -28,6 +28,10 @@ from strata.registry import create_registry
 from strata.registry.models import create_model_registry
 
 OBJECT_STORE_BYTES = 80 * 2**20  # per node: the tests move no large objects
+# The GCS declares a node dead after this many failed health checks in a row, one a second
+# (Ray's defaults: 5, every 3 s, so a killed node is seen ~15 s later). A killed raylet fails
+# each check at once (refused); a live one under load still has Ray's 10 s to answer each.
+NODE_LOSS_SEEN_FAST = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 
 
 async def seed(registry_url: str, cluster_seed: ClusterSeed) -> None:
@@ -74,13 +78,18 @@ def node_address(index: int) -> str:
 
 @contextmanager
 def fake_nodes(*worker_cpus: float, head_cpus: float = 0,
-               worker_resources: dict[str, float] | None = None) -> Iterator[Cluster]:
+               worker_resources: dict[str, float] | None = None,
+               system_config: dict[str, Any] | None = None) -> Iterator[Cluster]:
     """A head (`head_cpus`) and one worker node per entry of `worker_cpus`, each on its own
     loopback address (`node_address`); the driver connected to the head. Every node is removed
-    on exit, and the machine's "latest cluster" file no longer names this one."""
-    cluster = Cluster(initialize_head=True, head_node_args={
+    on exit, and the machine's "latest cluster" file no longer names this one. `system_config`:
+    Ray's `_system_config` for the cluster (its defaults when None), e.g. NODE_LOSS_SEEN_FAST."""
+    head_args: dict[str, Any] = {
         "node_ip_address": node_address(0), "num_cpus": head_cpus,
-        "object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": False})
+        "object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": False}
+    if system_config is not None:
+        head_args["_system_config"] = system_config
+    cluster = Cluster(initialize_head=True, head_node_args=head_args)
     try:
         for i, cpus in enumerate(worker_cpus, start=1):
             cluster.add_node(node_ip_address=node_address(i), num_cpus=cpus,

@@ -40,7 +40,7 @@ from model.parallel.parallel_helpers import (
 )
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray_cluster import fake_nodes, node_address, ray_launcher
+from ray_cluster import NODE_LOSS_SEEN_FAST, fake_nodes, node_address, ray_launcher
 from redis_server import redis_server, redis_url  # noqa: F401
 
 from strata.cluster.local import LocalClusterConfig, free_port
@@ -62,7 +62,7 @@ SIM = ModelVersion("smol", "v1", "sim:smollm2-cpu")
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    with fake_nodes(1, 1, head_cpus=0) as nodes:
+    with fake_nodes(1, 1, head_cpus=0, system_config=NODE_LOSS_SEEN_FAST) as nodes:
         yield nodes
 
 
@@ -186,18 +186,31 @@ def gateway_metric(gateway: str, name: str) -> float:
                if line.startswith(name) and not line.startswith("#"))
 
 
-def test_replicas_spread_over_both_workers_and_register_their_nodes_addresses(
-        cluster: Cluster, tmp_path: Path, redis_url: str) -> None:  # noqa: F811
-    config = sim_config(tmp_path, redis_url)
+@pytest.fixture(scope="module")
+def launched(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory,
+             redis_url: str) -> Iterator[RayLauncher]:  # noqa: F811
+    """`strata up --ray --address ...` with two simulated replicas, one for the module: the
+    spread test reads it as started, the node-loss test (the last) takes a node from under it."""
+    config = sim_config(tmp_path_factory.mktemp("ray-sim"), redis_url)
     address = ray.get_runtime_context().gcs_address
-    with ray_launcher(config, ClusterSeed(SIM, replicas=2), address=address) as launched:
-        nodes = ray.get([a.node.remote() for a in launched.actors])
-        assert {n.address for n in nodes} == WORKERS  # one replica on each worker
-        ready = wait_ready(launched, redis_url, 120)
-        assert {host_of(r.url) for r in ready} == WORKERS
-        assert {r.node for r in ready} == WORKERS  # what `strata status` shows as NODE
-        wait_routed(f"http://{config.host}:{config.port}", 2)
-        assert complete(f"http://{config.host}:{config.port}") == 200
+    with ray_launcher(config, ClusterSeed(SIM, replicas=2), address=address) as running:
+        yield running
+
+
+def gateway_of(launcher: RayLauncher) -> str:
+    config = launcher.config.cluster
+    return f"http://{config.host}:{config.port}"
+
+
+def test_replicas_spread_over_both_workers_and_register_their_nodes_addresses(
+        launched: RayLauncher, redis_url: str) -> None:  # noqa: F811
+    nodes = ray.get([a.node.remote() for a in launched.actors])
+    assert {n.address for n in nodes} == WORKERS  # one replica on each worker
+    ready = wait_ready(launched, redis_url, 120)
+    assert {host_of(r.url) for r in ready} == WORKERS
+    assert {r.node for r in ready} == WORKERS  # what `strata status` shows as NODE
+    wait_routed(gateway_of(launched), 2)
+    assert complete(gateway_of(launched)) == 200
 
 
 @pytest.fixture(scope="module")
@@ -238,46 +251,43 @@ def test_two_stages_on_two_nodes_talk_gloo_and_answer_what_one_process_answers(
 
 
 def test_a_worker_node_lost_under_load_fails_nothing_and_its_instance_returns_elsewhere(
-        cluster: Cluster, tmp_path: Path, redis_url: str) -> None:  # noqa: F811
-    config = sim_config(tmp_path, redis_url)
-    gateway = f"http://{config.host}:{config.port}"
-    address = ray.get_runtime_context().gcs_address
-    with ray_launcher(config, ClusterSeed(SIM, replicas=2), address=address) as launched:
-        wait_ready(launched, redis_url, 120)
-        wait_routed(gateway, 2)
-        statuses: list[int] = []
-        stop = threading.Event()
+        cluster: Cluster, launched: RayLauncher, redis_url: str) -> None:  # noqa: F811
+    gateway = gateway_of(launched)
+    wait_ready(launched, redis_url, 120)
+    wait_routed(gateway, 2)
+    statuses: list[int] = []
+    stop = threading.Event()
 
-        def load() -> None:
-            while not stop.is_set() and len(statuses) < 2000:
-                statuses.append(complete(gateway))
+    def load() -> None:
+        while not stop.is_set() and len(statuses) < 2000:
+            statuses.append(complete(gateway))
 
-        loader = threading.Thread(target=load)
-        loader.start()
-        streams = []
-        try:
-            while len(statuses) < 10:
-                time.sleep(0.05)
-            streams = streams_until_one_on(gateway, node_address(2), redis_url)
-            lost = next(n for n in cluster.worker_nodes if n.node_ip_address == node_address(2))
-            lost_at = time.monotonic()
-            cluster.remove_node(lost, allow_graceful=False)
-            ready = wait_ready(launched, redis_url, 180, on={node_address(1)})
-            recovery_s = time.monotonic() - lost_at
-            served_before = len(statuses)
-            while len(statuses) < served_before + 10:
-                time.sleep(0.05)
-        finally:
-            stop.set()
-            loader.join(60)
-            for stream in streams:
-                stream.thread.join(120)
-        assert {host_of(r.url) for r in ready} == {node_address(1)}
-        assert [s for s in statuses if s != 200] == [], "a request failed"
-        # every stream ran whole, the one on the lost node resumed on the other worker
-        assert [(s.status, s.errors, s.finish_reason, s.done) for s in streams] == [
-            (200, [], "length", True)] * len(streams)
-        assert gateway_metric(gateway, "strata:gateway_stream_resumes_total") >= 1
-        print(f"node lost: both instances ready on the other worker after {recovery_s:.1f} s; "
-              f"{len(statuses)} requests, all 200; {len(streams)} streams whole, "
-              f"one resumed from the lost node")
+    loader = threading.Thread(target=load)
+    loader.start()
+    streams = []
+    try:
+        while len(statuses) < 10:
+            time.sleep(0.05)
+        streams = streams_until_one_on(gateway, node_address(2), redis_url)
+        lost = next(n for n in cluster.worker_nodes if n.node_ip_address == node_address(2))
+        lost_at = time.monotonic()
+        cluster.remove_node(lost, allow_graceful=False)
+        ready = wait_ready(launched, redis_url, 180, on={node_address(1)})
+        recovery_s = time.monotonic() - lost_at
+        served_before = len(statuses)
+        while len(statuses) < served_before + 10:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        loader.join(60)
+        for stream in streams:
+            stream.thread.join(120)
+    assert {host_of(r.url) for r in ready} == {node_address(1)}
+    assert [s for s in statuses if s != 200] == [], "a request failed"
+    # every stream ran whole, the one on the lost node resumed on the other worker
+    assert [(s.status, s.errors, s.finish_reason, s.done) for s in streams] == [
+        (200, [], "length", True)] * len(streams)
+    assert gateway_metric(gateway, "strata:gateway_stream_resumes_total") >= 1
+    print(f"node lost: both instances ready on the other worker after {recovery_s:.1f} s; "
+          f"{len(statuses)} requests, all 200; {len(streams)} streams whole, "
+          f"one resumed from the lost node")
