@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from harness import pooled_http
 from harness.chaos_load import gateway_counter
 from harness.faults import (
     MODEL,
@@ -140,7 +141,7 @@ def instance_freeze(place: Place, timing: Timing, size: LoadSize) -> FaultReport
 
 
 def instance_url(gateway_url: str, instance_id: str) -> str:
-    views = httpx.get(f"{gateway_url}/admin/instances", timeout=5).json()["instances"]
+    views = pooled_http.get(f"{gateway_url}/admin/instances", timeout=5).json()["instances"]
     url: str = next(v["url"] for v in views if v["instance_id"] == instance_id)
     return url
 
@@ -150,7 +151,7 @@ def wait_for_running(url: str, timeout_s: float = 10.0) -> float:
     found: list[float] = []
 
     def running() -> bool:
-        text = httpx.get(f"{url}/metrics", timeout=2).text
+        text = pooled_http.get(f"{url}/metrics", timeout=2).text
         found[:] = [sum(float(line.split()[-1]) for line in text.splitlines()
                         if line.startswith("strata:num_requests_running"))]
         return found[0] > 0
@@ -237,7 +238,7 @@ def gateway_restart(place: Place, timing: Timing, size: LoadSize) -> FaultReport
     def answering() -> bool:
         try:
             return pids(root)["gateway"] != killed[0] and \
-                httpx.get(f"{up.url}/health", timeout=1).status_code == 200
+                pooled_http.get(f"{up.url}/health", timeout=1).status_code == 200
         except (httpx.HTTPError, KeyError, ValueError):
             return False
 

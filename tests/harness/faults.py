@@ -154,9 +154,11 @@ def resumed_since(url: str, before: float) -> float:
 def wait_for_instances(url: str, num: int, timeout_s: float = 60.0) -> None:
     import httpx
 
+    from harness import pooled_http
+
     def routable() -> bool:
         try:
-            views = httpx.get(f"{url}/admin/instances", timeout=2).json()["instances"]
+            views = pooled_http.get(f"{url}/admin/instances", timeout=2).json()["instances"]
         except (httpx.HTTPError, ValueError, KeyError):
             return False
         return sum(1 for v in views if v.get("routable")) >= num
