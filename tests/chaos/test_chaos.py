@@ -17,11 +17,24 @@ cause, the benchmark the speed.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from harness import fault_scenarios as scenarios
-from harness.faults import FaultReport, LoadSize, Place, Timing
+from harness.faults import (
+    FaultReport,
+    LoadSize,
+    Place,
+    Timing,
+    command_line,
+    start_cluster,
+    stop_cluster,
+    up_args,
+    wait_for_instances,
+)
+from harness.procs import Proc
 from redis_server import redis_server_binary
 
 SIZE = LoadSize(num_conversations=4, num_streams=4, max_tokens=24)
@@ -31,6 +44,32 @@ pytestmark = pytest.mark.timeout(120)
 
 def place(root: Path, with_redis: bool = False) -> Place:
     return Place(root, dict(os.environ), redis_server_binary() if with_redis else None)
+
+
+@dataclass(frozen=True)
+class Running:
+    up: Proc
+    root: Path
+    command: str
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    """`strata up` with three simulated instances and SQLite sessions, for the faults that
+    leave it whole once over (a frozen instance thawed, the gateway restarted by `strata up`):
+    one start for both. Each test first waits until the gateway routes to all three."""
+    root = tmp_path_factory.mktemp("chaos-three")
+    args = up_args(root, 3, ["--session-store", f"sqlite:///{root}/sessions.db"])
+    up = start_cluster(place(root), args)
+    try:
+        yield Running(up, root, command_line(args))
+    finally:
+        stop_cluster(up)
+
+
+def whole(running: Running) -> Running:
+    wait_for_instances(running.up.url, 3)
+    return running
 
 
 def show(report: FaultReport) -> FaultReport:
@@ -54,17 +93,6 @@ def test_a_registry_down_for_10s_fails_no_request(tmp_path: Path) -> None:
     assert report.extra["heartbeats_resumed_s"] < 10.0
 
 
-def test_a_frozen_instance_fails_no_request_and_stalls_no_stream_2s(tmp_path: Path) -> None:
-    timing = Timing(before_s=2.0, fault_s=3.0, after_s=3.0)
-    report = show(scenarios.instance_freeze(place(tmp_path), timing, SIZE))
-    # the freeze caught requests: the instance ran some as it stopped, and the stall watch
-    # ended the gateway's waits on it (each resumed or retried elsewhere)
-    assert report.extra["in_flight_at_fault"] >= 1, report.extra
-    assert report.extra["stalled_attempts"] >= 1, report.extra
-    assert report.failed == 0, report.errors
-    assert report.max_stream_gap_s < 3.5  # bench/chaos.py: 0.65 s
-
-
 def test_latency_and_resets_between_gateway_and_instances_fail_no_stream(
         tmp_path: Path) -> None:
     """Not "no request": a non-streamed session turn is not idempotent (docs/reliability.md).
@@ -79,9 +107,24 @@ def test_latency_and_resets_between_gateway_and_instances_fail_no_stream(
     assert all(error[:4] in ("409:", "502:") for error in report.errors), report.errors
 
 
-def test_a_gateway_sigkilled_under_load_is_back_within_seconds(tmp_path: Path) -> None:
+def test_a_frozen_instance_fails_no_request_and_stalls_no_stream_2s(three: Running) -> None:
+    timing = Timing(before_s=2.0, fault_s=3.0, after_s=3.0)
+    running = whole(three)
+    report = show(scenarios.instance_freeze_on(running.up, running.root, running.command,
+                                               timing, SIZE))
+    # the freeze caught requests: the instance ran some as it stopped, and the stall watch
+    # ended the gateway's waits on it (each resumed or retried elsewhere)
+    assert report.extra["in_flight_at_fault"] >= 1, report.extra
+    assert report.extra["stalled_attempts"] >= 1, report.extra
+    assert report.failed == 0, report.errors
+    assert report.max_stream_gap_s < 3.5  # bench/chaos.py: 0.65 s
+
+
+def test_a_gateway_sigkilled_under_load_is_back_within_seconds(three: Running) -> None:
     timing = Timing(before_s=2.0, fault_s=0.5, after_s=5.0)
-    report = show(scenarios.gateway_restart(place(tmp_path), timing, SIZE))
+    running = whole(three)  # after the freeze: the thawed instance routed again
+    report = show(scenarios.gateway_restart_on(running.up, running.root, running.command,
+                                               timing, SIZE))
     assert report.extra["restarted"] is True
     # what it carried failed, and what was sent before it listened again; nothing after
     assert report.extra["failed_after_back"] == 0, report.errors

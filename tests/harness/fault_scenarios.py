@@ -33,7 +33,7 @@ from harness.faults import (
     up_args,
     wait_for_instances,
 )
-from harness.procs import spawn, stop_all, wait_until
+from harness.procs import Proc, spawn, stop_all, wait_until
 from harness.redis_server import RedisServer
 from harness.tcp_proxy import ChaosProxy
 from strata.cluster.ports import free_port
@@ -111,33 +111,40 @@ def heartbeats_resumed_s(url: str, since: float, num: int, timeout_s: float = 30
 
 
 def instance_freeze(place: Place, timing: Timing, size: LoadSize) -> FaultReport:
-    """An instance SIGSTOPped for `fault_s` (its sockets stay open), then SIGCONTed. It is
-    frozen while it runs requests (`extra.in_flight_at_fault`, read from its /metrics just
-    before); `extra.stalled_attempts` counts the gateway's attempts on it that the stall watch
-    ended: the requests the freeze caught, which had to be resumed or retried elsewhere."""
-    root = place.root
-    args = up_args(root, 3, ["--session-store", f"sqlite:///{root}/sessions.db"])
+    """An instance SIGSTOPped for `fault_s` (its sockets stay open), then SIGCONTed, on a
+    cluster of three started for it (`instance_freeze_on`)."""
+    args = up_args(place.root, 3, ["--session-store", f"sqlite:///{place.root}/sessions.db"])
     up = start_cluster(place, args)
-    name = f"{MODEL}-default-1"
     try:
-        victim, victim_url = pids(root)[name], instance_url(up.url, name)
-        stalled = ("strata:gateway_stalled_attempts_total", f'instance="{name}"')
-        before, stalled_before = gateway_counter(up.url, *RESUMED), gateway_counter(up.url,
-                                                                                    *stalled)
-        in_flight: list[float] = []
-
-        def freeze() -> None:
-            in_flight.append(wait_for_running(victim_url))
-            os.kill(victim, signal.SIGSTOP)
-
-        load, result, fault_at = run_with_load(up.url, size, timing, freeze,
-                                               lambda: os.kill(victim, signal.SIGCONT))
-        return report("instance frozen (SIGSTOP)", command_line(args), up.url, load, result,
-                      fault_at, resumed_since(up.url, before),
-                      {"frozen_s": timing.fault_s, "in_flight_at_fault": in_flight[0],
-                       "stalled_attempts": gateway_counter(up.url, *stalled) - stalled_before})
+        return instance_freeze_on(up, place.root, command_line(args), timing, size)
     finally:
         stop_cluster(up)
+
+
+def instance_freeze_on(up: Proc, root: Path, command: str, timing: Timing,
+                       size: LoadSize) -> FaultReport:
+    """`instance_freeze` on a running `strata up` (run dir `root / "run"`, started by
+    `command`) whose instance 1 the gateway routes to. The instance is frozen while it runs
+    requests (`extra.in_flight_at_fault`, read from its /metrics just before);
+    `extra.stalled_attempts` counts the gateway's attempts on it that the stall watch ended:
+    the requests the freeze caught, which had to be resumed or retried elsewhere."""
+    name = f"{MODEL}-default-1"
+    victim, victim_url = pids(root)[name], instance_url(up.url, name)
+    stalled = ("strata:gateway_stalled_attempts_total", f'instance="{name}"')
+    before, stalled_before = gateway_counter(up.url, *RESUMED), gateway_counter(up.url,
+                                                                                *stalled)
+    in_flight: list[float] = []
+
+    def freeze() -> None:
+        in_flight.append(wait_for_running(victim_url))
+        os.kill(victim, signal.SIGSTOP)
+
+    load, result, fault_at = run_with_load(up.url, size, timing, freeze,
+                                           lambda: os.kill(victim, signal.SIGCONT))
+    return report("instance frozen (SIGSTOP)", command, up.url, load, result,
+                  fault_at, resumed_since(up.url, before),
+                  {"frozen_s": timing.fault_s, "in_flight_at_fault": in_flight[0],
+                   "stalled_attempts": gateway_counter(up.url, *stalled) - stalled_before})
 
 
 def instance_url(gateway_url: str, instance_id: str) -> str:
@@ -222,12 +229,22 @@ def _heal(proxies: list[ChaosProxy]) -> None:
 
 
 def gateway_restart(place: Place, timing: Timing, size: LoadSize) -> FaultReport:
-    """The gateway SIGKILLed under load; `strata up` restarts it on the same port.
-    `extra.restarted` says a new gateway process answers; `extra.failed_after_back` counts
-    the failed tries that started once it answered (what a restart may not cost)."""
-    root = place.root
-    args = up_args(root, 2, ["--session-store", f"sqlite:///{root}/sessions.db"])
+    """The gateway SIGKILLed under load; `strata up` restarts it on the same port (on a
+    cluster of two started for it: `gateway_restart_on`)."""
+    args = up_args(place.root, 2, ["--session-store", f"sqlite:///{place.root}/sessions.db"])
     up = start_cluster(place, args)
+    try:
+        return gateway_restart_on(up, place.root, command_line(args), timing, size)
+    finally:
+        stop_cluster(up)
+
+
+def gateway_restart_on(up: Proc, root: Path, command: str, timing: Timing,
+                       size: LoadSize) -> FaultReport:
+    """`gateway_restart` on a running `strata up` (run dir `root / "run"`, started by
+    `command`). `extra.restarted` says a new gateway process answers;
+    `extra.failed_after_back` counts the failed tries that started once it answered (what a
+    restart may not cost)."""
     killed: list[int] = []
     back_at: list[float] = []
 
@@ -246,16 +263,13 @@ def gateway_restart(place: Place, timing: Timing, size: LoadSize) -> FaultReport
         wait_until(answering, 60, "the restarted gateway", interval_s=0.05)
         back_at.append(time.monotonic())
 
-    try:
-        load, result, fault_at = run_with_load(up.url, size, timing, kill, wait_back)
-        failed_after = [o for o in result.failures if o.started_at >= back_at[0]]
-        return report("gateway SIGKILLed, restarted", command_line(args), up.url, load,
-                      result, fault_at, gateway_counter(up.url, *RESUMED),
-                      {"restarted": pids(root)["gateway"] != killed[0],
-                       "back_after_s": round(back_at[0] - fault_at, 2),
-                       "failed_after_back": len(failed_after)})
-    finally:
-        stop_cluster(up)
+    load, result, fault_at = run_with_load(up.url, size, timing, kill, wait_back)
+    failed_after = [o for o in result.failures if o.started_at >= back_at[0]]
+    return report("gateway SIGKILLed, restarted", command, up.url, load,
+                  result, fault_at, gateway_counter(up.url, *RESUMED),
+                  {"restarted": pids(root)["gateway"] != killed[0],
+                   "back_after_s": round(back_at[0] - fault_at, 2),
+                   "failed_after_back": len(failed_after)})
 
-__all__ = ["gateway_restart", "instance_freeze", "network_faults", "redis_kill",
-           "registry_outage"]
+__all__ = ["gateway_restart", "gateway_restart_on", "instance_freeze", "instance_freeze_on",
+           "network_faults", "redis_kill", "registry_outage"]
