@@ -49,49 +49,68 @@ def _binary(place: Place) -> Path:
 
 def redis_kill(place: Place, timing: Timing, size: LoadSize) -> FaultReport:
     """Sessions and session pins in Redis; Redis SIGKILLed under multi-turn load, restarted
-    after `fault_s` on the same port with its append-only file."""
+    after `fault_s` on the same port with its append-only file (`redis_kill_on`)."""
     root = place.root
     redis = RedisServer(root / "redis", _binary(place), extra_args=DURABLE)
     redis.start()
-    args = up_args(root, 2, ["--session-store", redis.url, "--gateway-arg=--session-routing=hybrid",
-                             f"--gateway-arg=--session-store={redis.url}"])
+    args = up_args(root, 2, sessions_in_redis(redis.url))
     up = start_cluster(place, args)
     try:
-        before = gateway_counter(up.url, *RESUMED)
-        load, result, fault_at = run_with_load(up.url, size, timing,
-                                               lambda: redis.stop(kill=True), redis.start)
-        return report("Redis (sessions, pins) SIGKILLed, restarted", command_line(args),
-                      up.url, load, result, fault_at, resumed_since(up.url, before))
+        return redis_kill_on(up, redis, command_line(args), timing, size)
     finally:
         stop_cluster(up)
         redis.stop()
 
 
+def sessions_in_redis(url: str) -> list[str]:
+    """`strata up` flags: sessions and the gateway's session pins in the Redis at `url`."""
+    return ["--session-store", url, "--gateway-arg=--session-routing=hybrid",
+            f"--gateway-arg=--session-store={url}"]
+
+
+def redis_kill_on(up: Proc, redis: RedisServer, command: str, timing: Timing,
+                  size: LoadSize) -> FaultReport:
+    """`redis_kill` on a running `strata up` (started by `command`) whose sessions and session
+    pins are in `redis` (durable: DURABLE)."""
+    before = gateway_counter(up.url, *RESUMED)
+    load, result, fault_at = run_with_load(up.url, size, timing,
+                                           lambda: redis.stop(kill=True), redis.start)
+    return report("Redis (sessions, pins) SIGKILLed, restarted", command, up.url, load,
+                  result, fault_at, resumed_since(up.url, before))
+
+
 def registry_outage(place: Place, timing: Timing, size: LoadSize) -> FaultReport:
-    """The registry (Redis) unreachable for `fault_s`: gateways route on their last view,
-    instances serve, heartbeats resume once it is back (`extra.heartbeats_resumed_s`)."""
+    """The registry (Redis) unreachable for `fault_s` (`registry_outage_on`)."""
     root = place.root
     redis = RedisServer(root / "registry", _binary(place), extra_args=DURABLE)
     redis.start()
     args = up_args(root, 2, ["--registry", redis.url,
                              "--session-store", f"sqlite:///{root}/sessions.db"])
     up = start_cluster(place, args)
+    try:
+        return registry_outage_on(up, redis, command_line(args), timing, size)
+    finally:
+        stop_cluster(up)
+        redis.stop()
+
+
+def registry_outage_on(up: Proc, redis: RedisServer, command: str, timing: Timing,
+                       size: LoadSize, num_instances: int = 2) -> FaultReport:
+    """`registry_outage` on a running `strata up` (started by `command`) of `num_instances`
+    whose registry is `redis` (durable): gateways route on their last view, instances serve,
+    heartbeats resume once it is back (`extra.heartbeats_resumed_s`)."""
     resumed_after_s: list[float] = []
 
     def restart() -> None:
         redis.start()
-        resumed_after_s.append(heartbeats_resumed_s(redis.url, time.time(), 2))
+        resumed_after_s.append(heartbeats_resumed_s(redis.url, time.time(), num_instances))
 
-    try:
-        before = gateway_counter(up.url, *RESUMED)
-        load, result, fault_at = run_with_load(up.url, size, timing,
-                                               lambda: redis.stop(kill=True), restart)
-        return report("registry (Redis) down", command_line(args), up.url, load, result,
-                      fault_at, resumed_since(up.url, before),
-                      {"outage_s": timing.fault_s, "heartbeats_resumed_s": resumed_after_s[0]})
-    finally:
-        stop_cluster(up)
-        redis.stop()
+    before = gateway_counter(up.url, *RESUMED)
+    load, result, fault_at = run_with_load(up.url, size, timing,
+                                           lambda: redis.stop(kill=True), restart)
+    return report("registry (Redis) down", command, up.url, load, result,
+                  fault_at, resumed_since(up.url, before),
+                  {"outage_s": timing.fault_s, "heartbeats_resumed_s": resumed_after_s[0]})
 
 
 def heartbeats_resumed_s(url: str, since: float, num: int, timeout_s: float = 30.0) -> float:
@@ -271,5 +290,6 @@ def gateway_restart_on(up: Proc, root: Path, command: str, timing: Timing,
                    "back_after_s": round(back_at[0] - fault_at, 2),
                    "failed_after_back": len(failed_after)})
 
-__all__ = ["gateway_restart", "gateway_restart_on", "instance_freeze", "instance_freeze_on",
-           "network_faults", "redis_kill", "registry_outage"]
+__all__ = ["DURABLE", "gateway_restart", "gateway_restart_on", "instance_freeze",
+           "instance_freeze_on", "network_faults", "redis_kill", "redis_kill_on",
+           "registry_outage", "registry_outage_on", "sessions_in_redis"]
