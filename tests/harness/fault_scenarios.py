@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -187,10 +188,15 @@ def wait_for_running(url: str, timeout_s: float = 10.0) -> float:
 
 
 def network_faults(place: Place, timing: Timing, size: LoadSize, *, latency_s: float = 0.05,
-                   reset_every_s: float = 1.0, reset_probability: float = 0.05) -> FaultReport:
+                   reset_every_s: float = 1.0, reset_probability: float = 0.05,
+                   overrun: bool = True) -> FaultReport:
     """Three instances behind TCP proxies: for the first half of `fault_s` every chunk waits
     `latency_s` each way; for the second half every open connection of one proxy (in turn) is
-    reset every `reset_every_s`, and each new connection is reset with `reset_probability`."""
+    reset every `reset_every_s`, and each new connection is reset with `reset_probability`.
+    With `overrun` (as bench/chaos.py has measured it) the schedule runs before the fault's
+    `fault_s` wait, so new connections are still reset with `reset_probability` for another
+    `fault_s` before the proxies heal; without it the schedule runs during that wait, and the
+    proxies heal once it is done."""
     root = place.root
     PROFILE.save(root / "profile.json")
     registry = f"sqlite:///{root}/registry.db"
@@ -213,10 +219,20 @@ def network_faults(place: Place, timing: Timing, size: LoadSize, *, latency_s: f
         url = gateway.wait_for_output(r"Strata gateway on (\S+)", 60).group(1)
         wait_for_instances(url, 3)
         before = gateway_counter(url, *RESUMED)
-        load, result, fault_at = run_with_load(
-            url, size, timing, lambda: _network_faults(proxies, timing.fault_s, latency_s,
-                                                       reset_every_s, reset_probability),
-            lambda: _heal(proxies))
+
+        def faults() -> None:
+            _network_faults(proxies, timing.fault_s, latency_s, reset_every_s,
+                            reset_probability)
+
+        during = threading.Thread(target=faults, daemon=True, name="network-faults")
+
+        def heal() -> None:
+            if during.ident is not None:  # started: the schedule ends first
+                during.join()
+            _heal(proxies)
+
+        load, result, fault_at = run_with_load(url, size, timing,
+                                               faults if overrun else during.start, heal)
         resets = sum(p.num_resets for p in proxies)
         return report("latency and resets (TCP proxy)",
                       "strata serve x3 behind harness.tcp_proxy; strata gateway", url,
