@@ -1,6 +1,7 @@
 """Test harnesses shared by the tests and the bench scripts (not part of the product package).
 
     procs           processes a test starts: logs, bounded waits, stop by PID
+    pooled_http     HTTP through one kept-alive client per thread (no client built per call)
     redis_server    a real redis-server on the loopback
     tcp_proxy       a TCP proxy that injects faults (resets, delays, blackholes)
     chaos_load      closed-loop load that records every acknowledged turn
