@@ -11,6 +11,7 @@ import json
 import os
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import cpu_time
 import pytest
@@ -24,6 +25,30 @@ from strata.model import kernel_build
 # read it from the environment (strata/cli.py), this one is told.
 os.environ.setdefault("STRATA_KERNEL_CACHE_DIR", str(cache_dir_from_env(os.environ) / "kernels"))
 kernel_build.use_cache_dir(Path(os.environ["STRATA_KERNEL_CACHE_DIR"]))
+
+
+def _share_httpx_ssl_context() -> None:
+    """httpx builds an SSL context for every client it makes, loading the CA bundle: ~37 ms of
+    CPU, paid by each module-level `httpx.get(...)` of a test even to a plain http:// URL on the
+    loopback, and the tests poll with those every 50 ms. In this process one context made with
+    httpx's defaults serves every client that asks for those defaults (the same bundle and the
+    same verification: an SSL context is made to be shared). Other settings get their own."""
+    from httpx._transports import default as transports
+
+    make = transports.create_ssl_context
+    shared: dict[bool, Any] = {}
+
+    def create_ssl_context(verify: Any = True, cert: Any = None, trust_env: bool = True) -> Any:
+        if verify is not True or cert is not None:
+            return make(verify=verify, cert=cert, trust_env=trust_env)
+        if trust_env not in shared:
+            shared[trust_env] = make(verify=verify, cert=cert, trust_env=trust_env)
+        return shared[trust_env]
+
+    transports.create_ssl_context = create_ssl_context
+
+
+_share_httpx_ssl_context()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
