@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from harness.serve_zygote import ForkedServe, Zygote
 from live_server import wait_until
 from pd_fleet import (
     INTERNAL_KEY,
@@ -25,7 +26,6 @@ from pd_fleet import (
     start_instance,
 )
 from pd_fleet import stream_mixed as mixed_stream
-from serve_zygote import ForkedServe, Zygote
 from test_pd_live import LONG, body_of
 
 from strata.gateway.routing.instances import InstanceView

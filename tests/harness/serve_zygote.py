@@ -1,5 +1,6 @@
-"""`strata serve` processes forked from one warm process, for tests that start many short-lived
-instances (test_pd_faults_e2e.py: each doomed instance SIGKILLs itself at its fault point).
+"""`strata serve` processes forked from one warm process, for tests that start several real
+instances (test_pd_faults_e2e.py: each doomed instance SIGKILLs itself at its fault point;
+tests/model_stack.py: the fuzzers' generating and embedding instances).
 
 The zygote (this file run as a script) imports torch and the serving stack once, starts no
 thread, then forks one child per request: the child is a process of its own (its own session,
@@ -9,6 +10,7 @@ included). Each fork saves the ~2.5 s of CPU a new interpreter spends importing 
 
     with Zygote() as zygote:
         served = zygote.serve(ARGS, cache_dir=..., log=...)   # once it printed its ready line
+        (or zygote.start(...), then served.wait_ready(timeout_s): several start side by side)
         served.url; served.wait(timeout_s) -> exit code (-9: SIGKILL); served.stop()
 
 The zygote reports on its stdout `started PID` and `exited PID CODE` lines; at EOF on its stdin
@@ -122,6 +124,19 @@ class ForkedServe:
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until it printed its ready line (`url` set); RuntimeError (it stopped) if it exits
+        first or takes longer than `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while (ready := _READY.search(self.output())) is None:
+            if self.zygote.exited(self.pid) is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"forked strata serve (pid {self.pid}) did not get ready "
+                                   f"(exit code {self.zygote.exited(self.pid)}); its output "
+                                   f"ends:\n{self.output()[-3000:]}")
+            time.sleep(0.05)
+        self.url = ready.group(2)
+
     def wait(self, timeout_s: float) -> int:
         """Its exit code once it exited (-9: SIGKILLed); TimeoutError if it did not."""
         return self.zygote.exit_code(self.pid, timeout_s)
@@ -173,10 +188,10 @@ class Zygote:
         code: int = self._wait(lambda: self._exits.get(pid), timeout_s, f"exit of {pid}")
         return code
 
-    def serve(self, args: list[str], *, cache_dir: Path, log: Path,
-              timeout_s: float = 120) -> ForkedServe:
-        """A forked `strata serve ARGS --port 0` (STRATA_CACHE_DIR=`cache_dir`, output in `log`),
-        once it printed its ready line."""
+    def start(self, args: list[str], *, cache_dir: Path, log: Path,
+              timeout_s: float = 60) -> ForkedServe:
+        """Fork `strata serve ARGS --port 0` (STRATA_CACHE_DIR=`cache_dir`, output in `log`);
+        returns at once (`ForkedServe.wait_ready`)."""
         env = {**os.environ, "STRATA_CACHE_DIR": str(cache_dir)}
         job = {"argv": ["serve", *args, "--port", "0"], "env": env, "log": str(log)}
         assert self.popen.stdin is not None
@@ -185,17 +200,18 @@ class Zygote:
             self.popen.stdin.flush()
             pid: int = self._wait(lambda: self._started.pop(0) if self._started else None,
                                   timeout_s, "fork")
-        served = ForkedServe(self, pid, log)
-        deadline = time.monotonic() + timeout_s
-        while (ready := _READY.search(served.output())) is None:
-            if pid in self._exits or time.monotonic() > deadline:
-                served.stop()
-                raise RuntimeError(f"forked strata serve {args} did not get ready (exit code "
-                                   f"{self._exits.get(pid)}); its output ends:\n"
-                                   f"{served.output()[-3000:]}")
-            time.sleep(0.05)
-        served.url = ready.group(2)
+        return ForkedServe(self, pid, log)
+
+    def serve(self, args: list[str], *, cache_dir: Path, log: Path,
+              timeout_s: float = 120) -> ForkedServe:
+        """`start`, then `wait_ready`."""
+        served = self.start(args, cache_dir=cache_dir, log=log)
+        served.wait_ready(timeout_s)
         return served
+
+    def exited(self, pid: int) -> int | None:
+        with self._changed:
+            return self._exits.get(pid)
 
     def close(self) -> None:
         assert self.popen.stdin is not None
