@@ -1,6 +1,7 @@
 """Every kill point of a hand-off, with the killed instance a real `strata serve` process that
-SIGKILLs itself where its fault config says (tests/pd_faults.py names the points), behind a real
-gateway: the client gets the mixed instance's answer, never an error, while nothing had reached
+SIGKILLs itself where its fault config says (strata/server/pd/faults.py names the points; each
+process forked from a zygote that imported torch once: tests/harness/serve_zygote.py), behind a
+real gateway: the client gets the mixed instance's answer, never an error, while nothing had reached
 it; P's blocks go back to its free pool (at once when another D acknowledged them, else within
 the lease + 1 s)."""
 
@@ -73,7 +74,7 @@ def serve(zygote: Zygote, tiny_dir: Path, tmp_path: Path, role: str,
                         "--pd-lease-s", "3", "--fault-config", str(config),
                         "--internal-key-file", str(key),
                         "--log-level", "warning"], cache_dir=tmp_path,
-                       log=tmp_path / f"serve-{role}.log")
+                       log=tmp_path / f"serve-{role}.log", timeout_s=600)
 
 
 @pytest.fixture(scope="module")

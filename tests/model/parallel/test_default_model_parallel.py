@@ -61,12 +61,17 @@ def test_layouts_match_one_process(pool: WarmRankPool, one_process: tuple[Path, 
                                    prepared: PreparedModel, tensor: int, pipeline: int) -> None:
     single = one_process[1]
     layout = ParallelLayout(tensor, pipeline)
-    executor = ParallelExecutor(prepared, layout, dtype="float32", threads=1,
-                                launcher=pool.launcher())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # rank 0 (this process) on one thread too, as every other rank
     try:
-        split = run(executor, prepared.config.vocab_size, prepared.tokenizer, CI_PROMPTS)
+        executor = ParallelExecutor(prepared, layout, dtype="float32", threads=1,
+                                    launcher=pool.launcher())
+        try:
+            split = run(executor, prepared.config.vocab_size, prepared.tokenizer, CI_PROMPTS)
+        finally:
+            executor.shutdown()
     finally:
-        executor.shutdown()
+        torch.set_num_threads(threads)
     result = compare(single, split, CI_PROMPTS)  # raises where the rule breaks
     print(result.line(layout.name), result.partings)
     assert len({tuple(tokens) for tokens, _ in single}) == len(CI_PROMPTS)  # not degenerate
