@@ -28,6 +28,15 @@ from strata.model.parallel.shard_loader import PreparedModel
 from strata.types import RequestId
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Rank 0 (this process) on one thread, as every other rank (`threads=1`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def pool() -> Iterator[WarmRankPool]:
     """Rank processes for every layout here (T=2's one, alive throughout, and the most any
