@@ -6,11 +6,13 @@ docs/benchmarks.md gives, is bench/default_model_parallel.py."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from harness.default_parallel import CI_PROMPTS, Run, compare, run
+from model.parallel.warm_ranks import WarmRankPool
 from serve_process import shared_model_cache
 
 from strata.model.executor import TorchExecutor
@@ -40,20 +42,30 @@ def one_process() -> tuple[Path, Run]:
 
 
 @pytest.fixture(scope="module")
+def pool() -> Iterator[WarmRankPool]:
+    """Rank processes for every layout (the most one needs: 3 beside rank 0 here), each importing
+    torch once, not once per layout."""
+    warm = WarmRankPool(3)
+    yield warm
+    warm.close()
+
+
+@pytest.fixture(scope="module")
 def prepared(one_process: tuple[Path, Run]) -> PreparedModel:
     return prepare_model(one_process[0], dtype="float32", cache_dir=shared_model_cache())
 
 
 @pytest.mark.parametrize(("tensor", "pipeline"), [(2, 1), (3, 1), (1, 2), (2, 2)],
                          ids=["tp2", "tp3", "pp2", "tp2xpp2"])
-def test_layouts_match_one_process(one_process: tuple[Path, Run], prepared: PreparedModel,
-                                   tensor: int, pipeline: int) -> None:
+def test_layouts_match_one_process(pool: WarmRankPool, one_process: tuple[Path, Run],
+                                   prepared: PreparedModel, tensor: int, pipeline: int) -> None:
     single = one_process[1]
     layout = ParallelLayout(tensor, pipeline)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # rank 0 (this process) on one thread too, as every other rank
     try:
-        executor = ParallelExecutor(prepared, layout, dtype="float32", threads=1)
+        executor = ParallelExecutor(prepared, layout, dtype="float32", threads=1,
+                                    launcher=pool.launcher())
         try:
             split = run(executor, prepared.config.vocab_size, prepared.tokenizer, CI_PROMPTS)
         finally:

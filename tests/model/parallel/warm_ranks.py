@@ -17,16 +17,19 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
+from strata.errors import RankFailedError
 from strata.model.parallel.commands import RankSpec
-from strata.model.parallel.launcher import MpRankLauncher
+from strata.model.parallel.launcher import MpRankLauncher, OnExit
 from strata.model.parallel.worker import die_with_parent, run_rank
 
 CTX = mp.get_context("spawn")
 STOPPED = ("stopped", 0)
+WATCH_THREAD = "strata-warm-rank-watch"
 
 
 def warm_rank(control: Connection) -> None:
@@ -72,6 +75,8 @@ class WarmRankPool:
         return WarmLauncher(self)
 
     def close(self) -> None:
+        watching = [t.name for t in threading.enumerate() if t.name == WATCH_THREAD]
+        assert not watching, f"{len(watching)} launcher watches outlived their executors"
         for _, conn in self.idle:
             conn.close()  # warm_rank ends at EOF
         for proc, _ in self.idle:
@@ -87,12 +92,35 @@ def kill(proc: BaseProcess, wait_s: float) -> None:
 
 
 class WarmLauncher(MpRankLauncher):
-    """`MpRankLauncher` whose ranks come from a `WarmRankPool` (placement, readiness and the
-    watch for an unexpected exit are MpRankLauncher's own) and go back to it when stopped."""
+    """`MpRankLauncher` whose ranks come from a `WarmRankPool` (placement and readiness are
+    MpRankLauncher's own) and go back to it when stopped.
+
+    The watch for an unexpected exit ends at `stop`, not when the rank processes exit (they
+    live on in the pool): a watch thread left waiting would hold the executor (its `on_exit`)
+    until the pool closes, and drop rank 0's weights from a daemon thread while the
+    interpreter exits (an abort: "terminate called without an active exception")."""
 
     def __init__(self, pool: WarmRankPool) -> None:
         super().__init__()
         self._pool = pool
+        self._wake_reader, self._wake_writer = CTX.Pipe(duplex=False)
+        self._watcher: threading.Thread | None = None
+
+    def watch(self, on_exit: OnExit) -> None:
+        self._watcher = threading.Thread(target=self._watch_until_stopped, args=(on_exit,),
+                                         daemon=True, name=WATCH_THREAD)
+        self._watcher.start()
+
+    def _watch_until_stopped(self, on_exit: OnExit) -> None:
+        by_sentinel = {proc.sentinel: rank for rank, proc in self._procs.items()}
+        ready = wait([*by_sentinel, self._wake_reader])
+        if self._stopping.is_set():
+            return
+        rank = next(by_sentinel[s] for s in ready if s in by_sentinel)  # type: ignore[index]
+        proc = self._procs[rank]
+        proc.join(1)
+        on_exit(RankFailedError(f"rank {rank} (pid {proc.pid}) exited with code "
+                                f"{proc.exitcode}", rank=rank))
 
     def start(self, specs: list[RankSpec]) -> None:
         for spec in specs:
@@ -104,6 +132,12 @@ class WarmLauncher(MpRankLauncher):
         """Each rank back to the pool once it stopped (Stop); one that did not within
         `timeout_s` is killed."""
         self._stopping.set()
+        if not self._wake_writer.closed:  # the first stop (an executor may stop twice)
+            self._wake_writer.send(None)
+            if self._watcher is not None:
+                self._watcher.join(5)
+            self._wake_writer.close()
+            self._wake_reader.close()
         deadline = time.monotonic() + timeout_s
         for rank, proc in self._procs.items():
             conn = self._conns[rank]
