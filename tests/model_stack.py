@@ -6,7 +6,8 @@ its vocabulary, embeddings).
         running.urls["instance"], running.urls["embed"], running.urls["gateway"]
 
 `strata serve` of the tiny random Llama (ChatML template; float32, one thread), `strata serve
---task embed` of the tiny BERT, and `strata gateway --instances` over both (it routes by
+--task embed` of the tiny BERT (both forked from one process that imported torch once:
+tests/harness/serve_zygote.py), and `strata gateway --instances` over both (it routes by
 `model`), all keyed as sim_stack's (a fuzzer's client key cannot drain them). Everything is
 written by the tests: nothing is downloaded.
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.procs import Proc, spawn
-from serve_process import ServeProcess, start_serve
+from harness.serve_zygote import ForkedServe, Zygote
 from sim_stack import ADMIN_KEY, CLIENT_KEY, INTERNAL_KEY
 from tiny_bert import make_tiny_bert_dir
 from tiny_models import make_tiny_model_dir
@@ -32,8 +33,8 @@ _GATEWAY_READY = r"Strata gateway on (http://127\.0\.0\.1:\d+) "
 
 @dataclass
 class ModelTargets:
-    instance: ServeProcess
-    embed: ServeProcess
+    instance: ForkedServe
+    embed: ForkedServe
     gateway: Proc
     log_dir: Path
 
@@ -64,26 +65,29 @@ def model_stack(root: Path) -> Iterator[ModelTargets]:
     auth = ["--api-key-file", str(root / "keys"), "--admin-key-file", str(root / "admin-key"),
             "--internal-key-file", str(root / "internal-key")]
     common = ["--threads", "1", "--log-level", "warning", *auth]
-    instance = start_serve([str(llama), "--served-model-name", MODEL, "--dtype", "float32",
-                            "--max-model-len", "256", "--kv-cache-gb", "0.01", *common],
-                           cache_dir=root / "cache", timeout_s=120, log_dir=root / "logs",
-                           name="instance")
-    embed = gateway = None
-    try:
-        embed = start_serve([str(bert), "--task", "embed", "--served-model-name", EMBED_MODEL,
-                             *common], cache_dir=root / "cache", timeout_s=120,
-                            log_dir=root / "logs", name="embed")
-        argv = [sys.executable, "-m", "strata.cli", "gateway", "--instances", instance.url,
-                embed.url, "--port", "0", *auth]
-        gateway = spawn("gateway", argv, root / "logs")
-        gateway.url = gateway.wait_for_output(_GATEWAY_READY, 60).group(1)
-        yield ModelTargets(instance, embed, gateway, root / "logs")
-    finally:
-        if gateway is not None:
-            gateway.kill()
-        if embed is not None:
+    logs = root / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    # both instances forked from one process that imported torch once, loading side by side
+    with Zygote() as zygote:
+        instance = zygote.start([str(llama), "--served-model-name", MODEL, "--dtype",
+                                 "float32", "--max-model-len", "256", "--kv-cache-gb", "0.01",
+                                 *common], cache_dir=root / "cache", log=logs / "instance.log")
+        embed = zygote.start([str(bert), "--task", "embed", "--served-model-name", EMBED_MODEL,
+                              *common], cache_dir=root / "cache", log=logs / "embed.log")
+        gateway = None
+        try:
+            instance.wait_ready(120)
+            embed.wait_ready(120)
+            argv = [sys.executable, "-m", "strata.cli", "gateway", "--instances", instance.url,
+                    embed.url, "--port", "0", *auth]
+            gateway = spawn("gateway", argv, logs)
+            gateway.url = gateway.wait_for_output(_GATEWAY_READY, 60).group(1)
+            yield ModelTargets(instance, embed, gateway, logs)
+        finally:
+            if gateway is not None:
+                gateway.kill()
             embed.stop()
-        instance.stop()
+            instance.stop()
 
 
 __all__ = ["EMBED_MODEL", "MODEL", "ModelTargets", "model_stack"]

@@ -9,6 +9,7 @@
     mutations, fuzz the mutation fuzzer and its judge
     checks          what a completion's answer must look like
     default_parallel  the default model split across ranks against one process (its rule)
+    serve_zygote    `strata serve` processes forked from one that imported torch once
 
 The bench scripts reach them through the `bench/harness` link.
 """

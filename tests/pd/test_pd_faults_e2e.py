@@ -1,6 +1,7 @@
 """Every kill point of a hand-off, with the killed instance a real `strata serve` process that
-SIGKILLs itself where its fault config says (tests/pd_faults.py names the points), behind a real
-gateway: the client gets the mixed instance's answer, never an error, while nothing had reached
+SIGKILLs itself where its fault config says (strata/server/pd/faults.py names the points; each
+process forked from a zygote that imported torch once: tests/harness/serve_zygote.py), behind a
+real gateway: the client gets the mixed instance's answer, never an error, while nothing had reached
 it; P's blocks go back to its free pool (at once when another D acknowledged them, else within
 the lease + 1 s)."""
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from harness.serve_zygote import ForkedServe, Zygote
 from live_server import wait_until
 from pd_fleet import (
     INTERNAL_KEY,
@@ -25,7 +27,6 @@ from pd_fleet import (
     start_instance,
 )
 from pd_fleet import stream_mixed as mixed_stream
-from serve_process import ServeProcess, start_serve
 from test_pd_live import LONG, body_of
 
 from strata.gateway.routing.instances import InstanceView
@@ -54,17 +55,26 @@ def first_candidate_row() -> Iterator[None]:
     del POLICIES["first_candidate"]
 
 
-def serve(tiny_dir: Path, tmp_path: Path, role: str, **fault: Any) -> ServeProcess:
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[Zygote]:
+    """Where each doomed `strata serve` is forked from (torch imported once, not per test)."""
+    with Zygote() as running:
+        yield running
+
+
+def serve(zygote: Zygote, tiny_dir: Path, tmp_path: Path, role: str,
+          **fault: Any) -> ForkedServe:
     config = tmp_path / f"faults-{role}.json"
     config.write_text(json.dumps(fault))
     key = tmp_path / "internal-key"
     key.write_text(INTERNAL_KEY + "\n")
-    return start_serve([str(tiny_dir), "--served-model-name", MODEL, "--model-version", "v1",
+    return zygote.serve([str(tiny_dir), "--served-model-name", MODEL, "--model-version", "v1",
                         "--dtype", "float32", "--block-size", "8", "--max-model-len", "256",
                         "--threads", "1", "--registry", "none", "--role", role,
                         "--pd-lease-s", "3", "--fault-config", str(config),
                         "--internal-key-file", str(key),
-                        "--log-level", "warning"], cache_dir=tmp_path)
+                        "--log-level", "warning"], cache_dir=tmp_path,
+                       log=tmp_path / f"serve-{role}.log", timeout_s=600)
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +87,9 @@ def helpers(tiny_model: LoadedModel) -> Iterator[dict[str, Instance]]:
         instance.stop()
 
 
-def died(process: ServeProcess) -> float:
+def died(process: ForkedServe) -> float:
     """Waits for the process to be SIGKILLed by its fault point; when that was seen."""
-    assert process.proc.wait(timeout=60) == -9
+    assert process.wait(timeout_s=60) == -9
     return time.monotonic()
 
 
@@ -93,10 +103,10 @@ def events(response: httpx.Response) -> list[dict[str, Any]]:
                                    "decode_after_pull"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_decode_instance_killed_around_the_pull_costs_the_client_nothing(
-        tiny_dir: Path, tmp_path: Path, helpers: dict[str, Instance], point: str,
-        stream: bool) -> None:
+        zygote: Zygote, tiny_dir: Path, tmp_path: Path, helpers: dict[str, Instance],
+        point: str, stream: bool) -> None:
     p, d, m = helpers["p"], helpers["d"], helpers["m"]
-    doomed = serve(tiny_dir, tmp_path, "decode", kill_at=point)
+    doomed = serve(zygote, tiny_dir, tmp_path, "decode", kill_at=point)
     gateway = start_gateway({"p": (p.url, "prefill"), "d0": (doomed.url, "decode"),
                              "d1": (d.url, "decode")}, policy="first_candidate")
     try:
@@ -118,10 +128,10 @@ def test_a_decode_instance_killed_around_the_pull_costs_the_client_nothing(
         doomed.stop()
 
 
-def test_a_decode_instance_killed_mid_stream(tiny_dir: Path, tmp_path: Path,
+def test_a_decode_instance_killed_mid_stream(zygote: Zygote, tiny_dir: Path, tmp_path: Path,
                                              helpers: dict[str, Instance]) -> None:
     p, d, m = helpers["p"], helpers["d"], helpers["m"]
-    doomed = serve(tiny_dir, tmp_path, "decode", kill_at="decode_mid_stream", after=1)
+    doomed = serve(zygote, tiny_dir, tmp_path, "decode", kill_at="decode_mid_stream", after=1)
     gateway = start_gateway({"p": (p.url, "prefill"), "d0": (doomed.url, "decode"),
                              "d1": (d.url, "decode")}, policy="first_candidate")
     try:
@@ -143,12 +153,12 @@ def test_a_decode_instance_killed_mid_stream(tiny_dir: Path, tmp_path: Path,
 
 
 def test_a_decode_stream_cut_mid_stream_is_resumed_on_another_decode_instance(
-        tiny_dir: Path, tmp_path: Path, helpers: dict[str, Instance]) -> None:
+        zygote: Zygote, tiny_dir: Path, tmp_path: Path, helpers: dict[str, Instance]) -> None:
     """The decode instance of a hand-off is SIGKILLed after its first frame reached the client:
     the gateway resumes the stream on the other decode instance (POST /v1/strata/resume from the
     prompt and the tokens sent), and the client's stream is token for token the mixed one."""
     p, d, m = helpers["p"], helpers["d"], helpers["m"]
-    doomed = serve(tiny_dir, tmp_path, "decode", kill_at="decode_mid_stream")
+    doomed = serve(zygote, tiny_dir, tmp_path, "decode", kill_at="decode_mid_stream")
     gateway = start_gateway({"p": (p.url, "prefill"), "d0": (doomed.url, "decode"),
                              "d1": (d.url, "decode")}, policy="first_candidate")
     try:
@@ -168,9 +178,9 @@ def test_a_decode_stream_cut_mid_stream_is_resumed_on_another_decode_instance(
 
 
 def test_a_stream_cut_after_its_first_frame_ends_with_an_error_event(
-        tiny_dir: Path, tmp_path: Path, helpers: dict[str, Instance]) -> None:
+        zygote: Zygote, tiny_dir: Path, tmp_path: Path, helpers: dict[str, Instance]) -> None:
     p = helpers["p"]
-    doomed = serve(tiny_dir, tmp_path, "decode", kill_at="decode_mid_stream")
+    doomed = serve(zygote, tiny_dir, tmp_path, "decode", kill_at="decode_mid_stream")
     # the only decode instance never comes back: the resume waits --start-wait-s for it (as
     # for a fleet restarting), then gives up
     gateway = start_gateway({"p": (p.url, "prefill"), "d0": (doomed.url, "decode")},
@@ -188,9 +198,9 @@ def test_a_stream_cut_after_its_first_frame_ends_with_an_error_event(
 
 
 def test_blocks_of_a_dead_decode_peer_come_back_within_the_lease(
-        tiny_dir: Path, tmp_path: Path, helpers: dict[str, Instance]) -> None:
+        zygote: Zygote, tiny_dir: Path, tmp_path: Path, helpers: dict[str, Instance]) -> None:
     p = helpers["p"]
-    doomed = serve(tiny_dir, tmp_path, "decode", kill_at="decode_after_pull")
+    doomed = serve(zygote, tiny_dir, tmp_path, "decode", kill_at="decode_after_pull")
     gateway = start_gateway({"p": (p.url, "prefill"), "d0": (doomed.url, "decode")},
                             policy="first_candidate", start_wait_s=1.0)
     try:
@@ -210,10 +220,10 @@ def test_blocks_of_a_dead_decode_peer_come_back_within_the_lease(
 @pytest.mark.parametrize("point", ["prefill_before_answer", "prefill_during_pull"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_prefill_instance_killed_costs_the_client_nothing(
-        tiny_dir: Path, tmp_path: Path, helpers: dict[str, Instance], point: str,
-        stream: bool) -> None:
+        zygote: Zygote, tiny_dir: Path, tmp_path: Path, helpers: dict[str, Instance],
+        point: str, stream: bool) -> None:
     d, m = helpers["d"], helpers["m"]
-    doomed = serve(tiny_dir, tmp_path, "prefill", kill_at=point)
+    doomed = serve(zygote, tiny_dir, tmp_path, "prefill", kill_at=point)
     gateway = start_gateway({"p": (doomed.url, "prefill"), "d": (d.url, "decode")})
     try:
         body = {**body_of(LONG, n=len(point) + 7 * stream, temperature=0), "stream": stream}

@@ -124,3 +124,44 @@ def through_connect(spec: CommSpec, rank: int, conn: Connection) -> None:
     comms.world.barrier()
     conn.send((pack(summed), pack(gathered), step, received))
     comms.close()
+
+
+# --- a pool of warm rank processes (test_shm.py): torch imported once per process, not per test
+
+JOB_DONE = "job done"
+RELEASE = "release"
+
+
+def serve_jobs(conn: Connection) -> None:
+    """A spawned process that runs this module's rank functions one after another: each job is
+    (function name, args), run as `function(*args, conn)`, then JOB_DONE. Ends at EOF."""
+    while True:
+        try:
+            name, args = conn.recv()
+        except EOFError:
+            return
+        globals()[name](*args, conn)
+        conn.send(JOB_DONE)
+
+
+def reduce_then_wait(name: str, rank: int, world: int, conn: Connection) -> None:
+    """As `reduce_then_hang`: one all_reduce, then alive but never at the next collective, until
+    RELEASE comes (the process goes back to its pool)."""
+    group = ShmGroup.attach(name, rank, world, timeout_s=30)
+    group.all_reduce(torch.ones(8))
+    conn.send("reduced")
+    assert conn.recv() == RELEASE
+    group.close()
+
+
+def read_when_told_or_released(name: str, rank: int, world: int, count: int,
+                               conn: Connection) -> None:
+    """As `read_when_told`, but RELEASE instead of the word to read ends it reading nothing."""
+    group = ShmGroup.attach(name, rank, world, timeout_s=30)
+    conn.send("attached")
+    if conn.recv() == RELEASE:
+        group.close()
+        return
+    pairs = [(group.broadcast_bytes(None, root=0), group.recv_bytes(0)) for _ in range(count)]
+    conn.send(pairs)
+    group.close()

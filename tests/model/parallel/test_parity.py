@@ -17,6 +17,7 @@ from model.parallel.parallel_helpers import (
     prompts,
     run_greedy,
 )
+from model.parallel.warm_ranks import WarmRankPool
 
 from strata.engine.executor import ModelInput, ScheduledSequence
 from strata.engine.request import SamplingParams
@@ -27,9 +28,27 @@ from strata.model.parallel.shard_loader import PreparedModel
 from strata.types import RequestId
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Rank 0 (this process) on one thread, as every other rank (`threads=1`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
-def tp2(prepared: PreparedModel) -> Iterator[ParallelExecutor]:
-    executor = parallel_executor(prepared, 2)
+def pool() -> Iterator[WarmRankPool]:
+    """Rank processes for every layout here (T=2's one, alive throughout, and the most any
+    other layout needs: 3), each importing torch once."""
+    warm = WarmRankPool(4)
+    yield warm
+    warm.close()
+
+
+@pytest.fixture(scope="module")
+def tp2(prepared: PreparedModel, pool: WarmRankPool) -> Iterator[ParallelExecutor]:
+    executor = parallel_executor(prepared, 2, launcher=pool.launcher())
     yield executor
     executor.shutdown()
 
@@ -55,10 +74,11 @@ def test_batch_invariance_inside_a_t2_instance(tp2: ParallelExecutor, prepared: 
 @pytest.mark.parametrize(("tensor", "pipeline"), [(3, 1), (1, 2), (2, 2)],
                          ids=["tp3", "pp2", "tp2xpp2"])
 def test_other_layouts_match_one_process(prepared: PreparedModel, reference: list[Greedy],
-                                         tensor: int, pipeline: int) -> None:
+                                         pool: WarmRankPool, tensor: int,
+                                         pipeline: int) -> None:
     """With two stages the engine keeps two batches in flight: after a step collects one,
     the other is still out."""
-    executor = parallel_executor(prepared, tensor, pipeline)
+    executor = parallel_executor(prepared, tensor, pipeline, launcher=pool.launcher())
     in_flight: list[int] = []
     try:
         got = run_greedy(make_engine(executor, prepared.config.vocab_size), prompts(),

@@ -34,23 +34,73 @@ def segment(world: int, **options: Any) -> Iterator[str]:
         ShmGroup.unlink(name)
 
 
+class Pool:
+    """Warm rank processes, spawned children of this process with torch imported once: each
+    runs one rank function at a time (shm_workers.serve_jobs) and comes back here when it ended
+    cleanly; one that was killed, hung or failed is killed and never used again."""
+
+    def __init__(self) -> None:
+        self.idle: list[tuple[mp.process.BaseProcess, Connection]] = []
+
+    def spawn(self) -> tuple[mp.process.BaseProcess, Connection]:
+        ours, theirs = CTX.Pipe()
+        proc = CTX.Process(target=workers.serve_jobs, args=(theirs,))
+        proc.start()
+        theirs.close()
+        return proc, ours
+
+    def take(self) -> tuple[mp.process.BaseProcess, Connection]:
+        return self.idle.pop(0) if self.idle else self.spawn()
+
+    def give_back(self, proc: mp.process.BaseProcess, conn: Connection, clean: bool) -> None:
+        if clean and proc.is_alive() and conn.poll(10):
+            try:
+                if conn.recv() == workers.JOB_DONE:
+                    self.idle.append((proc, conn))
+                    return
+            except EOFError:
+                pass
+        stop(proc)
+
+    def close(self) -> None:
+        for proc, conn in self.idle:
+            conn.close()  # serve_jobs ends at EOF
+            proc.join(10)
+            stop(proc)
+        self.idle.clear()
+
+
+def stop(proc: mp.process.BaseProcess) -> None:
+    if proc.is_alive() and proc.pid is not None:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[Pool]:
+    running = Pool()
+    running.idle = [running.spawn() for _ in range(3)]  # the most any test runs at once
+    yield running
+    running.close()
+
+
 @contextmanager
-def ranks(target: Callable[..., None], name: str, world: int, members: list[int],
+def ranks(pool: Pool, target: Callable[..., None], name: str, world: int, members: list[int],
           *extra: Any) -> Iterator[list[tuple[mp.process.BaseProcess, Connection]]]:
-    """Spawn `target(name, rank, world, *extra, conn)` for each rank in `members`."""
-    started = []
+    """Run `target(name, rank, world, *extra, conn)` for each rank in `members`, each in a
+    process of its own from `pool`."""
+    started: list[tuple[mp.process.BaseProcess, Connection]] = []
+    clean = False
     try:
         for rank in members:
-            ours, theirs = CTX.Pipe()
-            proc = CTX.Process(target=target, args=(name, rank, world, *extra, theirs))
-            proc.start()
-            started.append((proc, ours))
+            proc, conn = pool.take()
+            started.append((proc, conn))
+            conn.send((target.__name__, (name, rank, world, *extra)))
         yield started
+        clean = True
     finally:
-        for proc, _ in started:
-            if proc.is_alive() and proc.pid is not None:
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.join(10)
+        for proc, conn in started:
+            pool.give_back(proc, conn, clean)
 
 
 def fixed_order_sum(world: int, n: int, dtype: str) -> torch.Tensor:
@@ -62,10 +112,10 @@ def fixed_order_sum(world: int, n: int, dtype: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_collectives_agree_bit_for_bit_on_every_rank(world: int) -> None:
+def test_collectives_agree_bit_for_bit_on_every_rank(pool: Pool, world: int) -> None:
     n = 32 * 576  # a decode step's batch of hidden states; chunked by the 4 KiB buffer
     with segment(world, buffer_bytes=4096, p2p=True) as name, \
-            ranks(workers.collectives, name, world, list(range(world)), n) as procs:
+            ranks(pool, workers.collectives, name, world, list(range(world)), n) as procs:
         results = [conn.recv() for _, conn in procs]
     for dtype in workers.DTYPES:
         sums = [workers.unpack(r[0][dtype]) for r in results]
@@ -94,11 +144,11 @@ def check_sums(sums: list[torch.Tensor | None], world: int, n: int, dtype: str) 
     torch.testing.assert_close(expected.float(), stacked.sum(0).to(expected.dtype).float())
 
 
-def test_broadcasts_and_messages_run_depth_ahead_of_their_reader() -> None:
+def test_broadcasts_and_messages_run_depth_ahead_of_their_reader(pool: Pool) -> None:
     """Pipeline parallel: rank 0 broadcasts the next batches while the last stage still works.
     With depth 3, three broadcasts and three messages go out before rank 1 reads any."""
     with segment(2, p2p=True, depth=3) as name, \
-            ranks(workers.read_when_told, name, 2, [1], 6) as procs:
+            ranks(pool, workers.read_when_told, name, 2, [1], 6) as procs:
         conn = procs[0][1]
         group = ShmGroup.attach(name, 0, 2, timeout_s=30)
         assert conn.recv() == "attached"
@@ -114,8 +164,9 @@ def test_broadcasts_and_messages_run_depth_ahead_of_their_reader() -> None:
         group.close()
 
 
-def test_a_root_waits_once_depth_broadcasts_are_unread() -> None:
-    with segment(2, depth=2) as name, ranks(workers.read_when_told, name, 2, [1], 3) as procs:
+def test_a_root_waits_once_depth_broadcasts_are_unread(pool: Pool) -> None:
+    with segment(2, depth=2) as name, \
+            ranks(pool, workers.read_when_told_or_released, name, 2, [1], 3) as procs:
         group = ShmGroup.attach(name, 0, 2, timeout_s=30)
         assert procs[0][1].recv() == "attached"
         group.broadcast_bytes(b"one", timeout_s=5)
@@ -123,10 +174,11 @@ def test_a_root_waits_once_depth_broadcasts_are_unread() -> None:
         with pytest.raises(RankFailedError, match=r"rank 1 .* did not reach the collective"):
             group.broadcast_bytes(b"three", timeout_s=0.3)
         group.close()
+        procs[0][1].send(workers.RELEASE)  # it read nothing; back to the pool
 
 
-def test_a_peer_that_never_arrives_times_out_naming_it() -> None:
-    with segment(2) as name, ranks(workers.reduce_then_hang, name, 2, [1]) as procs:
+def test_a_peer_that_never_arrives_times_out_naming_it(pool: Pool) -> None:
+    with segment(2) as name, ranks(pool, workers.reduce_then_wait, name, 2, [1]) as procs:
         group = ShmGroup.attach(name, 0, 2, timeout_s=30)
         group.all_reduce(torch.ones(8))
         assert procs[0][1].recv() == "reduced"
@@ -139,13 +191,14 @@ def test_a_peer_that_never_arrives_times_out_naming_it() -> None:
         with pytest.raises(RankFailedError, match="reported failed"):  # the group stays failed
             group.barrier()
         group.close()
+        procs[0][1].send(workers.RELEASE)  # alive all along; back to the pool
 
 
-def test_a_sigkilled_peer_is_detected_by_every_rank_within_2_s() -> None:
+def test_a_sigkilled_peer_is_detected_by_every_rank_within_2_s(pool: Pool) -> None:
     """Rank 2 dies while rank 0 (this process) and rank 1 wait for it in an all_reduce; it is
     a zombie child of this process until the end, which kill(pid, 0) alone would miss."""
-    with segment(3) as name, ranks(workers.reduce_then_report, name, 3, [1]) as reporter, \
-            ranks(workers.reduce_then_hang, name, 3, [2]) as victim:
+    with segment(3) as name, ranks(pool, workers.reduce_then_report, name, 3, [1]) as reporter, \
+            ranks(pool, workers.reduce_then_hang, name, 3, [2]) as victim:
         group = ShmGroup.attach(name, 0, 3, timeout_s=30)
         group.all_reduce(torch.ones(8))
         assert reporter[0][1].recv() == "reduced" and victim[0][1].recv() == "reduced"
@@ -173,9 +226,9 @@ def test_a_sigkilled_peer_is_detected_by_every_rank_within_2_s() -> None:
         group.close()
 
 
-def test_an_idle_worker_leaves_its_wait_when_rank_0_dies() -> None:
-    with segment(2) as name, ranks(workers.attach_and_hang, name, 2, [0]) as root, \
-            ranks(workers.idle_wait_for_broadcast, name, 2, [1]) as idle:
+def test_an_idle_worker_leaves_its_wait_when_rank_0_dies(pool: Pool) -> None:
+    with segment(2) as name, ranks(pool, workers.attach_and_hang, name, 2, [0]) as root, \
+            ranks(pool, workers.idle_wait_for_broadcast, name, 2, [1]) as idle:
         assert root[0][1].recv() == "attached" and idle[0][1].recv() == "attached"
         root_pid = root[0][0].pid
         assert root_pid is not None
