@@ -14,14 +14,19 @@ from typing import Any
 import httpx
 import pytest
 from cluster_process import start_cluster, wait_until
+from harness import loopback
 
 from strata.sim.profile import LatencyProfile
 
 MODEL = "sim-model"
-# 8 running slots; a 20-token answer takes about 0.5 s: one instance serves about 16 requests/s
+# 8 running slots; a 20-token answer takes about 1 s: one instance serves about 8 requests/s, so
+# the step to 18 requests/s needs 3 of them (as many requests in flight as twice the rate at
+# half the time would keep, in half the requests, and half the CPU, of that)
 PROFILE = LatencyProfile(model=MODEL, source="synthetic", prefill_ms_base=1.0,
-                         prefill_ms_per_token=0.05, decode_ms_base=20.0, decode_ms_per_seq=0.5)
-PHASES = ((10.0, 4.0), (35.0, 36.0), (45.0, 4.0))  # (seconds, requests/s)
+                         prefill_ms_per_token=0.05, decode_ms_base=40.0, decode_ms_per_seq=1.0)
+# (seconds, requests/s): on a busy 2-core machine the peak came 3 s into the step, and the way
+# back down (the rate's 5 s window, then the dwell) 8 s after its end
+PHASES = ((6.0, 2.0), (18.0, 18.0), (20.0, 2.0))
 
 
 BODY = {"model": MODEL, "prompt": "the world of", "max_tokens": 20, "ignore_eos": True,
@@ -84,7 +89,7 @@ def wait_desired(url: str, num: int, timeout_s: float) -> bool:
     """Whether the autoscaler's desired replicas reach `num` within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
+        text = loopback.get(f"{url}/metrics", timeout=10).text
         found = re.search(r"^strata:autoscaler_desired_replicas (\S+)$", text, re.M)
         if found and int(float(found.group(1))) == num:
             return True
@@ -108,8 +113,8 @@ def test_the_fleet_grows_and_shrinks_with_a_load_step_and_loses_no_request(
         # below their profile, and the backlog of the step takes longer to clear
         "--gateway-arg=--queue-timeout-s=40"], tmp_path, replicas=1)
     try:
-        first = answer_of(httpx.post(f"{cluster.url}/v1/completions", json=BODY,
-                                     timeout=60).json())
+        first = answer_of(loopback.post(f"{cluster.url}/v1/completions", json=BODY,
+                                        timeout=60).json())
         assert first[1:] == ("length", 20) and len(first[0].split()) >= 10, first
         statuses, answers, desired, errors = asyncio.run(drive(cluster.url))
         counts = [n for _, n in desired]
@@ -122,7 +127,7 @@ def test_the_fleet_grows_and_shrinks_with_a_load_step_and_loses_no_request(
         assert wait_desired(cluster.url, 1, 60), counts
         peak = counts.index(3)
         assert all(n == 1 for n in counts[:3]) and max(counts[peak:]) == 3
-        wait_until(lambda: sum(i["routable"] for i in cluster.instances().values()) == 1, 60,
-                   "one routable instance")
+        wait_until(lambda: sum(i["routable"] for i in loopback.instances(cluster).values()) == 1,
+                   60, "one routable instance")
     finally:
         assert cluster.stop() == 0

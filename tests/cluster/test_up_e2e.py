@@ -20,7 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 from cluster_process import Cluster, start_cluster, wait_until
-from harness.procs import http_ok
+from harness import loopback
+from harness.procs import Proc, spawn
 from openai import OpenAI
 from serve_process import shared_model_cache
 
@@ -88,10 +89,10 @@ async def all_flowing(streams: list[StreamResult], timeout_s: float = 30) -> Non
     await asyncio.wait_for(asyncio.gather(*(s.flowing.wait() for s in streams)), timeout_s)
 
 
-def gateway_counter(cluster: Cluster, name: str, instance: str | None = None) -> float:
+def gateway_counter(cluster: Cluster | Proc, name: str, instance: str | None = None) -> float:
     """A counter of the gateway's /metrics, summed over its labels or of one instance's
     (0 if never incremented)."""
-    text = httpx.get(f"{cluster.url}/metrics", timeout=5).text
+    text = loopback.get(f"{cluster.url}/metrics", timeout=5).text
     prefix = f"strata:{name}_total" + (f'{{instance="{instance}"}}' if instance else "")
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(prefix))
@@ -99,7 +100,7 @@ def gateway_counter(cluster: Cluster, name: str, instance: str | None = None) ->
 
 def resumed(cluster: Cluster) -> float:
     """Streams the gateway resumed on another instance after theirs failed."""
-    text = httpx.get(f"{cluster.url}/metrics", timeout=5).text
+    text = loopback.get(f"{cluster.url}/metrics", timeout=5).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith('strata:gateway_stream_resumes_total{outcome="resumed"}'))
 
@@ -112,11 +113,11 @@ def test_openai_client_through_the_gateway_spreads_over_instances(cluster: Clust
     assert chat.usage is not None and chat.usage.completion_tokens == 6
     stream = client.completions.create(model=MODEL, prompt="hi", max_tokens=5, stream=True)
     assert sum(1 for chunk in stream if chunk.choices and chunk.choices[0].text) >= 1
-    served_by = {httpx.post(f"{cluster.url}/v1/completions", timeout=30,
+    served_by = {loopback.post(f"{cluster.url}/v1/completions", timeout=30,
                             json={"model": MODEL, "prompt": "x", "max_tokens": 2}
                             ).headers["x-strata-instance"] for _ in range(12)}
     assert len(served_by) >= 2
-    states = httpx.get(f"{cluster.url}/v1/models").json()["data"]
+    states = loopback.get(f"{cluster.url}/v1/models").json()["data"]
     assert [m["id"] for m in states] == [MODEL]
 
 
@@ -150,44 +151,118 @@ def test_sigkill_under_load_fails_over_and_the_instance_rejoins(cluster: Cluster
     assert resumed(cluster) - resumed_before == num_broken, "each broken stream was resumed"
 
     def ejected() -> bool:
-        view = cluster.instances().get(victim)
+        view = loopback.instances(cluster).get(victim)
         return view is None or not view["routable"]
 
     wait_until(ejected, 10, f"{victim} ejected")
-    wait_until(lambda: cluster.instances().get(victim, {}).get("routable", False), 90,
+    wait_until(lambda: loopback.instances(cluster).get(victim, {}).get("routable", False), 90,
                f"{victim} back after its restart")
     assert cluster.pids()[victim] != killed_pid, "the supervisor restarted it as a new process"
 
 
 def test_a_request_sent_to_an_instance_that_just_died_is_retried_on_another(
-        tmp_path: Path) -> None:
-    """Round robin over two instances and no active health check in the story's time: of two
-    requests after a SIGKILL, at least one is sent to the dead instance, fails to connect and
-    is retried on the other; both succeed, and every retry is a failed attempt on the dead one."""
-    PROFILE.save(tmp_path / "profile.json")
-    two = start_cluster(["--simulate", str(tmp_path / "profile.json"), "--served-model-name",
-                         MODEL, "--policy", "round_robin",
-                         "--gateway-arg=--health-check-interval-s=60"], tmp_path, replicas=2)
+        cluster: Cluster) -> None:
+    """A gateway of its own on the cluster's registry, round robin over the three instances and
+    no active health check in the story's time: of three requests after a SIGKILL, at least one
+    is sent to the dead instance, fails to connect and is retried on another; all succeed, and
+    every retry is a failed attempt on the dead one."""
+    wait_until(lambda: sum(i["routable"] for i in loopback.instances(cluster).values()) == 3, 90,
+               "3 routable instances")
+    gateway = spawn("gateway-rr", [sys.executable, "-m", "strata.cli", "gateway", "--port", "0",
+                                   "--registry", f"sqlite:///{cluster.run_dir / 'registry.db'}",
+                                   "--policy", "round_robin", "--health-check-interval-s", "60",
+                                   "--log-level", "warning"], cluster.run_dir / "logs")
     try:
+        gateway.url = gateway.wait_for_output(r"Strata gateway on (http://\S+) ", 60).group(1)
+        gateway.wait_until(lambda: len(loopback.instances(gateway)) == 3, 30,
+                           "3 instances in the round-robin gateway")
         victim = "sim-model-default-0"
-        victim_url = two.instances()[victim]["url"]
-        retries_before = gateway_counter(two, "gateway_retries")
-        os.kill(two.pids()[victim], signal.SIGKILL)
-        wait_until(lambda: not http_ok(f"{victim_url}/health"), 10, f"{victim} to be dead")
-        answers = [httpx.post(f"{two.url}/v1/completions", timeout=30,
-                              json={"model": MODEL, "prompt": "x", "max_tokens": 2})
-                   for _ in range(2)]
-        assert [a.status_code for a in answers] == [200, 200]
-        assert {a.headers["x-strata-instance"] for a in answers} == {"sim-model-default-1"}
-        num_retries = gateway_counter(two, "gateway_retries") - retries_before
-        assert num_retries >= 1  # one or both (round robin may point at it twice)
-        assert gateway_counter(two, "gateway_upstream_failures", victim) == num_retries
+        victim_url = loopback.instances(gateway)[victim]["url"]
+        retries_before = gateway_counter(gateway, "gateway_retries")
+        killed = {victim: cluster.pids()[victim]}
+        os.kill(killed[victim], signal.SIGKILL)
+        wait_until(lambda: not loopback.http_ok(f"{victim_url}/health"), 10, f"{victim} to be dead")
+        answers = [loopback.post(f"{gateway.url}/v1/completions", timeout=30,
+                                 json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+                   for _ in range(3)]  # round robin over three: one of them was the dead one
+        assert [a.status_code for a in answers] == [200, 200, 200]
+        assert victim not in {a.headers["x-strata-instance"] for a in answers}
+        num_retries = gateway_counter(gateway, "gateway_retries") - retries_before
+        assert num_retries >= 1  # one or more (round robin may point at it again)
+        assert gateway_counter(gateway, "gateway_upstream_failures", victim) == num_retries
     finally:
-        assert two.stop() == 0
+        gateway.stop(timeout_s=30)
+    wait_until(lambda: _restarted(cluster, killed), 30, f"{victim} restarted")  # left whole
+
+
+def whole(cluster: Cluster) -> bool:
+    """Every instance process of the cluster alive, and routable at its gateway (3)."""
+    pids = [pid for name, pid in cluster.pids().items() if name.startswith(MODEL)]
+    return (len(pids) == 3 and all(_is_alive(pid) for pid in pids)
+            and sum(i["routable"] for i in loopback.instances(cluster).values()) == 3)
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_every_instance_killed_at_once_under_load_fails_no_request(cluster: Cluster) -> None:
+    """An outage shorter than a start is invisible: every instance SIGKILLed at once while four
+    clients send non-streaming requests; the supervisor restarts them, and every request that
+    found the fleet down waits at the gateway for an instance to come back instead of a 502.
+    (On the module's cluster, before the drain story, which leaves one instance drained.)"""
+    wait_until(lambda: whole(cluster), 90, "every instance up and routable")
+    pids = {name: pid for name, pid in cluster.pids().items() if name.startswith(MODEL)}
+    assert len(pids) == 3
+    waits_before = gateway_counter(cluster, "gateway_recovery_waits")
+    timed_out_before = recovery_waits_timed_out(cluster)
+    statuses: list[tuple[float, int]] = []
+    stop_at = [time.monotonic() + 600.0]
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        while time.monotonic() < stop_at[0]:
+            answer = await client.post("/v1/completions", json={
+                "model": MODEL, "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
+            statuses.append((time.monotonic(), answer.status_code))
+
+    async def story() -> float:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as client:
+            loops = [asyncio.create_task(client_loop(client)) for _ in range(4)]
+            while len(statuses) < 20:  # the load is flowing
+                await asyncio.sleep(0.05)
+            killed_at = time.monotonic()
+            for pid in pids.values():
+                os.kill(pid, signal.SIGKILL)
+            while not _restarted(cluster, pids) or len(
+                    [t for t, _ in statuses if t > killed_at]) < 20:
+                assert time.monotonic() < killed_at + 180, "the fleet did not come back"
+                await asyncio.sleep(0.2)
+            stop_at[0] = time.monotonic()
+            await asyncio.gather(*loops)
+            return killed_at
+
+    killed_at = asyncio.run(story())
+    assert [code for _, code in statuses if code != 200] == []
+    assert len([t for t, _ in statuses if t > killed_at]) >= 20  # served after the kill
+    # some found it down, and none waited in vain
+    assert gateway_counter(cluster, "gateway_recovery_waits") - waits_before >= 1
+    assert recovery_waits_timed_out(cluster) == timed_out_before == 0.0
+
+
+def recovery_waits_timed_out(cluster: Cluster) -> float | None:
+    """The gateway's count of requests that waited for a recovery in vain (None: no such line)."""
+    text = loopback.get(f"{cluster.url}/metrics", timeout=5).text
+    prefix = 'strata:gateway_recovery_waits_total{outcome="timed_out"} '
+    return next((float(line[len(prefix):]) for line in text.splitlines()
+                 if line.startswith(prefix)), None)
 
 
 def test_drain_loses_no_request(cluster: Cluster) -> None:
-    wait_until(lambda: sum(i["routable"] for i in cluster.instances().values()) == 3, 90,
+    wait_until(lambda: sum(i["routable"] for i in loopback.instances(cluster).values()) == 3, 90,
                "3 routable instances")
     target = "sim-model-default-2"
 
@@ -230,7 +305,7 @@ def test_a_restarted_cluster_keeps_the_catalogue_and_serves_what_its_flags_say(
     second = start_cluster(["--simulate", "smollm2-cpu", "--model-version", "v2",
                             "--replicas", "1"], tmp_path)
     try:
-        assert list(second.instances()) == ["SmolLM2-135M-Instruct-v2-0"]
+        assert list(loopback.instances(second)) == ["SmolLM2-135M-Instruct-v2-0"]
         catalogue, deployments, routing = asyncio.run(registry_state(registry_url))
         assert catalogue == ["SmolLM2-135M-Instruct@v1", "SmolLM2-135M-Instruct@v2"]
         assert deployments == ["SmolLM2-135M-Instruct@v2"]
@@ -272,53 +347,6 @@ def test_up_serves_the_default_model_through_the_gateway(tmp_path: Path) -> None
         assert "Paris" in (reply.choices[0].message.content or "")
     finally:
         assert started.stop() == 0
-
-
-def test_every_instance_killed_at_once_under_load_fails_no_request(tmp_path: Path) -> None:
-    """An outage shorter than a start is invisible: both instances SIGKILLed at once while four
-    clients send non-streaming requests; the supervisor restarts them, and every request that
-    found the fleet down waits at the gateway for an instance to come back instead of a 502."""
-    PROFILE.save(tmp_path / "profile.json")
-    two = start_cluster(["--simulate", str(tmp_path / "profile.json"), "--served-model-name",
-                         MODEL], tmp_path, replicas=2)
-    try:
-        wait_until(lambda: sum(i["routable"] for i in two.instances().values()) == 2, 90,
-                   "both instances routable")
-        pids = {name: pid for name, pid in two.pids().items() if name.startswith(MODEL)}
-        assert len(pids) == 2
-        statuses: list[tuple[float, int]] = []
-        stop_at = [time.monotonic() + 600.0]
-
-        async def client_loop(client: httpx.AsyncClient) -> None:
-            while time.monotonic() < stop_at[0]:
-                answer = await client.post("/v1/completions", json={
-                    "model": MODEL, "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
-                statuses.append((time.monotonic(), answer.status_code))
-
-        async def story() -> float:
-            async with httpx.AsyncClient(base_url=two.url, timeout=120) as client:
-                loops = [asyncio.create_task(client_loop(client)) for _ in range(4)]
-                while len(statuses) < 20:  # the load is flowing
-                    await asyncio.sleep(0.05)
-                killed_at = time.monotonic()
-                for pid in pids.values():
-                    os.kill(pid, signal.SIGKILL)
-                while not _restarted(two, pids) or len(
-                        [t for t, _ in statuses if t > killed_at]) < 20:
-                    assert time.monotonic() < killed_at + 180, "the fleet did not come back"
-                    await asyncio.sleep(0.2)
-                stop_at[0] = time.monotonic()
-                await asyncio.gather(*loops)
-                return killed_at
-
-        killed_at = asyncio.run(story())
-        assert [code for _, code in statuses if code != 200] == []
-        assert len([t for t, _ in statuses if t > killed_at]) >= 20  # served after the kill
-        assert gateway_counter(two, "gateway_recovery_waits") >= 1  # some found it down
-        text = httpx.get(f"{two.url}/metrics", timeout=5).text
-        assert 'strata:gateway_recovery_waits_total{outcome="timed_out"} 0.0' in text
-    finally:
-        assert two.stop() == 0
 
 
 def _restarted(cluster: Cluster, killed: dict[str, int]) -> bool:
