@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from cluster_process import start_cluster, wait_until
-from harness import loopback
+from harness import pooled_http
 
 from strata.sim.profile import LatencyProfile
 
@@ -89,7 +89,7 @@ def wait_desired(url: str, num: int, timeout_s: float) -> bool:
     """Whether the autoscaler's desired replicas reach `num` within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        text = loopback.get(f"{url}/metrics", timeout=10).text
+        text = pooled_http.get(f"{url}/metrics", timeout=10).text
         found = re.search(r"^strata:autoscaler_desired_replicas (\S+)$", text, re.M)
         if found and int(float(found.group(1))) == num:
             return True
@@ -113,7 +113,7 @@ def test_the_fleet_grows_and_shrinks_with_a_load_step_and_loses_no_request(
         # below their profile, and the backlog of the step takes longer to clear
         "--gateway-arg=--queue-timeout-s=40"], tmp_path, replicas=1)
     try:
-        first = answer_of(loopback.post(f"{cluster.url}/v1/completions", json=BODY,
+        first = answer_of(pooled_http.post(f"{cluster.url}/v1/completions", json=BODY,
                                         timeout=60).json())
         assert first[1:] == ("length", 20) and len(first[0].split()) >= 10, first
         statuses, answers, desired, errors = asyncio.run(drive(cluster.url))
@@ -127,7 +127,7 @@ def test_the_fleet_grows_and_shrinks_with_a_load_step_and_loses_no_request(
         assert wait_desired(cluster.url, 1, 60), counts
         peak = counts.index(3)
         assert all(n == 1 for n in counts[:3]) and max(counts[peak:]) == 3
-        wait_until(lambda: sum(i["routable"] for i in loopback.instances(cluster).values()) == 1,
+        wait_until(lambda: sum(i["routable"] for i in cluster.instances().values()) == 1,
                    60, "one routable instance")
     finally:
         assert cluster.stop() == 0

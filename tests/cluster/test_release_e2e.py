@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 import pytest
 from cluster_process import Cluster, start_cluster, wait_until
-from harness import loopback
+from harness import pooled_http
 from harness.checks import completion_failure
 from harness.procs import Proc, spawn
 
@@ -168,12 +168,12 @@ def profiles(cluster: Cluster) -> Path:
 
 
 def routing(cluster: Cluster) -> dict:
-    return loopback.get(f"{cluster.url}/admin/models", timeout=5).json()["models"][0]["routing"]
+    return pooled_http.get(f"{cluster.url}/admin/models", timeout=5).json()["models"][0]["routing"]
 
 
 def versions(cluster: Cluster) -> list[str]:
     """The version of each of the cluster's instances."""
-    return [i["version"] for i in loopback.instances(cluster).values()]
+    return [i["version"] for i in cluster.instances().values()]
 
 
 def live_version(cluster: Cluster) -> str:
@@ -182,7 +182,7 @@ def live_version(cluster: Cluster) -> str:
 
 def settled(cluster: Cluster) -> bool:
     """No release under way: 2 routable instances, all of the live version, no canary."""
-    live, instances = routing(cluster), list(loopback.instances(cluster).values())
+    live, instances = routing(cluster), list(cluster.instances().values())
     return (live["canary"] is None and len(instances) == 2
             and all(i["version"] == live["live"] and i["routable"] for i in instances))
 
@@ -209,20 +209,20 @@ def second_gateway(cluster: Cluster) -> Proc:
                               "--registry", f"sqlite:///{cluster.run_dir / 'registry.db'}",
                               "--log-level", "warning"], cluster.run_dir / "logs")
     proc.url = proc.wait_for_output(r"Strata gateway on (http://\S+) ", 60).group(1)
-    proc.wait_until(lambda: loopback.http_ok(f"{proc.url}/ready"), 30,
+    proc.wait_until(lambda: pooled_http.ok(f"{proc.url}/ready"), 30,
                     "the second gateway's /ready")
     return proc
 
 
 def chat_turn(url: str, session: str, text: str) -> httpx.Response:
     body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4}
-    return loopback.post(f"{url}/v1/chat/completions", json=body, timeout=30,
+    return pooled_http.post(f"{url}/v1/chat/completions", json=body, timeout=30,
                       headers={"X-Session-Id": session})
 
 
 def cached_call(url: str) -> httpx.Response:
     body = {"model": MODEL, "prompt": "the same question", "max_tokens": 6, "temperature": 0}
-    return loopback.post(f"{url}/v1/completions", json=body, timeout=30)
+    return pooled_http.post(f"{url}/v1/completions", json=body, timeout=30)
 
 
 @dataclass
@@ -352,7 +352,7 @@ def test_a_slow_canary_is_rolled_back_automatically(cluster: Cluster) -> None:
                                              "rolling_back", "rolled_back"]
     assert [s for s in samples if s.failure is not None] == []
     assert f"{MODEL}@v3" in {s.version for s in samples}  # the canary did take traffic
-    models = loopback.get(f"{cluster.url}/admin/models", timeout=5).json()["models"][0]
+    models = pooled_http.get(f"{cluster.url}/admin/models", timeout=5).json()["models"][0]
     assert (models["routing"]["live"], models["routing"]["canary"]) == (live, None)
     wait_until(lambda: set(versions(cluster)) == {live}, 30,
                "the canary's instances to retire")
@@ -378,7 +378,7 @@ def test_a_gateway_killed_mid_release_is_resumed_to_a_consistent_end(
     assert follow.returncode == 0 and "is live" in follow.stdout
     wait_until(lambda: set(versions(cluster)) == {"v4"}, 30,
                "only v4 instances")
-    answer = loopback.post(f"{cluster.url}/v1/completions", timeout=30,
+    answer = pooled_http.post(f"{cluster.url}/v1/completions", timeout=30,
                         json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
     assert answer.headers["x-model-version"] == f"{MODEL}@v4"
 
@@ -409,7 +409,7 @@ def test_a_canary_slow_only_at_another_gateway_is_rolled_back(cluster: Cluster) 
     assert {s.version for s in samples} == {f"{MODEL}@{live}", f"{MODEL}@v5"}
     print(f"pooled canary: {len(samples)} requests through the second gateway, "
           f"{sum(s.version.endswith('@v5') for s in samples)} on the canary, 0 failed")
-    models = loopback.get(f"{cluster.url}/admin/models", timeout=5).json()["models"][0]
+    models = pooled_http.get(f"{cluster.url}/admin/models", timeout=5).json()["models"][0]
     assert (models["routing"]["live"], models["routing"]["canary"]) == (live, None)
 
 
@@ -457,7 +457,7 @@ def test_rollback_while_the_old_version_retires_brings_it_back(streamy_cluster: 
     final = releases(cluster)[-1]
     assert [s for s, _ in final.history] == ["pending", "starting", "warming", "flipping",
                                              "retiring", "rolling_back", "rolled_back"]
-    models = loopback.get(f"{cluster.url}/admin/models", timeout=5).json()["models"][0]
+    models = pooled_http.get(f"{cluster.url}/admin/models", timeout=5).json()["models"][0]
     assert (models["routing"]["live"], models["routing"]["previous"]) == ("v1", "v2")
     wait_until(lambda: set(versions(cluster)) == {"v1"}, 30,
                "only v1 instances")
@@ -470,6 +470,6 @@ def test_rollback_while_the_old_version_retires_brings_it_back(streamy_cluster: 
     # the load stopped above: what is left of the stream flows alone
     streamer.join(timeout=120)
     assert outcome == {"failure": None}  # the draining instance finished its stream
-    answer = loopback.post(f"{cluster.url}/v1/completions", timeout=30,
+    answer = pooled_http.post(f"{cluster.url}/v1/completions", timeout=30,
                         json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
     assert answer.headers["x-model-version"] == f"{MODEL}@v1"

@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import pytest
 import redis as redis_client
-from harness import loopback
+from harness import pooled_http
 from harness.procs import Proc, wait_until
 from redis_server import RedisServer
 from tiny_models import make_tiny_model_dir
@@ -97,7 +97,7 @@ def start_all(procs: list[Proc]) -> None:
 
 def num_routable(gateway_url: str) -> int:
     try:
-        listed = loopback.get(f"{gateway_url}/admin/instances", timeout=2).json()["instances"]
+        listed = pooled_http.get(f"{gateway_url}/admin/instances", timeout=2).json()["instances"]
     except (httpx.HTTPError, ValueError, KeyError):
         return 0
     return sum(1 for i in listed if not i.get("ejected") and i.get("state", "ready") == "ready")
@@ -110,7 +110,7 @@ def is_routable(gateway_url: str, num: int) -> bool:
 def chat(url: str, messages: list[dict[str, str]], session: str | None = None) -> httpx.Response:
     headers = {"X-Session-Id": session} if session else {}
     body = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
-    return loopback.post(f"{url}/v1/chat/completions", json=body, headers=headers,
+    return pooled_http.post(f"{url}/v1/chat/completions", json=body, headers=headers,
                          timeout=REQUEST_TIMEOUT_S)
 
 
@@ -201,7 +201,7 @@ def test_every_turn_sees_the_whole_history_while_each_answering_instance_is_kill
         restarting = victim
     assert len(set(answered_by)) >= 2  # the conversation really moved
     assert set(answered_by[2:]) & set(answered_by[:2]), answered_by  # and met a restarted one
-    stored = loopback.get(f"{fleet.gateways[0].url}/v1/sessions/story", timeout=10).json()
+    stored = pooled_http.get(f"{fleet.gateways[0].url}/v1/sessions/story", timeout=10).json()
     assert [m["content"] for m in stored["messages"][1::2]] == [a for a, _ in reference]
 
 
@@ -213,7 +213,7 @@ def test_acknowledged_turns_survive_a_redis_crash(fleet: Fleet) -> None:
     assert turns.failed, "no turn overlapped the crash: the story did not happen"
     assert len(turns.acked_after_restart) >= 3, turns  # turns succeed once Redis is back
     assert turns.outcomes[-3:] == [True, True, True], turns
-    stored = loopback.get(f"{fleet.instances['inst-0'].url}/v1/sessions/crash",
+    stored = pooled_http.get(f"{fleet.instances['inst-0'].url}/v1/sessions/crash",
                           timeout=10).json()["messages"]
     assert_history_holds(stored, turns.acked)
 
@@ -321,7 +321,7 @@ def test_the_appendfsync_flag_keeps_turns_across_a_crash_of_a_redis_started_with
         after = chat(instance.url, [user_message(4)], session="durable")
         assert after.status_code == 200, after.text
         assert after.headers["x-session-revision"] == "5"
-        stored = loopback.get(f"{instance.url}/v1/sessions/durable",
+        stored = pooled_http.get(f"{instance.url}/v1/sessions/durable",
                               timeout=10).json()["messages"]
         assert [m["content"] for m in stored[0::2]] == [user_message(n)["content"]
                                                        for n in range(5)]

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from cluster_process import Cluster, start_cluster, wait_until
-from harness import loopback
+from harness import pooled_http
 from harness.procs import Proc, spawn
 from openai import OpenAI
 from serve_process import shared_model_cache
@@ -92,7 +92,7 @@ async def all_flowing(streams: list[StreamResult], timeout_s: float = 30) -> Non
 def gateway_counter(cluster: Cluster | Proc, name: str, instance: str | None = None) -> float:
     """A counter of the gateway's /metrics, summed over its labels or of one instance's
     (0 if never incremented)."""
-    text = loopback.get(f"{cluster.url}/metrics", timeout=5).text
+    text = pooled_http.get(f"{cluster.url}/metrics", timeout=5).text
     prefix = f"strata:{name}_total" + (f'{{instance="{instance}"}}' if instance else "")
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(prefix))
@@ -100,7 +100,7 @@ def gateway_counter(cluster: Cluster | Proc, name: str, instance: str | None = N
 
 def resumed(cluster: Cluster) -> float:
     """Streams the gateway resumed on another instance after theirs failed."""
-    text = loopback.get(f"{cluster.url}/metrics", timeout=5).text
+    text = pooled_http.get(f"{cluster.url}/metrics", timeout=5).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith('strata:gateway_stream_resumes_total{outcome="resumed"}'))
 
@@ -113,11 +113,11 @@ def test_openai_client_through_the_gateway_spreads_over_instances(cluster: Clust
     assert chat.usage is not None and chat.usage.completion_tokens == 6
     stream = client.completions.create(model=MODEL, prompt="hi", max_tokens=5, stream=True)
     assert sum(1 for chunk in stream if chunk.choices and chunk.choices[0].text) >= 1
-    served_by = {loopback.post(f"{cluster.url}/v1/completions", timeout=30,
+    served_by = {pooled_http.post(f"{cluster.url}/v1/completions", timeout=30,
                             json={"model": MODEL, "prompt": "x", "max_tokens": 2}
                             ).headers["x-strata-instance"] for _ in range(12)}
     assert len(served_by) >= 2
-    states = loopback.get(f"{cluster.url}/v1/models").json()["data"]
+    states = pooled_http.get(f"{cluster.url}/v1/models").json()["data"]
     assert [m["id"] for m in states] == [MODEL]
 
 
@@ -151,11 +151,11 @@ def test_sigkill_under_load_fails_over_and_the_instance_rejoins(cluster: Cluster
     assert resumed(cluster) - resumed_before == num_broken, "each broken stream was resumed"
 
     def ejected() -> bool:
-        view = loopback.instances(cluster).get(victim)
+        view = cluster.instances().get(victim)
         return view is None or not view["routable"]
 
     wait_until(ejected, 10, f"{victim} ejected")
-    wait_until(lambda: loopback.instances(cluster).get(victim, {}).get("routable", False), 90,
+    wait_until(lambda: cluster.instances().get(victim, {}).get("routable", False), 90,
                f"{victim} back after its restart")
     assert cluster.pids()[victim] != killed_pid, "the supervisor restarted it as a new process"
 
@@ -166,7 +166,7 @@ def test_a_request_sent_to_an_instance_that_just_died_is_retried_on_another(
     no active health check in the story's time: of three requests after a SIGKILL, at least one
     is sent to the dead instance, fails to connect and is retried on another; all succeed, and
     every retry is a failed attempt on the dead one."""
-    wait_until(lambda: sum(i["routable"] for i in loopback.instances(cluster).values()) == 3, 90,
+    wait_until(lambda: sum(i["routable"] for i in cluster.instances().values()) == 3, 90,
                "3 routable instances")
     gateway = spawn("gateway-rr", [sys.executable, "-m", "strata.cli", "gateway", "--port", "0",
                                    "--registry", f"sqlite:///{cluster.run_dir / 'registry.db'}",
@@ -174,15 +174,15 @@ def test_a_request_sent_to_an_instance_that_just_died_is_retried_on_another(
                                    "--log-level", "warning"], cluster.run_dir / "logs")
     try:
         gateway.url = gateway.wait_for_output(r"Strata gateway on (http://\S+) ", 60).group(1)
-        gateway.wait_until(lambda: len(loopback.instances(gateway)) == 3, 30,
+        gateway.wait_until(lambda: len(gateway.instances()) == 3, 30,
                            "3 instances in the round-robin gateway")
         victim = "sim-model-default-0"
-        victim_url = loopback.instances(gateway)[victim]["url"]
+        victim_url = gateway.instances()[victim]["url"]
         retries_before = gateway_counter(gateway, "gateway_retries")
         killed = {victim: cluster.pids()[victim]}
         os.kill(killed[victim], signal.SIGKILL)
-        wait_until(lambda: not loopback.http_ok(f"{victim_url}/health"), 10, f"{victim} to be dead")
-        answers = [loopback.post(f"{gateway.url}/v1/completions", timeout=30,
+        wait_until(lambda: not pooled_http.ok(f"{victim_url}/health"), 10, f"{victim} to be dead")
+        answers = [pooled_http.post(f"{gateway.url}/v1/completions", timeout=30,
                                  json={"model": MODEL, "prompt": "x", "max_tokens": 2})
                    for _ in range(3)]  # round robin over three: one of them was the dead one
         assert [a.status_code for a in answers] == [200, 200, 200]
@@ -199,7 +199,7 @@ def whole(cluster: Cluster) -> bool:
     """Every instance process of the cluster alive, and routable at its gateway (3)."""
     pids = [pid for name, pid in cluster.pids().items() if name.startswith(MODEL)]
     return (len(pids) == 3 and all(_is_alive(pid) for pid in pids)
-            and sum(i["routable"] for i in loopback.instances(cluster).values()) == 3)
+            and sum(i["routable"] for i in cluster.instances().values()) == 3)
 
 
 def _is_alive(pid: int) -> bool:
@@ -255,14 +255,14 @@ def test_every_instance_killed_at_once_under_load_fails_no_request(cluster: Clus
 
 def recovery_waits_timed_out(cluster: Cluster) -> float | None:
     """The gateway's count of requests that waited for a recovery in vain (None: no such line)."""
-    text = loopback.get(f"{cluster.url}/metrics", timeout=5).text
+    text = pooled_http.get(f"{cluster.url}/metrics", timeout=5).text
     prefix = 'strata:gateway_recovery_waits_total{outcome="timed_out"} '
     return next((float(line[len(prefix):]) for line in text.splitlines()
                  if line.startswith(prefix)), None)
 
 
 def test_drain_loses_no_request(cluster: Cluster) -> None:
-    wait_until(lambda: sum(i["routable"] for i in loopback.instances(cluster).values()) == 3, 90,
+    wait_until(lambda: sum(i["routable"] for i in cluster.instances().values()) == 3, 90,
                "3 routable instances")
     target = "sim-model-default-2"
 
@@ -305,7 +305,7 @@ def test_a_restarted_cluster_keeps_the_catalogue_and_serves_what_its_flags_say(
     second = start_cluster(["--simulate", "smollm2-cpu", "--model-version", "v2",
                             "--replicas", "1"], tmp_path)
     try:
-        assert list(loopback.instances(second)) == ["SmolLM2-135M-Instruct-v2-0"]
+        assert list(second.instances()) == ["SmolLM2-135M-Instruct-v2-0"]
         catalogue, deployments, routing = asyncio.run(registry_state(registry_url))
         assert catalogue == ["SmolLM2-135M-Instruct@v1", "SmolLM2-135M-Instruct@v2"]
         assert deployments == ["SmolLM2-135M-Instruct@v2"]
