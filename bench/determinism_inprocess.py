@@ -17,12 +17,11 @@ import time
 import torch
 from strata_offline import CACHE_DIR, build_engine
 
-from strata.model.fetch import resolve_model
-from strata.model.loader import load_model
-
 from strata.engine.engine import Engine
 from strata.engine.request import Request, SamplingParams
 from strata.model import gemm
+from strata.model.fetch import resolve_model
+from strata.model.loader import load_model
 from strata.types import RequestId
 
 _ids = iter(range(1_000_000))
