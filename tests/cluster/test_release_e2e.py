@@ -392,7 +392,7 @@ def test_a_canary_slow_only_at_another_gateway_is_rolled_back(cluster: Cluster) 
         assert add.returncode == 0, add.stderr
         # every request goes through gateway2; the release is driven by the cluster's gateway,
         # which sees none of them: it judges the canary (and live) on gateway2's windows alone
-        load = Load([gateway2.url]).start()
+        load = Load([gateway2.url], pause_s=0.0).start()  # one gateway judges: every sample counts
         release = strata(cluster, "release", f"{MODEL}@v5", "--strategy", "canary", "--weight",
                          "0.5")
         samples = load.finish()

@@ -105,6 +105,12 @@ def resumed(cluster: Cluster) -> float:
                if line.startswith('strata:gateway_stream_resumes_total{outcome="resumed"}'))
 
 
+def instances_at(url: str) -> dict[str, dict]:
+    """A gateway's instances by id, as it lists them."""
+    body = pooled_http.get(f"{url}/admin/instances", timeout=5).json()
+    return {i["instance_id"]: i for i in body["instances"]}
+
+
 def test_openai_client_through_the_gateway_spreads_over_instances(cluster: Cluster) -> None:
     client = OpenAI(base_url=f"{cluster.url}/v1", api_key="unused")
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -174,10 +180,10 @@ def test_a_request_sent_to_an_instance_that_just_died_is_retried_on_another(
                                    "--log-level", "warning"], cluster.run_dir / "logs")
     try:
         gateway.url = gateway.wait_for_output(r"Strata gateway on (http://\S+) ", 60).group(1)
-        gateway.wait_until(lambda: len(gateway.instances()) == 3, 30,
+        gateway.wait_until(lambda: len(instances_at(gateway.url)) == 3, 30,
                            "3 instances in the round-robin gateway")
         victim = "sim-model-default-0"
-        victim_url = gateway.instances()[victim]["url"]
+        victim_url = instances_at(gateway.url)[victim]["url"]
         retries_before = gateway_counter(gateway, "gateway_retries")
         killed = {victim: cluster.pids()[victim]}
         os.kill(killed[victim], signal.SIGKILL)
