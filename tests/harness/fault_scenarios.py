@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -133,10 +134,19 @@ def heartbeats_resumed_s(url: str, since: float, num: int, timeout_s: float = 30
 def instance_freeze(place: Place, timing: Timing, size: LoadSize) -> FaultReport:
     """An instance SIGSTOPped for `fault_s` (its sockets stay open), then SIGCONTed, on a
     cluster of three started for it (`instance_freeze_on`)."""
-    args = up_args(place.root, 3, ["--session-store", f"sqlite:///{place.root}/sessions.db"])
+    return _on_own_cluster(place, 3, instance_freeze_on, timing, size)
+
+
+def _on_own_cluster(place: Place, num_instances: int,
+                    fault_on: Callable[[Proc, Path, str, Timing, LoadSize], FaultReport],
+                    timing: Timing, size: LoadSize) -> FaultReport:
+    """`fault_on` run on a `strata up` of `num_instances` (sessions in SQLite) started for it
+    and stopped after."""
+    args = up_args(place.root, num_instances,
+                   ["--session-store", f"sqlite:///{place.root}/sessions.db"])
     up = start_cluster(place, args)
     try:
-        return instance_freeze_on(up, place.root, command_line(args), timing, size)
+        return fault_on(up, place.root, command_line(args), timing, size)
     finally:
         stop_cluster(up)
 
@@ -266,12 +276,7 @@ def _heal(proxies: list[ChaosProxy]) -> None:
 def gateway_restart(place: Place, timing: Timing, size: LoadSize) -> FaultReport:
     """The gateway SIGKILLed under load; `strata up` restarts it on the same port (on a
     cluster of two started for it: `gateway_restart_on`)."""
-    args = up_args(place.root, 2, ["--session-store", f"sqlite:///{place.root}/sessions.db"])
-    up = start_cluster(place, args)
-    try:
-        return gateway_restart_on(up, place.root, command_line(args), timing, size)
-    finally:
-        stop_cluster(up)
+    return _on_own_cluster(place, 2, gateway_restart_on, timing, size)
 
 
 def gateway_restart_on(up: Proc, root: Path, command: str, timing: Timing,

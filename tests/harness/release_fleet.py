@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 import redis
 import uvicorn
+from server.live_server import serve_in_thread
 from starlette.applications import Starlette
 
 from harness.tcp_proxy import ChaosProxy
@@ -67,15 +68,7 @@ class Served:
 def serve(app: Starlette, sock: socket.socket | None = None) -> Served:
     sock = sock or bound_socket()
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("a server of the release fleet did not start")
-        time.sleep(0.01)
+    server, thread = serve_in_thread(app, sock, timeout_graceful_shutdown=2)
     return Served(server, thread, f"http://127.0.0.1:{port}")
 
 

@@ -7,11 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from bf16_rule import Run
-from model.parallel.parallel_helpers import MAX_TOKENS, make_engine, prompts
+from model.parallel.parallel_helpers import margin_runs
 
-from strata.engine.engine import Engine
 from strata.engine.executor import ModelExecutor
-from strata.engine.request import Request, SamplingParams
 from strata.model.config import ModelConfig
 from strata.model.executor import TorchExecutor
 from strata.model.loader import load_model
@@ -19,7 +17,6 @@ from strata.model.lora import LoraAdapter, load_adapter
 from strata.model.parallel.executor import ParallelExecutor
 from strata.model.parallel.layout import ParallelLayout
 from strata.model.parallel.shard_loader import prepare_model
-from strata.types import RequestId
 
 ADAPTERS = ("", "a", "b")  # prompt i runs on ADAPTERS[i % 3] ("": the base)
 
@@ -31,22 +28,11 @@ def adapters(paths: dict[str, Path], config: ModelConfig) -> list[LoraAdapter]:
 def runs(executor: ModelExecutor, vocab_size: int, digests: dict[str, str]) -> list[Run]:
     """Greedy runs of `prompts()` in one batch on the base, A and B by turns, with each
     position's top-2 margin."""
-    engine: Engine = make_engine(executor, vocab_size)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
-    for i, p in enumerate(prompts()):
+    def adapter_of(i: int) -> tuple[str, str]:
         name = ADAPTERS[i % 3]
-        engine.add_request(Request(RequestId(f"r{i}"), list(p), params, arrival_time=float(i),
-                                   lora_name=name, lora_digest=digests.get(name, "")))
-    found = {f"r{i}": Run([], [], []) for i in range(len(prompts()))}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            run = found[out.request_id]
-            run.tokens.extend(out.new_token_ids)
-            for lp in out.new_logprobs:
-                run.logprobs.append(lp.logprob)
-                run.margins.append(lp.top[0][1] - lp.top[1][1])
-        engine.check_integrity()
-    return list(found.values())
+        return name, digests.get(name, "")
+
+    return margin_runs(executor, vocab_size, adapter_of)
 
 
 def one_process(paths: dict[str, Path], dtype: str) -> list[Run]:

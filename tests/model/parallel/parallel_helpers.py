@@ -3,10 +3,12 @@ greedy runs that keep tokens and logprobs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bf16_rule import Run
 from tiny_models import make_tiny_model_dir
 
 from strata.engine.config import CacheConfig, SchedulerConfig
@@ -116,3 +118,26 @@ def rank_processes(pid: int) -> list[int]:
         if parent == pid and b"spawn_main" in cmdline:
             found.append(int(proc.name))
     return sorted(found)
+
+
+def margin_runs(executor: ModelExecutor, vocab_size: int,
+                adapter_of: Callable[[int], tuple[str, str]] | None = None) -> list[Run]:
+    """Greedy runs of `prompts()` in one batch with each position's top-2 margin (the bf16
+    rule's inputs); prompt i on the adapter `adapter_of(i)` gives, (name, digest), if any."""
+    engine: Engine = make_engine(executor, vocab_size)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    batch = prompts()
+    for i, p in enumerate(batch):
+        name, digest = adapter_of(i) if adapter_of is not None else ("", "")
+        engine.add_request(Request(RequestId(f"r{i}"), list(p), params, arrival_time=float(i),
+                                   lora_name=name, lora_digest=digest))
+    found = {f"r{i}": Run([], [], []) for i in range(len(batch))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            run = found[out.request_id]
+            run.tokens.extend(out.new_token_ids)
+            for lp in out.new_logprobs:
+                run.logprobs.append(lp.logprob)
+                run.margins.append(lp.top[0][1] - lp.top[1][1])
+        engine.check_integrity()
+    return [found[f"r{i}"] for i in range(len(batch))]

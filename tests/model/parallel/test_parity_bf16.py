@@ -8,45 +8,23 @@ from pathlib import Path
 
 import pytest
 from bf16_rule import Run, assert_bf16_agrees, parting
-from model.parallel.parallel_helpers import MAX_TOKENS, make_engine, prompts
+from model.parallel.parallel_helpers import MAX_TOKENS, margin_runs
 
-from strata.engine.engine import Engine
-from strata.engine.executor import ModelExecutor
-from strata.engine.request import Request, SamplingParams
 from strata.model.executor import TorchExecutor
 from strata.model.loader import load_model
 from strata.model.parallel.executor import ParallelExecutor
 from strata.model.parallel.layout import ParallelLayout
 from strata.model.parallel.shard_loader import prepare_model
-from strata.types import RequestId
 
 pytestmark = pytest.mark.needs("shm")
 DTYPE = "bfloat16"
-
-
-def runs(executor: ModelExecutor, vocab_size: int) -> list[Run]:
-    """Greedy runs of `prompts()` in one batch, with each position's top-2 margin."""
-    engine: Engine = make_engine(executor, vocab_size)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
-    batch = prompts()
-    for i, p in enumerate(batch):
-        engine.add_request(Request(RequestId(f"b{i}"), list(p), params, arrival_time=float(i)))
-    found: dict[str, Run] = {f"b{i}": Run([], [], []) for i in range(len(batch))}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            run = found[out.request_id]
-            run.tokens.extend(out.new_token_ids)
-            for lp in out.new_logprobs:
-                run.logprobs.append(lp.logprob)
-                run.margins.append(lp.top[0][1] - lp.top[1][1])
-    return [found[f"b{i}"] for i in range(len(batch))]
 
 
 @pytest.fixture(scope="module")
 def one_process(model_dir: Path) -> list[Run]:
     loaded = load_model(model_dir, dtype=DTYPE)
     executor = TorchExecutor(loaded.config, loaded.weights, dtype=DTYPE)
-    return runs(executor, loaded.config.vocab_size)
+    return margin_runs(executor, loaded.config.vocab_size)
 
 
 @pytest.mark.parametrize(("tensor", "pipeline"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
@@ -56,7 +34,7 @@ def test_a_layout_in_bf16_parts_from_one_process_only_at_near_ties(
     executor = ParallelExecutor(prepared, ParallelLayout(tensor, pipeline), dtype=DTYPE,
                                 timeout_s=60)
     try:
-        got = runs(executor, prepared.config.vocab_size)
+        got = margin_runs(executor, prepared.config.vocab_size)
     finally:
         executor.shutdown()
     for i, (want, run) in enumerate(zip(one_process, got, strict=True)):
