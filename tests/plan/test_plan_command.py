@@ -56,3 +56,16 @@ def test_plan_reads_a_bench_trace(tmp_path: Path) -> None:
     doc = json.loads(done.stdout)
     assert doc["workload"]["num_requests"] == 12 and doc["workload"]["concurrency"] == 2
     assert doc["measured"] == {"ttft_ms": {"p50": 90.0}}
+
+
+def test_the_cli_default_session_write_is_the_planners() -> None:
+    """`strata plan --session-write-ms` states its default as a literal (importing the planner
+    would slow every command's start): it must be the planner's own SESSION_WRITE_MS."""
+    import argparse
+
+    from strata.commands import plan
+    from strata.plan.costs import SESSION_WRITE_MS
+
+    parser = argparse.ArgumentParser()
+    plan.add_parser(parser.add_subparsers())
+    assert parser.parse_args(["plan"]).session_write_ms == SESSION_WRITE_MS
