@@ -94,10 +94,8 @@ def sharded(adapter: LoraAdapter, config: ModelConfig, shard: RankShard) -> Lora
     if shard.is_full(config):
         return adapter
     hd, heads, kv_heads = config.head_dim, config.num_attention_heads, config.num_key_value_heads
-    q = _span(shard.q_heads, hd)
-    kv = _span(shard.kv_heads, hd)
+    q, kv, mlp = shard.rows(hd)  # the cuts of the rank's base weights (shard_slices)
     qkv_rows = [q, _shift(kv, heads * hd), _shift(kv, (heads + kv_heads) * hd)]
-    mlp = _span(shard.intermediate, 1)
     gate_up_rows = [mlp, _shift(mlp, config.intermediate_size)]
 
     def cut(pair: LoraPair | None, rows: list[slice] | None, cols: slice | None
@@ -114,10 +112,6 @@ def sharded(adapter: LoraAdapter, config: ModelConfig, shard: RankShard) -> Lora
               if i in shard.layers else empty for i, x in enumerate(adapter.layers)]
     return LoraAdapter(adapter.name, adapter.path, adapter.digest, adapter.rank, adapter.scaling,
                        layers)
-
-
-def _span(r: range, width: int) -> slice:
-    return slice(r.start * width, r.stop * width)
 
 
 def _shift(s: slice, by: int) -> slice:

@@ -67,6 +67,13 @@ class RankShard:
     def is_full(self, config: ModelConfig) -> bool:
         return self == RankShard.full(config)
 
+    def rows(self, head_dim: int) -> tuple[slice, slice, slice]:
+        """The rank's rows of a q projection, of a k (or v) projection and of a gate (or up)
+        projection: what column-parallel weights keep, and row-parallel ones' columns."""
+        return (slice(self.q_heads.start * head_dim, self.q_heads.stop * head_dim),
+                slice(self.kv_heads.start * head_dim, self.kv_heads.stop * head_dim),
+                slice(self.intermediate.start, self.intermediate.stop))
+
 
 class ShardComm(Protocol):
     """What a shard of the model needs of its peers (see the module docstring)."""

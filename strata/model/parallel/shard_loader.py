@@ -106,10 +106,8 @@ def _check_shapes(weights: WeightFiles, config: ModelConfig, source: str) -> Non
 def shard_slices(config: ModelConfig, shard: RankShard) -> dict[str, tuple[slice, slice]]:
     """HF tensor name -> (rows, columns) of it that `shard` holds; tensors not listed are not
     held at all."""
-    hd, every = config.head_dim, slice(None)
-    q = slice(shard.q_heads.start * hd, shard.q_heads.stop * hd)
-    kv = slice(shard.kv_heads.start * hd, shard.kv_heads.stop * hd)
-    mlp = slice(shard.intermediate.start, shard.intermediate.stop)
+    every = slice(None)
+    q, kv, mlp = shard.rows(config.head_dim)
     vocab = slice(shard.vocab.start, shard.vocab.stop)
     slices: dict[str, tuple[slice, slice]] = {}
     tied = config.tie_word_embeddings
