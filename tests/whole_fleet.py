@@ -308,17 +308,17 @@ def decode_killed_mid_stream(fleet: Fleet) -> Answer:
 def stream_with_kill(fleet: Fleet, body: dict[str, Any]) -> tuple[int | None, Answer]:
     """`body` streamed, its decode instance killed at the stream's first frame."""
     raw, victim, killed_pid = b"", "", None
-    # read before the stream: between its first frame and the kill nothing waits
+    # read before the first frame: between it and the kill nothing waits on HTTP
     roles = {iid: instance["role"] for iid, instance in fleet.instances().items()}
-    pids = {**fleet.pids(), TP2: fleet.tp2.pid}
     with httpx.stream("POST", f"{fleet.url}{CHAT}", json=body, headers=auth_header(KEY_A),
                       timeout=120) as response:
         assert response.status_code == 200, response.read()
         victim = response.headers["x-strata-instance"]
+        victim_pid = fleet.pid_of(victim)
         for i, chunk in enumerate(response.iter_raw()):
             raw += chunk
             if i == 0:
-                killed_pid = pids.get(victim)
+                killed_pid = victim_pid
                 kill(fleet, victim)
         assert roles[victim] == "decode"
         version = response.headers.get("x-model-version", "")
