@@ -25,11 +25,13 @@ def main() -> None:
     ap.add_argument("--mode", choices=["default", "deterministic"], default="default")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--weights-dtype", choices=["auto", "bf16"], default="auto",
+                    help="auto: the GGUF's Q4_1 as served; bf16: dequantized at load")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     gemm.use_one_kernel(a.mode == "deterministic")
     path = resolve_model(None, cache_dir=CACHE_DIR, progress=False)
-    loaded = load_model(path, dtype="bfloat16", cache_dir=CACHE_DIR, weights_dtype="auto")
+    loaded = load_model(path, dtype="bfloat16", cache_dir=CACHE_DIR, weights_dtype=a.weights_dtype)
     vocab = loaded.config.vocab_size
     engine = build_engine(loaded, prefix_cache=True, chunked=True, max_num_batched_tokens=512,
                           max_num_seqs=64, prefill_stretch=0.0)
