@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from strata.model import cpu_kernels
+from strata.model import cpu_kernels, gemm
 from strata.model.config import ModelConfig
 
 _MATMUL_ATTENTION_MAX_ROWS = 64  # measured: SDPA is faster for longer chunks
@@ -155,9 +155,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, batch: StepBatch, plan: DecodePla
 def _decode_attention(q: Tensor, batch: StepBatch, plan: DecodePlan,
                       kv: tuple[Tensor, Tensor], groups: HeadGroups) -> Tensor:
     if plan.use_kernel:
+        # --deterministic: a decoded row computed as the chunk kernel computes a prefill's
+        as_chunk = gemm.one_kernel() and cpu_kernels.supports_chunk(q.dtype, q.device,
+                                                                     q.shape[2])
         return cpu_kernels.decode_attention(q, kv[0], kv[1], batch.decode_block_table,
                                             batch.decode_context_lens, batch.block_size,
-                                            groups.start)
+                                            groups.start, as_chunk=as_chunk)
     assert plan.slots is not None and plan.mask is not None
     keys = groups.expand(kv[0][plan.slots], 2).transpose(1, 2)  # (D, kv_heads, L, head_dim)
     values = groups.expand(kv[1][plan.slots], 2).transpose(1, 2)

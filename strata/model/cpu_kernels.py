@@ -43,13 +43,16 @@ _UNIFORM: dict[tuple[int, int], Tensor] = {}
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                      context_lens: Tensor, block_size: int,
-                     head_start: Tensor | None = None) -> Tensor:
+                     head_start: Tensor | None = None, *, as_chunk: bool = False) -> Tensor:
     """Attention of one query row per sequence over its cached positions 0 .. len - 1.
 
     q: (D, heads, head_dim), rows may be strided; k_cache, v_cache: (slots, kv_heads, head_dim),
     contiguous; block_table: (D, W) int64; context_lens: (D,) int64. Returns (D, heads, head_dim).
     KV head g serves query heads head_start[g] .. head_start[g + 1] - 1 ((kv_heads + 1,) int64;
     default: even groups). Call only when `supports(q.dtype, q.device)` is true.
+    `as_chunk`: compute each row as `chunk_attention` computes a one-token chunk, bit for bit
+    (slower; `supports_chunk(...)` must hold), so a decoded token's KV equals its recomputation
+    by a prefill (`strata serve --deterministic`).
     """
     lib = kernel_library()
     assert lib is not None, "invariant kernel_built: check supports() first"
@@ -58,7 +61,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: T
         q = q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     starts = head_start if head_start is not None else uniform_head_start(heads, k_cache.shape[1])
-    fn = getattr(lib, f"decode_{_SUFFIX[q.dtype]}")
+    fn = getattr(lib, f"decode_{_SUFFIX[q.dtype]}{'_lanes' if as_chunk else ''}")
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
        context_lens.data_ptr(), out.data_ptr(), starts.data_ptr(), q.stride(0), d, heads,
        k_cache.shape[1], head_dim, block_size, block_table.shape[1], head_dim ** -0.5)

@@ -34,8 +34,10 @@ _one_kernel = False
 def use_one_kernel(on: bool) -> None:
     """Run every matmul of this process on one kernel whatever its row count: the AMX tiles
     where they run, else the vector kernel; bf16 weights never on oneDNN's copy. A row's result
-    is then the same alone or in any batch (docs/benchmarks.md: -12 % on the fixed load, -30 %
-    on one stream, measured on an AMX Xeon)."""
+    is then the same alone or in any batch. The C decode attention reads it too and computes a
+    decoded row as the chunk kernel computes a prefill's (`cpu_kernels.decode_attention`'s
+    `as_chunk`), so a recomputed prefix gives the decoded tokens' very KV (docs/benchmarks.md,
+    "Determinism", for the cost)."""
     global _one_kernel
     _one_kernel = on
 

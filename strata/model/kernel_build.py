@@ -165,6 +165,7 @@ def _declare_all(handle: ctypes.CDLL) -> None:
         _declare(handle, name, [ptr] * 7 + [i64] * 7 + [ctypes.c_float])
         _declare(handle, f"{name}_add_rms_norm", [ptr] * 4 + [i64] * 2 + [ctypes.c_float])
         _declare(handle, f"{name}_chunk", [ptr] * 6 + [i64] * 7 + [ctypes.c_float])
+        _declare(handle, f"{name}_lanes", [ptr] * 7 + [i64] * 7 + [ctypes.c_float])
     i32 = ctypes.c_int
     _declare(handle, "gemm_pack_q", [i32, ptr, i64, i64, ptr])
     _declare(handle, "gemm_pack_bf16", [ptr, i64, i64, ptr])

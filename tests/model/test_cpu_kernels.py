@@ -119,6 +119,26 @@ def test_chunk_kernel_rows_equal_decode_kernel_rows() -> None:
     torch.testing.assert_close(chunk, decode, atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_as_chunk_gives_each_row_the_chunk_kernels_very_bits(dtype: torch.dtype) -> None:
+    """`as_chunk` (--deterministic): a decoded position's attention is bit for bit what a
+    prefill chunk computes there, whatever the chunk, so a resumed stream recomputes the same KV;
+    the plain decode kernel sums in another order and differs in the last bits."""
+    require_kernels()
+    q, k, v, table, lens = scattered_cache(dtype)
+    decoded = cpu_kernels.decode_attention(q, k, v, table, lens, BLOCK, as_chunk=True)
+    assert not decoded.isnan().any()
+    plain = cpu_kernels.decode_attention(q, k, v, table, lens, BLOCK)
+    assert not torch.equal(decoded, plain)
+    for i, n in enumerate(LENGTHS):
+        for size in {1, min(n, 5), n}:  # the decoded row as the last of a chunk of each size
+            chunk = torch.randn(size, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(
+                size)).to(dtype)
+            chunk[-1] = q[i]
+            got = cpu_kernels.chunk_attention(chunk, k, v, table[i], n - size, BLOCK)
+            assert torch.equal(got[-1], decoded[i]), (n, size)
+
+
 def test_torch_fallback_path_keeps_hf_parity(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the kernel (no compiler, fp16, GPU), decode rows use the padded gather + SDPA.
 

@@ -86,11 +86,61 @@ void NAME(const T *q, const T *k, const T *v, const int64_t *table, const int64_
   free(kv_of);
 }
 
+/* One work item of the chunk kernel: kv head g x the LANES (query, group head) pairs from
+   lane m0 of a chunk of n new tokens at positions start .. start + n - 1 (q, out: the chunk's
+   first row; slot[l]: the cache offset of position l). The tile's keys are read once and scored
+   for all its lanes (vectorised across lanes), softmax in float32, then V is accumulated 16 dims
+   at a time. Each lane's arithmetic is its own: keys past a lane's position score -inf and add
+   exact zeros, so a query's result does not depend on the lanes, the chunk or the step it
+   shares. s, qt, kb: the caller's scratch (LANES * (start + n + KEYS), LANES * HD, KEYS * KROW). */
+static void CAT(NAME, _chunk_task)(const T *q, const T *k, const T *v, const int64_t *slot,
+                                   T *out, const int64_t *hs, int64_t q_stride, int64_t n,
+                                   int64_t start, int64_t H, int64_t HD, float scale, int64_t g,
+                                   int64_t m0, float *s, float *qt, T *kb) {
+  const int64_t G = hs[g + 1] - hs[g], lanes = n * G;
+  const int64_t cnt = lanes - m0 < LANES ? lanes - m0 : LANES;
+  int64_t qpos[LANES];
+  float mx[LANES], sum[LANES];
+  for (int64_t m = 0; m < LANES; m++) {  /* padding lanes repeat the tile's first lane */
+    const int64_t lane = m0 + (m < cnt ? m : 0), i = lane / G, h = hs[g] + lane % G;
+    const T *qh = q + i * q_stride + h * HD;
+    qpos[m] = start + i;
+    QPACK(qt, m, qh, HD);
+    mx[m] = -INFINITY;
+    sum[m] = 0.f;
+  }
+  const int64_t L = qpos[cnt - 1] + 1;  /* lanes are in position order */
+  for (int64_t l0 = 0; l0 < L; l0 += KEYS) {  /* KEYS keys at once: independent sums */
+    for (int64_t j = 0; j < KEYS && l0 + j < L; j++)  /* rows at fixed offsets */
+      memcpy(kb + j * KROW, k + slot[l0 + j] + g * HD, sizeof(T) * HD);
+    QK(qt, kb, HD, s + l0 * LANES);
+    for (int64_t l = l0; l < l0 + KEYS && l < L; l++) {
+      float *sl = s + l * LANES;
+      #pragma omp simd
+      for (int64_t m = 0; m < LANES; m++) {
+        const float x = l <= qpos[m] ? sl[m] * scale : -INFINITY;
+        sl[m] = x;
+        mx[m] = x > mx[m] ? x : mx[m];
+      }
+    }
+  }
+  exp_lanes(s, mx, sum, L);
+  PAIRS(s, L);
+  for (int64_t d0 = 0; d0 < HD; d0 += 16) {
+    float acc[LANES][16];
+    PV(s, v, slot, g * HD + d0, L, &acc[0][0]);
+    for (int64_t m = 0; m < cnt; m++) {
+      const int64_t lane = m0 + m, i = lane / G, h = hs[g] + lane % G;
+      const float inv = 1.f / sum[m];
+      T *o = out + (i * H + h) * HD + d0;
+      for (int64_t j = 0; j < 16; j++) ST(o, j, acc[m][j] * inv);
+    }
+  } }
+
 /* A chunk of n new tokens of one sequence at positions start .. start + n - 1, attending to
    positions 0 .. own position through one block-table row. Work item = one kv head x a tile of
-   LANES (query, group head) pairs; the tile's keys are read once and scored for all its lanes
-   (vectorised across lanes), softmax in float32, then V is accumulated 16 dims at a time.
-   KV head g serves query heads hs[g] .. hs[g + 1] - 1, as in the decode kernel. */
+   LANES (query, group head) pairs (the chunk task above). KV head g serves query heads
+   hs[g] .. hs[g + 1] - 1, as in the decode kernel. */
 void CAT(NAME, _chunk)(const T *q, const T *k, const T *v, const int64_t *table, T *out,
                 const int64_t *hs, int64_t q_stride, int64_t n, int64_t start, int64_t H,
                 int64_t KVH, int64_t HD, int64_t bs, float scale) {
@@ -111,51 +161,43 @@ void CAT(NAME, _chunk)(const T *q, const T *k, const T *v, const int64_t *table,
     for (int64_t task = 0; task < tasks; task++) {
       int64_t g = 0;
       while (first_task[g + 1] <= task) g++;
-      const int64_t G = hs[g + 1] - hs[g], lanes = n * G;
-      const int64_t m0 = (task - first_task[g]) * LANES;
-      const int64_t cnt = lanes - m0 < LANES ? lanes - m0 : LANES;
-      int64_t qpos[LANES];
-      float mx[LANES], sum[LANES];
-      for (int64_t m = 0; m < LANES; m++) {  /* padding lanes repeat the tile's first lane */
-        const int64_t lane = m0 + (m < cnt ? m : 0), i = lane / G, h = hs[g] + lane % G;
-        const T *qh = q + i * q_stride + h * HD;
-        qpos[m] = start + i;
-        QPACK(qt, m, qh, HD);
-        mx[m] = -INFINITY;
-        sum[m] = 0.f;
-      }
-      const int64_t L = qpos[cnt - 1] + 1;  /* lanes are in position order */
-      for (int64_t l0 = 0; l0 < L; l0 += KEYS) {  /* KEYS keys at once: independent sums */
-        for (int64_t j = 0; j < KEYS && l0 + j < L; j++)  /* rows at fixed offsets */
-          memcpy(kb + j * KROW, k + slot[l0 + j] + g * HD, sizeof(T) * HD);
-        QK(qt, kb, HD, s + l0 * LANES);
-        for (int64_t l = l0; l < l0 + KEYS && l < L; l++) {
-          float *sl = s + l * LANES;
-          #pragma omp simd
-          for (int64_t m = 0; m < LANES; m++) {
-            const float x = l <= qpos[m] ? sl[m] * scale : -INFINITY;
-            sl[m] = x;
-            mx[m] = x > mx[m] ? x : mx[m];
-          }
-        }
-      }
-      exp_lanes(s, mx, sum, L);
-      PAIRS(s, L);
-      for (int64_t d0 = 0; d0 < HD; d0 += 16) {
-        float acc[LANES][16];
-        PV(s, v, slot, g * HD + d0, L, &acc[0][0]);
-        for (int64_t m = 0; m < cnt; m++) {
-          const int64_t lane = m0 + m, i = lane / G, h = hs[g] + lane % G;
-          const float inv = 1.f / sum[m];
-          T *o = out + (i * H + h) * HD + d0;
-          for (int64_t j = 0; j < 16; j++) ST(o, j, acc[m][j] * inv);
-        }
-      }
+      CAT(NAME, _chunk_task)(q, k, v, slot, out, hs, q_stride, n, start, H, HD, scale, g,
+                             (task - first_task[g]) * LANES, s, qt, kb);
     }
     free(s); free(qt); free(kb);
   }
   free(slot);
   free(first_task);
+}
+
+/* Decode attention with the chunk kernel's arithmetic: sequence d's one query row, at position
+   lens[d] - 1, is a chunk of one token (the chunk task), so its result is bit for bit what a
+   prefill of that position computes, alone or in any chunk (`strata serve --deterministic`:
+   a resumed stream or a hand-off recomputes decoded tokens as a prefill). Arguments as for the
+   decode kernel. */
+void CAT(NAME, _lanes)(const T *q, const T *k, const T *v, const int64_t *table,
+                       const int64_t *lens, T *out, const int64_t *hs, int64_t q_stride,
+                       int64_t D, int64_t H, int64_t KVH, int64_t HD, int64_t bs, int64_t W,
+                       float scale) {
+  const int64_t stride = KVH * HD;
+  int64_t maxL = 1;
+  for (int64_t d = 0; d < D; d++) if (lens[d] > maxL) maxL = lens[d];
+  #pragma omp parallel if (D * KVH > 1)
+  {
+    float *s = malloc(sizeof(float) * LANES * (maxL + KEYS));
+    float *qt = malloc(sizeof(float) * LANES * HD);
+    T *kb = calloc(KEYS * KROW, sizeof(T));
+    int64_t *slot = malloc(sizeof(int64_t) * maxL);
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < D * KVH; task++) {  /* a sequence x a kv head */
+      const int64_t d = task / KVH, g = task % KVH, L = lens[d], *row = table + d * W;
+      for (int64_t l = 0; l < L; l++) slot[l] = (row[l / bs] * bs + l % bs) * stride;
+      for (int64_t m0 = 0; m0 < hs[g + 1] - hs[g]; m0 += LANES)
+        CAT(NAME, _chunk_task)(q + d * q_stride, k, v, slot, out + d * H * HD, hs, q_stride,
+                               1, L - 1, H, HD, scale, g, m0, s, qt, kb);
+    }
+    free(s); free(qt); free(kb); free(slot);
+  }
 }
 
 /* x += delta (rounded to T, skipped when delta is NULL);
