@@ -271,3 +271,17 @@ def test_up_passes_the_session_level_to_every_instance(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as refused:  # a usage error at once, not N failed starts
         build_parser("up").parse_args(["up", "--session-consistency", "linearizable"])
     assert refused.value.code == 2
+
+
+def test_up_deterministic_reaches_every_instance_s_serve(tmp_path: Path) -> None:
+    from strata.commands import up
+    from strata.commands.env import CliEnv
+
+    env = CliEnv(cache_dir=tmp_path, run_dir=tmp_path / "run")
+    on = up._config(build_parser("up").parse_args(["up", "--deterministic"]), env)
+    off = up._config(build_parser("up").parse_args(["up"]), env)
+    assert on.serve_args.count("--deterministic") == 1
+    assert "--deterministic" not in off.serve_args
+    serve = build_parser("serve")  # what each instance's `strata serve` makes of them
+    assert serve.parse_args(["serve", *on.serve_args]).deterministic is True
+    assert serve.parse_args(["serve", *off.serve_args]).deterministic is False

@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from strata.commands.doctor import format_text, report
-from strata.commands.doctor_checks import CudaInfo, Probe, packages_by_extra, run_checks
+from strata.commands.doctor_checks import (
+    CudaInfo,
+    MatmulKernels,
+    Probe,
+    packages_by_extra,
+    run_checks,
+)
 from strata.model.fetch import KNOWN_MODELS, cached_model_path
 from strata.model.kernel_build import KernelBuild, compile_kernels
 
@@ -45,6 +51,12 @@ def test_doctor_json_agrees_with_this_machine(tmp_path: Path) -> None:
     assert parts["c_kernels"]["usable"] is compile_kernels().is_built
     assert parts["default_model"]["usable"] is False  # an empty cache
     assert "strata models pull" in parts["default_model"]["detail"]
+    from strata.model import gemm
+
+    kernels = {"AMX tiles": gemm.has_amx(), "AVX512-BF16 vector": gemm.supports_bf16(),
+               "portable": gemm.supports_quantized() and not gemm.supports_bf16()}
+    assert found["matmul"]["kernels"] == [name for name, runs in kernels.items() if runs]
+    assert found["matmul"]["batch_invariant"] is not (gemm.has_amx() or gemm.supports_bf16())
 
 
 def test_doctor_text_lists_every_part_and_sees_a_cached_model(tmp_path: Path) -> None:
@@ -57,12 +69,14 @@ def test_doctor_text_lists_every_part_and_sees_a_cached_model(tmp_path: Path) ->
     assert lines[0].startswith("strata 0.1.0 (Python ")
     assert "installed:" in lines and "optional parts:" in lines
     assert any(line.startswith("  dev   all ") for line in lines)
-    parts = lines[lines.index("optional parts:") + 1:]
+    start = lines.index("optional parts:") + 1
+    parts = lines[start:lines.index("", start)]
     titles = ["Ray", "Redis client", "redis-server", "C kernels", "CUDA", "default model",
               "chromium"]
     assert [line.split("] ")[1].split("  ")[0].strip() for line in parts] == titles
     model_line = parts[titles.index("default model")]
     assert model_line.startswith("  [ok] default model") and str(model) in model_line
+    assert lines[-2].startswith("matmul kernels: ")
 
 
 def _bare_machine(tmp_path: Path, **overrides: object) -> Probe:
@@ -72,6 +86,7 @@ def _bare_machine(tmp_path: Path, **overrides: object) -> Probe:
         "cache_dir": tmp_path, "version": versions.get, "which": lambda name: None,
         "run": lambda cmd: None, "kernels": lambda: KernelBuild(None, None),
         "cuda": lambda: CudaInfo("2.13.0+cpu", None),
+        "matmul": lambda: MatmulKernels(is_built=False, has_bf16=False, has_amx=False),
         "requires": lambda: ["torch==2.13.0", "fastapi>=0.110", 'ray>=2.40; extra == "ray"',
                              'pytest>=8; extra == "dev"', 'moto[server]>=5; extra == "dev"'],
     }
@@ -147,3 +162,28 @@ def test_doctor_exits_0_even_when_nothing_optional_is_usable(tmp_path: Path,
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert "no C compiler" in done.stdout
+    assert "no C kernels: torch's matmuls at every batch size" in done.stdout
+
+
+@pytest.mark.parametrize(("kernels", "names", "is_invariant", "says"), [
+    (MatmulKernels(True, True, True), ["AMX tiles", "AVX512-BF16 vector"], False,
+     "by default a request's tokens can depend on its batch; `strata serve --deterministic` "
+     "runs one kernel at every size"),
+    (MatmulKernels(True, True, False), ["AVX512-BF16 vector"], False,
+     "bf16 weights above 64 rows run oneDNN, so by default a bf16 model's tokens can depend on "
+     "its batch; `strata serve --deterministic`"),
+    (MatmulKernels(True, False, False), ["portable"], True,
+     "one kernel at every batch size, so a request's tokens do not depend on its batch"),
+    (MatmulKernels(False, False, False), [], True, "no C kernels"),
+])
+def test_doctor_names_the_matmul_kernels_and_whether_tokens_can_depend_on_the_batch(
+        tmp_path: Path, kernels: MatmulKernels, names: list[str], is_invariant: bool,
+        says: str) -> None:
+    found = report(_bare_machine(tmp_path, matmul=lambda: kernels))
+    assert found["matmul"]["kernels"] == names
+    assert found["matmul"]["batch_invariant"] is is_invariant
+    assert says in found["matmul"]["detail"]
+    assert ("--deterministic" in found["matmul"]["detail"]) is not is_invariant
+    lines = format_text(found).splitlines()
+    assert lines[-2:] == [f"matmul kernels: {', '.join(names) or 'none'}",
+                          f"  {found['matmul']['detail']}"]

@@ -7,7 +7,8 @@ It always exits 0: it reports, it does not judge. The packages are grouped as py
 declares them (base, `ray`, `dev`), read from the installed metadata; the parts are Ray, the Redis
 client, a redis-server binary, the C kernels (built here, as the model would build them), CUDA,
 the default model in the cache and chromium for the dashboard's browser tests
-(doctor_checks.py).
+(doctor_checks.py). Last, the matmul kernels this CPU runs (AMX tiles, AVX512-BF16 vector,
+portable) and whether a request's tokens can depend on its batch by default (`matmul`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ import platform
 import sys
 from typing import Any
 
-from strata.commands.doctor_checks import Part, Probe, packages_by_extra, run_checks, system_probe
+from strata.commands.doctor_checks import (
+    Part,
+    Probe,
+    matmul_report,
+    packages_by_extra,
+    run_checks,
+    system_probe,
+)
 from strata.commands.env import CliEnv
 
 EXTRA_HINTS = {
@@ -45,6 +53,7 @@ def report(probe: Probe) -> dict[str, Any]:
         "packages": packages_by_extra(probe.requires(), probe.version),
         "parts": [{"name": p.name, "title": p.title, "usable": p.is_usable, "detail": p.detail}
                   for p in run_checks(probe)],
+        "matmul": matmul_report(probe.matmul()),
     }
 
 
@@ -60,6 +69,9 @@ def format_text(found: dict[str, Any]) -> str:
     for part in parts:
         mark = "ok" if part.is_usable else "no"
         lines.append(f"  [{mark}] {part.title:<{width}}  {part.detail}")
+    matmul = found["matmul"]
+    lines += ["", f"matmul kernels: {', '.join(matmul['kernels']) or 'none'}",
+              f"  {matmul['detail']}"]
     return "\n".join(lines)
 
 

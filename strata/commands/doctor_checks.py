@@ -1,8 +1,9 @@
-"""What `strata doctor` looks at: the installed packages by extra, and each optional part.
+"""What `strata doctor` looks at: the installed packages by extra, each optional part, and the
+matmul kernels this CPU runs.
 
 Every check reads the machine through a `Probe` (package versions, PATH, the C kernels' build,
-torch's CUDA, the model cache), so tests hand it a fake machine. A check never raises: a part
-that is not usable says why and what to do.
+torch's CUDA, the matmul kernels, the model cache), so tests hand it a fake machine. A check
+never raises: a part that is not usable says why and what to do.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from strata.model.kernel_build import KernelBuild
 
@@ -43,6 +45,26 @@ class CudaInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class MatmulKernels:
+    """Which of the C matmul kernels run on this CPU (strata.model.gemm)."""
+
+    is_built: bool  # the C kernels built: quantized weights run them (else dequantized)
+    has_bf16: bool  # the AVX512-BF16 vector kernel (bf16 weights up to 64 rows, then oneDNN)
+    has_amx: bool  # the AMX tiles (from 2 rows for bf16 weights, from 8 for quantized)
+
+    @property
+    def names(self) -> list[str]:
+        found = ["AMX tiles"] if self.has_amx else []
+        found += ["AVX512-BF16 vector"] if self.has_bf16 else ["portable"] if self.is_built else []
+        return found
+
+    @property
+    def is_batch_invariant(self) -> bool:
+        """Whether a weight runs on one kernel at every batch size by default."""
+        return not (self.has_bf16 or self.has_amx)
+
+
+@dataclass(frozen=True, slots=True)
 class Probe:
     """The machine as the checks see it."""
 
@@ -52,6 +74,7 @@ class Probe:
     run: Callable[[list[str]], str | None]  # a command's first output line; None if it fails
     kernels: Callable[[], KernelBuild]
     cuda: Callable[[], CudaInfo]
+    matmul: Callable[[], MatmulKernels]
     requires: Callable[[], list[str]] = field(default=lambda: [])  # strata's Requires-Dist
 
 
@@ -89,12 +112,18 @@ def torch_cuda() -> CudaInfo:
     return CudaInfo(torch.__version__, torch.version.cuda, names)
 
 
+def cpu_matmul_kernels() -> MatmulKernels:
+    from strata.model import gemm
+
+    return MatmulKernels(gemm.supports_quantized(), gemm.supports_bf16(), gemm.has_amx())
+
+
 def system_probe(cache_dir: Path) -> Probe:
     from strata.model.kernel_build import compile_kernels
 
     return Probe(cache_dir=cache_dir, version=installed_version, which=shutil.which,
                  run=first_line, kernels=compile_kernels, cuda=torch_cuda,
-                 requires=strata_requires)
+                 matmul=cpu_matmul_kernels, requires=strata_requires)
 
 
 def packages_by_extra(requires: Iterable[str],
@@ -205,6 +234,26 @@ def check_chromium(probe: Probe) -> Part:
                 "dashboard's browser tests can run")
 
 
+def matmul_report(kernels: MatmulKernels) -> dict[str, Any]:
+    """Which matmul kernels run here and whether, by default, a request's tokens can depend on
+    its batch (issue 31: the kernels compute a row differently)."""
+    if kernels.has_amx:
+        detail = ("picked by batch size, so by default a request's tokens can depend on its "
+                  "batch; `strata serve --deterministic` runs one kernel at every size (slower, "
+                  "most on one stream: docs/benchmarks.md)")
+    elif kernels.has_bf16:
+        detail = ("bf16 weights above 64 rows run oneDNN, so by default a bf16 model's tokens "
+                  "can depend on its batch; `strata serve --deterministic` keeps them on the "
+                  "vector kernel")
+    elif kernels.is_built:
+        detail = ("for quantized weights, oneDNN for bf16: one kernel at every batch size, so "
+                  "a request's tokens do not depend on its batch")
+    else:
+        detail = "no C kernels: torch's matmuls at every batch size (quantized weights dequantized)"
+    return {"kernels": kernels.names, "batch_invariant": kernels.is_batch_invariant,
+            "detail": detail}
+
+
 CHECKS: tuple[Callable[[Probe], Part], ...] = (
     check_ray, check_redis_client, check_redis_server, check_c_kernels, check_cuda,
     check_default_model, check_chromium,
@@ -223,5 +272,5 @@ def run_checks(probe: Probe) -> list[Part]:
     return parts
 
 
-__all__ = ["CHECKS", "CudaInfo", "Part", "Probe", "packages_by_extra", "run_checks",
-           "system_probe"]
+__all__ = ["CHECKS", "CudaInfo", "MatmulKernels", "Part", "Probe", "matmul_report",
+           "packages_by_extra", "run_checks", "system_probe"]

@@ -62,6 +62,7 @@ class BuiltEngine:
     tokenizer: Any
     name: str
     simulated: bool = False
+    deterministic: bool = False  # one matmul kernel at every batch size (--deterministic)
     generation_defaults: GenerationDefaults = GenerationDefaults()  # --generation-config
     embed: EmbedConfig | None = None  # set: an encoder served for /v1/embeddings (--task embed)
     loras: tuple[tuple[str, str], ...] = ()  # (name, digest) of each adapter resident at start
@@ -97,7 +98,8 @@ def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
                                       alias.generation_defaults if alias else None)
     log.info("sampling defaults (--generation-config %s): %s", args.generation_config,
              defaults.as_dict() or "none")
-    return BuiltEngine(async_engine, loaded.tokenizer, name, generation_defaults=defaults,
+    return BuiltEngine(async_engine, loaded.tokenizer, name, deterministic=gemm.one_kernel(),
+                       generation_defaults=defaults,
                        loras=tuple((a.name, a.digest) for a in resident),
                        lora_paths=tuple((a.name, a.path) for a in adapters),
                        lora_bytes=tuple((a.digest, a.num_bytes) for a in resident),
@@ -250,6 +252,7 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
                                                                   env.internal_keys),
                                  key_max_priority=read_key_max_priority(args.api_key_file, env),
                                  rate_limit_per_s=args.rate_limit_per_s, simulated=simulated,
+                                 deterministic=built.deterministic,
                                  model_version=args.model_version,
                                  session_store_url=args.session_store,
                                  session_ttl_s=args.session_ttl_s,

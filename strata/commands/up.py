@@ -77,6 +77,7 @@ _SERVE_FLAGS: tuple[tuple[str, Any], ...] = (
     ("--max-queue-wait-s", non_negative_float), *PD_SERVE_FLAGS, *up_parallel.SERVE_FLAGS,
     *TRACING_FLAGS,  # the gateway gets them too (_config)
 )
+_SERVE_SWITCHES = ("--deterministic",)  # `strata serve` switches, likewise passed through
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -112,6 +113,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for flag, kind in _SERVE_FLAGS:
         p.add_argument(flag, *up_parallel.SHORT_FLAGS.get(flag, ()), type=kind, default=None,
                        help="passed to every instance")
+    for flag in _SERVE_SWITCHES:
+        p.add_argument(flag, action="store_true", help="passed to every instance")
     p.add_argument("--api-key-file", type=Path, default=None,
                    help="client API keys, one per line: passed to the gateway and every instance "
                         "(STRATA_API_KEYS, inherited, adds more)")
@@ -251,6 +254,7 @@ def _config(args: argparse.Namespace, env: CliEnv,
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             serve_args += [flag, str(value)]
+    serve_args += [flag for flag in _SERVE_SWITCHES if getattr(args, flag[2:].replace("-", "_"))]
     serve_args += _auth_args(args, keys)
     replicas, num_prefill, named = cluster_shape(args)
     threads = up_parallel.rank_threads(args, replicas)  # `strata serve --threads` is per rank

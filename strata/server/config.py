@@ -55,6 +55,9 @@ class ServerConfig:
     retry_after_s: float = 1.0
     drain_poll_s: float = 0.05  # how often a drain checks whether in-flight requests are done
     simulated: bool = False  # a latency model stands in for the maths: always labelled
+    # one matmul kernel at every batch size (`strata serve --deterministic`): a request's
+    # tokens do not depend on its batch or cached prefix; /v1/models says so
+    deterministic: bool = False
     api_keys: tuple[str, ...] = ()  # client keys; no key of any kind: no authentication
     admin_keys: tuple[str, ...] = ()  # the operator's (strata/protocol/keys.py)
     internal_keys: tuple[str, ...] = ()  # the fleet's: hand-offs, resumes, feeds, drains

@@ -1,6 +1,6 @@
 """The instance's other routes: what it serves, its probes, load and drain, its tokenizer.
 
-    GET  /v1/models          the one model (and version) served; `simulated` when it is
+    GET  /v1/models          the model served and its adapters; `simulated`, `deterministic`
     GET  /health             200 while the engine thread runs (even while draining)
     GET  /ready              200 while new requests are admitted (503 draining or dead)
     GET  /metrics            Prometheus text (metrics.py)
@@ -34,23 +34,27 @@ from strata.server.translate import chat_prompt
 
 
 async def models(request: Request) -> dict[str, Any]:
+    """The base model's card, then one per LoRA adapter (with its `parent`). Every generate
+    card says `deterministic`: whether this instance runs one matmul kernel at every batch size
+    (`strata serve --deterministic`), so that a request's tokens do not depend on its batch or
+    its cached prefix; a simulated instance says false. An embed card has no such field."""
     instance = instance_of(request)
-    simulated = instance.config.simulated
-    card = ModelCard(id=instance.config.served_model_name,
-                     max_model_len=instance.engine.max_model_len,
-                     owned_by="strata-simulated" if simulated else "strata")
+    config = instance.config
+    card = ModelCard(id=config.served_model_name, max_model_len=instance.engine.max_model_len,
+                     owned_by="strata-simulated" if config.simulated else "strata")
     body = ModelList(data=[card]).model_dump()
-    body["data"][0]["task"] = instance.config.task
-    if instance.config.embed is not None:
-        body["data"][0]["dimensions"] = instance.config.embed.num_dimensions
+    generate = {} if config.embed is not None else {"deterministic": config.deterministic}
+    body["data"][0].update(task=config.task, **generate)
+    if config.embed is not None:
+        body["data"][0]["dimensions"] = config.embed.num_dimensions
     else:
-        body["data"][0]["generation_defaults"] = instance.config.generation_defaults.as_dict()
-    if simulated:
+        body["data"][0]["generation_defaults"] = config.generation_defaults.as_dict()
+    if config.simulated:
         body["data"][0]["simulated"] = True
-    for name in {**instance.config.loras, **instance.config.lora_paths}:  # resident or not
+    for name in {**config.loras, **config.lora_paths}:  # resident or not
         lora = ModelCard(id=name, max_model_len=instance.engine.max_model_len).model_dump()
-        body["data"].append({**lora, "parent": instance.config.served_model_name,
-                             "task": instance.config.task})
+        body["data"].append({**lora, "parent": config.served_model_name, "task": config.task,
+                             **generate})
     return body
 
 

@@ -98,6 +98,7 @@ def test_a_loaded_adapter_gives_peft_tokens_and_a_reload_of_its_files_is_a_no_op
                        headers={"Authorization": f"Bearer {CLIENT}"}).json()["data"]
     assert {m["id"]: m.get("parent") for m in models} == {
         "tiny": None, "start-a": "tiny", "dyn-b": "tiny"}
+    assert [m["deterministic"] for m in models] == [False] * 3  # served without --deterministic
     assert admin(server, "unload", lora_name="dyn-b").status_code == 200
 
 

@@ -2,7 +2,8 @@
 
 Completions and chat with `model: <adapter>` give HF+PEFT's greedy tokens, requests on the base
 and on both adapters in flight at once included; /v1/models lists the adapters with their
-parent; an unknown model keeps its 404.
+parent, every card `deterministic` (served with --deterministic: float32 weights run torch's
+matmuls, so the tokens are the same as without); an unknown model keeps its 404.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def server(paths: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServeProcess]:
     proc = start_serve([str(paths["base"]), "--served-model-name", "tiny", "--dtype", "float32",
-                        "--block-size", "4", "--kv-cache-gb", "0.01", "--lora-modules",
-                        f"lora-a={paths['a']}", f"lora-b={paths['b']}"],
+                        "--block-size", "4", "--kv-cache-gb", "0.01", "--deterministic",
+                        "--lora-modules", f"lora-a={paths['a']}", f"lora-b={paths['b']}"],
                        cache_dir=tmp_path_factory.mktemp("cache"), timeout_s=120)
     yield proc
     proc.stop()
@@ -90,6 +91,7 @@ def test_models_lists_the_adapters_with_their_parent(client: openai.OpenAI) -> N
     assert set(cards) == {"tiny", "lora-a", "lora-b"}
     assert cards["lora-a"]["parent"] == cards["lora-b"]["parent"] == "tiny"
     assert "parent" not in cards["tiny"]
+    assert [c["deterministic"] for c in cards.values()] == [True] * 3  # --deterministic
 
 
 def test_an_unknown_model_is_still_404(client: openai.OpenAI) -> None:

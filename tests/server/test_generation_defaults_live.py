@@ -34,7 +34,7 @@ def client(live: LiveServer) -> openai.OpenAI:
 
 def test_models_show_the_defaults(client: openai.OpenAI) -> None:
     card = client.models.list().data[0]
-    assert card.model_extra == {"max_model_len": 128, "task": "generate",
+    assert card.model_extra == {"max_model_len": 128, "task": "generate", "deterministic": False,
                                 "generation_defaults": {"temperature": 0.0, "max_tokens": 4}}
 
 

@@ -99,6 +99,7 @@ def test_models_and_metrics_say_simulated(live: Live) -> None:
     card = httpx.get(f"{live.url}/v1/models").json()["data"][0]
     assert card["simulated"] is True
     assert card["owned_by"] == "strata-simulated"
+    assert card["deterministic"] is False  # no matmul kernels to fix
     metrics = httpx.get(f"{live.url}/metrics").text
     assert "\nstrata:simulated 1.0\n" in metrics
 
