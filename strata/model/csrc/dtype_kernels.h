@@ -128,7 +128,8 @@ static void CAT(NAME, _chunk_task)(const T *q, const T *k, const T *v, const int
   PAIRS(s, L);
   for (int64_t d0 = 0; d0 < HD; d0 += 16) {
     float acc[LANES][16];
-    PV(s, v, slot, g * HD + d0, L, &acc[0][0]);
+    if (cnt <= 4) PV(s, v, slot, g * HD + d0, L, &acc[0][0], 4);  /* a decoded row's group */
+    else PV(s, v, slot, g * HD + d0, L, &acc[0][0], LANES);
     for (int64_t m = 0; m < cnt; m++) {
       const int64_t lane = m0 + m, i = lane / G, h = hs[g] + lane % G;
       const float inv = 1.f / sum[m];

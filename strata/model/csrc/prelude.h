@@ -103,14 +103,17 @@ static inline void qk_f32(const float *qt, const float *kb, int64_t HD, float *o
       for (int64_t m = 0; m < LANES; m++) a[j][m] += qt[d * LANES + m] * kd;
     }
   memcpy(out, a, sizeof(a)); }
-/* acc[m][j] = sum over keys l < L of s[l][m] * v(key l)[off + j], j < 16 (float32). */
-static inline void pv_f32(const float *s, const float *v, const int64_t *slot, int64_t off,
-                          int64_t L, float *acc) {
+/* acc[m][j] = sum over keys l < L of s[l][m] * v(key l)[off + j], j < 16 (float32), for the
+   first `nl` lanes (a compile-time constant at each call: 4 or LANES); each lane's sum is its
+   own, so computing fewer lanes changes none of the others. */
+static inline __attribute__((always_inline)) void pv_f32(
+    const float *s, const float *v, const int64_t *slot, int64_t off, int64_t L, float *acc,
+    int nl) {
   float a[LANES][16];
   memset(a, 0, sizeof(a));
   for (int64_t l = 0; l < L; l++) {
     const float *vp = v + slot[l] + off, *sl = s + l * LANES;
-    for (int64_t m = 0; m < LANES; m++) {
+    for (int64_t m = 0; m < nl; m++) {
       const float p = sl[m];
       #pragma omp simd
       for (int64_t j = 0; j < 16; j++) a[m][j] += p * vp[j];
@@ -131,14 +134,15 @@ static inline void pairs_bf16(float *s, int64_t L) {
     _mm512_storeu_si512(p + (l / 2) * LANES, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
   } }
 /* pv_f32 with bf16 probabilities (HF's eager path rounds them too): two keys per vdpbf16ps. */
-static inline void pv_bf16(const float *s, const uint16_t *v, const int64_t *slot, int64_t off,
-                           int64_t L, float *acc) {
+static inline __attribute__((always_inline)) void pv_bf16(
+    const float *s, const uint16_t *v, const int64_t *slot, int64_t off, int64_t L, float *acc,
+    int nl) {
   static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i idx = _mm512_loadu_si512(order);
   const uint32_t *p = (const uint32_t *)s;
   __m512 a[LANES];
-  for (int64_t m = 0; m < LANES; m++) a[m] = _mm512_setzero_ps();
+  for (int m = 0; m < nl; m++) a[m] = _mm512_setzero_ps();
   for (int64_t l = 0; l < L; l += 2) {
     const __m256i v0 = _mm256_loadu_si256((const __m256i *)(v + slot[l] + off));
     const __m256i v1 = l + 1 < L ? _mm256_loadu_si256((const __m256i *)(v + slot[l + 1] + off))
@@ -146,10 +150,10 @@ static inline void pv_bf16(const float *s, const uint16_t *v, const int64_t *slo
     const __m512bh vv = (__m512bh)_mm512_permutexvar_epi16(
         idx, _mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1));
     const uint32_t *pl = p + (l / 2) * LANES;
-    for (int64_t m = 0; m < LANES; m++)
+    for (int m = 0; m < nl; m++)
       a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_set1_epi32((int)pl[m]), vv);
   }
-  for (int64_t m = 0; m < LANES; m++) _mm512_storeu_ps(acc + m * 16, a[m]); }
+  for (int m = 0; m < nl; m++) _mm512_storeu_ps(acc + m * 16, a[m]); }
 /* bf16: lanes hold raw (q[2i], q[2i+1]) pairs, the operand layout of vdpbf16ps. */
 static inline void qpack_bf16(float *qt, int64_t m, const uint16_t *qh, int64_t HD) {
   uint32_t *t = (uint32_t *)qt; const uint32_t *p = (const uint32_t *)qh;
@@ -180,8 +184,9 @@ static inline float dot_bf16(const uint16_t *qraw, const float *qf, const uint16
   return dot; }
 #else
 static inline void pairs_bf16(float *s, int64_t L) { (void)s; (void)L; }
-static inline void pv_bf16(const float *s, const uint16_t *v, const int64_t *slot, int64_t off,
-                           int64_t L, float *acc) {
+static inline __attribute__((always_inline)) void pv_bf16(
+    const float *s, const uint16_t *v, const int64_t *slot, int64_t off, int64_t L, float *acc,
+    int nl) {
   float a[LANES][16];
   memset(a, 0, sizeof(a));
   for (int64_t l = 0; l < L; l++) {
@@ -189,7 +194,7 @@ static inline void pv_bf16(const float *s, const uint16_t *v, const int64_t *slo
     const float *sl = s + l * LANES;
     float vf[16];
     for (int64_t j = 0; j < 16; j++) vf[j] = ld_bf16(vp, j);
-    for (int64_t m = 0; m < LANES; m++) {
+    for (int64_t m = 0; m < nl; m++) {
       const float p = sl[m];
       #pragma omp simd
       for (int64_t j = 0; j < 16; j++) a[m][j] += p * vf[j];
