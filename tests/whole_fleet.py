@@ -57,6 +57,9 @@ KV_CACHE_GB = 0.00019
 # the interactive class's own targets (TTFT p95, ITL p95 s), which its pool `fast` takes; loose
 # enough that they never move the pool (its bounds hold it at one instance anyway)
 FAST_SLO = (30.0, 5.0)
+# every pool's rate measured within a few rounds: the default 30 s window outlasts the whole
+# test on a quiet machine, so its pools would decide only in their first window
+AUTOSCALE_WINDOW_S = 5
 # rank 0 of the T=2 decode instance cannot run its share of a step of a request whose prompt
 # holds this run of token ids, failing mid-step after its first collective (a test fault,
 # strata/server/pd/faults.py): no other prompt holds it
@@ -133,6 +136,7 @@ def start_fleet(root: Path, redis_url: str) -> Iterator[Fleet]:
                    "--admin-key-file", str(root / "admin.keys"),
                    "--internal-key-file", str(root / "internal.keys"),
                    "--autoscale", "--min-replicas", "1", "--max-replicas", "1",
+                   "--autoscale-window-s", str(AUTOSCALE_WINDOW_S),
                    "--pool-replicas", "prefill=1:1", "--pool-replicas", "decode=1:1",
                    "--pool-replicas", "fast=1:1",
                    *(f"--gateway-arg={flag}" for flag in gateway)],
