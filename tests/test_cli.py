@@ -285,3 +285,18 @@ def test_up_deterministic_reaches_every_instance_s_serve(tmp_path: Path) -> None
     serve = build_parser("serve")  # what each instance's `strata serve` makes of them
     assert serve.parse_args(["serve", *on.serve_args]).deterministic is True
     assert serve.parse_args(["serve", *off.serve_args]).deterministic is False
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--simulate", "synthetic", "--deterministic"],
+    ["serve", "--task", "embed", "--deterministic"],
+    ["up", "--simulate", "synthetic", "--deterministic"],
+])
+def test_deterministic_where_no_model_kernel_runs_is_refused_by_name(
+        argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("STRATA_RUN_DIR", str(tmp_path / "run"))
+    assert main([*argv, "--log-level", "error"]) == 1
+    err = capsys.readouterr().err
+    assert f"strata {argv[0]}: error:" in err and "--deterministic" in err

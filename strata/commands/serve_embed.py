@@ -38,9 +38,9 @@ def build_embed_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
     from strata.server.async_engine import AsyncEngine
     from strata.server.config import EmbedConfig
 
-    if args.simulate or args.kv_offload or args.role != "mixed":
+    if args.simulate or args.kv_offload or args.role != "mixed" or args.deterministic:
         raise ConfigError("--task embed serves the encoder itself: drop --simulate, "
-                          "--kv-offload and --role")
+                          "--kv-offload, --role and --deterministic")
     path = model_path(args, env, default=DEFAULT_EMBED_MODEL)
     log.info("loading encoder %s", path)
     if args.threads:

@@ -154,6 +154,9 @@ def build_simulated(args: argparse.Namespace) -> BuiltEngine:
 
     if args.no_chunked_prefill:
         raise ConfigError("--no-chunked-prefill is not supported with --simulate")
+    if getattr(args, "deterministic", False):
+        raise ConfigError("--deterministic picks the model's kernels; a simulated instance runs "
+                          "no model kernels: drop one of them")
     if args.kv_offload:
         raise ConfigError("--kv-offload needs the real model (a simulated instance has no KV "
                           "to publish); drop --kv-offload or --simulate")

@@ -133,6 +133,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, env: CliEnv) -> int:
+    if args.simulate and args.deterministic:
+        raise ConfigError("--deterministic picks the model's kernels; simulated instances run "
+                          "no model kernels: drop one of them")
     client = read_api_keys(args.api_key_file, env.api_keys)
     admin = read_admin_keys(args.admin_key_file, env.admin_keys)
     check_exposure("strata up", args.host, client, admin, insecure=args.insecure)
