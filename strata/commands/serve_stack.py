@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from strata.model.loader import LoadedModel
     from strata.model.lora import LoraAdapter
     from strata.server.async_engine import AsyncEngine
-    from strata.server.config import EmbedConfig
+    from strata.server.config import EmbedConfig, ServerConfig
     from strata.server.lora_routes import LoraLoader
     from strata.server.registration import Registration
 
@@ -247,7 +247,6 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
     check_exposure("strata serve", args.host, api_keys, admin_keys, insecure=args.insecure)
     sock = _bind(args.host, args.port)
     port = sock.getsockname()[1]
-    registration = _registration(args, env, built.async_engine, name, port, simulated)
     server_config = ServerConfig(served_model_name=name, host=args.host, port=port,
                                  shutdown_timeout_s=args.shutdown_timeout_s,
                                  api_keys=api_keys, admin_keys=admin_keys,
@@ -269,6 +268,7 @@ async def serve_http(args: argparse.Namespace, env: CliEnv, built: BuiltEngine,
                                  lora_paths=dict(built.lora_paths),
                                  max_cpu_loras=getattr(args, "max_cpu_loras", None),
                                  **_kv_options(args))
+    registration = _registration(args, env, built.async_engine, server_config)
     app = create_app(built.async_engine, built.tokenizer, server_config,
                      registration=registration, lora_loader=built.lora_loader,
                      lora_bytes=dict(built.lora_bytes))
@@ -349,18 +349,21 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _registration(args: argparse.Namespace, env: CliEnv, async_engine: AsyncEngine, name: str,
-                  port: int, simulated: bool) -> Registration | None:
+def _registration(args: argparse.Namespace, env: CliEnv, async_engine: AsyncEngine,
+                  config: ServerConfig) -> Registration | None:
+    """The instance's record carries what its GET /v1/models card says: its name, whether it is
+    simulated, whether it is deterministic."""
     registry_url = args.registry or env.registry_url
     if not registry_url or registry_url == "none":
         return None
     from strata.server.registration import build_registration
 
     return build_registration(
-        registry_url, instance_id=args.instance_id or f"{socket.gethostname()}-{port}",
-        advertise_url=args.advertise_url or f"http://{args.host}:{port}", model=name,
-        async_engine=async_engine, version=args.model_version,
-        role=args.role, pool=args.pool, simulated=simulated, **parallel_identity(async_engine),
+        registry_url, instance_id=args.instance_id or f"{socket.gethostname()}-{config.port}",
+        advertise_url=args.advertise_url or f"http://{args.host}:{config.port}",
+        model=config.served_model_name, async_engine=async_engine, version=args.model_version,
+        role=args.role, pool=args.pool, simulated=config.simulated,
+        deterministic=config.deterministic, **parallel_identity(async_engine),
         node=args.node or args.ray_node_ip or socket.gethostname(),
     )
 

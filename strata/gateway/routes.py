@@ -139,11 +139,16 @@ async def session_call(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    """The models of routable instances, each once."""
+    """The models of routable instances, each once. A card says `deterministic` only when every
+    routable instance of its model is (`strata serve --deterministic`): a request may land on
+    any of them."""
     gateway = _gateway(request)
-    names = sorted({v.model for v in gateway.source.instances.snapshot()
-                    if v.is_routable and v.model})
-    cards = [{"id": name, "object": "model", "owned_by": "strata"} for name in names]
+    deterministic: dict[str, bool] = {}
+    for view in gateway.source.instances.snapshot():
+        if view.is_routable and view.model:
+            deterministic[view.model] = deterministic.get(view.model, True) and view.deterministic
+    cards = [{"id": name, "object": "model", "owned_by": "strata",
+              "deterministic": deterministic[name]} for name in sorted(deterministic)]
     return JSONResponse({"object": "list", "data": cards})
 
 

@@ -178,15 +178,17 @@ def build_registration(registry_url: str, *, instance_id: str, advertise_url: st
                        role: Role | str = Role.MIXED, pool: str = "default",
                        simulated: bool = False, interval_s: float = 1.0, ttl_s: float = 5.0,
                        clock: Clock = time.time, layout: str = "tp1",
-                       ranks: tuple[RankInfo, ...] = (), node: str = "") -> Registration:
+                       ranks: tuple[RankInfo, ...] = (), node: str = "",
+                       deterministic: bool = False) -> Registration:
     """The Registration `strata serve --registry URL ...` runs (ConfigError on a bad URL).
     A parallel instance registers once, with its `layout` and its `ranks`; `node` names the
-    machine (`strata status` shows it)."""
+    machine (`strata status` shows it); `deterministic` is its `ServerConfig.deterministic`
+    (the gateway's GET /v1/models reports it per model)."""
     if role not in tuple(Role):
         raise ConfigError(f"unknown role {role!r}; use one of: {', '.join(Role)}")
     record = InstanceRecord(instance_id=instance_id, url=advertise_url.rstrip("/"), model=model,
                             version=version, role=Role(role), pool=pool, simulated=simulated,
-                            layout=layout, ranks=ranks, node=node)
+                            layout=layout, ranks=ranks, node=node, deterministic=deterministic)
     registry = create_registry(registry_url, ttl_s=ttl_s, clock=clock)
     return Registration(registry, record, interval_s=interval_s,
                         load_fn=engine_load(async_engine),

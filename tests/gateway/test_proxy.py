@@ -126,6 +126,16 @@ def test_models_are_aggregated_over_routable_instances_each_once() -> None:
     assert responses[1].json() == {"status": "ready", "num_routable": 3}
 
 
+def test_a_models_card_is_deterministic_only_when_every_routable_instance_of_it_is() -> None:
+    views = [view("a", model="d", deterministic=True), view("b", model="d", deterministic=True),
+             view("c", model="d", state="starting"),  # not routable: does not count
+             view("e", model="m"), view("f", model="m", deterministic=True)]
+    responses, _ = call(Upstreams(), views, [("GET", "/v1/models", None)])
+    assert responses[0].json()["data"] == [
+        {"id": "d", "object": "model", "owned_by": "strata", "deterministic": True},
+        {"id": "m", "object": "model", "owned_by": "strata", "deterministic": False}]
+
+
 def test_unknown_model_bad_json_and_no_instance_answers() -> None:
     requests = [("POST", "/v1/completions", {"model": "nope"}),
                 ("POST", "/v1/completions", b"{not json"),

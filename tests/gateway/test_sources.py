@@ -24,10 +24,11 @@ def test_registry_source_mirrors_records_and_keeps_the_gateways_own_state() -> N
                                                load=InstanceLoad(num_running=2, adapters=(
                                                    AdapterResidency("sql", "d1"),))))
         await registry.register(InstanceRecord("i2", "http://h2", "m", version="v2",
-                                               state=InstanceState.READY))
+                                               state=InstanceState.READY, deterministic=True))
         await source.refresh()
         i1 = source.instances.get("i1")
         assert i1 is not None and i1.reported.num_running == 2 and i1.is_routable
+        assert [v.deterministic for v in source.instances.snapshot()] == [False, True]
         assert i1.is_resident("sql")  # the heartbeat's adapters reach the view
         i1.num_in_flight = 3  # the gateway's own accounting survives a refresh
         await registry.heartbeat("i1", state=InstanceState.DRAINING,
@@ -96,13 +97,15 @@ def test_after_a_registry_outage_stale_heartbeats_of_healthy_instances_are_forgi
 
 
 def test_static_source_learns_models_and_load_and_waits_for_silent_instances() -> None:
+    """Each card's `deterministic` too (absent: false)."""
     load: dict[str, Any] = {"num_running": 1, "num_waiting": 2, "kv_usage": 0.5,
                             "num_in_flight": 3, "draining": False,
                             "adapters": [{"name": "sql", "digest": "9f", "num_loads": 2}]}
 
     def a(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models":
-            return json_answer({"object": "list", "data": [{"id": "tiny"}]})
+            return json_answer({"object": "list",
+                                "data": [{"id": "tiny", "deterministic": True}]})
         return json_answer(load)
 
     def b(request: httpx.Request) -> httpx.Response:  # an instance without /load
@@ -122,6 +125,7 @@ def test_static_source_learns_models_and_load_and_waits_for_silent_instances() -
             assert views["a"].url == "http://a" and views["a"].reported.kv_usage == 0.5
             assert views["a"].serves("sql") and views["a"].is_resident("sql")
             assert not views["b"].serves("sql")
+            assert views["a"].deterministic and not views["b"].deterministic  # b's card: none
             load["draining"] = True
             await source.refresh()
             assert views["a"].state == "draining"

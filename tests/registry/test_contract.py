@@ -147,6 +147,14 @@ def test_records_round_trip_through_json() -> None:
         InstanceRecord("a", "u", "m")
 
 
+def test_a_records_deterministic_flag_round_trips_and_an_older_writers_record_is_not() -> None:
+    record = rec(deterministic=True)
+    assert json.loads(json.dumps(record.to_json()))["deterministic"] is True
+    assert InstanceRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
+    older = {key: value for key, value in record.to_json().items() if key != "deterministic"}
+    assert InstanceRecord.from_json(older).deterministic is False
+
+
 @pytest.mark.parametrize("make", ["sqlite", "redis"], indirect=True)
 def test_two_registry_objects_share_writes(make: Make) -> None:
     async def body(reg: Registry, clock: ManualClock) -> None:

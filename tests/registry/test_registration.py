@@ -98,14 +98,15 @@ def test_server_shutdown_deregisters_from_a_shared_sqlite_file(tiny_model: Loade
     def make(url: str, engine: AsyncEngine) -> Registration:
         return build_registration(registry_url, instance_id="inst-b", advertise_url=url + "/",
                                   model=MODEL_NAME, async_engine=engine, pool="p2",
-                                  interval_s=0.05)
+                                  interval_s=0.05, deterministic=True)
 
     observer = create_registry(registry_url)  # another process's view of the same file
     srv = start_registered(tiny_model, make)
     try:
         assert wait_until(lambda: state_of(observer, "inst-b") is InstanceState.READY)
         record = lookup(observer, "inst-b")
-        assert record is not None and (record.url, record.pool) == (srv.base_url, "p2")
+        assert record is not None and (record.url, record.pool, record.deterministic) == \
+            (srv.base_url, "p2", True)  # what the gateway's GET /v1/models reports per model
     finally:
         srv.stop()
     assert lookup(observer, "inst-b") is None

@@ -49,6 +49,8 @@ class InstanceView:
     pool: str = "default"
     state: str = READY
     reported: ReportedLoad = field(default_factory=ReportedLoad)
+    # `strata serve --deterministic`: its tokens do not depend on batch, cache or resume
+    deterministic: bool = False
     num_in_flight: int = 0
     num_in_flight_tokens: int = 0
     consecutive_failures: int = 0
@@ -141,6 +143,8 @@ class RecordLike(Protocol):
     def state(self) -> str: ...
     @property
     def load(self) -> LoadLike: ...
+    @property
+    def deterministic(self) -> bool: ...
 
 
 def load_from_record(load: LoadLike) -> ReportedLoad:
@@ -230,6 +234,7 @@ class InstanceSet:
         view.role, view.pool = str(record.role), record.pool
         view.state = READY if state == DEAD and is_alive and is_after_outage else state
         view.reported = load_from_record(record.load)
+        view.deterministic = record.deterministic
 
 
 __all__ = ["DEAD", "DRAINING", "READY", "STARTING", "InstanceSet", "InstanceView", "InFlight",

@@ -88,8 +88,8 @@ def instance_id_for(url: str) -> str:
 
 
 class StaticSource:
-    """Instances given by URL. Each one's model comes from its GET /v1/models (it is `starting`
-    until that answers) and its load and draining flag from GET /load."""
+    """Instances given by URL. Each one's model and `deterministic` come from its GET /v1/models
+    (it is `starting` until that answers) and its load and draining flag from GET /load."""
 
     def __init__(self, urls: Sequence[str], client: httpx.AsyncClient,
                  instances: InstanceSet | None = None) -> None:
@@ -105,17 +105,19 @@ class StaticSource:
     async def _refresh_one(self, view: InstanceView) -> None:
         try:
             if not view.model:
-                view.model = await self._learn_model(view.url)
+                await self._learn_model(view)
                 view.state = READY
             await self._learn_load(view)
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
             logger.debug("refresh of %s failed: %s", view.url, exc)
 
-    async def _learn_model(self, url: str) -> str:
-        response = await self.client.get(f"{url}/v1/models")
+    async def _learn_model(self, view: InstanceView) -> None:
+        """Its model and whether it is deterministic, from the first card of its /v1/models."""
+        response = await self.client.get(f"{view.url}/v1/models")
         response.raise_for_status()
-        model: str = response.json()["data"][0]["id"]
-        return model
+        card = response.json()["data"][0]
+        view.model = card["id"]
+        view.deterministic = card.get("deterministic") is True
 
     async def _learn_load(self, view: InstanceView) -> None:
         response = await self.client.get(f"{view.url}/load")

@@ -95,6 +95,7 @@ class InstanceRecord:
     layout: str = "tp1"  # tensor x pipeline parallel: tp1, tp2, pp2, tp2xpp2
     ranks: tuple[RankInfo, ...] = ()  # of a parallel instance, in rank order
     node: str = ""  # the machine it runs on: its Ray node's address, else the host name
+    deterministic: bool = False  # `strata serve --deterministic`: tokens independent of batch
 
     def __post_init__(self) -> None:
         if not self.instance_id:
@@ -116,7 +117,7 @@ class InstanceRecord:
                 "state": self.state.value, "load": self.load.to_json(),
                 "last_heartbeat": self.last_heartbeat, "simulated": self.simulated,
                 "layout": self.layout, "ranks": [r.to_json() for r in self.ranks],
-                "node": self.node}
+                "node": self.node, "deterministic": self.deterministic}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> InstanceRecord:
@@ -131,7 +132,8 @@ class InstanceRecord:
                    simulated=bool(data.get("simulated", False)),
                    layout=str(data.get("layout", "tp1")),
                    ranks=tuple(RankInfo.from_json(r) for r in data.get("ranks") or ()),
-                   node=str(data.get("node", "")))
+                   node=str(data.get("node", "")),
+                   deterministic=bool(data.get("deterministic", False)))
 
 
 __all__ = ["InstanceLoad", "InstanceRecord", "InstanceState", "RankInfo", "Role"]
