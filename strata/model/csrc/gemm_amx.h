@@ -16,7 +16,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #define STRATA_AMX 1
-#define AMX_MT 2 /* 16-row slices of x per pass (C tiles 0 .. AMX_MT - 1) */
 
 typedef struct {
   uint8_t palette, start_row, reserved[14];
@@ -24,14 +23,15 @@ typedef struct {
   uint8_t rows[16];
 } amx_config;
 
-/* Tiles 0 .. AMX_MT - 1: C, AMX_MT .. 2 AMX_MT - 1: A (`rows` rows of x each: fewer than 16
-   when the call has fewer, so the tile unit skips the padding), 2 AMX_MT: B (16 pairs of k). */
+/* Tiles 0-3: C (row slice s of column tile c at 2 c + s), 4-5: A (a 16-row slice of x each,
+   `rows` rows: fewer than 16 when the call has fewer, so the tile unit skips the padding), 6-7: B
+   (a column tile's record each: 16 pairs of k). */
 static void amx_configure(int rows) {
   amx_config cfg;
   memset(&cfg, 0, sizeof cfg);
   cfg.palette = 1;
-  for (int t = 0; t < 2 * AMX_MT + 1; t++) {
-    cfg.rows[t] = t == 2 * AMX_MT ? 16 : (uint8_t)rows;
+  for (int t = 0; t < 8; t++) {
+    cfg.rows[t] = t >= 6 ? 16 : (uint8_t)rows;
     cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg); }
@@ -102,23 +102,55 @@ static void amx_decode_q8(const uint8_t *tile, int64_t nb, uint16_t *dst) {
     }
   } }
 
-/* C tiles for `slices` (1 .. AMX_MT) 16-row slices of xp (row stride K) against nb B tiles at
-   `w` (512 bf16 each), stored to acc (slices x 16 rows x 16 floats). */
-static inline void amx_pass(int slices, const uint16_t *xp, int64_t K, const uint16_t *w,
-                            int64_t nb, float *acc) {
+/* C tiles of `slices` (1, 2) 16-row slices of xp (row stride K) by `cols` (1, 2) column tiles
+   (nb B tiles of 512 bf16 each at w0, w1): two A and two B loads feed four products. Each C
+   element sums its k in order whatever the blocking, so a row's result never depends on M.
+   Stored to acc + 256 (2 c + s), 16 x 16 floats each. */
+static inline void amx_pass(int slices, int cols, const uint16_t *xp, int64_t K,
+                            const uint16_t *w0, const uint16_t *w1, int64_t nb, float *acc) {
   _tile_zero(0);
   _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
   for (int64_t b = 0; b < nb; b++) {
-    _tile_loadd(4, w + b * 512, 64);
-    _tile_loadd(2, xp + b * 32, K * 2);
-    _tile_dpbf16ps(0, 2, 4);
+    _tile_loadd(6, w0 + b * 512, 64);
+    _tile_loadd(4, xp + b * 32, K * 2);
+    _tile_dpbf16ps(0, 4, 6);
     if (slices > 1) {
-      _tile_loadd(3, xp + 16 * K + b * 32, K * 2);
-      _tile_dpbf16ps(1, 3, 4);
+      _tile_loadd(5, xp + 16 * K + b * 32, K * 2);
+      _tile_dpbf16ps(1, 5, 6);
+    }
+    if (cols > 1) {
+      _tile_loadd(7, w1 + b * 512, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      if (slices > 1) _tile_dpbf16ps(3, 5, 7);
     }
   }
   _tile_stored(0, acc, 64);
-  if (slices > 1) _tile_stored(1, acc + 256, 64); }
+  if (slices > 1) _tile_stored(1, acc + 256, 64);
+  if (cols > 1) {
+    _tile_stored(2, acc + 512, 64);
+    if (slices > 1) _tile_stored(3, acc + 768, 64);
+  } }
+
+/* `rows` rows of a C tile (16 floats each) + bias, rounded to bf16 (nearest even, as st_bf16)
+   into out's columns t * 16 .. (fewer at N's edge). */
+static inline void amx_store(const float *acc, int64_t rows, int64_t t, int64_t N,
+                             const uint16_t *bias, uint16_t *out) {
+  const int64_t left = N - t * TILE;
+  const __mmask16 cols = left >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+  __m512 b = _mm512_setzero_ps();
+  if (bias)
+    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+        _mm256_maskz_loadu_epi16(cols, bias + t * TILE)), 16));
+  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  for (int64_t r = 0; r < rows; r++) {
+    const __m512i u = _mm512_castps_si512(_mm512_add_ps(_mm512_loadu_ps(acc + r * TILE), b));
+    const __m512i even = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, even)),
+                                              16);
+    _mm256_mask_storeu_epi16(out + r * N + t * TILE, cols, _mm512_cvtepi32_epi16(rounded));
+  } }
 
 /* out (M, N) bf16 = x (M, K) bf16 @ W^T + bias, W packed by gemm_pack_q (kind 1..3) or
    gemm_pack_bf16 (kind 0). Call only after gemm_amx_init() returned 1. */
@@ -128,28 +160,34 @@ void gemm_amx(int kind, const uint16_t *x, int64_t M, int64_t K, const uint8_t *
   const int64_t slices = (M + 15) / 16;
   uint16_t *xp = calloc((size_t)(slices * 16 * K), sizeof(uint16_t));
   memcpy(xp, x, sizeof(uint16_t) * (size_t)(M * K));
-  #pragma omp parallel if (tiles > 1)
+  const int64_t pairs = (tiles + 1) / 2;  /* column tiles two at a time */
+  #pragma omp parallel if (pairs > 1)
   {
     amx_configure(M < 16 ? (int)M : 16);
-    uint16_t *dec = kind == KIND_BF16 ? NULL : aligned_alloc(64, (size_t)(nb * 1024));
-    float *acc = aligned_alloc(64, sizeof(float) * 16 * 16 * AMX_MT);
+    uint16_t *dec = kind == KIND_BF16 ? NULL : aligned_alloc(64, (size_t)(2 * nb * 1024));
+    float *acc = aligned_alloc(64, sizeof(float) * 16 * 16 * 4);
     #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-      const uint16_t *bt = (const uint16_t *)(w + t * nb * rb);
-      if (dec) {
-        if (kind == KIND_Q8_0) amx_decode_q8(w + t * nb * rb, nb, dec);
-        else amx_decode_q4(kind, w + t * nb * rb, nb, dec);
-        bt = dec;
+    for (int64_t p = 0; p < pairs; p++) {
+      const int64_t t0 = 2 * p;
+      const int cols = tiles - t0 < 2 ? 1 : 2;
+      const uint16_t *bt[2];
+      for (int c = 0; c < cols; c++) {
+        const uint8_t *tile = w + (t0 + c) * nb * rb;
+        bt[c] = (const uint16_t *)tile;
+        if (dec) {
+          uint16_t *into = dec + c * nb * 512;
+          if (kind == KIND_Q8_0) amx_decode_q8(tile, nb, into);
+          else amx_decode_q4(kind, tile, nb, into);
+          bt[c] = into;
+        }
       }
-      for (int64_t s = 0; s < slices; s += AMX_MT) {
-        const int n = slices - s < AMX_MT ? (int)(slices - s) : AMX_MT;
-        amx_pass(n, xp + s * 16 * K, K, bt, nb, acc);
-        const int64_t rows = M - s * 16 < 16 * n ? M - s * 16 : 16 * n;
-        for (int64_t r = 0; r < rows; r++)
-          for (int64_t c = 0; c < TILE && t * TILE + c < N; c++) {
-            const int64_t col = t * TILE + c;
-            st_bf16(out + (s * 16 + r) * N, col,
-                    acc[r * TILE + c] + (bias ? ld_bf16(bias, col) : 0.f));
+      for (int64_t s = 0; s < slices; s += 2) {
+        const int n = slices - s < 2 ? 1 : 2;
+        amx_pass(n, cols, xp + s * 16 * K, K, bt[0], bt[cols - 1], nb, acc);
+        for (int c = 0; c < cols; c++)
+          for (int i = 0; i < n; i++) {
+            const int64_t row0 = (s + i) * 16, rows = M - row0 < 16 ? M - row0 : 16;
+            amx_store(acc + 256 * (2 * c + i), rows, t0 + c, N, bias, out + row0 * N);
           }
       }
     }
