@@ -23,8 +23,9 @@ TILE, RECORD_BYTES = 16, {"bf16": 1024, "q8_0": 544, "q4_0": 288, "q4_1": 320}
 # Rows up to which bf16 weights run the C kernels instead of oneDNN's packed matmul.
 BF16_MAX_ROWS = 64
 # Rows from which the AMX kernel replaces the vector one, where the CPU has AMX: quantized
-# weights pay a decode per call, bf16 weights do not (bench/gemm_shapes.py, 2026-12-01).
-AMX_MIN_ROWS = {"bf16": 2, "q8_0": 8, "q4_0": 8, "q4_1": 8}
+# weights pay a decode per call, bf16 weights do not (2 threads, SmolLM2's shapes, 2026-12-06:
+# a Q4_1 layer 271 against 310 us at 3 rows, 299 against 215 at 2; docs/benchmarks.md).
+AMX_MIN_ROWS = {"bf16": 2, "q8_0": 3, "q4_0": 3, "q4_1": 3}
 # One kernel at every row count (`strata serve --deterministic`): the kernels compute a row
 # differently (the AMX path rounds dequantized weights to bf16 first), so picking one by M
 # makes a request's tokens depend on its batch (issue 31). Set once per process, before a step.

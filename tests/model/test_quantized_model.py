@@ -56,15 +56,17 @@ def test_a_ggufs_quantized_weights_stay_quantized_and_agree_with_dequantized(
     assert all(isinstance(w, torch.Tensor) for w in dense.weights.values())
     assert weight_bytes(kept.weights) <= MAX_BYTES[qtype] * weight_bytes(dense.weights)
     fast = executor(kept)
-    assert isinstance(fast.model.layers[1].gate_up, PackedWeight)
+    packed = fast.model.layers[1].gate_up
+    assert isinstance(packed, PackedWeight) and packed.kind == qtype.name.lower()  # no copy
     token_lists = prompts(seed=11)
     seqs = [ScheduledSequence(RequestId(f"r{i}"), p, 0, list(range(16 * i, 16 * i + 10)), True,
                               SamplingParams(temperature=0.0), [], p)
             for i, p in enumerate(token_lists)]
     got, want = forward_logits(fast, seqs), forward_logits(executor(dense), seqs)
     spread = float(want.std())
+    # equal to the bit where both run on AMX tiles (the tiles decode each block to the very bf16
+    # weights the dequantized model holds); within bf16's rounding where the vector kernel runs
     torch.testing.assert_close(got, want, atol=0.1 * spread, rtol=0.0)
-    assert not torch.equal(got, want)  # the kernels did run, not the dequantized copy
     assert run_greedy(fast, token_lists, 8) == run_greedy(executor(dense), token_lists, 8)
 
 
