@@ -54,8 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="one matmul kernel at every batch size and decode attention computed "
                         "as a prefill's, so a request's tokens do not depend on its batch, its "
-                        "cached prefix or a resume (costs about 12 %% on a busy instance and "
-                        "31 %% on one stream on an AMX CPU: docs/benchmarks.md)")
+                        "cached prefix or a resume (costs about 6-16 %% on a busy instance and "
+                        "15-31 %% on one stream on an AMX CPU: docs/benchmarks.md)")
     p.add_argument("--weights-dtype", choices=WEIGHTS_DTYPES, default="auto",
                    help="auto (default): a GGUF's Q8_0/Q4_0/Q4_1 weights stay quantized on CPU; "
                         "bf16: every weight in --dtype; q8_0, q4: quantize at load")
