@@ -116,18 +116,24 @@ class DecodePlan:
     """How this step's decode rows read the cache: the C kernel, or a padded torch gather.
 
     The torch path's `slots` (D, L) are padded with the cache's null slot and `mask` (D, 1, 1, L)
-    is true where a row attends; both are built once per step, not per layer.
+    is true where a row attends; both are built once per step, not per layer. `as_chunk`: the
+    C kernel computes each row as the chunk kernel computes a prefill's (`strata serve
+    --deterministic`, `gemm.one_kernel()`), so a recomputed prefix gives the decoded tokens'
+    very KV.
     """
 
     use_kernel: bool
     slots: Tensor | None
     mask: Tensor | None
+    as_chunk: bool = False
 
     @staticmethod
     def build(batch: StepBatch, kv_cache: PagedKVCache, dtype: torch.dtype,
               device: torch.device) -> DecodePlan:
         if batch.num_decodes == 0 or cpu_kernels.supports(dtype, device):
-            return DecodePlan(batch.num_decodes > 0, None, None)
+            head_dim = kv_cache.data.shape[-1]
+            as_chunk = gemm.one_kernel() and cpu_kernels.supports_chunk(dtype, device, head_dim)
+            return DecodePlan(batch.num_decodes > 0, None, None, as_chunk)
         lens, bs = batch.decode_context_lens, kv_cache.block_size
         pos = torch.arange(int(lens.max()), device=lens.device)
         mask = pos[None, :] < lens[:, None]
@@ -155,12 +161,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, batch: StepBatch, plan: DecodePla
 def _decode_attention(q: Tensor, batch: StepBatch, plan: DecodePlan,
                       kv: tuple[Tensor, Tensor], groups: HeadGroups) -> Tensor:
     if plan.use_kernel:
-        # --deterministic: a decoded row computed as the chunk kernel computes a prefill's
-        as_chunk = gemm.one_kernel() and cpu_kernels.supports_chunk(q.dtype, q.device,
-                                                                     q.shape[2])
         return cpu_kernels.decode_attention(q, kv[0], kv[1], batch.decode_block_table,
                                             batch.decode_context_lens, batch.block_size,
-                                            groups.start, as_chunk=as_chunk)
+                                            groups.start, as_chunk=plan.as_chunk)
     assert plan.slots is not None and plan.mask is not None
     keys = groups.expand(kv[0][plan.slots], 2).transpose(1, 2)  # (D, kv_heads, L, head_dim)
     values = groups.expand(kv[1][plan.slots], 2).transpose(1, 2)
