@@ -4,7 +4,8 @@ start ... to ready <= 3 s" and "resident memory at T=1").
 Each round starts a fresh `strata serve --port 0` process (the model already on disk: the first
 download is not a start), times it from the spawn to its ready line (wall) and keeps the time it
 reports itself ("ready in X s"), reads the process tree's resident memory once it is ready
-(/proc/PID/status VmRSS of the server; `--threads 1` keeps one process), then stops it by PID.
+(servers.rss_mib: VmRSS of the server and its children; `--threads 1` keeps one process),
+then stops it by PID.
 `--weights-dtype` picks the weights (auto: the GGUF's Q4_1 as served; bf16: dequantized at load).
 
     .venv/bin/python bench/cold_start.py --rounds 5 --weights-dtype auto
@@ -19,16 +20,10 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from servers import rss_mib  # the process and its children, as the peers are measured
 
 READY = re.compile(rb"Strata serving \S+ on http://127\.0\.0\.1:\d+ \(ready in ([0-9.]+)s\)")
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
 
 
 def one_start(weights_dtype: str, timeout_s: float) -> dict[str, float]:
