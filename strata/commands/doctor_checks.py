@@ -49,8 +49,8 @@ class MatmulKernels:
     """Which of the C matmul kernels run on this CPU (strata.model.gemm)."""
 
     is_built: bool  # the C kernels built: quantized weights run them (else dequantized)
-    has_bf16: bool  # the AVX512-BF16 vector kernel (bf16 weights up to 64 rows, then oneDNN)
-    has_amx: bool  # the AMX tiles (from 2 rows for bf16 weights, from 8 for quantized)
+    has_bf16: bool  # the AVX512-BF16 vector kernel (bf16 weights up to gemm.BF16_MAX_ROWS)
+    has_amx: bool  # the AMX tiles (from gemm.AMX_MIN_ROWS rows, by weight format)
 
     @property
     def names(self) -> list[str]:
