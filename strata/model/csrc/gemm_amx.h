@@ -1,13 +1,15 @@
-/* AMX matmuls over the tile layout of gemm.h, for the row counts where the vector kernels are
-   compute-bound (a decode batch of 16+ rows, a prefill chunk).
+/* AMX matmuls over the tile layout of gemm.h, for the row counts where they beat the vector
+   kernels (gemm.AMX_MIN_ROWS: from 2 rows for bf16 weights, 3 for quantized; every row count
+   under `strata serve --deterministic`).
 
    A packed record (16 columns x 32 input positions, 16 operands of 64 bytes) is exactly an AMX
    B tile of 16 rows x 64 bytes in the VNNI pairing that `tdpbf16ps` reads, so a bf16 weight
-   feeds the tile unit as packed. A quantized tile is first decoded, all its records at once, to
-   real bf16 weights (d * code + offset rounded to bf16: the one rounding this path adds over the
-   vector kernel) into a per-thread buffer, then every 16-row slice of x multiplies it: one decode
-   per weight per call, whatever M. x is copied to a zero-padded buffer of whole 16-row slices.
-   Accumulation over K stays in the float32 C tiles.
+   feeds the tile unit as packed. A quantized column tile is first decoded, all its records at
+   once, to real bf16 weights (d * code + offset rounded to bf16: the one rounding this path adds
+   over the vector kernel) into a per-thread buffer, then every 16-row slice of x multiplies it:
+   one decode per weight per call, whatever M. A thread takes column tiles two at a time and row
+   slices two at a time (four C tiles). x is copied to a zero-padded buffer of whole 16-row
+   slices. Accumulation over K stays in the float32 C tiles, in k order whatever the blocking.
 
    Linux hands AMX state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM):
    gemm_amx_init() asks once and says whether the kernel may run. */
