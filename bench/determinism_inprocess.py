@@ -2,7 +2,7 @@
 as served, or dequantized to bf16), 12 random 60-token prompts, 32 tokens greedy; each alone on an
 empty prefix cache, again alone with its prefix cached, and inside a batch of 36 (the 12 and 24
 others); identical token ids counted per prompt. `--deterministic` runs
-`gemm.use_one_kernel(True)` first (what `strata serve --deterministic` does).
+`set_deterministic(True)` first (what `strata serve --deterministic` does).
 
     .venv/bin/python bench/determinism_inprocess.py [--deterministic] [--weights-dtype bf16]
 """
@@ -20,6 +20,7 @@ from strata_offline import CACHE_DIR, build_engine
 from strata.engine.engine import Engine
 from strata.engine.request import Request, SamplingParams
 from strata.model import gemm
+from strata.model.determinism import set_deterministic
 from strata.model.fetch import resolve_model
 from strata.model.loader import load_model
 from strata.types import RequestId
@@ -52,7 +53,7 @@ def main() -> None:
                     help="auto: the GGUF's Q4_1 weights as `strata serve` serves them")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    gemm.use_one_kernel(a.deterministic)
+    set_deterministic(a.deterministic)
     path = resolve_model(None, cache_dir=CACHE_DIR, progress=False)
     loaded = load_model(path, dtype="bfloat16", cache_dir=CACHE_DIR, weights_dtype=a.weights_dtype)
     engine = build_engine(loaded, prefix_cache=True, chunked=True, max_num_batched_tokens=512,

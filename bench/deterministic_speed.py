@@ -1,6 +1,6 @@
 """The price of `--deterministic` in process (issue 31): bench/strata_offline.py's fixed load
 (32 x 128 -> 64) and one stream (1 x 128 -> 128, decode tokens/s) on the default model's GGUF
-weights as `strata serve` serves them (Q4_1 stays quantized), with `gemm.use_one_kernel` off or
+weights as `strata serve` serves them (Q4_1 stays quantized), with `set_deterministic` off or
 on; the best of `--rounds`. Run the two modes as separate processes, interleaved:
 
     for i in 1 2 3; do for m in default deterministic; do
@@ -16,6 +16,7 @@ import torch
 from strata_offline import CACHE_DIR, build_engine, fixed
 
 from strata.model import gemm
+from strata.model.determinism import set_deterministic
 from strata.model.fetch import resolve_model
 from strata.model.loader import load_model
 
@@ -29,7 +30,7 @@ def main() -> None:
                     help="auto: the GGUF's Q4_1 as served; bf16: dequantized at load")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    gemm.use_one_kernel(a.mode == "deterministic")
+    set_deterministic(a.mode == "deterministic")
     path = resolve_model(None, cache_dir=CACHE_DIR, progress=False)
     loaded = load_model(path, dtype="bfloat16", cache_dir=CACHE_DIR, weights_dtype=a.weights_dtype)
     vocab = loaded.config.vocab_size

@@ -75,13 +75,14 @@ def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
     """Load the model (an alias is pulled) and build the engine stack over it."""
     from strata.model import gemm
     from strata.model.bert import is_encoder_dir
+    from strata.model.determinism import is_deterministic, set_deterministic
     from strata.model.fetch import DEFAULT_MODEL, KNOWN_MODELS
 
     path = model_path(args, env)
     if is_encoder_dir(path):
         raise ConfigError(f"{path} is a sentence encoder (BERT): serve it with --task embed")
     if getattr(args, "deterministic", False):
-        gemm.use_one_kernel(True)  # before any rank starts: they copy it (RankSpec)
+        set_deterministic(True)  # before any rank starts: they copy it (RankSpec)
         log.info("deterministic: one matmul kernel at every batch size (%s)",
                  "AMX tiles" if gemm.has_amx() else "the vector kernel")
     log.info("loading %s", path)
@@ -98,7 +99,7 @@ def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
                                       alias.generation_defaults if alias else None)
     log.info("sampling defaults (--generation-config %s): %s", args.generation_config,
              defaults.as_dict() or "none")
-    return BuiltEngine(async_engine, loaded.tokenizer, name, deterministic=gemm.one_kernel(),
+    return BuiltEngine(async_engine, loaded.tokenizer, name, deterministic=is_deterministic(),
                        generation_defaults=defaults,
                        loras=tuple((a.name, a.digest) for a in resident),
                        lora_paths=tuple((a.name, a.path) for a in adapters),

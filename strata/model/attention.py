@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from strata.model import cpu_kernels, gemm
+from strata.model import cpu_kernels
 from strata.model.config import ModelConfig
+from strata.model.determinism import is_deterministic
 
 _MATMUL_ATTENTION_MAX_ROWS = 64  # measured: SDPA is faster for longer chunks
 
@@ -118,7 +119,7 @@ class DecodePlan:
     The torch path's `slots` (D, L) are padded with the cache's null slot and `mask` (D, 1, 1, L)
     is true where a row attends; both are built once per step, not per layer. `as_chunk`: the
     C kernel computes each row as the chunk kernel computes a prefill's (`strata serve
-    --deterministic`, `gemm.one_kernel()`), so a recomputed prefix gives the decoded tokens'
+    --deterministic`, `determinism`), so a recomputed prefix gives the decoded tokens'
     very KV.
     """
 
@@ -132,7 +133,7 @@ class DecodePlan:
               device: torch.device) -> DecodePlan:
         if batch.num_decodes == 0 or cpu_kernels.supports(dtype, device):
             head_dim = kv_cache.data.shape[-1]
-            as_chunk = gemm.one_kernel() and cpu_kernels.supports_chunk(dtype, device, head_dim)
+            as_chunk = is_deterministic() and cpu_kernels.supports_chunk(dtype, device, head_dim)
             return DecodePlan(batch.num_decodes > 0, None, None, as_chunk)
         lens, bs = batch.decode_context_lens, kv_cache.block_size
         pos = torch.arange(int(lens.max()), device=lens.device)

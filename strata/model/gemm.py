@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from strata.model.determinism import is_deterministic
 from strata.model.kernel_build import kernel_library
 from strata.model.quant import QuantWeight
 
@@ -26,27 +27,6 @@ BF16_MAX_ROWS = 64
 # weights pay a decode per call, bf16 weights do not (2 threads, SmolLM2's shapes, 2026-12-06:
 # a Q4_1 layer 271 against 310 us at 3 rows, 299 against 215 at 2; docs/benchmarks.md).
 AMX_MIN_ROWS = {"bf16": 2, "q8_0": 3, "q4_0": 3, "q4_1": 3}
-# One kernel at every row count (`strata serve --deterministic`): the kernels compute a row
-# differently (the AMX path rounds dequantized weights to bf16 first), so picking one by M
-# makes a request's tokens depend on its batch (issue 31). Set once per process, before a step.
-_one_kernel = False
-
-
-def use_one_kernel(on: bool) -> None:
-    """Run every matmul of this process on one kernel whatever its row count: the AMX tiles
-    where they run, else the vector kernel; bf16 weights never on oneDNN's copy. A row's result
-    is then the same alone or in any batch. The C decode attention reads it too and computes a
-    decoded row as the chunk kernel computes a prefill's (`cpu_kernels.decode_attention`'s
-    `as_chunk`), so a recomputed prefix gives the decoded tokens' very KV (docs/benchmarks.md,
-    "Determinism", for the cost)."""
-    global _one_kernel
-    _one_kernel = on
-
-
-def one_kernel() -> bool:
-    """Whether `use_one_kernel(True)` holds in this process."""
-    return _one_kernel
-
 
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
@@ -105,7 +85,7 @@ def pack(weight: Tensor | QuantWeight, dense: Tensor | None = None) -> PackedWei
 def matmul(x: Tensor, weight: PackedWeight, bias: Tensor | None = None, *,
            kernel: str = "auto") -> Tensor:
     """x (M, K) bf16 @ W^T (+ bias (N,) bf16) -> (M, N) bf16. `kernel`: auto (AMX from
-    `AMX_MIN_ROWS[kind]` rows where it runs, from 1 row under `use_one_kernel`, else the
+    `AMX_MIN_ROWS[kind]` rows where it runs, from 1 row under `is_deterministic()`, else the
     vector kernel), or "vector", "amx",
     "portable" (the quantized kernels' portable loop) for tests and benchmarks."""
     lib = kernel_library()
@@ -118,7 +98,7 @@ def matmul(x: Tensor, weight: PackedWeight, bias: Tensor | None = None, *,
         return out
     b = bias.contiguous().data_ptr() if bias is not None else None
     if kernel == "auto":
-        min_rows = 1 if _one_kernel else AMX_MIN_ROWS[weight.kind]
+        min_rows = 1 if is_deterministic() else AMX_MIN_ROWS[weight.kind]
         kernel = "amx" if m >= min_rows and has_amx() else "vector"
     args = (x.data_ptr(), m, k, weight.data.data_ptr(), n, b, out.data_ptr())
     if kernel == "amx":

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from strata.model import gemm
+from strata.model.determinism import is_deterministic
 from strata.model.gemm import PackedWeight
 from strata.model.quant import QuantWeight
 
@@ -39,7 +40,7 @@ def pack_linear_weight(weight: Tensor | QuantWeight) -> Linear:
 def linear(x: Tensor, weight: Linear, bias: Tensor | None = None) -> Tensor:
     """`F.linear` for plain or `pack_linear_weight`-packed weights."""
     if isinstance(weight, PackedWeight):
-        if weight.dense is None or x.shape[0] <= gemm.BF16_MAX_ROWS or gemm.one_kernel():
+        if weight.dense is None or x.shape[0] <= gemm.BF16_MAX_ROWS or is_deterministic():
             return gemm.matmul(x, weight, bias)
         weight = weight.dense
     if weight.is_mkldnn:

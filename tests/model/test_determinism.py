@@ -1,5 +1,6 @@
-"""Deterministic serving (issue 31): under `strata serve --deterministic` (`gemm.use_one_kernel`)
-a request's tokens do not depend on what else runs or what is cached.
+"""Deterministic serving (issue 31): under `strata serve --deterministic`
+(`determinism.set_deterministic`) a request's tokens do not depend on what else runs or what is
+cached.
 
 Story: issue 31's table as a test, on the tiny llama in every weight format Strata serves (bf16
 weights on the C kernels, and a GGUF's Q8_0, Q4_0 and Q4_1 served quantized), greedy and seeded
@@ -32,7 +33,7 @@ from tiny_models import make_tiny_model_dir, write_tiny_gguf
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.engine import Engine
 from strata.engine.request import Request, SamplingParams
-from strata.model import gemm
+from strata.model.determinism import set_deterministic
 from strata.model.executor import TorchExecutor
 from strata.model.gemm import PackedWeight
 from strata.model.loader import LoadedModel, load_model
@@ -58,11 +59,11 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def one_kernel() -> Iterator[None]:
-    gemm.use_one_kernel(True)
+    set_deterministic(True)
     try:
         yield
     finally:
-        gemm.use_one_kernel(False)
+        set_deterministic(False)
 
 
 def model_of(fmt: str, tiny_dir: Path, tmp_path: Path) -> LoadedModel:

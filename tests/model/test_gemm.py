@@ -22,6 +22,7 @@ from torch import Tensor
 
 from strata.errors import ConfigError
 from strata.model import gemm
+from strata.model.determinism import is_deterministic, set_deterministic
 from strata.model.quant import QUANT_KINDS, QuantWeight, cat_rows, quantize
 
 N, K = 40, 96
@@ -98,7 +99,7 @@ def test_bf16_matmul_equals_the_product(kernel: str) -> None:
 
 @pytest.mark.parametrize("kind", [*QUANT_KINDS, "bf16"])
 def test_one_kernel_gives_a_row_the_same_bits_whatever_the_row_count(kind: str) -> None:
-    """`use_one_kernel` (`strata serve --deterministic`, issue 31): each row's result is the
+    """`set_deterministic` (`strata serve --deterministic`, issue 31): each row's result is the
     very bits it gets alone, at every row count, where by default the kernel changes with M."""
     from strata.model.linear import linear, pack_linear_weight
 
@@ -106,14 +107,14 @@ def test_one_kernel_gives_a_row_the_same_bits_whatever_the_row_count(kind: str) 
     w = weight(n=50, k=128)
     packed = gemm.pack(quantize(w, kind)) if kind != "bf16" else pack_linear_weight(w.bfloat16())
     x = torch.randn(80, 128, generator=torch.Generator().manual_seed(9)).bfloat16()
-    gemm.use_one_kernel(True)
+    set_deterministic(True)
     try:
         alone = torch.cat([linear(x[r:r + 1], packed) for r in range(80)])
         for m in [*ROW_COUNTS, 64, 65, 80]:
             assert torch.equal(linear(x[:m], packed), alone[:m]), m
     finally:
-        gemm.use_one_kernel(False)
-    assert not gemm.one_kernel()
+        set_deterministic(False)
+    assert not is_deterministic()
 
 
 @pytest.mark.parametrize("kind", QUANT_KINDS)

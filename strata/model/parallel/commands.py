@@ -64,7 +64,7 @@ class RankSpec:
     parent_pid: int
     faults: tuple[ShareFault, ...] = ()  # tests only: shares that cannot run (share.py)
     kernel_cache_dir: Path | None = None  # rank 0's kernel cache (kernel_build.use_cache_dir)
-    one_kernel: bool = False  # rank 0's gemm.use_one_kernel (`--deterministic`)
+    deterministic: bool = False  # rank 0's determinism switch (`--deterministic`)
 
     @property
     def layout(self) -> ParallelLayout:

@@ -35,8 +35,9 @@ from torch import Tensor
 
 from strata.engine.executor import BatchHandle, ModelInput, ModelOutput
 from strata.errors import ConfigError, RankFailedError, ShareFailedError
-from strata.model import gemm, kernel_build
+from strata.model import kernel_build
 from strata.model.config import DTYPE_BYTES
+from strata.model.determinism import is_deterministic
 from strata.model.kv_codec import FORMAT_VERSION, KVCodec, KVLayout, KVPayloadError
 from strata.model.lora import LoraAdapter, moved
 from strata.model.parallel import shm
@@ -102,7 +103,7 @@ class ParallelExecutor:
         source = source_of(model, dtype=dtype, host=hosts[0] if hosts else "")
         specs = [RankSpec(r, self.comm_spec, model.config, source, dtype,
                           _rank_device(device, r), threads, model_name, model_version,
-                          os.getpid(), faults, kernel_build.cache_dir(), gemm.one_kernel())
+                          os.getpid(), faults, kernel_build.cache_dir(), is_deterministic())
                  for r in range(layout.world_size)]
         self._start(specs, timeout_s, startup_timeout_s)
         self.launcher.watch(self._rank_exited)

@@ -24,7 +24,8 @@ from collections.abc import Callable
 import torch
 
 from strata.errors import RankFailedError
-from strata.model import gemm, kernel_build
+from strata.model import kernel_build
+from strata.model.determinism import set_deterministic
 from strata.model.parallel.comm import connect
 from strata.model.parallel.commands import RankReport, RankSpec, Stop, decode
 from strata.model.parallel.rank import Rank
@@ -63,7 +64,7 @@ def start_rank(spec: RankSpec) -> Rank:
     actors, calls this and `serve_rank` apart)."""
     torch.set_num_threads(spec.threads)
     kernel_build.use_cache_dir(spec.kernel_cache_dir)
-    gemm.use_one_kernel(spec.one_kernel)
+    set_deterministic(spec.deterministic)
     comms = connect(spec.comm, spec.rank)
     try:
         return Rank(spec, comms)
