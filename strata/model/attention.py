@@ -132,8 +132,8 @@ class DecodePlan:
     def build(batch: StepBatch, kv_cache: PagedKVCache, dtype: torch.dtype,
               device: torch.device) -> DecodePlan:
         if batch.num_decodes == 0 or cpu_kernels.supports(dtype, device):
-            head_dim = kv_cache.data.shape[-1]
-            as_chunk = is_deterministic() and cpu_kernels.supports_chunk(dtype, device, head_dim)
+            as_chunk = is_deterministic() and cpu_kernels.supports_chunk(
+                dtype, device, kv_cache.data.shape[-1])  # head_dim
             return DecodePlan(batch.num_decodes > 0, None, None, as_chunk)
         lens, bs = batch.decode_context_lens, kv_cache.block_size
         pos = torch.arange(int(lens.max()), device=lens.device)
