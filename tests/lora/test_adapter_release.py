@@ -56,15 +56,16 @@ class Stack:
                           json={"model": model, "prompt": PROMPT, "max_tokens": 4,
                                 "temperature": 0.0, "ignore_eos": True})
 
-    def complete_once_seen(self, model: str, status: int) -> httpx.Response:
-        """`complete(model)` once it answers `status`: the gateway reads adapters from the
-        registry, and the instances' residency, every second or so (bounded staleness), so
-        a request made at once after a change may still meet the view from before it."""
+    def complete_once_seen(self, model: str, status: int, saying: str = "") -> httpx.Response:
+        """`complete(model)` once it answers `status` (with `saying` in its body): the gateway
+        reads adapters from the registry, and the instances' residency, every second or so
+        (bounded staleness), so a request made at once after a change may still meet the
+        view from before it."""
         answers: list[httpx.Response] = []
         try:
             wait_until(lambda: answers.append(self.complete(model)) is None
-                       and answers[-1].status_code == status, 15, f"{model} answering {status}",
-                       interval_s=0.2)
+                       and answers[-1].status_code == status and saying in answers[-1].text,
+                       15, f"{model} answering {status} {saying}", interval_s=0.2)
         except TimeoutError:
             pass  # the caller's assert shows the last answer
         return answers[-1]
@@ -163,7 +164,7 @@ def test_adapter_versions_are_registered_under_their_base_and_bad_ones_refused(
     assert unloaded.status_code == 503 and "loaded on no ready" in unloaded.text, unloaded.text
     never = stack.complete("sql")  # registered, never released
     assert never.status_code == 404 and "no live version" in never.json()["error"]["message"]
-    unknown = stack.complete("sql@v7")
+    unknown = stack.complete_once_seen("sql@v7", 404, "v1, v2, v3")  # v3 added just now
     assert unknown.status_code == 404 and "v1, v2, v3" in unknown.json()["error"]["message"]
 
 
