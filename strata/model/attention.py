@@ -118,9 +118,9 @@ class DecodePlan:
 
     The torch path's `slots` (D, L) are padded with the cache's null slot and `mask` (D, 1, 1, L)
     is true where a row attends; both are built once per step, not per layer. `as_chunk`: the
-    C kernel computes each row as the chunk kernel computes a prefill's (`strata serve
-    --deterministic`, `determinism`), so a recomputed prefix gives the decoded tokens'
-    very KV.
+    C kernel computes each row as the chunk kernel computes a prefill's, so a recomputed prefix
+    gives the decoded tokens' very KV: always where that costs nothing (bf16 with keys in the
+    lanes, `cpu_kernels.decodes_keys_in_lanes`), else under `strata serve --deterministic`.
     """
 
     use_kernel: bool
@@ -132,8 +132,9 @@ class DecodePlan:
     def build(batch: StepBatch, kv_cache: PagedKVCache, dtype: torch.dtype,
               device: torch.device) -> DecodePlan:
         if batch.num_decodes == 0 or cpu_kernels.supports(dtype, device):
-            as_chunk = is_deterministic() and cpu_kernels.supports_chunk(
-                dtype, device, kv_cache.data.shape[-1])  # head_dim
+            head_dim = kv_cache.data.shape[-1]
+            as_chunk = (is_deterministic() and cpu_kernels.supports_chunk(dtype, device, head_dim)
+                        or cpu_kernels.decodes_keys_in_lanes(dtype, device, head_dim))
             return DecodePlan(batch.num_decodes > 0, None, None, as_chunk)
         lens, bs = batch.decode_context_lens, kv_cache.block_size
         pos = torch.arange(int(lens.max()), device=lens.device)

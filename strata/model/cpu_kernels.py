@@ -73,6 +73,17 @@ def supports_chunk(dtype: torch.dtype, device: torch.device | str, head_dim: int
     return head_dim % 16 == 0 and head_dim <= 256 and supports(dtype, device)
 
 
+def decodes_keys_in_lanes(dtype: torch.dtype, device: torch.device | str, head_dim: int) -> bool:
+    """Whether `decode_attention(as_chunk=True)` puts 16 keys in the vector lanes (bf16, head_dim
+    a multiple of 32, AVX512-BF16 built in): then it runs as fast as the plain decode kernel
+    (bench/decode_attention_speed.py), so decode rows take it by default, and a decoded token's
+    attention is always its prefill's. Elsewhere `as_chunk` runs the chunk task with one token,
+    whose 16 lanes a decoded row's few query heads leave mostly idle."""
+    lib = kernel_library()
+    return (dtype == torch.bfloat16 and head_dim % 32 == 0 and lib is not None
+            and bool(lib.gemm_has_bf16()) and supports_chunk(dtype, device, head_dim))
+
+
 def chunk_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_row: Tensor,
                     start_pos: int, block_size: int, head_start: Tensor | None = None) -> Tensor:
     """Causal attention of n new tokens of one sequence at positions start_pos .. + n - 1.

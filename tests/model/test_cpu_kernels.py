@@ -139,6 +139,34 @@ def test_decode_as_chunk_gives_each_row_the_chunk_kernels_very_bits(dtype: torch
             assert torch.equal(got[-1], decoded[i]), (n, size)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
+                         [(10, 2, 96), (17, 1, 64), (4, 4, 32), (6, 2, 48)])
+def test_decoded_rows_equal_their_prefill_for_other_groups_and_head_dims(
+        heads: int, kv_heads: int, head_dim: int) -> None:
+    """bf16 decode rows take the keys-in-lanes path by default (groups of up to 16 heads, head
+    dims a multiple of 32: a group of 5 spans two passes of the V sums, 96 dims two of their
+    blocks); a group of 17 or 48 dims falls back to the chunk task. Every row, at lengths
+    across 16-key tiles, is its prefill's to the bit."""
+    require_kernels()
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    lens = [1, 2, 15, 16, 17, 33, 70]
+    width = max(lens) // BLOCK + 1
+    slots = len(lens) * width * BLOCK
+    k = torch.randn(slots, kv_heads, head_dim, generator=gen).bfloat16()
+    v = torch.randn(slots, kv_heads, head_dim, generator=gen).bfloat16()
+    table = torch.randperm(len(lens) * width, generator=gen).view(len(lens), width)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).bfloat16()
+    assert cpu_kernels.decodes_keys_in_lanes(torch.bfloat16, "cpu", head_dim) == (
+        head_dim % 32 == 0 and cpu_kernels.decodes_keys_in_lanes(torch.bfloat16, "cpu", 64))
+    decoded = cpu_kernels.decode_attention(q, k, v, table, torch.tensor(lens), BLOCK,
+                                           as_chunk=True)
+    for i, n in enumerate(lens):
+        chunk = torch.randn(n, heads, head_dim, generator=gen).bfloat16()
+        chunk[-1] = q[i]
+        got = cpu_kernels.chunk_attention(chunk, k, v, table[i], 0, BLOCK)
+        assert torch.equal(got[-1], decoded[i]), n
+
+
 def test_torch_fallback_path_keeps_hf_parity(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the kernel (no compiler, fp16, GPU), decode rows use the padded gather + SDPA.
 

@@ -17,6 +17,7 @@
 #define QK CAT(qk_, SFX)
 #define PAIRS CAT(pairs_, SFX)
 #define PV CAT(pv_, SFX)
+#define KTASK CAT(keys_task_, SFX)
 
 /* Decode attention: one query row per sequence d attends to its cached positions
    0 .. lens[d] - 1, read in place through row d of the block table (W columns).
@@ -189,15 +190,19 @@ void CAT(NAME, _lanes)(const T *q, const T *k, const T *v, const int64_t *table,
     float *qt = malloc(sizeof(float) * LANES * HD);
     T *kb = calloc(KEYS * KROW, sizeof(T));
     int64_t *slot = malloc(sizeof(int64_t) * maxL);
+    float *ks = malloc(sizeof(float) * 16 * (maxL + 16));
+    uint16_t *pb = malloc(sizeof(uint16_t) * 16 * (maxL + 18));
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < D * KVH; task++) {  /* a sequence x a kv head */
       const int64_t d = task / KVH, g = task % KVH, L = lens[d], *row = table + d * W;
       for (int64_t l = 0; l < L; l++) slot[l] = (row[l / bs] * bs + l % bs) * stride;
+      if (KTASK(q + d * q_stride, k, v, slot, out + d * H * HD, hs, L, HD, scale, g, ks, pb))
+        continue;  /* keys in the lanes: the same arithmetic, the lanes all live */
       for (int64_t m0 = 0; m0 < hs[g + 1] - hs[g]; m0 += LANES)
         CAT(NAME, _chunk_task)(q + d * q_stride, k, v, slot, out + d * H * HD, hs, q_stride,
                                1, L - 1, H, HD, scale, g, m0, s, qt, kb);
     }
-    free(s); free(qt); free(kb); free(slot);
+    free(s); free(qt); free(kb); free(slot); free(ks); free(pb);
   }
 }
 
@@ -233,5 +238,6 @@ void CAT(NAME, _add_rms_norm)(T *x, const T *delta, const T *w, T *out, int64_t 
 #undef QK
 #undef PAIRS
 #undef PV
+#undef KTASK
 #undef T
 #undef SFX

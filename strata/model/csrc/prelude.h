@@ -121,6 +121,12 @@ static inline __attribute__((always_inline)) void pv_f32(
   }
   memcpy(acc, a, sizeof(a)); }
 static inline void pairs_f32(float *s, int64_t L) { (void)s; (void)L; }
+static inline int keys_task_f32(const float *q, const float *k, const float *v, const int64_t *slot,
+                                 float *out, const int64_t *hs, int64_t L, int64_t HD, float scale,
+                                 int64_t g, float *s, uint16_t *pb) {  /* the chunk task does it */
+  (void)q; (void)k; (void)v; (void)slot; (void)out; (void)hs; (void)L; (void)HD; (void)scale;
+  (void)g; (void)s; (void)pb; return 0; }
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 /* Probability rows l, l + 1 become row l / 2 of bf16 pairs (in place): vdpbf16ps operands. */
@@ -170,6 +176,130 @@ static inline void qk_bf16(const float *qt, const uint16_t *kb, int64_t HD, floa
     }
   }
   for (int64_t j = 0; j < KEYS; j++) _mm512_storeu_ps(out + j * LANES, a[j]); }
+/* r[j] lane i = r[i] lane j, for 16 rows of 16 int32 (unpack pairs, then quads, then a 4 x 4
+   transpose of the 128-bit lanes). */
+static inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  /* u[4q + c], 128-bit lane k: column 4k + c, rows 4q.. */
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; c++) {
+    const __m512i v0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44);
+    const __m512i v1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    t[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+  for (int i = 0; i < 16; i++) r[i] = t[i]; }
+/* One decoded query row (the last of L positions, at q; out: its rows) x kv head g, computed
+   with each query head's arithmetic exactly as the chunk task computes a one-token chunk, but
+   with 16 keys in the lanes instead of 16 (query, head) pairs, of which a decoded row fills only
+   its group's few: the same vdpbf16ps per (head, key) over the same dim pairs in the same order,
+   the same exp, the sums over keys in key order, the same bf16 probability pairs and V sums.
+   s: G * (L + 16) floats, pb: G * (L + 18) uint16 of scratch. Returns 0 (nothing done) where
+   the shape does not fit: head_dim not a multiple of 32, or a group above 16 heads. */
+static inline int keys_task_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                                 const int64_t *slot, uint16_t *out, const int64_t *hs,
+                                 int64_t L, int64_t HD, float scale, int64_t g, float *s,
+                                 uint16_t *pb) {
+  const int64_t G = hs[g + 1] - hs[g], P = HD / 2, Ls = L + 16, Lp = L + 18;
+  if (HD % 32 || HD > KROW || G > 16 || G < 1) return 0;
+  const uint32_t *qp = (const uint32_t *)(q + hs[g] * HD);  /* head h's pairs: qp + h * P */
+  __m512 mx[16];
+  for (int64_t h = 0; h < G; h++) mx[h] = _mm512_set1_ps(-INFINITY);
+  for (int64_t l0 = 0; l0 < L; l0 += 16) {
+    const int64_t cnt = L - l0 < 16 ? L - l0 : 16;
+    const __mmask16 live = cnt == 16 ? 0xFFFF : (__mmask16)((1u << cnt) - 1);
+    __m512 acc[16];
+    for (int64_t h = 0; h < G; h++) acc[h] = _mm512_setzero_ps();
+    for (int64_t j = l0 + 16; j < l0 + 32 && j < L; j++)  /* the next 16 keys' rows */
+      for (int64_t c = 0; c < HD * 2; c += 64) __builtin_prefetch((const char *)(k + slot[j] + g * HD) + c);
+    for (int64_t b = 0; b < P; b += 16) {  /* dim pairs b .. b + 15 of 16 keys, transposed */
+      __m512i r[16];
+      for (int64_t j = 0; j < 16; j++)
+        r[j] = j < cnt ? _mm512_loadu_si512(k + slot[l0 + j] + g * HD + 2 * b)
+                       : _mm512_setzero_si512();
+      transpose16(r);
+      for (int64_t i = 0; i < 16; i++)
+        for (int64_t h = 0; h < G; h++)
+          acc[h] = _mm512_dpbf16_ps(acc[h], (__m512bh)_mm512_set1_epi32((int)qp[h * P + b + i]),
+                                    (__m512bh)r[i]);
+    }
+    for (int64_t h = 0; h < G; h++) {
+      const __m512 x = _mm512_mul_ps(acc[h], _mm512_set1_ps(scale));
+      _mm512_storeu_ps(s + h * Ls + l0, x);
+      mx[h] = _mm512_mask_max_ps(mx[h], live, mx[h], x);
+    }
+  }
+  float sum[16];
+  for (int64_t h = 0; h < G; h++) {
+    float *sh = s + h * Ls;
+    uint16_t *ph = pb + h * Lp;
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[h]));
+    for (int64_t l0 = 0; l0 < L; l0 += 16) {
+      const __m512 e = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(sh + l0), m));
+      _mm512_storeu_ps(sh + l0, e);
+      _mm256_storeu_si256((__m256i *)(ph + l0), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    ph[L] = 0;  /* an odd last key pairs with a zero, as in pairs_bf16 */
+    float total = 0.f;  /* in key order: the chunk task's per-lane sum */
+    for (int64_t l = 0; l < L; l++) total += sh[l];
+    sum[h] = total;
+  }
+  static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_loadu_si512(order);
+  for (int64_t h0 = 0; h0 < G; h0 += 4)  /* 4 heads x 64 dims of V sums at a time */
+    for (int64_t d0 = 0; d0 < HD; d0 += 64) {
+      const int nd = HD - d0 < 64 ? (int)((HD - d0) / 16) : 4;
+      __m512 a[4][4];
+      for (int h = 0; h < 4; h++)
+        for (int c = 0; c < 4; c++) a[h][c] = _mm512_setzero_ps();
+      for (int64_t l = 0; l < L; l += 2) {
+        if (l + 8 < L)
+          for (int64_t c = 0; c < nd * 32; c += 64)
+            __builtin_prefetch((const char *)(v + slot[l + 8] + g * HD + d0) + c);
+        if (l + 9 < L)
+          for (int64_t c = 0; c < nd * 32; c += 64)
+            __builtin_prefetch((const char *)(v + slot[l + 9] + g * HD + d0) + c);
+        const uint16_t *v0 = v + slot[l] + g * HD + d0;
+        const uint16_t *v1 = l + 1 < L ? v + slot[l + 1] + g * HD + d0 : 0;
+        __m512 pp[4];
+        for (int h = 0; h < 4; h++) {
+          int32_t pair = 0;  /* probabilities l, l + 1 of head h0 + h (none past the group) */
+          if (h0 + h < G) memcpy(&pair, pb + (h0 + h) * Lp + l, 4);
+          pp[h] = (__m512)_mm512_set1_epi32(pair);
+        }
+        for (int c = 0; c < nd; c++) {
+          const __m256i lo = _mm256_loadu_si256((const __m256i *)(v0 + 16 * c));
+          const __m256i hi = v1 ? _mm256_loadu_si256((const __m256i *)(v1 + 16 * c))
+                                : _mm256_setzero_si256();
+          const __m512bh vv = (__m512bh)_mm512_permutexvar_epi16(
+              idx, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+          for (int h = 0; h < 4; h++) a[h][c] = _mm512_dpbf16_ps(a[h][c], (__m512bh)pp[h], vv);
+        }
+      }
+      for (int h = 0; h < 4 && h0 + h < G; h++) {
+        const float inv = 1.f / sum[h0 + h];
+        uint16_t *o = out + (hs[g] + h0 + h) * HD + d0;
+        for (int c = 0; c < nd; c++) {
+          float x[16];
+          _mm512_storeu_ps(x, _mm512_mul_ps(a[h][c], _mm512_set1_ps(inv)));
+          for (int j = 0; j < 16; j++) st_bf16(o, 16 * c + j, x[j]);
+        }
+      }
+    }
+  return 1; }
 static inline float dot_bf16(const uint16_t *qraw, const float *qf, const uint16_t *kp,
                              int64_t n) {  /* bf16 x bf16 products are exact in float32 */
   if (n % 32 == 0) {
@@ -184,6 +314,12 @@ static inline float dot_bf16(const uint16_t *qraw, const float *qf, const uint16
   return dot; }
 #else
 static inline void pairs_bf16(float *s, int64_t L) { (void)s; (void)L; }
+static inline int keys_task_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *slot,
+                                 uint16_t *out, const int64_t *hs, int64_t L, int64_t HD, float scale,
+                                 int64_t g, float *s, uint16_t *pb) {  /* the chunk task does it */
+  (void)q; (void)k; (void)v; (void)slot; (void)out; (void)hs; (void)L; (void)HD; (void)scale;
+  (void)g; (void)s; (void)pb; return 0; }
+
 static inline __attribute__((always_inline)) void pv_bf16(
     const float *s, const uint16_t *v, const int64_t *slot, int64_t off, int64_t L, float *acc,
     int nl) {

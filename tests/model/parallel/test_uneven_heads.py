@@ -55,6 +55,7 @@ def test_the_torch_fallback_expands_kv_for_uneven_groups(monkeypatch: pytest.Mon
                       sample_rows=torch.arange(5), block_size=BLOCK)
     cache = PagedKVCache.__new__(PagedKVCache)
     cache.block_size, cache.null_slot = BLOCK, k.shape[0] - 1  # a NaN slot: masked, never used
+    cache.data = torch.stack([k, v])[None]  # one layer
     with_kernel = attention(q, q, q, batch, DecodePlan.build(batch, cache, q.dtype, q.device),
                             (k, v), groups)
     monkeypatch.setattr(cpu_kernels, "supports", lambda dtype, device: False)
