@@ -279,12 +279,15 @@ def test_up_deterministic_reaches_every_instance_s_serve(tmp_path: Path) -> None
 
     env = CliEnv(cache_dir=tmp_path, run_dir=tmp_path / "run")
     on = up._config(build_parser("up").parse_args(["up", "--deterministic"]), env)
-    off = up._config(build_parser("up").parse_args(["up"]), env)
+    off = up._config(build_parser("up").parse_args(["up", "--no-deterministic"]), env)
+    unsaid = up._config(build_parser("up").parse_args(["up"]), env)
     assert on.serve_args.count("--deterministic") == 1
-    assert "--deterministic" not in off.serve_args
+    assert off.serve_args.count("--no-deterministic") == 1
+    assert not {"--deterministic", "--no-deterministic"} & set(unsaid.serve_args)
     serve = build_parser("serve")  # what each instance's `strata serve` makes of them
     assert serve.parse_args(["serve", *on.serve_args]).deterministic is True
     assert serve.parse_args(["serve", *off.serve_args]).deterministic is False
+    assert serve.parse_args(["serve", *unsaid.serve_args]).deterministic is None  # its default
 
 
 @pytest.mark.parametrize("argv", [

@@ -167,8 +167,8 @@ def test_doctor_exits_0_even_when_nothing_optional_is_usable(tmp_path: Path,
 
 @pytest.mark.parametrize(("kernels", "names", "is_invariant", "says"), [
     (MatmulKernels(True, True, True), ["AMX tiles", "AVX512-BF16 vector"], False,
-     "by default a request's tokens can depend on its batch; `strata serve --deterministic` "
-     "runs one kernel at every size"),
+     "`strata serve` runs one kernel at every size by default for quantized weights "
+     "(--no-deterministic: faster on one stream), for bf16 weights with --deterministic only"),
     (MatmulKernels(True, True, False), ["AVX512-BF16 vector"], False,
      "bf16 weights above 64 rows run oneDNN, so by default a bf16 model's tokens can depend on "
      "its batch; `strata serve --deterministic`"),

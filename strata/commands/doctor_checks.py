@@ -238,13 +238,14 @@ def matmul_report(kernels: MatmulKernels) -> dict[str, Any]:
     """Which matmul kernels run here and whether, by default, a request's tokens can depend on
     its batch (issue 31: the kernels compute a row differently)."""
     if kernels.has_amx:
-        detail = ("picked by batch size, so by default a request's tokens can depend on its "
-                  "batch; `strata serve --deterministic` runs one kernel at every size (slower, "
-                  "most on one stream: docs/benchmarks.md)")
+        detail = ("picked by batch size unless deterministic: `strata serve` runs one kernel at "
+                  "every size by default for quantized weights (--no-deterministic: faster on "
+                  "one stream), for bf16 weights with --deterministic only (slower on large "
+                  "batches: docs/benchmarks.md)")
     elif kernels.has_bf16:
         detail = ("bf16 weights above 64 rows run oneDNN, so by default a bf16 model's tokens "
                   "can depend on its batch; `strata serve --deterministic` keeps them on the "
-                  "vector kernel")
+                  "vector kernel (quantized weights: one kernel at every size)")
     elif kernels.is_built:
         detail = ("for quantized weights, oneDNN for bf16: one kernel at every batch size, so "
                   "a request's tokens do not depend on its batch")

@@ -51,11 +51,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    p.add_argument("--deterministic", action="store_true",
-                   help="one matmul kernel at every batch size and decode attention computed "
-                        "as a prefill's, so a request's tokens do not depend on its batch, its "
-                        "cached prefix or a resume (costs about 6-16 %% on a busy instance and "
-                        "15-31 %% on one stream on an AMX CPU: docs/benchmarks.md)")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="one matmul kernel at every batch size, so a request's tokens do not "
+                        "depend on its batch, its cached prefix or a resume. Default: on for "
+                        "quantized weights (the default model), where a busy instance runs the "
+                        "same kernels either way; off for bf16 and float32 weights, whose large "
+                        "batches run faster on oneDNN. --no-deterministic: the fastest kernel at "
+                        "each batch size (one stream about 1.4x faster on an AMX CPU: "
+                        "docs/benchmarks.md)")
     p.add_argument("--weights-dtype", choices=WEIGHTS_DTYPES, default="auto",
                    help="auto (default): a GGUF's Q8_0/Q4_0/Q4_1 weights stay quantized on CPU; "
                         "bf16: every weight in --dtype; q8_0, q4: quantize at load")

@@ -75,19 +75,25 @@ def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
     """Load the model (an alias is pulled) and build the engine stack over it."""
     from strata.model import gemm
     from strata.model.bert import is_encoder_dir
-    from strata.model.determinism import is_deterministic, set_deterministic
+    from strata.model.determinism import (
+        deterministic_by_default,
+        is_deterministic,
+        set_deterministic,
+    )
     from strata.model.fetch import DEFAULT_MODEL, KNOWN_MODELS
 
     path = model_path(args, env)
     if is_encoder_dir(path):
         raise ConfigError(f"{path} is a sentence encoder (BERT): serve it with --task embed")
-    if getattr(args, "deterministic", False):
-        set_deterministic(True)  # before any rank starts: they copy it (RankSpec)
-        log.info("deterministic: one matmul kernel at every batch size (%s)",
-                 "AMX tiles" if gemm.has_amx() else "the vector kernel")
     log.info("loading %s", path)
     with openmp_free_main_thread(rank_threads(args)):
         loaded, parallel = load_for_serving(args, path, env.cache_dir)
+        # before any rank starts (they copy it: RankSpec) and before the first step
+        set_deterministic(deterministic_by_default(loaded.weights)
+                          if args.deterministic is None else args.deterministic)
+        log.info("deterministic: %s", "one matmul kernel at every batch size (%s)" % (
+            "AMX tiles" if gemm.has_amx() else "the vector kernel") if is_deterministic()
+            else "off: a request's tokens can depend on its batch (--deterministic)")
         alias = KNOWN_MODELS.get(args.model or DEFAULT_MODEL)
         name = args.served_model_name or (alias.served_name if alias else loaded.name)
         adapters = load_loras(args, loaded)  # every one checked; the first --max-cpu-loras kept
@@ -155,7 +161,7 @@ def build_simulated(args: argparse.Namespace) -> BuiltEngine:
 
     if args.no_chunked_prefill:
         raise ConfigError("--no-chunked-prefill is not supported with --simulate")
-    if getattr(args, "deterministic", False):
+    if getattr(args, "deterministic", None):
         raise ConfigError("--deterministic picks the model's kernels; a simulated instance runs "
                           "no model kernels: drop one of them")
     if args.kv_offload:

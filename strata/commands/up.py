@@ -114,7 +114,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         p.add_argument(flag, *up_parallel.SHORT_FLAGS.get(flag, ()), type=kind, default=None,
                        help="passed to every instance")
     for flag in _SERVE_SWITCHES:
-        p.add_argument(flag, action="store_true", help="passed to every instance")
+        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                       help="passed to every instance")
     p.add_argument("--api-key-file", type=Path, default=None,
                    help="client API keys, one per line: passed to the gateway and every instance "
                         "(STRATA_API_KEYS, inherited, adds more)")
@@ -257,7 +258,9 @@ def _config(args: argparse.Namespace, env: CliEnv,
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             serve_args += [flag, str(value)]
-    serve_args += [flag for flag in _SERVE_SWITCHES if getattr(args, flag[2:].replace("-", "_"))]
+    for flag in _SERVE_SWITCHES:  # on, off (--no-...), or the instance's default
+        value = getattr(args, flag[2:].replace("-", "_"))
+        serve_args += [] if value is None else [flag if value else f"--no-{flag[2:]}"]
     serve_args += _auth_args(args, keys)
     replicas, num_prefill, named = cluster_shape(args)
     threads = up_parallel.rank_threads(args, replicas)  # `strata serve --threads` is per rank

@@ -8,14 +8,30 @@ Two mechanisms read it, each at the point where it chooses how to compute:
     its batch.
   - the decode attention (attention.DecodePlan) computes a decoded row as the chunk kernel
     computes a prefill's, so a resumed stream, a moved session or a preemption that prefills
-    decoded tokens again gets their very KV.
+    decoded tokens again gets their very KV (bf16 KV with head_dim a multiple of 32 does so
+    always: it costs nothing there).
 Set once per process before its first step; a tensor-parallel rank copies rank 0's (RankSpec).
-The cost is measured in docs/benchmarks.md ("Determinism").
+On by default where a busy instance pays nothing for it (`deterministic_by_default`); the cost
+is measured in docs/benchmarks.md ("Determinism").
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from strata.model.quant import QuantWeight
+
 _on = False
+
+
+def deterministic_by_default(weights: Mapping[str, object]) -> bool:
+    """`strata serve`'s default: on when the model's weights are served quantized (a GGUF's
+    Q8_0/Q4_0/Q4_1 as loaded, the default model). A batch of 3 rows and more runs the AMX
+    tiles either way (the vector kernel everywhere without AMX), so a busy instance runs the
+    same kernels with the switch as without; one or two rows pay the tiles' weight decode (one
+    stream about 0.7x on an AMX CPU). bf16 and float32 weights: off, since batches above 64
+    rows run faster on oneDNN's matmul, which the switch gives up."""
+    return any(isinstance(w, QuantWeight) for w in weights.values())
 
 
 def set_deterministic(on: bool) -> None:
@@ -29,4 +45,4 @@ def is_deterministic() -> bool:
     return _on
 
 
-__all__ = ["is_deterministic", "set_deterministic"]
+__all__ = ["deterministic_by_default", "is_deterministic", "set_deterministic"]

@@ -55,7 +55,8 @@ class ServerConfig:
     retry_after_s: float = 1.0
     drain_poll_s: float = 0.05  # how often a drain checks whether in-flight requests are done
     simulated: bool = False  # a latency model stands in for the maths: always labelled
-    # one matmul kernel at every batch size (`strata serve --deterministic`): a request's
+    # one matmul kernel at every batch size (`strata serve --deterministic`, by default for
+    # quantized weights: determinism.deterministic_by_default): a request's
     # tokens do not depend on its batch or cached prefix; /v1/models says so
     deterministic: bool = False
     api_keys: tuple[str, ...] = ()  # client keys; no key of any kind: no authentication

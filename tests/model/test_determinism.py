@@ -25,6 +25,7 @@ from pathlib import Path
 
 import gguf
 import pytest
+import torch
 from engine_fakes import run_to_completion
 from model.built_kernels import require_kernels
 from required import require
@@ -33,10 +34,11 @@ from tiny_models import make_tiny_model_dir, write_tiny_gguf
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.engine import Engine
 from strata.engine.request import Request, SamplingParams
-from strata.model.determinism import set_deterministic
+from strata.model.determinism import deterministic_by_default, set_deterministic
 from strata.model.executor import TorchExecutor
 from strata.model.gemm import PackedWeight
 from strata.model.loader import LoadedModel, load_model
+from strata.model.quant import quantize
 from strata.types import RequestId
 
 FORMATS = ["bf16", "Q8_0", "Q4_0", "Q4_1"]
@@ -129,3 +131,12 @@ def test_a_requests_tokens_do_not_depend_on_its_batch_cache_or_chunks(
                                              for p, t in zip(mine, alone, strict=True)])
             assert resumed == [t[RESUMED_AFTER:] for t in alone], \
                 f"{fmt}: prompt and first tokens prefilled again"
+
+
+def test_quantized_weights_are_deterministic_by_default_and_bf16_ones_are_not() -> None:
+    """`strata serve`'s default (no --deterministic / --no-deterministic): on exactly when a
+    weight is served quantized, where a busy instance runs the same kernels either way."""
+    q8 = quantize(torch.randn(32, 64), "q8_0")
+    assert deterministic_by_default({"a.weight": torch.zeros(2), "b.weight": q8})
+    assert not deterministic_by_default({"a.weight": torch.zeros(2, dtype=torch.bfloat16)})
+    assert not deterministic_by_default({})  # ranks read their own (bf16) slices

@@ -1,7 +1,8 @@
-"""`strata serve --deterministic` over HTTP, on quantized weights served as they are and on bf16.
+"""Deterministic serving over HTTP, on quantized weights served as they are and on bf16.
 
-Story: the tiny llama is served by a real `strata serve --deterministic` process, as a Q8_0 GGUF
-(the weights stay quantized, as the default model's do) and as an HF directory in bf16. The
+Story: the tiny llama is served by a real `strata serve` process as a Q8_0 GGUF with no flag
+(the weights stay quantized, as the default model's do, and that is deterministic by default)
+and as an HF directory in bf16 with `--deterministic` (bf16 weights are not, by default). The
 product's own check (`strata bench --check-determinism`'s `check_determinism`) sends each prompt
 alone, again with its prefix cached and inside a concurrent batch of 20, greedy and seeded, and
 finds every answer identical (without the switch, on an AMX CPU, the Q8_0 instance reads 5 / 6
@@ -37,16 +38,19 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "tell me about
 @pytest.fixture(scope="module", params=["Q8_0", "bf16"])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServeProcess]:
-    """The tiny llama served with the switch: as a Q8_0 GGUF (quantized weights stay quantized),
-    and as an HF directory in bf16 (the default dtype) on the C kernels."""
+    """The tiny llama served deterministic: as a Q8_0 GGUF on the defaults (quantized weights
+    stay quantized), and as an HF directory in bf16 (the default dtype) on the C kernels with
+    the switch."""
     require_kernels()
     root = tmp_path_factory.mktemp("deterministic")
     model: Path = make_tiny_model_dir(root / "tiny", seed=3)
+    switch = []
     if request.param == "bf16":
         require("avx512_bf16")  # else bf16 weights run oneDNN, whose kernel choice is its own
+        switch = ["--deterministic"]
     else:
         model = write_tiny_gguf(model, root / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0)
-    proc = start_serve([str(model), "--served-model-name", "tiny", "--deterministic",
+    proc = start_serve([str(model), "--served-model-name", "tiny", *switch,
                         "--block-size", "4", "--kv-cache-gb", "0.05", "--max-num-seqs", "32",
                         "--threads", "2", "--log-level", "warning"], cache_dir=root / "cache")
     yield proc
