@@ -37,8 +37,8 @@ async def models(request: Request) -> dict[str, Any]:
     """The base model's card, then one per LoRA adapter (with its `parent`). Every generate
     card says `deterministic`: whether this instance runs one matmul kernel at every batch size
     (`strata serve --deterministic`, the default for quantized weights), so that a request's
-    tokens do not depend on its batch or
-    its cached prefix; a simulated instance says false. An embed card has no such field."""
+    tokens do not depend on its batch or its cached prefix; a simulated instance says false.
+    An embed card has no such field."""
     instance = instance_of(request)
     config = instance.config
     card = ModelCard(id=config.served_model_name, max_model_len=instance.engine.max_model_len,
