@@ -3,8 +3,12 @@
 weights as `strata serve` serves them (Q4_1 stays quantized), with `set_deterministic` off or
 on; the best of `--rounds`. Run the two modes as separate processes, interleaved:
 
-    for i in 1 2 3; do for m in default deterministic; do
+    for i in 1 2 3; do for m in off on; do
         .venv/bin/python bench/deterministic_speed.py --mode $m; done; done
+
+`--mode off` is `strata serve --no-deterministic`, `on` is `--deterministic` (since 2026-12-06
+the default for quantized weights; before, `default` named off and `deterministic` on, and those
+names still work).
 """
 
 from __future__ import annotations
@@ -23,14 +27,14 @@ from strata.model.loader import load_model
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["default", "deterministic"], default="default")
+    ap.add_argument("--mode", choices=["off", "on", "default", "deterministic"], default="on")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--weights-dtype", choices=["auto", "bf16"], default="auto",
                     help="auto: the GGUF's Q4_1 as served; bf16: dequantized at load")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    set_deterministic(a.mode == "deterministic")
+    set_deterministic(a.mode in ("on", "deterministic"))
     path = resolve_model(None, cache_dir=CACHE_DIR, progress=False)
     loaded = load_model(path, dtype="bfloat16", cache_dir=CACHE_DIR, weights_dtype=a.weights_dtype)
     vocab = loaded.config.vocab_size
