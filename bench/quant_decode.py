@@ -10,7 +10,11 @@ Once: weight bytes of each mode, and greedy agreement with bf16 (8 prompts x 64 
 share of streams identical to the end, and the mean length of the common prefix), llama.cpp's
 too.
 
-    .venv/bin/python bench/quant_decode.py [--rounds 3] [--threads 2] [--modes bf16 auto q8_0]
+    .venv/bin/python bench/quant_decode.py [--rounds 3] [--threads 2] [--modes bf16 auto auto+det]
+
+A mode is a `--weights-dtype` (bf16, auto, q8_0, q4), run with the determinism switch off, or
+one with `+det` appended, run with it on: `strata serve`'s default for quantized weights since
+2026-12-06 (`auto+det`), where `auto` is `strata serve --no-deterministic`.
 
 Prints one table; writes JSON to .bench/results/quant_decode.json. Marked slow: not in CI.
 """
@@ -33,6 +37,8 @@ from llama_cpp_batch import LlamaCppBatch  # noqa: E402
 from strata_offline import CACHE_DIR, build_engine, fixed, make_request  # noqa: E402
 from workload import random_prompts  # noqa: E402
 
+from strata.engine.engine import Engine  # noqa: E402
+from strata.model.determinism import set_deterministic  # noqa: E402
 from strata.model.fetch import resolve_model  # noqa: E402
 from strata.model.loader import LoadedModel, load_model  # noqa: E402
 from strata.model.quant_loader import weight_bytes  # noqa: E402
@@ -72,17 +78,24 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
             "tokens": len(ref[0])}
 
 
+def switched(mode: str, engine: Engine) -> Engine:
+    """`engine`, with the process's determinism switch set as `mode` asks (it is global)."""
+    set_deterministic(mode.endswith("+det"))
+    return engine
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--modes", nargs="+", default=["bf16", "auto", "q8_0"])
+    ap.add_argument("--modes", nargs="+", default=["bf16", "auto", "auto+det"])
     ap.add_argument("--no-llama-cpp", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     path = resolve_model(None, cache_dir=CACHE_DIR, progress=False)
     loaded: dict[str, LoadedModel] = {
-        m: load_model(path, cache_dir=CACHE_DIR, weights_dtype=m) for m in a.modes}
+        m: load_model(path, cache_dir=CACHE_DIR, weights_dtype=m.removesuffix("+det"))
+        for m in a.modes}
     vocab = next(iter(loaded.values())).config.vocab_size
     engines = {m: build_engine(lm) for m, lm in loaded.items()}
     memory = {m: weight_bytes(lm.weights) / 1e6 for m, lm in loaded.items()}
@@ -93,7 +106,7 @@ def main() -> None:
         except ImportError as e:
             print(f"llama-cpp-python not importable ({e}): llama.cpp column skipped")
     prompts = random_prompts(8, 32, vocab, 9)
-    outputs = {m: greedy(e, prompts, 64) for m, e in engines.items()}
+    outputs = {m: greedy(switched(m, e), prompts, 64) for m, e in engines.items()}
     if llm is not None:
         outputs["llama.cpp"] = llm.generate(prompts, 64)
     agree = {m: agreement(outputs[a.modes[0]], out) for m, out in outputs.items()}
@@ -105,8 +118,8 @@ def main() -> None:
     for r in range(a.rounds):
         loads.append(os.getloadavg()[0])
         for m, e in engines.items():
-            single[m].append(strata_single(e, vocab))
-            batch[m].append(fixed(e, 32, 128, 64, vocab, seed=100 + r)["tokens_per_s"])
+            single[m].append(strata_single(switched(m, e), vocab))
+            batch[m].append(fixed(switched(m, e), 32, 128, 64, vocab, seed=100 + r)["tokens_per_s"])
         if llm is not None:
             single["llama.cpp"].append(llama_cpp_single(llm, vocab))
             batch["llama.cpp"].append(llama_cpp_batch32(llm, vocab, seed=100 + r))
