@@ -54,9 +54,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="one matmul kernel at every batch size, so a request's tokens do not "
                         "depend on its batch, its cached prefix or a resume. Default: on for "
-                        "quantized weights (the default model), where a busy instance runs the "
-                        "same kernels either way; off for bf16 and float32 weights, whose large "
-                        "batches run faster on oneDNN. --no-deterministic: the fastest kernel at "
+                        "quantized weights (the default model) on an AVX512-BF16 CPU, where a "
+                        "busy instance runs the same kernels either way; off for bf16 and "
+                        "float32 weights, whose large batches run faster on oneDNN. --no-deterministic: the fastest kernel at "
                         "each batch size (one stream about 1.4x faster on an AMX CPU: "
                         "docs/benchmarks.md)")
     p.add_argument("--weights-dtype", choices=WEIGHTS_DTYPES, default="auto",

@@ -89,8 +89,9 @@ def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
     with openmp_free_main_thread(rank_threads(args)):
         loaded, parallel = load_for_serving(args, path, env.cache_dir)
         # before any rank starts (they copy it: RankSpec) and before the first step
-        set_deterministic(deterministic_by_default(loaded.weights)
-                          if args.deterministic is None else args.deterministic)
+        free = _free_attention(args, loaded)
+        set_deterministic(args.deterministic if args.deterministic is not None
+                          else deterministic_by_default(loaded.weights, free_attention=free))
         log.info("deterministic: %s", "one matmul kernel at every batch size (%s)" % (
             "AMX tiles" if gemm.has_amx() else "the vector kernel") if is_deterministic()
             else "off: a request's tokens can depend on its batch (--deterministic)")
@@ -111,6 +112,19 @@ def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
                        lora_paths=tuple((a.name, a.path) for a in adapters),
                        lora_bytes=tuple((a.digest, a.num_bytes) for a in resident),
                        lora_loader=loader)
+
+
+def _free_attention(args: argparse.Namespace, loaded: LoadedModel) -> bool:
+    """Whether this instance's decode attention computes a decoded row as a prefill does at
+    no cost (`deterministic_by_default`)."""
+    import torch
+
+    from strata.model import cpu_kernels
+    from strata.model.loader import torch_dtype_of
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return cpu_kernels.decodes_keys_in_lanes(torch_dtype_of(args.dtype), device,
+                                             loaded.config.head_dim)
 
 
 def lora_loader(args: argparse.Namespace, loaded: LoadedModel,

@@ -24,14 +24,18 @@ from strata.model.quant import QuantWeight
 _on = False
 
 
-def deterministic_by_default(weights: Mapping[str, object]) -> bool:
+def deterministic_by_default(weights: Mapping[str, object], *, free_attention: bool) -> bool:
     """`strata serve`'s default: on when the model's weights are served quantized (a GGUF's
-    Q8_0/Q4_0/Q4_1 as loaded, the default model). A batch of 3 rows and more runs the AMX
-    tiles either way (the vector kernel everywhere without AMX), so a busy instance runs the
-    same kernels with the switch as without; one or two rows pay the tiles' weight decode (one
-    stream about 0.7x on an AMX CPU). bf16 and float32 weights: off, since batches above 64
-    rows run faster on oneDNN's matmul, which the switch gives up."""
-    return any(isinstance(w, QuantWeight) for w in weights.values())
+    Q8_0/Q4_0/Q4_1 as loaded, the default model) and its decode attention computes a decoded
+    row as a prefill does at no cost (`free_attention`: bf16 KV with keys in the vector lanes,
+    `cpu_kernels.decodes_keys_in_lanes`). A batch of 3 rows and more runs the AMX tiles either
+    way (the vector kernel everywhere without AMX), so a busy instance runs the same kernels
+    with the switch as without; one or two rows pay the tiles' weight decode (one stream
+    0.6-0.75x on an AMX CPU). Off for bf16 and float32 weights, since batches above 64 rows run
+    faster on oneDNN's matmul, which the switch gives up, and where the attention would cost
+    (a CPU without AVX512-BF16, float32 KV: the chunk task with one token, 1.4-2x the plain
+    decode kernel's time)."""
+    return free_attention and any(isinstance(w, QuantWeight) for w in weights.values())
 
 
 def set_deterministic(on: bool) -> None:

@@ -135,8 +135,12 @@ def test_a_requests_tokens_do_not_depend_on_its_batch_cache_or_chunks(
 
 def test_quantized_weights_are_deterministic_by_default_and_bf16_ones_are_not() -> None:
     """`strata serve`'s default (no --deterministic / --no-deterministic): on exactly when a
-    weight is served quantized, where a busy instance runs the same kernels either way."""
+    weight is served quantized, where a busy instance runs the same kernels either way, and the
+    decode attention pays nothing for computing a decoded row as a prefill does."""
     q8 = quantize(torch.randn(32, 64), "q8_0")
-    assert deterministic_by_default({"a.weight": torch.zeros(2), "b.weight": q8})
-    assert not deterministic_by_default({"a.weight": torch.zeros(2, dtype=torch.bfloat16)})
-    assert not deterministic_by_default({})  # ranks read their own (bf16) slices
+    quantized = {"a.weight": torch.zeros(2), "b.weight": q8}
+    assert deterministic_by_default(quantized, free_attention=True)
+    assert not deterministic_by_default(quantized, free_attention=False)  # no AVX512-BF16
+    bf16 = {"a.weight": torch.zeros(2, dtype=torch.bfloat16)}
+    assert not deterministic_by_default(bf16, free_attention=True)
+    assert not deterministic_by_default({}, free_attention=True)  # ranks read bf16 slices
