@@ -56,7 +56,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "depend on its batch, its cached prefix or a resume. Default: on for "
                         "quantized weights (the default model) on an AVX512-BF16 CPU, where a "
                         "busy instance runs the same kernels either way; off for bf16 and "
-                        "float32 weights, whose large batches run faster on oneDNN. --no-deterministic: the fastest kernel at "
+                        "float32 weights, whose large batches run faster on oneDNN. "
+                        "--no-deterministic: the fastest kernel at "
                         "each batch size (one stream about 1.4x faster on an AMX CPU: "
                         "docs/benchmarks.md)")
     p.add_argument("--weights-dtype", choices=WEIGHTS_DTYPES, default="auto",
