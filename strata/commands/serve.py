@@ -58,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "busy instance runs the same kernels either way; off for bf16 and "
                         "float32 weights, whose large batches run faster on oneDNN. "
                         "--no-deterministic: the fastest kernel at "
-                        "each batch size (one stream about 1.4x faster on an AMX CPU: "
+                        "each batch size (one stream 1.3-1.6x faster on an AMX CPU: "
                         "docs/benchmarks.md)")
     p.add_argument("--weights-dtype", choices=WEIGHTS_DTYPES, default="auto",
                    help="auto (default): a GGUF's Q8_0/Q4_0/Q4_1 weights stay quantized on CPU; "
