@@ -45,6 +45,7 @@ def main() -> None:
     k = torch.randn(num_blocks * BLOCK + 1, KV_HEADS, HEAD_DIM).bfloat16()
     v = torch.randn_like(k)
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))
+    groups = attention.HeadGroups.of(tuple(range(0, HEADS + 1, HEADS // KV_HEADS)), "cpu")
     print(f"{'start':>6} {'tokens':>6} {'torch us':>9} {'kernel us':>9} {'speed-up':>8}")
     for start, n in CASES:
         blocks = order[: -(-(start + n) // BLOCK)].tolist()
@@ -60,7 +61,7 @@ def main() -> None:
 
             def run(c: attention.PrefillChunk = chunk, q: torch.Tensor = q,
                     new: torch.Tensor = new_kv) -> torch.Tensor:
-                return attention._prefill_attention(q, new[0], new[1], c, (k, v), BLOCK)
+                return attention._prefill_attention(q, new[0], new[1], c, (k, v), BLOCK, groups)
 
             with torch.inference_mode():
                 times.append(per_call_us(run, reps))
