@@ -53,7 +53,8 @@ def test_the_default_roots_take_aliases_simulations_and_s3_but_no_path() -> None
 
 @pytest.mark.parametrize("args", [(), ("--max-model-len", "2048"), ("--max-model-len=2048",),
                                   ("--dtype", "float32", "--no-prefix-cache"),
-                                  ("--tensor-parallel-size", "2")])
+                                  ("--tensor-parallel-size", "2"), ("--deterministic",),
+                                  ("--no-deterministic",)])
 def test_serve_args_from_the_table_are_taken(args: tuple[str, ...]) -> None:
     check_serve_args(args)
 
