@@ -57,9 +57,6 @@ static void amx_decode_q4(int kind, const uint8_t *tile, int64_t nb, uint16_t *d
   const int64_t rb = record_bytes(kind), cb = code_bytes(kind);
   const __m512i low4 = _mm512_set1_epi8(0x0F), hi43 = _mm512_set1_epi8(0x43);
   const __m512i odd = _mm512_set1_epi32((int)0xFFFF0000u);
-  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
-                                         1, 16, 0);
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t *rec = tile + b * rb;
     uint16_t *out = dst + b * 512;
@@ -79,8 +76,8 @@ static void amx_decode_q4(int kind, const uint8_t *tile, int64_t nb, uint16_t *d
             _mm512_castsi512_ps(_mm512_slli_epi32(op[o], 16)), d, off);
         const __m512 wk1 = _mm512_fmadd_ps(
             _mm512_castsi512_ps(_mm512_and_si512(op[o], odd)), d, off);
-        _mm512_storeu_si512(out + (4 * g + o) * 32, _mm512_permutexvar_epi16(
-            pairs, (__m512i)_mm512_cvtne2ps_pbh(wk1, wk)));
+        _mm512_storeu_si512(out + (4 * g + o) * 32,
+                            pair_halves((__m512i)_mm512_cvtne2ps_pbh(wk1, wk)));
       }
     }
   } }

@@ -139,22 +139,28 @@ static inline void pairs_bf16(float *s, int64_t L) {
     const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e1));
     _mm512_storeu_si512(p + (l / 2) * LANES, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
   } }
+/* The 32 bf16 of x as vdpbf16ps pairs of its halves: lane j holds (x[j], x[16 + j]). Two rows
+   of 16 dims (values of two keys) in the halves become dim j's pair; the AMX decode interleaves
+   the even and odd k of 16 columns the same way. */
+static inline __m512i pair_halves(__m512i x) {
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+                                         1, 16, 0);
+  return _mm512_permutexvar_epi16(order, x); }
+/* 16 dims of V at v0 and v1 (NULL: zeros), paired for vdpbf16ps (pair_halves). */
+static inline __m512bh v_pairs(const uint16_t *v0, const uint16_t *v1) {
+  const __m256i lo = _mm256_loadu_si256((const __m256i *)v0);
+  const __m256i hi = v1 ? _mm256_loadu_si256((const __m256i *)v1) : _mm256_setzero_si256();
+  return (__m512bh)pair_halves(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)); }
 /* pv_f32 with bf16 probabilities (HF's eager path rounds them too): two keys per vdpbf16ps. */
 static inline __attribute__((always_inline)) void pv_bf16(
     const float *s, const uint16_t *v, const int64_t *slot, int64_t off, int64_t L, float *acc,
     int nl) {
-  static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i idx = _mm512_loadu_si512(order);
   const uint32_t *p = (const uint32_t *)s;
   __m512 a[LANES];
   for (int m = 0; m < nl; m++) a[m] = _mm512_setzero_ps();
   for (int64_t l = 0; l < L; l += 2) {
-    const __m256i v0 = _mm256_loadu_si256((const __m256i *)(v + slot[l] + off));
-    const __m256i v1 = l + 1 < L ? _mm256_loadu_si256((const __m256i *)(v + slot[l + 1] + off))
-                                 : _mm256_setzero_si256();
-    const __m512bh vv = (__m512bh)_mm512_permutexvar_epi16(
-        idx, _mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1));
+    const __m512bh vv = v_pairs(v + slot[l] + off, l + 1 < L ? v + slot[l + 1] + off : NULL);
     const uint32_t *pl = p + (l / 2) * LANES;
     for (int m = 0; m < nl; m++)
       a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_set1_epi32((int)pl[m]), vv);
@@ -256,9 +262,6 @@ static inline int keys_task_bf16(const uint16_t *q, const uint16_t *k, const uin
     for (int64_t l = 0; l < L; l++) total += sh[l];
     sum[h] = total;
   }
-  static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i idx = _mm512_loadu_si512(order);
   for (int64_t h0 = 0; h0 < G; h0 += 4)  /* 4 heads x 64 dims of V sums at a time */
     for (int64_t d0 = 0; d0 < HD; d0 += 64) {
       const int nd = HD - d0 < 64 ? (int)((HD - d0) / 16) : 4;
@@ -281,11 +284,7 @@ static inline int keys_task_bf16(const uint16_t *q, const uint16_t *k, const uin
           pp[h] = (__m512)_mm512_set1_epi32(pair);
         }
         for (int c = 0; c < nd; c++) {
-          const __m256i lo = _mm256_loadu_si256((const __m256i *)(v0 + 16 * c));
-          const __m256i hi = v1 ? _mm256_loadu_si256((const __m256i *)(v1 + 16 * c))
-                                : _mm256_setzero_si256();
-          const __m512bh vv = (__m512bh)_mm512_permutexvar_epi16(
-              idx, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+          const __m512bh vv = v_pairs(v0 + 16 * c, v1 ? v1 + 16 * c : NULL);
           for (int h = 0; h < 4; h++) a[h][c] = _mm512_dpbf16_ps(a[h][c], (__m512bh)pp[h], vv);
         }
       }
