@@ -21,6 +21,7 @@ from typing import Any
 
 from strata.clock import Clock
 from strata.commands.env import CliEnv
+from strata.commands.serve_parallel import serving_device
 from strata.engine.executor import ModelInput, ModelOutput
 from strata.sim.executor import step_shape
 from strata.sim.profile import ProfilePoint, fit_error, fit_profile
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace, env: CliEnv) -> int:
     medians = median_points(raw)
     date = datetime.date.today().isoformat()
     profile = fit_profile(medians, model=name, source=f"fitted from {name} on {date} "
-                          f"({_device(args)}, {args.dtype})",
+                          f"({serving_device(args)}, {args.dtype})",
                           kv_bytes_per_token=timer.kv_bytes_per_token())
     profile = dataclasses.replace(profile, points=tuple(raw))
     profile.save(args.out)
@@ -121,15 +122,9 @@ def _load(args: argparse.Namespace, env: CliEnv) -> tuple[Any, str]:
     else:
         path = resolve_model(args.model, cache_dir=env.cache_dir, progress=True)
     loaded = load_model(path, dtype=args.dtype, cache_dir=env.cache_dir,
-                        weights_dtype=args.weights_dtype, device=_device(args))
+                        weights_dtype=args.weights_dtype, device=serving_device(args))
     alias = KNOWN_MODELS.get(args.model or DEFAULT_MODEL)
     return loaded, alias.served_name if alias else loaded.name
-
-
-def _device(args: argparse.Namespace) -> str:
-    import torch
-
-    return str(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def _build_engine(args: argparse.Namespace, loaded: Any) -> tuple[Any, TimingExecutor]:
@@ -142,7 +137,7 @@ def _build_engine(args: argparse.Namespace, loaded: Any) -> tuple[Any, TimingExe
     if args.threads:
         torch.set_num_threads(args.threads)
     timer = TimingExecutor(TorchExecutor(loaded.config, loaded.weights, dtype=args.dtype,
-                                         device=_device(args)))
+                                         device=serving_device(args)))
     max_len = max(*PREFILL_LENS, *DECODE_CONTEXTS) + NUM_DECODE_STEPS + 2
     budget = max(max(PREFILL_LENS), args.max_batch)
     blocks = args.max_batch * -(-(max(DECODE_CONTEXTS) + NUM_DECODE_STEPS + 1) // BLOCK_SIZE)

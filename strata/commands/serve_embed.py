@@ -14,6 +14,7 @@ import logging
 import time
 
 from strata.commands.env import CliEnv
+from strata.commands.serve_parallel import serving_device
 from strata.commands.serve_stack import BuiltEngine, model_path
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.errors import ConfigError
@@ -46,7 +47,7 @@ def build_embed_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
     if args.threads:
         torch.set_num_threads(args.threads)
     config, tokenizer = encoder_config(path), encoder_tokenizer(path)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = serving_device(args)
     encoder = BertEncoder(config, load_encoder_weights(path, torch.float32), device=device)
     max_len = min(args.max_model_len or config.max_position_embeddings,
                   config.max_position_embeddings)

@@ -105,9 +105,8 @@ def load_for_serving(args: argparse.Namespace, path: Path,
 
     layout = parallel_layout(args)
     if layout is None:
-        device = args.device or ("cuda" if _has_cuda() else "cpu")
         return load_model(path, dtype=args.dtype, cache_dir=cache_dir,
-                          weights_dtype=args.weights_dtype, device=device), None
+                          weights_dtype=args.weights_dtype, device=serving_device(args)), None
     if args.weights_dtype not in ("auto", "bf16"):
         raise ConfigError(f"--weights-dtype {args.weights_dtype} runs in one process only; "
                           "tensor and pipeline ranks read bf16 weights (--weights-dtype bf16)")
@@ -131,10 +130,11 @@ def _store_name(model: str | None) -> str:
     return name if is_model_uri(name) or not Path(name).exists() else ""
 
 
-def _has_cuda() -> bool:
+def serving_device(args: argparse.Namespace) -> str:
+    """`--device`, else cuda where torch sees a GPU, else cpu."""
     import torch
 
-    return bool(torch.cuda.is_available())
+    return str(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def make_executor(args: argparse.Namespace, loaded: LoadedModel, parallel: ParallelModel | None,
@@ -177,7 +177,7 @@ def _launcher(args: argparse.Namespace) -> Any:
         return None
     from strata.cluster.ray_ranks import RayPlacement, RayRankLauncher
 
-    cuda = (args.device or ("cuda" if _has_cuda() else "cpu")).startswith("cuda")
+    cuda = serving_device(args).startswith("cuda")
     return RayRankLauncher(RayPlacement(address=args.ray_address, node_ip=args.ray_node_ip,
                                         placement_group=args.ray_placement_group,
                                         cpus_per_rank=args.ray_cpus_per_rank,

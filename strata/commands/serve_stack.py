@@ -32,6 +32,7 @@ from strata.commands.serve_parallel import (
     openmp_free_main_thread,
     parallel_identity,
     rank_threads,
+    serving_device,
     watch_ranks,
 )
 from strata.errors import ConfigError
@@ -89,12 +90,17 @@ def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
     with openmp_free_main_thread(rank_threads(args)):
         loaded, parallel = load_for_serving(args, path, env.cache_dir)
         # before any rank starts (they copy it: RankSpec) and before the first step
-        free = _free_attention(args, loaded)
-        set_deterministic(args.deterministic if args.deterministic is not None
-                          else deterministic_by_default(loaded.weights, free_attention=free))
-        log.info("deterministic: %s", "one matmul kernel at every batch size (%s)" % (
-            "AMX tiles" if gemm.has_amx() else "the vector kernel") if is_deterministic()
-            else "off: a request's tokens can depend on its batch (--deterministic)")
+        on = args.deterministic
+        if on is None:
+            on = deterministic_by_default(loaded.weights,
+                                          free_attention=_free_attention(args, loaded))
+        set_deterministic(on)
+        if on:
+            log.info("deterministic: one matmul kernel at every batch size (%s)",
+                     "AMX tiles" if gemm.has_amx() else "the vector kernel")
+        else:
+            log.info("deterministic: off, a request's tokens can depend on its batch "
+                     "(--deterministic)")
         alias = KNOWN_MODELS.get(args.model or DEFAULT_MODEL)
         name = args.served_model_name or (alias.served_name if alias else loaded.name)
         adapters = load_loras(args, loaded)  # every one checked; the first --max-cpu-loras kept
@@ -117,13 +123,10 @@ def build_engine(args: argparse.Namespace, env: CliEnv) -> BuiltEngine:
 def _free_attention(args: argparse.Namespace, loaded: LoadedModel) -> bool:
     """Whether this instance's decode attention computes a decoded row as a prefill does at
     no cost (`deterministic_by_default`)."""
-    import torch
-
     from strata.model import cpu_kernels
     from strata.model.loader import torch_dtype_of
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return cpu_kernels.decodes_keys_in_lanes(torch_dtype_of(args.dtype), device,
+    return cpu_kernels.decodes_keys_in_lanes(torch_dtype_of(args.dtype), serving_device(args),
                                              loaded.config.head_dim)
 
 
@@ -212,13 +215,12 @@ def build_async_engine(args: argparse.Namespace, loaded: LoadedModel, name: str,
                        parallel: ParallelModel | None = None,
                        loras: list[LoraAdapter] | None = None) -> AsyncEngine:
     """model -> TorchExecutor (or ParallelExecutor) -> Engine -> AsyncEngine, from the flags."""
-    import torch
 
     from strata.engine.config import CacheConfig
     from strata.engine.engine import Engine
     from strata.server.async_engine import AsyncEngine
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = serving_device(args)
     executor = make_executor(args, loaded, parallel, device, name)
     for adapter in loras or []:
         executor.add_lora(adapter)  # a parallel executor hands each rank its cut
