@@ -131,11 +131,13 @@ class DecodePlan:
     @staticmethod
     def build(batch: StepBatch, kv_cache: PagedKVCache, dtype: torch.dtype,
               device: torch.device) -> DecodePlan:
-        if batch.num_decodes == 0 or cpu_kernels.supports(dtype, device):
+        if batch.num_decodes == 0:
+            return DecodePlan(False, None, None)
+        if cpu_kernels.supports(dtype, device):
             head_dim = kv_cache.data.shape[-1]
             as_chunk = (is_deterministic() and cpu_kernels.supports_chunk(dtype, device, head_dim)
                         or cpu_kernels.decodes_keys_in_lanes(dtype, device, head_dim))
-            return DecodePlan(batch.num_decodes > 0, None, None, as_chunk)
+            return DecodePlan(True, None, None, as_chunk)
         lens, bs = batch.decode_context_lens, kv_cache.block_size
         pos = torch.arange(int(lens.max()), device=lens.device)
         mask = pos[None, :] < lens[:, None]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from strata.model import gemm
 from strata.model.kernel_build import kernel_library
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -79,10 +80,8 @@ def decodes_keys_in_lanes(dtype: torch.dtype, device: torch.device | str, head_d
     (bench/decode_attention_speed.py), so decode rows take it by default, and a decoded token's
     attention is always its prefill's. Elsewhere `as_chunk` runs the chunk task with one token,
     whose 16 lanes a decoded row's few query heads leave mostly idle."""
-    if dtype != torch.bfloat16 or head_dim % 32 or not supports_chunk(dtype, device, head_dim):
-        return False
-    lib = kernel_library()
-    return lib is not None and bool(lib.gemm_has_bf16())
+    return (dtype == torch.bfloat16 and head_dim % 32 == 0
+            and supports_chunk(dtype, device, head_dim) and gemm.supports_bf16())
 
 
 def chunk_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_row: Tensor,
