@@ -59,6 +59,7 @@ def test_a_handed_off_request_decoded_in_company_answers_as_one_served_alone(
     expected = mixed(m, body).json()
     company = [{**body_of(LONG[: 20 + 9 * i], n=100 + i, temperature=0), "max_tokens": 40}
                for i in range(3)]
+    pulled = d.metric("pd_handoffs_total", side="decode", outcome="pulled")
     handle = prefill(p, body)
     with ThreadPoolExecutor(len(company) + 1) as pool:
         beside = [pool.submit(mixed, d, other) for other in company]
@@ -67,3 +68,4 @@ def test_a_handed_off_request_decoded_in_company_answers_as_one_served_alone(
     assert answer.status_code == 200, answer.text
     assert comparable(answer.json()) == comparable(expected)
     assert d.metric("pd_handoffs_total", side="decode", outcome="pulled") >= 1
+    assert d.metric("pd_handoffs_total", side="decode", outcome="pulled") == pulled + 1
