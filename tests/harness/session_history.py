@@ -247,23 +247,30 @@ class StorePartition:
 
 
 async def partition_store(proxy: ChaosProxy, history: History, instance: int, num_instances: int,
-                          *, min_cut_s: float = 0.3, max_cut_s: float = 3.0) -> StorePartition:
+                          *, min_cut_s: float = 0.3, max_cut_s: float = 6.0) -> StorePartition:
     """Cut `instance` (whose store connects through `proxy`) from the store until an operation
-    of it failed (at least `min_cut_s`), then heal: every connection reset, new ones too."""
+    of it failed and another instance acknowledged one meanwhile (at least `min_cut_s`), then
+    heal: every connection reset, new ones too. Both are waited for: on a slow machine every
+    writer can sit in the cut instance's retries until its first failure, so the other
+    instance's acknowledgements come only after it."""
     start_s, resets_before = time.monotonic(), proxy.num_resets
     proxy.reset_probability = 1.0
     await asyncio.to_thread(proxy.reset_all)
     await asyncio.sleep(min_cut_s)
-    while history.num_failed_between(start_s, time.monotonic(), instance=instance) == 0 \
-            and time.monotonic() - start_s < max_cut_s:
+
+    def evidence(end_s: float) -> tuple[int, int]:
+        failed = history.num_failed_between(start_s, end_s, instance=instance)
+        elsewhere = sum(history.num_acked_between(start_s, end_s, instance=i)
+                        for i in range(num_instances) if i != instance)
+        return failed, elsewhere
+
+    while 0 in evidence(time.monotonic()) and time.monotonic() - start_s < max_cut_s:
         await asyncio.sleep(0.02)
     proxy.reset_probability = 0.0
     end_s = time.monotonic()
-    elsewhere = sum(history.num_acked_between(start_s, end_s, instance=i)
-                    for i in range(num_instances) if i != instance)
-    return StorePartition(instance, proxy.num_resets - resets_before,
-                          history.num_failed_between(start_s, end_s, instance=instance),
-                          elsewhere, end_s - start_s)
+    failed, elsewhere = evidence(end_s)
+    return StorePartition(instance, proxy.num_resets - resets_before, failed, elsewhere,
+                          end_s - start_s)
 
 
 Fault = RedisKill | StorePartition
