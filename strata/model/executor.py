@@ -128,19 +128,28 @@ class TorchExecutor:
     def export_blocks(self, block_ids: list[int]) -> list[bytes]:
         """One `kv_codec` payload per block: K and V of every layer (see `ModelExecutor`)."""
         cache, codec = self._kv_transfer()
-        return [codec.encode(self._block_bytes(cache, b).cpu().numpy().tobytes())
-                for b in block_ids]
+        payloads = []
+        for b in block_ids:
+            block = self._block_bytes(cache, b)
+            # on the CPU, one pass gathers and sums the block (kv_codec.encode_runs)
+            fast = codec.encode_runs(block.numpy()) if block.device.type == "cpu" else None
+            payloads.append(fast or codec.encode(block.cpu().numpy().tobytes()))
+        return payloads
 
     def import_blocks(self, block_ids: list[int], payloads: list[bytes]) -> int:
         """Write payloads into blocks, in order, until one is refused (see `ModelExecutor`)."""
         cache, codec = self._kv_transfer()
         for i, (block_id, payload) in enumerate(zip(block_ids, payloads, strict=True)):
+            dest = self._block_bytes(cache, block_id)
             try:
+                # on the CPU, one pass scatters and checks the block (kv_codec.decode_into); a
+                # refused block's slots are recomputed by the engine, never read
+                if dest.device.type == "cpu" and codec.decode_into(payload, dest.numpy()):
+                    continue
                 body = codec.decode(payload)
             except KVPayloadError as exc:
                 log.warning("refused a fetched KV block (recomputed instead): %s", exc)
                 return i
-            dest = self._block_bytes(cache, block_id)
             src = np.frombuffer(body, dtype=np.uint8).reshape(dest.shape)
             if dest.device.type == "cpu":
                 dest.numpy()[...] = src  # a strided copy straight into the cache

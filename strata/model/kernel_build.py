@@ -174,9 +174,13 @@ def _declare_all(handle: ctypes.CDLL) -> None:
     _declare(handle, "gemm_q_portable", [i32, ptr, i64, i64, ptr, i64, ptr, ptr])
     _declare(handle, "gemm_bf16", [ptr, i64, i64, ptr, i64, ptr, ptr])
     _declare(handle, "gemm_amx", [i32, ptr, i64, i64, ptr, i64, ptr, ptr])
-    for name in ("gemm_has_bf16", "gemm_amx_init"):
+    for name in ("gemm_has_bf16", "gemm_amx_init", "kv_crc32_folds"):
         getattr(handle, name).argtypes = []
         getattr(handle, name).restype = i32
+    u32 = ctypes.c_uint32
+    handle.kv_crc32.argtypes, handle.kv_crc32.restype = [ptr, i64, u32], u32
+    handle.kv_copy_crc32.argtypes = [ptr, i64, ptr, i64, i64, i64, u32]
+    handle.kv_copy_crc32.restype = u32
 
 
 def _declare(handle: ctypes.CDLL, name: str, argtypes: list) -> None:
@@ -226,6 +230,13 @@ def kernels() -> KernelBuild:
 def kernel_library() -> ctypes.CDLL | None:
     """The compiled kernels, building them on first call; None when they cannot be built."""
     return kernels().library
+
+
+def built_kernel_library() -> ctypes.CDLL | None:
+    """The kernels if this process has built them already, else None: never starts a build
+    (a simulated instance or a gateway checks KV payloads with zlib rather than compile)."""
+    with _lock:
+        return _build.library if _build is not None else None
 
 
 def shm_collectives() -> KernelBuild:

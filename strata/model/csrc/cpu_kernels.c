@@ -1,6 +1,7 @@
 /* Strata's CPU kernels: paged decode attention, chunk attention and a fused residual-add +
    RMSNorm, for float32 and bfloat16 tensors; small-M matmuls over repacked bf16 and GGUF
-   quantized weights (gemm.h).
+   quantized weights (gemm.h); the checksum of KV payloads and the checked copy of a KV block
+   (crc32.h).
 
    strata/model/kernel_build.py compiles this file at first use with the system C compiler
    (cc -O3 -march=native -fopenmp -fno-math-errno -shared -fPIC ... -lm) and loads it with
@@ -19,3 +20,5 @@
 
 #include "gemm.h"
 #include "gemm_amx.h"
+
+#include "crc32.h"

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-import zlib
 from array import array
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -29,6 +28,7 @@ from typing import Any
 
 from strata.engine.request import Logprob
 from strata.errors import InvalidRequestError, KVPayloadError
+from strata.model.kv_codec import crc32
 from strata.types import BlockHash
 
 MAGIC = b"STPD"
@@ -124,7 +124,7 @@ def checksum_ok(payload: bytes) -> bool:
     if len(payload) < _CRC.size:
         return False
     (crc,) = _CRC.unpack_from(payload, len(payload) - _CRC.size)
-    return zlib.crc32(memoryview(payload)[: -_CRC.size]) == crc
+    return crc32(memoryview(payload)[: -_CRC.size]) == crc
 
 
 class BlockReader:
