@@ -33,10 +33,13 @@ from procs import Proc, spawn, stop_all, wait_http
 
 from strata.cluster.ports import free_port
 from strata.protocol.pd import DECODE_PREFIX, HANDOFF_HEADER, KV_PATH, PREFILL_PREFIX
+from strata.protocol.seal import seal
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / ".bench" / "results" / "pd_transfer.json"
 MODEL = "smollm2"
+INTERNAL_KEY = "pd-transfer-bench-key"  # the fleet's: the hand-off routes take only it
+FLEET = {"authorization": f"Bearer {INTERNAL_KEY}"}
 
 
 def start(name: str, log_dir: Path, role: str, max_len: int) -> Proc:
@@ -45,7 +48,8 @@ def start(name: str, log_dir: Path, role: str, max_len: int) -> Proc:
             "--served-model-name", MODEL, "--model-version", "bench", "--threads", "1",
             "--max-model-len", str(max_len), "--kv-cache-gb", "1.5", "--registry", "none",
             "--log-level", "warning"]
-    proc = spawn(name, argv, log_dir, f"http://127.0.0.1:{port}")
+    proc = spawn(name, argv, log_dir, f"http://127.0.0.1:{port}",
+                 env={**os.environ, "STRATA_INTERNAL_KEYS": INTERNAL_KEY})
     wait_http(proc, "/ready", 300)
     return proc
 
@@ -60,23 +64,24 @@ def one(client: httpx.Client, p: Proc, d: Proc, length: int, rng: random.Random
     tokens = [rng.randrange(1000, 40000) for _ in range(length)]
     body = body_of(tokens)
     began = time.perf_counter()
-    answer = client.post(f"{p.url}{PREFILL_PREFIX}/v1/completions", json=body)
+    answer = client.post(f"{p.url}{PREFILL_PREFIX}/v1/completions", json=body, headers=FLEET)
     prefill_s = time.perf_counter() - began
     answer.raise_for_status()
     handle = answer.json()
     began = time.perf_counter()
-    with client.stream("GET", f"{p.url}{KV_PATH}/{handle['handle']}") as pulled:
+    with client.stream("GET", f"{p.url}{KV_PATH}/{handle['handle']}", headers=FLEET) as pulled:
         num_bytes = sum(len(chunk) for chunk in pulled.iter_raw())
     pull_s = time.perf_counter() - began
     handle["url"] = p.url  # the blocks are still held: D pulls them again
+    sealed = json.dumps(seal(handle, INTERNAL_KEY))  # as the gateway seals it
     began = time.perf_counter()
     handed = client.post(f"{d.url}{DECODE_PREFIX}/v1/completions", json=body,
-                         headers={HANDOFF_HEADER: json.dumps(handle)})
+                         headers=FLEET | {HANDOFF_HEADER: sealed})
     handoff_s = time.perf_counter() - began
     handed.raise_for_status()
     other = body_of([rng.randrange(1000, 40000) for _ in range(length)])
     began = time.perf_counter()
-    client.post(f"{d.url}/v1/completions", json=other).raise_for_status()
+    client.post(f"{d.url}/v1/completions", json=other, headers=FLEET).raise_for_status()
     recompute_s = time.perf_counter() - began
     return {"prefill_s": prefill_s, "pull_s": pull_s, "bytes": num_bytes,
             "handoff_ttft_s": handoff_s, "recompute_ttft_s": recompute_s}

@@ -181,6 +181,10 @@ def _add_pd_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-unpulled-s", type=positive_float, default=2.0,
                    help="prefill/decode hand-off: how long the blocks are held when no decode "
                         "instance has begun to pull them (it died, or never got the request)")
+    p.add_argument("--pd-shm-mb", type=non_negative_int, default=256,
+                   help="prefill/decode hand-off: the shared-memory pool a decode instance on "
+                        "this host reads a prompt's blocks from, reserved at the first such pull "
+                        "(0: none; decode instances then pull the HTTP stream)")
     p.add_argument("--sim-kv-bandwidth-gbps", type=positive_float, default=0.5,
                    help="with --simulate: the modeled KV transfer rate of a hand-off (GB/s; "
                         "the default is the measured loopback pull rate)")

@@ -350,7 +350,8 @@ def _pd_config(args: argparse.Namespace) -> Any:
     from strata.server.pd.faults import FaultConfig
 
     faults = FaultConfig.load(Path(args.fault_config)) if args.fault_config else FaultConfig()
-    return PDConfig(lease_s=args.pd_lease_s, unpulled_s=args.pd_unpulled_s, faults=faults)
+    return PDConfig(lease_s=args.pd_lease_s, unpulled_s=args.pd_unpulled_s,
+                    shm_mb=args.pd_shm_mb, faults=faults)
 
 
 def _kv_options(args: argparse.Namespace) -> dict[str, Any]:

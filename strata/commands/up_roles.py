@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from strata.commands.argtypes import positive_float, positive_int
+from strata.commands.argtypes import non_negative_int, positive_float, positive_int
 from strata.errors import ConfigError
 
 PD_SERVE_FLAGS: tuple[tuple[str, Any], ...] = (
     ("--pd-lease-s", positive_float), ("--pd-unpulled-s", positive_float), ("--fault-config", str),
-    ("--sim-kv-bandwidth-gbps", positive_float),
+    ("--sim-kv-bandwidth-gbps", positive_float), ("--pd-shm-mb", non_negative_int),
 )
 
 

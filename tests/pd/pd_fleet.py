@@ -44,6 +44,7 @@ class Instance:
     engine: Engine
     server: Any
     thread: Any
+    app: Any = None
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -82,7 +83,7 @@ def start_instance(model: LoadedModel, *, dtype: str = "float32", version: str =
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     server, thread = serve_in_thread(app, sock)
-    return Instance(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, server, thread)
+    return Instance(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, server, thread, app)
 
 
 def start_gateway(roles: dict[str, tuple[str, str]], policy: str = "round_robin",

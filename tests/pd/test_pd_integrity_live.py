@@ -28,19 +28,23 @@ def reference(tiny_model: LoadedModel) -> Instance:
 
 @pytest.mark.parametrize(("fault", "reason"), [({"corrupt_block": 2}, "checksum"),
                                                ({"corrupt_hash_block": 2}, "hash")])
+@pytest.mark.parametrize(("shm_mb", "transport"), [(256, "shm"), (0, "http")])
 def test_a_damaged_block_and_those_after_it_are_recomputed(tiny_model: LoadedModel,
                                                            reference: Instance,
                                                            fault: dict[str, int],
-                                                           reason: str) -> None:
-    p = start_instance(tiny_model, faults=FaultConfig(**fault))
+                                                           reason: str, shm_mb: int,
+                                                           transport: str) -> None:
+    """From P's shared-memory pool (a P on this host) as from the stream."""
+    p = start_instance(tiny_model, faults=FaultConfig(**fault), shm_mb=shm_mb)
     d = start_instance(tiny_model)
     try:
-        body = body_of(LONG, n=len(reason), temperature=0)
+        body = body_of(LONG, n=len(reason) + 100 * len(transport), temperature=0)
         handle = prefill(p, body)
         num_blocks = json.loads(handle)["num_blocks"]
         answer = decode(d, body, handle)
         assert comparable(answer.json()) == comparable(mixed(reference, body).json())
         assert d.metric("pd_blocks_recomputed_total", reason=reason) == num_blocks - 2
+        assert d.metric("pd_pulls_total", transport=transport) == 1
         assert d.metric("pd_handoffs_total", side="decode", outcome="partial") == 1
         assert d.engine.stats().num_external_hit_tokens == 2 * 8  # blocks 0 and 1 only
         assert wait_until(lambda: p.num_held_blocks == 0)

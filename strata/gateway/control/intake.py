@@ -38,7 +38,7 @@ SERVE_ARGS: dict[str, bool] = {
     "--max-queue-wait-s": True, "--threads": True, "--generation-config": True,
     "--shutdown-timeout-s": True, "--keep-alive-s": True, "--log-level": True,
     "--sim-start-s": True, "--sim-kv-bandwidth-gbps": True, "--pd-lease-s": True,
-    "--kv-ttl-s": True, "--deterministic": False, "--no-deterministic": False,
+    "--pd-shm-mb": True, "--kv-ttl-s": True, "--deterministic": False, "--no-deterministic": False,
     "--kv-min-fetch-tokens": True, "--kv-max-put-mb": True, "--tensor-parallel-size": True,
     "--pipeline-parallel-size": True, "--pipeline-layers": True,
 }

@@ -1,5 +1,5 @@
 """Settings of the prefill/decode hand-off on an instance (`strata serve --pd-lease-s`,
-`--fault-config`), part of `ServerConfig`."""
+`--pd-shm-mb`, `--fault-config`), part of `ServerConfig`."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ class PDConfig:
     peer_ttl_s: float = 2.0  # D forgets a peer's layout this long after fetching it
     connect_timeout_s: float = 1.0
     pull_timeout_s: float = 30.0  # the longest silence in a pull
+    shm_mb: int = 256  # the shared-memory pool a D on this host pulls from (0: none; pd/shm.py)
     faults: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
@@ -26,6 +27,8 @@ class PDConfig:
                      "pull_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.shm_mb < 0:
+            raise ConfigError(f"shm_mb must be 0 (no pool) or positive, got {self.shm_mb}")
 
 
 __all__ = ["PDConfig"]

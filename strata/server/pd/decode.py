@@ -13,7 +13,8 @@ engine sees the request):
    adapter weights is never used). A D that does not serve the adapter named by `model` refuses
    the request at the one door (404), as a mixed instance does;
 2. the blocks after D's own prefix-cache hit, the partial last one included, are pulled (a
-   binary stream straight from P) and checked on arrival: chain hash against D's own, crc32 of
+   binary stream straight from P, or, when P is on this host, read from its shared-memory
+   pool: pd/shm.py) and checked on arrival: chain hash against D's own, crc32 of
    the bytes. The first bad block and every block after it are recomputed (counted by reason),
    never imported. With every block in, D computes nothing of the prompt: its first forward
    is the decode of P's token, as a mixed instance's second step is;
@@ -29,6 +30,7 @@ that fails leaves D recomputing what is missing, with P's first token still in h
 from __future__ import annotations
 
 import logging
+import mmap
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
@@ -123,12 +125,29 @@ class HandoffPull:
     async def _pull(self, handle: Handle, start: int,
                     wanted: list[BlockHash]) -> tuple[list[bytes], str]:
         """The checked blocks that arrived, in order (all of `wanted` when nothing failed), and
-        why the pull stopped (complete, hash, checksum, truncated, unavailable)."""
+        why the pull stopped (complete, hash, checksum, truncated, unavailable): from P's
+        shared-memory pool where this process can read it (pd/shm.py), else the stream."""
         pd = self.pd
         payloads: list[bytes] = []
+        began = time.perf_counter()
+        reason = await self._pull_shm(handle, start, wanted, payloads)
+        transport = "shm"
+        if reason is None:
+            transport = "http"
+            reason = await self._pull_stream(handle, start, wanted, payloads)
+        pd.metrics.pulls.labels(transport).inc()
+        pd.metrics.pull_s.observe(time.perf_counter() - began)
+        pd.metrics.pull_bytes.labels("decode").inc(sum(len(p) for p in payloads))
+        if len(payloads) < len(wanted):
+            pd.metrics.recomputed.labels(reason).inc(len(wanted) - len(payloads))
+        return payloads, reason
+
+    async def _pull_stream(self, handle: Handle, start: int, wanted: list[BlockHash],
+                           payloads: list[bytes]) -> str:
+        """The HTTP pull: the binary stream of blocks (pd/wire.py)."""
+        pd = self.pd
         url = f"{handle.url}{KV_PATH}/{handle.handle}?start={start}&count={len(wanted)}"
         reason = "truncated"
-        began = time.perf_counter()
         try:
             async with pd.client.stream("GET", url, headers=pd.headers) as response:
                 if response.status_code != 200:
@@ -138,11 +157,61 @@ class HandoffPull:
         except (httpx.HTTPError, KVPayloadError) as exc:  # KVPayloadError: not a block stream
             log.warning("pull of %s from %s broke: %s", handle.handle, handle.url, exc)
             pd.peers.forget(handle.url)
-        pd.metrics.pull_s.observe(time.perf_counter() - began)
-        pd.metrics.pull_bytes.labels("decode").inc(sum(len(p) for p in payloads))
-        if len(payloads) < len(wanted):
-            pd.metrics.recomputed.labels(reason).inc(len(wanted) - len(payloads))
-        return payloads, reason
+        return reason
+
+    async def _pull_shm(self, handle: Handle, start: int, wanted: list[BlockHash],
+                        payloads: list[bytes]) -> str | None:
+        """The pull by reference (pd/shm.py): P puts the blocks in its pool and answers where;
+        None when there is no pool this process can read (P elsewhere, or P's pool full or
+        off): the caller pulls the stream."""
+        pd = self.pd
+        described = pd.peers.shm_of(handle.url)
+        if not pd.shm_peers.may_reach(described):
+            return None
+        url = f"{handle.url}{KV_PATH}/{handle.handle}/shm?start={start}&count={len(wanted)}"
+        try:
+            response = await pd.client.get(url, headers=pd.headers)
+        except httpx.HTTPError as exc:
+            log.warning("pull of %s from %s broke: %s", handle.handle, handle.url, exc)
+            pd.peers.forget(handle.url)
+            return "unavailable"
+        if response.status_code == 409:  # P's pool cannot take them now
+            return None
+        if response.status_code != 200:
+            return "unavailable"
+        try:
+            manifest = response.json()
+            token, blocks = manifest["token"], manifest["blocks"]
+        except (ValueError, KeyError, TypeError):
+            return "unavailable"
+        pool = pd.shm_peers.attach(described)
+        if pool is None or not isinstance(described, dict) or described.get("token") != token:
+            return None
+        return self._read_pool(pool, blocks, wanted, payloads)
+
+    def _read_pool(self, pool: mmap.mmap, blocks: object, wanted: list[BlockHash],
+                   payloads: list[bytes]) -> str:
+        """Reads the manifest's blocks out of `pool` into `payloads`, checked as streamed ones
+        are, until done or the first bad one; why it stopped."""
+        if not isinstance(blocks, list):
+            return "unavailable"
+        for index, entry in enumerate(blocks[: len(wanted)]):
+            try:
+                hash_hex, offset, length = entry
+                block_hash = BlockHash(bytes.fromhex(hash_hex))
+                if not 0 <= offset <= offset + length <= len(pool):
+                    return "unavailable"
+            except (ValueError, TypeError):
+                return "unavailable"
+            if block_hash != wanted[index]:
+                return "hash"
+            payload = pool[offset: offset + length]  # a copy: what is checked is imported
+            if not checksum_ok(payload):
+                return "checksum"
+            payloads.append(payload)
+            if index == 0:
+                self.pd.faults.reached("decode_during_pull")
+        return "complete" if len(payloads) == len(wanted) else "truncated"
 
     async def _read(self, chunks: AsyncIterator[bytes], wanted: list[BlockHash],
                     payloads: list[bytes]) -> str:

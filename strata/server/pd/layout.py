@@ -9,6 +9,9 @@ are never used (D prefills locally). Answers are cached per peer URL and process
 restarted P is asked again), dropped on the first error talking to that peer, and forgotten
 `ttl_s` after they were fetched, so nothing of a dead peer outlives it by more than that.
 
+A P with a shared-memory pool (pd/shm.py) names it in `shm` (path and token), shown and not
+compared: D reads blocks from it when it can open it, and pulls the stream otherwise.
+
 How the instance splits its KV over tensor- and pipeline-parallel ranks (`parallel`: T, P, the KV
 heads of each tp rank, the layers of each stage) travels too, and is not compared: a block leaves
 and enters in the whole model's layout (`num_layers` and `num_kv_heads` are the model's; the
@@ -47,6 +50,15 @@ class DescribesKV(Protocol):
     def kv_layout(self) -> dict[str, Any]: ...
 
 
+@runtime_checkable
+class ModeledLink(Protocol):
+    """An executor whose exported blocks stand for bytes on a modeled link (the simulator's
+    stand-ins): the pull waits the time they take, off the engine thread, and no pool in
+    shared memory short-cuts it."""
+
+    def link_s(self, num_blocks: int) -> float: ...
+
+
 def local_layout(model: str, version: str, namespace: str, block_size: int,
                  executor: object) -> dict[str, Any]:
     described = executor.kv_layout() if isinstance(executor, DescribesKV) else {}
@@ -69,6 +81,7 @@ class _Peer:
     epoch: str
     refusal: str | None  # None: compatible
     fetched_at: float
+    shm: object = None  # its shared-memory pool, as it described it (pd/shm.py)
 
 
 class PeerLayouts:
@@ -107,8 +120,13 @@ class PeerLayouts:
         if remote.get("epoch") != epoch:
             return f"the prefill instance at {url} restarted since it answered the handle"
         refusal = self._refusal(url, remote)
-        self._peers[url] = _Peer(epoch, refusal, self.clock())
+        self._peers[url] = _Peer(epoch, refusal, self.clock(), remote.get("shm"))
         return refusal
+
+    def shm_of(self, url: str) -> object:
+        """The shared-memory pool the compatible peer at `url` described, if any."""
+        peer = self._peers.get(url)
+        return peer.shm if peer is not None and peer.refusal is None else None
 
     def _refusal(self, url: str, remote: dict[str, Any]) -> str | None:
         fields = differences(self.local, remote)
@@ -129,4 +147,5 @@ class PeerLayouts:
             del self._peers[url]
 
 
-__all__ = ["FIELDS", "DescribesKV", "PeerLayouts", "differences", "explain", "local_layout"]
+__all__ = ["FIELDS", "DescribesKV", "ModeledLink", "PeerLayouts", "differences", "explain",
+           "local_layout"]

@@ -6,6 +6,8 @@
                                          local (no usable handle: prefilled here)
     pd_pull_bytes_total{side}            bytes of blocks sent (prefill) or received (decode)
     pd_pull_seconds                      a decode instance's pull, first byte to last block
+    pd_pulls_total{transport}            a decode instance's pulls: shm (from the pool of a P
+                                         on this host, pd/shm.py) or http (the stream)
     pd_blocks_held                       blocks held under leases now (gauge)
     pd_lease_releases_total{reason}      acked, expired, broken (D died mid-pull), shutdown
     pd_blocks_recomputed_total{reason}   blocks D recomputed instead of importing: hash,
@@ -31,6 +33,8 @@ class PDMetrics:
                                   ["side"], registry=reg)
         self.pull_s = Histogram("strata:pd_pull_seconds", "Time to pull a prompt's blocks.",
                                 buckets=_PULL_BUCKETS_S, registry=reg)
+        self.pulls = Counter("strata:pd_pulls_total", "Pulls of a prompt's blocks, by transport.",
+                             ["transport"], registry=reg)
         self.blocks_held = Gauge("strata:pd_blocks_held", "KV blocks held under leases.",
                                  registry=reg)
         self.releases = Counter("strata:pd_lease_releases_total", "Leases ended, by reason.",
@@ -43,6 +47,8 @@ class PDMetrics:
                                 registry=reg)
         for side in ("prefill", "decode"):
             self.pull_bytes.labels(side)
+        for transport in ("shm", "http"):
+            self.pulls.labels(transport)
         for reason in ("acked", "expired", "unpulled", "broken"):
             self.releases.labels(reason)  # shown (as 0) before the first event
 

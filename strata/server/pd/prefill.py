@@ -1,5 +1,6 @@
 """P's side of a hand-off: answer a prefill-only request with a handle, stream the held blocks
-to the D that pulls them, free them on the acknowledgement (or when the lease ends).
+to the D that pulls them (or, for a D on this host, put them in the shared-memory pool:
+pd/shm.py), free them on the acknowledgement (or when the lease ends).
 
 A prefill-only request is the client's request, validated as it is (so P refuses exactly what a
 mixed instance would), then run with max_tokens 1 and its blocks held: P samples the first token
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import TypeVar
 
 import anyio
 from pydantic import BaseModel
@@ -26,7 +27,9 @@ from strata.errors import EngineDeadError, InvalidRequestError, OverloadedError
 from strata.protocol.errors import error_json
 from strata.server import serving
 from strata.server.cancel import CLIENT_DISCONNECT, cancel_of
+from strata.server.pd.layout import ModeledLink
 from strata.server.pd.leases import Lease
+from strata.server.pd.shm import PoolFullError
 from strata.server.pd.state import PD, pd_of
 from strata.server.pd.wire import Handle, block_frame, prompt_digest, stream_head
 from strata.server.preamble import client_request
@@ -120,15 +123,68 @@ async def pull(request: Request) -> Response:
     if lease is None:
         return _not_found()
     try:
+        first, count = _span(request, len(lease.held))
+    except InvalidRequestError:
+        pd.leases.end_pull(lease, is_complete=True)
+        raise
+    blocks = Blocks(pd, lease, first, count)
+    return ClosingStream(blocks.frames(), blocks.close)
+
+
+async def pull_shm(request: Request) -> Response:
+    """GET /internal/kv/{handle}/shm?start=I&count=N: the held blocks I .. I+N-1 put in this
+    instance's shared-memory pool, answered as a manifest (pd/shm.py); 409 when the pool
+    cannot take them (D pulls the stream)."""
+    pd = pd_of(request)
+    if pd.shm is None:
+        return _shm_refused("this instance has no shared-memory KV pool")
+    lease = pd.leases.begin_pull(request.path_params["handle"])
+    if lease is None:
+        return _not_found()
+    is_complete = False
+    try:
+        first, count = _span(request, len(lease.held))
+        block_ids = list(lease.held.block_ids[first: first + count])
+        hashes = [BlockHash(h) for h in lease.held.block_hashes[first: first + count]]
+        try:
+            payloads = await pd.instance.engine.export_held(lease.request_id, block_ids)
+        except EngineDeadError:
+            payloads = []
+        if len(payloads) != len(block_ids):
+            return _not_found()
+        items = [pd.faults.damage(first + i, h, p) for i, (h, p) in
+                 enumerate(zip(hashes, payloads, strict=True))]
+        try:
+            placed = pd.shm.put(lease.handle, items)
+        except PoolFullError as exc:
+            return _shm_refused(str(exc))
+        pd.metrics.pull_bytes.labels("prefill").inc(sum(length for _, length in placed))
+        if placed:
+            pd.faults.reached("prefill_during_pull")
+        is_complete = True
+        return JSONResponse({"token": pd.shm.token, "blocks": [
+            [h.hex(), offset, length] for (h, _), (offset, length) in zip(items, placed,
+                                                                          strict=True)]})
+    finally:
+        pd.leases.end_pull(lease, is_complete=is_complete)
+        pd.note_held()
+
+
+def _span(request: Request, num_held: int) -> tuple[int, int]:
+    """The pull's `start` and `count`; a 400 unless both are non-negative integers."""
+    try:
         first = int(request.query_params.get("start", 0))
-        count = int(request.query_params.get("count", len(lease.held)))
+        count = int(request.query_params.get("count", num_held))
     except ValueError:
         first, count = -1, -1
     if first < 0 or count < 0:
-        pd.leases.end_pull(lease, is_complete=True)
         raise InvalidRequestError("start and count must be non-negative integers")
-    blocks = Blocks(pd, lease, first, count)
-    return ClosingStream(blocks.frames(), blocks.close)
+    return first, count
+
+
+def _shm_refused(why: str) -> Response:
+    return Response(error_json(409, f"{why}; pull the stream"), 409,
+                    media_type="application/json")
 
 
 async def ack(request: Request) -> Response:
@@ -143,14 +199,6 @@ async def ack(request: Request) -> Response:
 def _not_found() -> Response:
     message = "unknown hand-off handle (acknowledged, expired, or its instance restarted)"
     return Response(error_json(404, message), 404, media_type="application/json")
-
-
-@runtime_checkable
-class ModeledLink(Protocol):
-    """An executor whose exported blocks stand for bytes on a modeled link (the simulator's
-    stand-ins): the pull waits the time they take, off the engine thread."""
-
-    def link_s(self, num_blocks: int) -> float: ...
 
 
 class Blocks:
@@ -237,4 +285,4 @@ class ClosingStream(StreamingResponse):
                 await self._on_close()
 
 
-__all__ = ["ClosingStream", "PrefillOnly", "ack", "layout", "prefill", "pull"]
+__all__ = ["ClosingStream", "PrefillOnly", "ack", "layout", "prefill", "pull", "pull_shm"]

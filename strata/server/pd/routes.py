@@ -4,6 +4,7 @@
     POST   /internal/decode/v1/chat/completions, /internal/decode/v1/completions     D
     GET    /internal/kv/layout                                                       P
     GET    /internal/kv/{handle}   DELETE /internal/kv/{handle}                      P
+    GET    /internal/kv/{handle}/shm (blocks by reference, a D on P's host)          P
 
 They sit behind the same middleware as the OpenAI routes and take only the fleet's internal key
 (strata/protocol/auth.py): the gateway and the other instances call them, never a client. The
@@ -26,7 +27,7 @@ from strata.protocol.openapi import Operation
 from strata.protocol.pd import DECODE_PREFIX, KV_PATH, LAYOUT_PATH, PREFILL_PREFIX
 from strata.server import serving
 from strata.server.pd.decode import decode_chat, decode_completion
-from strata.server.pd.prefill import ack, layout, prefill, pull
+from strata.server.pd.prefill import ack, layout, prefill, pull, pull_shm
 
 
 async def prefill_chat(request: Request) -> Response:
@@ -55,6 +56,10 @@ PD_OPERATIONS: tuple[Operation, ...] = (  # held to the routes by the OpenAPI te
     Operation("GET", KV_PATH + "/{handle}", "Hand-off pull: the held blocks, a binary stream",
               query=(("start", "integer"), ("count", "integer")),
               media_type="application/octet-stream", access="internal"),
+    Operation("GET", KV_PATH + "/{handle}/shm",
+              "Hand-off pull by reference: the held blocks put in the shared-memory pool, "
+              "a manifest of where", query=(("start", "integer"), ("count", "integer")),
+              access="internal"),
     Operation("DELETE", KV_PATH + "/{handle}", "Hand-off acknowledgement: free the blocks",
               status=204, access="internal"),
 )
@@ -68,6 +73,7 @@ def pd_routes() -> list[APIRoute]:
         APIRoute(f"{DECODE_PREFIX}/v1/completions", decode_completion, methods=["POST"]),
         APIRoute(LAYOUT_PATH, layout, methods=["GET"]),
         APIRoute(KV_PATH + "/{handle}", pull, methods=["GET"]),
+        APIRoute(KV_PATH + "/{handle}/shm", pull_shm, methods=["GET"]),
         APIRoute(KV_PATH + "/{handle}", ack, methods=["DELETE"]),
     ]
 

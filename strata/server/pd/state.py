@@ -4,6 +4,8 @@ prefill for another or decode a hand-off; `--role` only tells the gateway what t
     PD
       leases    P: the blocks each answered handle holds (pd/leases.py)
       peers     D: the layouts of the P instances it pulls from (pd/layout.py)
+      shm       P: the shared-memory pool a D on this host reads blocks from (pd/shm.py)
+      shm_peers D: its mappings of those pools
       client    D: HTTP to P (layout, pull, acknowledgement), with the fleet's internal key
       trust     D: which handles it follows (pd/trust.py)
       faults    kill points and damaged blocks for tests (pd/faults.py)
@@ -30,9 +32,10 @@ from strata import tracing
 from strata.server.instance import Instance
 from strata.server.pd.config import PDConfig
 from strata.server.pd.faults import Faults
-from strata.server.pd.layout import PeerLayouts, local_layout
+from strata.server.pd.layout import ModeledLink, PeerLayouts, local_layout
 from strata.server.pd.leases import Lease, LeaseTable
 from strata.server.pd.metrics import PDMetrics
+from strata.server.pd.shm import ShmPeers, ShmPool
 from strata.server.pd.trust import HandleTrust
 from strata.tracing.spans import inject_into
 
@@ -57,6 +60,12 @@ class PD:
         self.layout = local_layout(instance.config.served_model_name,
                                    instance.config.model_version, cache.namespace,
                                    cache.block_size, self.executor)
+        # P: blocks by reference for a D on this host (not where the link is modeled)
+        self.shm = None if isinstance(self.executor, ModeledLink) else \
+            ShmPool.create(config.shm_mb << 20, max_slots=cache.num_blocks)
+        if self.shm is not None:
+            self.layout["shm"] = self.shm.describe()  # shown, not compared
+        self.shm_peers = ShmPeers()  # D: the pools of the P instances on this host
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(
             config.pull_timeout_s, connect=config.connect_timeout_s), event_hooks={
                 "request": [inject_into] if tracing.is_on() else []})  # P's spans: D's children
@@ -93,6 +102,8 @@ class PD:
         self.metrics.blocks_held.set(self.leases.num_held_blocks)
 
     def _released(self, lease: Lease) -> None:
+        if self.shm is not None:
+            self.shm.release(lease.handle)
         self.metrics.releases.labels(lease.why).inc()
         self.note_held()
 
@@ -103,6 +114,9 @@ class PD:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         self.leases.release_all()
         await self.client.aclose()
+        if self.shm is not None:
+            self.shm.close()
+        self.shm_peers.close()
 
 
 def pd_of(request: Request) -> PD:

@@ -1,0 +1,255 @@
+"""KV by reference between instances on one host: a block pool in shared memory.
+
+The HTTP pull (pd/prefill.py, pd/decode.py) moves a 1,024-token prompt's KV at about 1 GB/s over
+loopback: every byte is framed, sent, received and parsed in Python. When P and D share a host,
+the bytes need not travel at all:
+
+    P  one anonymous shared-memory file (memfd "strata-kv"), reserved whole at P's first pull
+       by reference (`posix_fallocate`: a full tmpfs refuses it then, never with a SIGBUS
+       mid-copy) and mapped: a header page (magic, a random token, slot size and count), then
+       slots of one KV payload each, keyed by chain hash (a block that several held prompts
+       share takes one slot, counted). P names it in its layout (`shm`: path and token, not
+       compared): /proc/P/fd/N, which only a process that shares P's /proc and user can open.
+    D  `GET {P}/internal/kv/{handle}/shm?start&count`: P exports the blocks (one visit of the
+       engine thread), copies them into slots, answers a manifest (JSON: the token, and per
+       block its chain hash, offset and length). D maps the file once per P process, only
+       when its header holds that token, and reads each block as it would from the stream:
+       copied out of the pool (what it checks is what the engine imports), the chain hash
+       against its own, the crc32 of the bytes (kv_codec.crc32); the first bad block and every
+       block after it are recomputed. A D on another host or in another container cannot open
+       the path or finds another token: it pulls the stream, as it does when P's pool is full
+       (409) or disabled (`--pd-shm-mb 0`).
+
+A lease's slots are freed when the lease is released (acknowledged or expired), as its blocks
+are: the pool never holds a block its lease let go. The memory goes back to the host when P
+exits and the last D that mapped it drops the mapping (no file is left behind by a killed P).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import secrets
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from strata.types import BlockHash
+
+log = logging.getLogger("strata.server.pd")
+
+MAGIC = b"STKVPOOL"
+_HEADER = struct.Struct("<8s32sQQ")  # magic, token (hex), slot bytes, number of slots
+PAGE = 4096
+
+
+class PoolFullError(Exception):
+    """Not enough free slots (or a payload larger than a slot): pull the stream instead."""
+
+
+@dataclass(slots=True)
+class _Slot:
+    index: int
+    length: int
+    num_refs: int = 0
+
+
+@dataclass(slots=True)
+class ShmPool:
+    """P's pool (see the module docstring). Created empty; `reserve` sizes it at first use."""
+
+    capacity_bytes: int
+    max_slots: int = 1 << 30  # no more than the blocks P's KV cache has
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    fd: int = -1
+    view: mmap.mmap | None = None
+    slot_bytes: int = 0
+    num_slots: int = 0
+    _free: list[int] = field(default_factory=list)
+    _by_hash: dict[BlockHash, _Slot] = field(default_factory=dict)
+    _by_lease: dict[str, list[BlockHash]] = field(default_factory=dict)
+    is_broken: bool = False  # the reservation failed: every pull takes the stream
+
+    @classmethod
+    def create(cls, capacity_bytes: int, max_slots: int = 1 << 30) -> ShmPool | None:
+        """The pool, or None where shared memory cannot be had (no memfd: not Linux)."""
+        if capacity_bytes <= 0 or not hasattr(os, "memfd_create"):
+            return None
+        try:
+            fd = os.memfd_create("strata-kv", os.MFD_CLOEXEC)
+        except OSError as exc:
+            log.warning("no shared-memory KV pool (hand-offs use the HTTP stream): %s", exc)
+            return None
+        return cls(capacity_bytes, max_slots, fd=fd)
+
+    @property
+    def path(self) -> str:
+        return f"/proc/{os.getpid()}/fd/{self.fd}"
+
+    def describe(self) -> dict[str, Any]:
+        """What the layout handshake shows of the pool."""
+        return {"path": self.path, "token": self.token}
+
+    def reserve(self, payload_bytes: int) -> bool:
+        """Size the pool for payloads of `payload_bytes` (once); False when it cannot be."""
+        if self.view is not None:
+            return payload_bytes <= self.slot_bytes
+        if self.is_broken:
+            return False
+        slot = -(-payload_bytes // PAGE) * PAGE
+        num_slots = min((self.capacity_bytes - PAGE) // slot, self.max_slots)
+        if num_slots < 1:
+            self.is_broken = True
+            return False
+        size = PAGE + num_slots * slot
+        try:
+            os.posix_fallocate(self.fd, 0, size)
+            self.view = mmap.mmap(self.fd, size)
+        except OSError as exc:
+            log.warning("the shared-memory KV pool could not reserve %d MiB (hand-offs use the "
+                        "HTTP stream): %s", size >> 20, exc)
+            self.is_broken = True
+            return False
+        self.slot_bytes, self.num_slots = slot, num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        _HEADER.pack_into(self.view, 0, MAGIC, self.token.encode(), slot, num_slots)
+        log.info("shared-memory KV pool: %d slots of %d KiB (%d MiB)", num_slots, slot >> 10,
+                 size >> 20)
+        return True
+
+    def offset(self, index: int) -> int:
+        return PAGE + index * self.slot_bytes
+
+    def put(self, lease: str, items: list[tuple[BlockHash, bytes]]) -> list[tuple[int, int]]:
+        """Slots holding `items` for `lease`: (offset, length) each, in order. All or nothing:
+        raises PoolFullError (nothing taken) when they do not fit."""
+        if not items or not self.reserve(max(len(p) for _, p in items)):
+            raise PoolFullError("the shared-memory pool is not available")
+        assert self.view is not None
+        new = {h for h, _ in items if h not in self._by_hash}
+        if len(new) > len(self._free):
+            raise PoolFullError(f"the shared-memory pool has {len(self._free)} free slots, "
+                                f"{len(new)} wanted")
+        taken = self._by_lease.setdefault(lease, [])
+        placed = []
+        for block_hash, payload in items:
+            slot = self._by_hash.get(block_hash)
+            if slot is None:
+                slot = self._by_hash[block_hash] = _Slot(self._free.pop(), len(payload))
+                start = self.offset(slot.index)
+                self.view[start: start + len(payload)] = payload
+            slot.num_refs += 1
+            taken.append(block_hash)
+            placed.append((self.offset(slot.index), slot.length))
+        return placed
+
+    def release(self, lease: str) -> None:
+        """The lease ended: its slots are free once no other lease holds their blocks."""
+        for block_hash in self._by_lease.pop(lease, []):
+            slot = self._by_hash[block_hash]
+            slot.num_refs -= 1
+            if slot.num_refs == 0:
+                del self._by_hash[block_hash]
+                self._free.append(slot.index)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._by_hash)
+
+    def close(self) -> None:
+        self._by_hash.clear()
+        self._by_lease.clear()
+        if self.view is not None:
+            with contextlib.suppress(BufferError):
+                self.view.close()
+            self.view = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class ShmPeers:
+    """D's mappings of the pools of P instances on its host, by token (at most `max_pools`,
+    the least recently used dropped first)."""
+
+    def __init__(self, max_pools: int = 8) -> None:
+        self.max_pools = max_pools
+        self._pools: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._refused: set[str] = set()  # tokens this process cannot map (another host)
+
+    def may_reach(self, described: object) -> bool:
+        """Whether the pool `described` may be this host's: its path opens here (a P elsewhere
+        is then not asked to fill its pool for nothing) and its token was not refused."""
+        path, token = _path_and_token(described)
+        if path is None or token is None or token in self._refused:
+            return False
+        return token in self._pools or os.access(path, os.R_OK)
+
+    def attach(self, described: object) -> mmap.mmap | None:
+        """The mapping of the pool a layout `described` ({path, token}), or None where this
+        process cannot open it or the file there is not that pool."""
+        path, token = _path_and_token(described)
+        if path is None or token is None or token in self._refused:
+            return None
+        pool = self._pools.get(token)
+        if pool is not None:
+            self._pools.move_to_end(token)
+            return pool
+        pool = _map_pool(path, token)
+        if pool is None:
+            self._refused.add(token)
+            return None
+        self._pools[token] = pool
+        while len(self._pools) > self.max_pools:
+            _, old = self._pools.popitem(last=False)
+            with contextlib.suppress(BufferError):
+                old.close()
+        return pool
+
+    def forget(self, token: str) -> None:
+        pool = self._pools.pop(token, None)
+        if pool is not None:
+            with contextlib.suppress(BufferError):
+                pool.close()
+
+    def close(self) -> None:
+        for token in list(self._pools):
+            self.forget(token)
+
+
+def _path_and_token(described: object) -> tuple[str | None, str | None]:
+    if not isinstance(described, dict):
+        return None, None
+    path, token = described.get("path"), described.get("token")
+    return (path if isinstance(path, str) else None,
+            token if isinstance(token, str) else None)
+
+
+def _map_pool(path: str, token: str) -> mmap.mmap | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        log.info("the shared-memory KV pool at %s is not reachable from here (the HTTP stream "
+                 "it is): %s", path, exc)
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size < PAGE:
+            return None
+        pool = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    except (OSError, ValueError) as exc:
+        log.info("the shared-memory KV pool at %s cannot be mapped: %s", path, exc)
+        return None
+    finally:
+        os.close(fd)
+    magic, found, _, _ = _HEADER.unpack_from(pool, 0)
+    if magic != MAGIC or found.decode(errors="replace") != token:
+        pool.close()
+        return None
+    return pool
+
+
+__all__ = ["PAGE", "PoolFullError", "ShmPeers", "ShmPool"]
