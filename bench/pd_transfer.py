@@ -8,11 +8,18 @@ all): P and D. For each prompt length L (token ids, fresh each time so no cache 
                wall time; this is what D does, without D's checks and import)
     handoff    D's time to first token with the handle (handshake cached, pull, checks, import,
                P's first token handed over: no prompt token computed on D)
+    D's pull   D's own pull, checks included (its strata:pd_pull_seconds), and its transport:
+               shm (P's shared-memory pool, pd/shm.py) or http (the stream; P with
+               --shm-mb 0 offers no pool)
+    cached     D's time to first token for the same prompt again, all of it in D's prefix
+               cache now: the hand-off's overhead is handoff - cached (the pull, the checks,
+               the import and the hand-off's own round trip)
     recompute  D's time to first token without a handle (it prefills the prompt itself)
 
 Medians of --repeats. Writes .bench/results/pd_transfer.json.
 
     .venv/bin/python bench/pd_transfer.py [--lengths 32 128 512 1024 2048 4096] [--repeats 3]
+        [--shm-mb 256]
 """
 
 from __future__ import annotations
@@ -42,12 +49,12 @@ INTERNAL_KEY = "pd-transfer-bench-key"  # the fleet's: the hand-off routes take 
 FLEET = {"authorization": f"Bearer {INTERNAL_KEY}"}
 
 
-def start(name: str, log_dir: Path, role: str, max_len: int) -> Proc:
+def start(name: str, log_dir: Path, role: str, max_len: int, shm_mb: int = 256) -> Proc:
     port = free_port()
     argv = [sys.executable, "-m", "strata.cli", "serve", "--port", str(port), "--role", role,
             "--served-model-name", MODEL, "--model-version", "bench", "--threads", "1",
             "--max-model-len", str(max_len), "--kv-cache-gb", "1.5", "--registry", "none",
-            "--log-level", "warning"]
+            "--log-level", "warning", "--pd-shm-mb", str(shm_mb)]
     proc = spawn(name, argv, log_dir, f"http://127.0.0.1:{port}",
                  env={**os.environ, "STRATA_INTERNAL_KEYS": INTERNAL_KEY})
     wait_http(proc, "/ready", 300)
@@ -74,17 +81,36 @@ def one(client: httpx.Client, p: Proc, d: Proc, length: int, rng: random.Random
     pull_s = time.perf_counter() - began
     handle["url"] = p.url  # the blocks are still held: D pulls them again
     sealed = json.dumps(seal(handle, INTERNAL_KEY))  # as the gateway seals it
+    pulls_before = d_pulls(client, d)
     began = time.perf_counter()
     handed = client.post(f"{d.url}{DECODE_PREFIX}/v1/completions", json=body,
                          headers=FLEET | {HANDOFF_HEADER: sealed})
     handoff_s = time.perf_counter() - began
     handed.raise_for_status()
+    pulls = {k: v - pulls_before[k] for k, v in d_pulls(client, d).items()}
+    began = time.perf_counter()
+    client.post(f"{d.url}/v1/completions", json=body, headers=FLEET).raise_for_status()
+    cached_s = time.perf_counter() - began
     other = body_of([rng.randrange(1000, 40000) for _ in range(length)])
     began = time.perf_counter()
     client.post(f"{d.url}/v1/completions", json=other, headers=FLEET).raise_for_status()
     recompute_s = time.perf_counter() - began
     return {"prefill_s": prefill_s, "pull_s": pull_s, "bytes": num_bytes,
-            "handoff_ttft_s": handoff_s, "recompute_ttft_s": recompute_s}
+            "handoff_ttft_s": handoff_s, "d_pull_s": pulls["seconds"],
+            "d_shm_pulls": pulls["shm"], "cached_ttft_s": cached_s,
+            "overhead_s": handoff_s - cached_s, "recompute_ttft_s": recompute_s}
+
+
+def d_pulls(client: httpx.Client, d: Proc) -> dict[str, float]:
+    """D's pull counters: seconds pulling (checks included), pulls through P's pool."""
+    text = client.get(f"{d.url}/metrics", headers=FLEET).text
+    found = {"seconds": 0.0, "shm": 0.0}
+    for line in text.splitlines():
+        if line.startswith("strata:pd_pull_seconds_sum "):
+            found["seconds"] = float(line.split()[-1])
+        elif line.startswith('strata:pd_pulls_total{transport="shm"}'):
+            found["shm"] = float(line.split()[-1])
+    return found
 
 
 def main() -> None:
@@ -92,6 +118,8 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+",
                         default=[32, 128, 512, 1024, 2048, 4096])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shm-mb", type=int, default=256,
+                        help="P's shared-memory pool (0: none, D pulls the HTTP stream)")
     args = parser.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="pd-transfer-"))
     procs: list[Proc] = []
@@ -99,7 +127,7 @@ def main() -> None:
     rows = []
     try:
         max_len = max(args.lengths) + 16
-        procs = [start("prefill", log_dir, "prefill", max_len),
+        procs = [start("prefill", log_dir, "prefill", max_len, args.shm_mb),
                  start("decode", log_dir, "decode", max_len)]
         p, d = procs
         with httpx.Client(timeout=600) as client:
@@ -113,7 +141,8 @@ def main() -> None:
     finally:
         stop_all(procs)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    report = {"load_average": os.getloadavg(), "repeats": args.repeats, "rows": rows}
+    report = {"load_average": os.getloadavg(), "repeats": args.repeats, "shm_mb": args.shm_mb,
+              "rows": rows}
     RESULTS.write_text(json.dumps(report, indent=2) + "\n")
     print(f"load average {os.getloadavg()}; wrote {RESULTS}")
 
@@ -125,7 +154,11 @@ def format_row(row: dict[str, float]) -> str:
             f"({row['pull_s'] / tokens * 1e6:5.1f} us/token, "
             f"{row['bytes'] / row['pull_s'] / 1e9:4.2f} GB/s)  prefill "
             f"{row['prefill_s'] * 1e3:7.1f} ms  handoff TTFT {row['handoff_ttft_s'] * 1e3:7.1f} "
-            f"ms  recompute TTFT {row['recompute_ttft_s'] * 1e3:7.1f} ms")
+            f"ms  D's pull {row['d_pull_s'] * 1e3:6.1f} ms "
+            f"({row['bytes'] / max(row['d_pull_s'], 1e-9) / 1e9:4.2f} GB/s, "
+            f"{'shm' if row['d_shm_pulls'] else 'http'})  cached TTFT "
+            f"{row['cached_ttft_s'] * 1e3:6.1f} ms  overhead {row['overhead_s'] * 1e3:6.1f} ms  "
+            f"recompute TTFT {row['recompute_ttft_s'] * 1e3:7.1f} ms")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from typing import NewType
 
 RequestId = NewType("RequestId", str)
 BlockHash = NewType("BlockHash", bytes)
+KVPayload = bytes | bytearray  # one block's KV (strata/model/kv_codec.py); a bytearray is a
+# decode instance's reused copy of a block read from shared memory (strata/server/pd/shm.py)
 
 
 
@@ -74,5 +76,5 @@ def hash_blocks(
     return hashes
 
 
-__all__ = ["BlockHash", "PriorityClass", "RequestId",
+__all__ = ["BlockHash", "KVPayload", "PriorityClass", "RequestId",
            "hash_block", "hash_blocks"]

@@ -30,6 +30,7 @@ from strata.engine.batch_queue import BatchQueue
 from strata.engine.config import CacheConfig, SchedulerConfig
 from strata.engine.detokenizer import IncrementalDetokenizer, check_stop
 from strata.engine.executor import (
+    ExportsInto,
     KVTransfer,
     ModelExecutor,
     ModelInput,
@@ -150,6 +151,24 @@ class Engine:
                 or not isinstance(self.executor, KVTransfer):
             return []
         return self.executor.export_blocks(block_ids)
+
+    def export_held_into(self, request_id: RequestId, block_ids: list[int],
+                         buffers: list[memoryview]) -> list[int]:
+        """`export_held` written into `buffers` (one per block, each large enough for a
+        payload): the payloads' lengths, [] as `export_held` answers []."""
+        held = set(self.kv.held_block_ids(request_id))
+        if not block_ids or not held.issuperset(block_ids) \
+                or not isinstance(self.executor, KVTransfer):
+            return []
+        if isinstance(self.executor, ExportsInto):
+            return self.executor.export_blocks_into(block_ids, buffers)
+        lengths = []
+        for payload, out in zip(self.executor.export_blocks(block_ids), buffers, strict=True):
+            if len(payload) > out.nbytes:
+                return []
+            out[: len(payload)] = payload
+            lengths.append(len(payload))
+        return lengths
 
     def step(self) -> list[RequestOutput]:
         """Submit batches while the executor has room and a request can run, then wait for the

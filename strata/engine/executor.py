@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, NewType, Protocol, runtime_checkable
 
 from strata.engine.request import Logprob, Request, SamplingParams
-from strata.types import RequestId
+from strata.types import KVPayload, RequestId
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,10 +143,20 @@ class KVTransfer(Protocol):
         """The KV of each block (all layers) as a self-describing payload, in order."""
         ...
 
-    def import_blocks(self, block_ids: list[int], payloads: list[bytes]) -> int:
+    def import_blocks(self, block_ids: list[int], payloads: list[KVPayload]) -> int:
         """Write `payloads[i]` into block `block_ids[i]`, in order, stopping at the first payload
         it refuses (another model, version, dtype or shape; a bad checksum). Returns how many
         were written."""
+        ...
+
+
+@runtime_checkable
+class ExportsInto(Protocol):
+    """A `KVTransfer` executor that also writes payloads straight into buffers it is given
+    (the slots of a shared-memory pool: one copy, not two)."""
+
+    def export_blocks_into(self, block_ids: list[int], buffers: list[memoryview]) -> list[int]:
+        """`export_blocks`, each payload written into its buffer; their lengths."""
         ...
 
 

@@ -31,7 +31,7 @@ from strata.engine.config import CacheConfig
 from strata.engine.outputs import HeldBlocks
 from strata.engine.prefix_cache import hash_block, hash_blocks
 from strata.engine.request import Request
-from strata.types import BlockHash, RequestId
+from strata.types import BlockHash, KVPayload, RequestId
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +41,7 @@ class ComputedBlocks:
 
     blocks: list[KVBlock] = field(default_factory=list)
     num_tokens: int = 0
-    external: list[bytes] = field(default_factory=list)
+    external: list[KVPayload] = field(default_factory=list)
 
 
 _NO_HIT = ComputedBlocks()

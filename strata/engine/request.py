@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from strata.engine.constraint import TokenConstraint
 from strata.engine.timeline import PhaseTimeline
 from strata.errors import InvalidRequestError
-from strata.types import BlockHash, RequestId
+from strata.types import BlockHash, KVPayload, RequestId
 
 # A temperature below this samples greedily (as vLLM's sampling epsilon): 1 / 1e-5 scales a
 # logit of 30 to 3e6, still finite in float32, where 5e-324 made it inf and the draw NaN.
@@ -181,7 +181,7 @@ class Request:
     # the blocks after the local prefix hit whose hash is the request's own (then dropped).
     # `kv_export`: the final output carries the KV of the full blocks from
     # `kv_export_start_block` on (those before it are known to be in the store).
-    external_kv: dict[BlockHash, bytes] = field(default_factory=dict, repr=False)
+    external_kv: dict[BlockHash, KVPayload] = field(default_factory=dict, repr=False)
     kv_export: bool = False
     kv_export_start_block: int = 0
     # Prefill/decode hand-off. `hold_blocks`: when the request finishes normally its full

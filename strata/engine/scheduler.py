@@ -41,7 +41,7 @@ from strata.engine.priority import WaitingQueue, order_key, to_defer, victims
 from strata.engine.request import Request, RequestStatus
 from strata.engine.step_budget import StepBudget
 from strata.errors import ConfigError
-from strata.types import RequestId
+from strata.types import KVPayload, RequestId
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +50,7 @@ class KVImport:
 
     request: Request
     block_ids: list[int]
-    payloads: list[bytes]
+    payloads: list[KVPayload]
     num_tokens: int  # the tokens these blocks hold (the last block may be partial)
 
 

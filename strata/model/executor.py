@@ -33,6 +33,7 @@ from strata.model.masks import MaskWorker
 from strata.model.parallel.layout import ParallelLayout
 from strata.model.sampler import Sampler
 from strata.model.shard import RankShard, ShardComm
+from strata.types import KVPayload
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger("strata.model")
@@ -136,7 +137,20 @@ class TorchExecutor:
             payloads.append(fast or codec.encode(block.cpu().numpy().tobytes()))
         return payloads
 
-    def import_blocks(self, block_ids: list[int], payloads: list[bytes]) -> int:
+    def export_blocks_into(self, block_ids: list[int], buffers: list[memoryview]) -> list[int]:
+        """`export_blocks` written into `buffers` (one writable buffer per block: slots of a
+        shared-memory pool), gathered and summed in one pass; each payload's length."""
+        cache, codec = self._kv_transfer()
+        lengths = []
+        for b, out in zip(block_ids, buffers, strict=True):
+            block = self._block_bytes(cache, b)
+            if block.device.type != "cpu" or not codec.encode_into(block.numpy(), out):
+                payload = codec.encode(block.cpu().numpy().tobytes())
+                out[: len(payload)] = payload
+            lengths.append(codec.payload_bytes)
+        return lengths
+
+    def import_blocks(self, block_ids: list[int], payloads: list[KVPayload]) -> int:
         """Write payloads into blocks, in order, until one is refused (see `ModelExecutor`)."""
         cache, codec = self._kv_transfer()
         for i, (block_id, payload) in enumerate(zip(block_ids, payloads, strict=True)):

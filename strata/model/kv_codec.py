@@ -44,6 +44,24 @@ def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     return int(lib.kv_crc32(array.ctypes.data, array.size, value))
 
 
+def copy_crc32(source: bytes | memoryview, into: bytearray) -> int:
+    """Copies `source` to the start of `into` and answers zlib.crc32 of its bytes, in one pass
+    where this process built the C kernels (a block read out of shared memory: what is summed
+    is what is kept)."""
+    view = memoryview(source)
+    if len(into) < view.nbytes:
+        raise ValueError(f"{view.nbytes} bytes do not fit in {len(into)}")
+    lib = built_kernel_library()
+    if lib is None or view.nbytes < _MIN_C_BYTES or not lib.kv_crc32_folds():
+        into[: view.nbytes] = view
+        return zlib.crc32(memoryview(into)[: view.nbytes])
+    src = np.frombuffer(view, dtype=np.uint8)
+    dst = np.frombuffer(into, dtype=np.uint8)
+    crc = lib.kv_copy_crc32(dst.ctypes.data, view.nbytes, src.ctypes.data, view.nbytes,
+                            view.nbytes, 1, 0)
+    return int(crc)
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """Everything KV bytes depend on besides the tokens."""
@@ -86,24 +104,33 @@ class KVCodec:
         """The payload of a block whose body is `runs` (a uint8 array whose last axis is
         contiguous, e.g. a paged cache's slots of one block): copied and summed in one pass by
         the C kernels (crc32.h). None where they are not built (call `encode`)."""
+        buffer = bytearray(self.payload_bytes)
+        return bytes(buffer) if self.encode_into(runs, memoryview(buffer)) else None
+
+    def encode_into(self, runs: np.ndarray, out: memoryview) -> bool:
+        """`encode_runs` written into `out` (writable, `payload_bytes` long at least: a slot of
+        a shared-memory pool); False, nothing written, where the C kernels are not built or
+        `runs` is not one stride of equal runs."""
         lib = built_kernel_library()
         rows = _as_runs(runs)
         if lib is None or rows is None:
-            return None
-        buffer = bytearray(self.payload_bytes)
-        out = np.frombuffer(buffer, dtype=np.uint8)
-        head = len(self._prefix)
-        out[:head] = np.frombuffer(self._prefix, dtype=np.uint8)
+            return False
         base, stride, run, count = rows
         if run * count != self.layout.body_bytes:
             raise ValueError(f"a KV block body of {self.layout} has {self.layout.body_bytes} "
                              f"bytes, got {run * count}")
-        crc = lib.kv_copy_crc32(out.ctypes.data + head, run, base, stride, run, count,
+        if out.readonly or out.nbytes < self.payload_bytes:
+            raise ValueError(f"a KV payload needs {self.payload_bytes} writable bytes, got "
+                             f"{out.nbytes}{' read-only' if out.readonly else ''}")
+        target = np.frombuffer(out, dtype=np.uint8)
+        head = len(self._prefix)
+        target[:head] = np.frombuffer(self._prefix, dtype=np.uint8)
+        crc = lib.kv_copy_crc32(target.ctypes.data + head, run, base, stride, run, count,
                                 zlib.crc32(self._prefix))
-        _CRC.pack_into(buffer, head + self.layout.body_bytes, crc)
-        return bytes(buffer)
+        _CRC.pack_into(out, head + self.layout.body_bytes, crc)
+        return True
 
-    def decode_into(self, payload: bytes | memoryview, runs: np.ndarray) -> bool:
+    def decode_into(self, payload: bytes | bytearray | memoryview, runs: np.ndarray) -> bool:
         """Writes `payload`'s body into `runs` (as `encode_runs` reads them), checking its
         header and checksum in the same pass; raises KVPayloadError as `decode` does (the runs
         then hold bytes that must not be used: the caller recomputes them). False where the C
@@ -129,7 +156,7 @@ class KVCodec:
                                  "transit)")
         return True
 
-    def decode(self, payload: bytes) -> memoryview:
+    def decode(self, payload: bytes | bytearray | memoryview) -> memoryview:
         """The body of `payload` (a view, no copy); raises KVPayloadError saying what differs."""
         view = memoryview(payload)
         if view[: len(self._prefix)] != self._prefix:
@@ -185,4 +212,5 @@ def _as_runs(array: np.ndarray) -> tuple[int, int, int, int] | None:
     return array.ctypes.data, stride, run, count
 
 
-__all__ = ["FORMAT_VERSION", "MAGIC", "KVCodec", "KVLayout", "KVPayloadError", "crc32"]
+__all__ = ["FORMAT_VERSION", "MAGIC", "KVCodec", "KVLayout", "KVPayloadError", "copy_crc32",
+           "crc32"]

@@ -22,6 +22,7 @@ from strata.gateway.routing.instances import InstanceView
 from strata.plan.workload import VOCAB_SIZE
 from strata.sim.executor import SimulatedExecutor
 from strata.sim.profile import LatencyProfile
+from strata.types import KVPayload
 
 PAYLOAD = b"\x00"
 
@@ -82,7 +83,7 @@ class PlanExecutor(SimulatedExecutor):
     def export_blocks(self, block_ids: list[int]) -> list[bytes]:
         return [PAYLOAD] * len(block_ids)
 
-    def import_blocks(self, block_ids: list[int], payloads: list[bytes]) -> int:
+    def import_blocks(self, block_ids: list[int], payloads: list[KVPayload]) -> int:
         return len(payloads)
 
 

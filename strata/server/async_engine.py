@@ -70,6 +70,9 @@ class EngineCore(Protocol):
 
     def export_held(self, request_id: RequestId, block_ids: list[int]) -> list[bytes]: ...
 
+    def export_held_into(self, request_id: RequestId, block_ids: list[int],
+                         buffers: list[memoryview]) -> list[int]: ...
+
     def add_lora(self, adapter: Any) -> str: ...
 
     def retire_lora(self, digest: str) -> None: ...
@@ -226,6 +229,13 @@ class AsyncEngine:
         died or stopped before it read them."""
         return await self._call(lambda e: e.export_held(request_id, list(block_ids)),
                                 is_fatal=True)
+
+    async def export_held_into(self, request_id: RequestId, block_ids: list[int],
+                               buffers: list[memoryview]) -> list[int]:
+        """`export_held` written into `buffers` by the engine thread (`Engine.export_held_into`):
+        the payloads' lengths. Raises EngineDeadError as `export_held` does."""
+        return await self._call(lambda e: e.export_held_into(request_id, list(block_ids),
+                                                             buffers), is_fatal=True)
 
     async def add_lora(self, adapter: Any) -> str:
         """Serve a LoRA adapter (strata.model.lora.LoraAdapter, loaded off the event loop):

@@ -30,7 +30,7 @@ from strata.server.async_engine import EngineCore
 from strata.server.config import ServerConfig
 from strata.server.metrics import KVOffloadMetrics
 from strata.state.kv_store import KVItem, KVStore, create_kv_store
-from strata.types import BlockHash
+from strata.types import BlockHash, KVPayload
 
 log = logging.getLogger("strata.server.kv")
 MAX_PENDING_PUBLISHES = 64  # beyond this a publish is dropped (counted), not queued
@@ -38,7 +38,7 @@ MAX_PENDING_PUBLISHES = 64  # beyond this a publish is dropped (counted), not qu
 
 @dataclass(slots=True)
 class _Plan:
-    external_kv: dict[BlockHash, bytes] = field(default_factory=dict)
+    external_kv: dict[BlockHash, KVPayload] = field(default_factory=dict)
     export_start_block: int = 0
 
 

@@ -19,6 +19,7 @@ from strata.engine.executor import ModelInput, ModelOutput, SampledToken, Schedu
 from strata.engine.request import Logprob
 from strata.sim.profile import LatencyProfile
 from strata.sim.transfer import DEFAULT_BANDWIDTH_GBPS, modeled_bytes, stand_in, transfer_s
+from strata.types import KVPayload
 
 _MASK64 = (1 << 64) - 1
 
@@ -91,7 +92,7 @@ class SimulatedExecutor:
         (the stream waits, not the engine)."""
         return transfer_s(self.block_bytes * num_blocks, self.kv_bandwidth_gbps)
 
-    def import_blocks(self, block_ids: list[int], payloads: list[bytes]) -> int:
+    def import_blocks(self, block_ids: list[int], payloads: list[KVPayload]) -> int:
         for i, payload in enumerate(payloads):
             if modeled_bytes(payload) != self.block_bytes:
                 return i  # not a stand-in of this profile's blocks: recomputed

@@ -29,7 +29,7 @@ def stand_in(num_bytes: int) -> bytes:
     return body + struct.pack("<I", zlib.crc32(body))
 
 
-def modeled_bytes(payload: bytes) -> int | None:
+def modeled_bytes(payload: bytes | bytearray) -> int | None:
     """The bytes a stand-in stands for; None when `payload` is not an intact stand-in."""
     if len(payload) != _BODY.size + 4 or zlib.crc32(payload[:-4]) != int.from_bytes(
             payload[-4:], "little"):

@@ -175,3 +175,19 @@ def test_executor_exports_in_one_pass_what_the_plain_path_exports(tiny: LoadedMo
     plain = [executor.kv_codec.encode(executor.kv_cache.data.view(torch.uint8)[:, :, s:s + 4]
                                       .numpy().tobytes()) for s in (12, 0)]
     assert executor.export_blocks([3, 0]) == plain
+    slots = [bytearray(executor.kv_codec.payload_bytes + 100) for _ in range(2)]
+    lengths = executor.export_blocks_into([3, 0], [memoryview(slot) for slot in slots])
+    assert [bytes(slot[:n]) for slot, n in zip(slots, lengths, strict=True)] == plain
+
+
+@pytest.mark.parametrize("run", [1, 15, 16, 63, 64, 65, 100, 6151])
+def test_the_checked_copy_copies_and_sums_runs_of_any_length(kernels: None, run: int) -> None:
+    lib = kernel_library()
+    assert lib is not None
+    rng = np.random.default_rng(run)
+    source = rng.integers(0, 256, 5 * (run + 13), dtype=np.uint8)
+    target = np.zeros(5 * run + 7, dtype=np.uint8)
+    crc = lib.kv_copy_crc32(target.ctypes.data, run, source.ctypes.data, run + 13, run, 5, 7)
+    runs = b"".join(source[i * (run + 13): i * (run + 13) + run].tobytes() for i in range(5))
+    assert target[: 5 * run].tobytes() == runs and not target[5 * run:].any()
+    assert crc == zlib.crc32(runs, 7)

@@ -62,6 +62,7 @@ from strata.model.parallel.rank import Rank
 from strata.model.parallel.shard_loader import PreparedModel
 from strata.model.parallel.share import ShareFault
 from strata.model.parallel.weight_source import source_of
+from strata.types import KVPayload
 
 log = logging.getLogger("strata.model.parallel")
 T = TypeVar("T")
@@ -190,7 +191,7 @@ class ParallelExecutor:
                   shard.kv_heads.start : shard.kv_heads.stop] = part
         return [self.kv_codec.encode(block.numpy().tobytes()) for block in whole]
 
-    def import_blocks(self, block_ids: list[int], payloads: list[bytes]) -> int:
+    def import_blocks(self, block_ids: list[int], payloads: list[KVPayload]) -> int:
         """Checks payloads here, in order, until one is refused; every rank writes its slices
         of the accepted ones (after the batches in flight: commands run in order)."""
         assert self.kv_codec is not None, "invariant kv_cache_allocated"

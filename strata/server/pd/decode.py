@@ -47,11 +47,11 @@ from strata.protocol.openai import ChatCompletionRequest, CompletionRequest
 from strata.protocol.pd import HANDOFF_HEADER, KV_PATH
 from strata.server import serving
 from strata.server.pd.state import PD, pd_of
-from strata.server.pd.wire import BlockReader, Handle, checksum_ok, prompt_digest
+from strata.server.pd.wire import BlockReader, Handle, checked_copy, checksum_ok, prompt_digest
 from strata.server.preamble import client_request
 from strata.server.request_io import SSEResponse, unless_cancelled
 from strata.server.resume import marks_for
-from strata.types import BlockHash
+from strata.types import BlockHash, KVPayload
 
 log = logging.getLogger("strata.server.pd")
 
@@ -63,6 +63,7 @@ class HandoffPull:
         self.pd = pd
         self.handle = handle
         self.outcome = "local"
+        self.staged: list[bytearray] = []  # copies read from a pool (pd/shm.py `Staging`)
 
     async def __call__(self, requests: list[EngineRequest]) -> None:
         handle = self.handle
@@ -108,7 +109,7 @@ class HandoffPull:
         return hashes[start:end], start
 
     async def _traced_pull(self, handle: Handle, start: int,
-                           wanted: list[BlockHash]) -> list[bytes]:
+                           wanted: list[BlockHash]) -> list[KVPayload]:
         """`_pull` in a `strata.pd.pull` span (tracing on): bytes, blocks, the checks' verdict."""
         if not tracing.is_on():
             return (await self._pull(handle, start, wanted))[0]
@@ -123,12 +124,12 @@ class HandoffPull:
         return payloads
 
     async def _pull(self, handle: Handle, start: int,
-                    wanted: list[BlockHash]) -> tuple[list[bytes], str]:
+                    wanted: list[BlockHash]) -> tuple[list[KVPayload], str]:
         """The checked blocks that arrived, in order (all of `wanted` when nothing failed), and
         why the pull stopped (complete, hash, checksum, truncated, unavailable): from P's
         shared-memory pool where this process can read it (pd/shm.py), else the stream."""
         pd = self.pd
-        payloads: list[bytes] = []
+        payloads: list[KVPayload] = []
         began = time.perf_counter()
         reason = await self._pull_shm(handle, start, wanted, payloads)
         transport = "shm"
@@ -143,7 +144,7 @@ class HandoffPull:
         return payloads, reason
 
     async def _pull_stream(self, handle: Handle, start: int, wanted: list[BlockHash],
-                           payloads: list[bytes]) -> str:
+                           payloads: list[KVPayload]) -> str:
         """The HTTP pull: the binary stream of blocks (pd/wire.py)."""
         pd = self.pd
         url = f"{handle.url}{KV_PATH}/{handle.handle}?start={start}&count={len(wanted)}"
@@ -160,7 +161,7 @@ class HandoffPull:
         return reason
 
     async def _pull_shm(self, handle: Handle, start: int, wanted: list[BlockHash],
-                        payloads: list[bytes]) -> str | None:
+                        payloads: list[KVPayload]) -> str | None:
         """The pull by reference (pd/shm.py): P puts the blocks in its pool and answers where;
         None when there is no pool this process can read (P elsewhere, or P's pool full or
         off): the caller pulls the stream."""
@@ -190,7 +191,7 @@ class HandoffPull:
         return self._read_pool(pool, blocks, wanted, payloads)
 
     def _read_pool(self, pool: mmap.mmap, blocks: object, wanted: list[BlockHash],
-                   payloads: list[bytes]) -> str:
+                   payloads: list[KVPayload]) -> str:
         """Reads the manifest's blocks out of `pool` into `payloads`, checked as streamed ones
         are, until done or the first bad one; why it stopped."""
         if not isinstance(blocks, list):
@@ -205,16 +206,20 @@ class HandoffPull:
                 return "unavailable"
             if block_hash != wanted[index]:
                 return "hash"
-            payload = pool[offset: offset + length]  # a copy: what is checked is imported
-            if not checksum_ok(payload):
+            payload = self.pd.staging.get(length)  # a copy: what is checked is imported
+            with memoryview(pool)[offset: offset + length] as slot:
+                is_intact = checked_copy(slot, payload)
+            if not is_intact:
+                self.pd.staging.give_back([payload])
                 return "checksum"
+            self.staged.append(payload)
             payloads.append(payload)
             if index == 0:
                 self.pd.faults.reached("decode_during_pull")
         return "complete" if len(payloads) == len(wanted) else "truncated"
 
     async def _read(self, chunks: AsyncIterator[bytes], wanted: list[BlockHash],
-                    payloads: list[bytes]) -> str:
+                    payloads: list[KVPayload]) -> str:
         """Reads blocks into `payloads` until done or the first bad one; why it stopped."""
         reader = BlockReader()
         async for chunk in chunks:
@@ -231,9 +236,14 @@ class HandoffPull:
                 return "complete"
         return "truncated"
 
-    def acknowledge(self) -> None:
-        """P may free the blocks (in the background; a P that is gone lets its lease end)."""
+    def acknowledge(self, *, imported: bool = True) -> None:
+        """P may free the blocks (in the background; a P that is gone lets its lease end).
+        `imported`: the engine has imported them, so their copies may serve the next pull (a
+        cancelled request's may still be read: they are left to the collector)."""
         handle, pd = self.handle, self.pd
+        if imported:
+            pd.staging.give_back(self.staged)
+        self.staged = []
         if handle is None:
             return
 
@@ -279,7 +289,7 @@ async def _decode(request: Request, model: type[ChatCompletionRequest] | type[Co
     try:
         started = await unless_cancelled(request, start(ctx, req, hook))
     except (ClientDisconnect, DeadlineExceededError):
-        hook.acknowledge()  # cancelled: P's blocks are no one's any more (another D's neither)
+        hook.acknowledge(imported=False)  # cancelled: P's blocks are no one's any more
         raise
     hook.acknowledge()  # the engine has imported the blocks: its first output exists
     pd.metrics.handoffs.labels("decode", hook.outcome).inc()

@@ -92,6 +92,10 @@ class Faults:
         if self._num_reached > self.config.after:
             self.kill()
 
+    def damages(self, index: int) -> bool:
+        """Whether block `index` of a pull leaves P damaged."""
+        return index in (self.config.corrupt_block, self.config.corrupt_hash_block)
+
     def damage(self, index: int, block_hash: BlockHash,
                payload: bytes) -> tuple[BlockHash, bytes]:
         """Block `index` of a pull as it leaves P (damaged when the config says so)."""

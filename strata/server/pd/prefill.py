@@ -29,7 +29,7 @@ from strata.server import serving
 from strata.server.cancel import CLIENT_DISCONNECT, cancel_of
 from strata.server.pd.layout import ModeledLink
 from strata.server.pd.leases import Lease
-from strata.server.pd.shm import PoolFullError
+from strata.server.pd.shm import PoolFullError, ShmPool
 from strata.server.pd.state import PD, pd_of
 from strata.server.pd.wire import Handle, block_frame, prompt_digest, stream_head
 from strata.server.preamble import client_request
@@ -37,6 +37,7 @@ from strata.server.request_io import unless_cancelled
 from strata.types import BlockHash
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 EXPORT_BATCH = 8  # blocks read per visit of the engine thread
 Starter = Callable[[serving.ServingContext, M, Callable[[list[EngineRequest]], Awaitable[None]]],
                    Awaitable[serving.Started]]
@@ -147,27 +148,64 @@ async def pull_shm(request: Request) -> Response:
         block_ids = list(lease.held.block_ids[first: first + count])
         hashes = [BlockHash(h) for h in lease.held.block_hashes[first: first + count]]
         try:
-            payloads = await pd.instance.engine.export_held(lease.request_id, block_ids)
-        except EngineDeadError:
-            payloads = []
-        if len(payloads) != len(block_ids):
-            return _not_found()
-        items = [pd.faults.damage(first + i, h, p) for i, (h, p) in
-                 enumerate(zip(hashes, payloads, strict=True))]
-        try:
-            placed = pd.shm.put(lease.handle, items)
+            placed = await _into_pool(pd, pd.shm, lease, block_ids, hashes)
         except PoolFullError as exc:
             return _shm_refused(str(exc))
+        if placed is None:
+            return _not_found()
+        pool = pd.shm.view
+        assert pool is not None, "invariant pool_reserved"
+        shown = []
+        for i, ((offset, length), block_hash) in enumerate(zip(placed, hashes, strict=True)):
+            if pd.faults.damages(first + i):  # tests: the block as it would leave P damaged
+                block_hash, damaged = pd.faults.damage(first + i, block_hash,
+                                                       pool[offset: offset + length])
+                pool[offset: offset + length] = damaged
+            shown.append([block_hash.hex(), offset, length])
         pd.metrics.pull_bytes.labels("prefill").inc(sum(length for _, length in placed))
         if placed:
             pd.faults.reached("prefill_during_pull")
         is_complete = True
-        return JSONResponse({"token": pd.shm.token, "blocks": [
-            [h.hex(), offset, length] for (h, _), (offset, length) in zip(items, placed,
-                                                                          strict=True)]})
+        return JSONResponse({"token": pd.shm.token, "blocks": shown})
     finally:
         pd.leases.end_pull(lease, is_complete=is_complete)
         pd.note_held()
+
+
+async def _into_pool(pd: PD, pool: ShmPool, lease: Lease, block_ids: list[int],
+                     hashes: list[BlockHash]) -> list[tuple[int, int]] | None:
+    """The blocks in slots of `pool` held by `lease`, written there by the engine thread
+    (one copy: `AsyncEngine.export_held_into`): (offset, length) of each; None when the engine
+    can no longer read them. Raises PoolFullError when they do not fit."""
+    engine = pd.instance.engine
+    if pool.view is None and block_ids:  # the first pull sizes the pool by a payload
+        sample = await _export(engine.export_held(lease.request_id, block_ids[:1]))
+        if not sample:
+            return None
+        pool.reserve(len(sample[0]))
+    slots = pool.take(lease.handle, hashes, pool.slot_bytes)
+    empty = [(i, slot) for i, slot in enumerate(slots) if not slot.length]
+    views = [pool.view_of(slot) for _, slot in empty]
+    try:
+        lengths = await _export(engine.export_held_into(
+            lease.request_id, [block_ids[i] for i, _ in empty], views)) if empty else []
+    finally:
+        for view in views:
+            view.release()
+    if len(lengths) != len(empty):
+        pool.release(lease.handle)
+        return None
+    for (_, slot), length in zip(empty, lengths, strict=True):
+        slot.length = length
+    return [(pool.offset(slot.index), slot.length) for slot in slots]
+
+
+async def _export(call: Awaitable[list[T]]) -> list[T]:
+    """What the engine thread answered; [] when it died first."""
+    try:
+        return await call
+    except EngineDeadError:
+        return []
 
 
 def _span(request: Request, num_held: int) -> tuple[int, int]:

@@ -51,9 +51,9 @@ class PoolFullError(Exception):
 
 
 @dataclass(slots=True)
-class _Slot:
+class Slot:
     index: int
-    length: int
+    length: int  # of the payload in it; 0 until filled
     num_refs: int = 0
 
 
@@ -69,7 +69,7 @@ class ShmPool:
     slot_bytes: int = 0
     num_slots: int = 0
     _free: list[int] = field(default_factory=list)
-    _by_hash: dict[BlockHash, _Slot] = field(default_factory=dict)
+    _by_hash: dict[BlockHash, Slot] = field(default_factory=dict)
     _by_lease: dict[str, list[BlockHash]] = field(default_factory=dict)
     is_broken: bool = False  # the reservation failed: every pull takes the stream
 
@@ -123,28 +123,44 @@ class ShmPool:
     def offset(self, index: int) -> int:
         return PAGE + index * self.slot_bytes
 
-    def put(self, lease: str, items: list[tuple[BlockHash, bytes]]) -> list[tuple[int, int]]:
-        """Slots holding `items` for `lease`: (offset, length) each, in order. All or nothing:
-        raises PoolFullError (nothing taken) when they do not fit."""
-        if not items or not self.reserve(max(len(p) for _, p in items)):
+    def take(self, lease: str, hashes: list[BlockHash], payload_bytes: int) -> list[Slot]:
+        """Slots for the blocks `hashes` names, held by `lease`, in order: a block already in
+        the pool shares its slot (filled: `length` > 0), the others get free ones to fill
+        (`view_of`, then `filled`). All or nothing: raises PoolFullError (nothing taken) when
+        they do not fit."""
+        if not hashes or not self.reserve(payload_bytes):
             raise PoolFullError("the shared-memory pool is not available")
-        assert self.view is not None
-        new = {h for h, _ in items if h not in self._by_hash}
+        new = {h for h in hashes if h not in self._by_hash}
         if len(new) > len(self._free):
             raise PoolFullError(f"the shared-memory pool has {len(self._free)} free slots, "
                                 f"{len(new)} wanted")
         taken = self._by_lease.setdefault(lease, [])
-        placed = []
-        for block_hash, payload in items:
+        slots = []
+        for block_hash in hashes:
             slot = self._by_hash.get(block_hash)
             if slot is None:
-                slot = self._by_hash[block_hash] = _Slot(self._free.pop(), len(payload))
-                start = self.offset(slot.index)
-                self.view[start: start + len(payload)] = payload
+                slot = self._by_hash[block_hash] = Slot(self._free.pop(), 0)
             slot.num_refs += 1
             taken.append(block_hash)
-            placed.append((self.offset(slot.index), slot.length))
-        return placed
+            slots.append(slot)
+        return slots
+
+    def view_of(self, slot: Slot) -> memoryview:
+        """The slot's bytes, writable."""
+        assert self.view is not None, "invariant pool_reserved"
+        start = self.offset(slot.index)
+        return memoryview(self.view)[start: start + self.slot_bytes]
+
+    def put(self, lease: str, items: list[tuple[BlockHash, bytes]]) -> list[tuple[int, int]]:
+        """`take` and fill with payloads at hand: (offset, length) of each, in order."""
+        slots = self.take(lease, [h for h, _ in items], max((len(p) for _, p in items),
+                                                             default=0))
+        for slot, (_, payload) in zip(slots, items, strict=True):
+            if not slot.length:
+                with self.view_of(slot) as out:
+                    out[: len(payload)] = payload
+                slot.length = len(payload)
+        return [(self.offset(slot.index), slot.length) for slot in slots]
 
     def release(self, lease: str) -> None:
         """The lease ended: its slots are free once no other lease holds their blocks."""
@@ -220,6 +236,33 @@ class ShmPeers:
             self.forget(token)
 
 
+class Staging:
+    """D's copies of blocks read from pools, reused: a block is copied out of P's pool (what D
+    checks is then what its engine imports, whatever P does with the slot), into a buffer
+    whose pages were touched by an earlier pull, not fresh ones (the kernel's page faults on
+    fresh memory cost as much as the copy). Buffers come back once the engine imported them
+    (`give_back`), up to `max_bytes` kept."""
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._free: dict[int, list[bytearray]] = {}
+        self.num_free_bytes = 0
+
+    def get(self, num_bytes: int) -> bytearray:
+        free = self._free.get(num_bytes)
+        if free:
+            self.num_free_bytes -= num_bytes
+            return free.pop()
+        return bytearray(num_bytes)
+
+    def give_back(self, buffers: list[bytearray]) -> None:
+        for buffer in buffers:
+            if self.num_free_bytes + len(buffer) > self.max_bytes:
+                return
+            self._free.setdefault(len(buffer), []).append(buffer)
+            self.num_free_bytes += len(buffer)
+
+
 def _path_and_token(described: object) -> tuple[str | None, str | None]:
     if not isinstance(described, dict):
         return None, None
@@ -252,4 +295,4 @@ def _map_pool(path: str, token: str) -> mmap.mmap | None:
     return pool
 
 
-__all__ = ["PAGE", "PoolFullError", "ShmPeers", "ShmPool"]
+__all__ = ["PAGE", "PoolFullError", "ShmPeers", "ShmPool", "Slot", "Staging"]

@@ -6,6 +6,7 @@ prefill for another or decode a hand-off; `--role` only tells the gateway what t
       peers     D: the layouts of the P instances it pulls from (pd/layout.py)
       shm       P: the shared-memory pool a D on this host reads blocks from (pd/shm.py)
       shm_peers D: its mappings of those pools
+      staging   D: reused copies of the blocks it read from them
       client    D: HTTP to P (layout, pull, acknowledgement), with the fleet's internal key
       trust     D: which handles it follows (pd/trust.py)
       faults    kill points and damaged blocks for tests (pd/faults.py)
@@ -35,7 +36,7 @@ from strata.server.pd.faults import Faults
 from strata.server.pd.layout import ModeledLink, PeerLayouts, local_layout
 from strata.server.pd.leases import Lease, LeaseTable
 from strata.server.pd.metrics import PDMetrics
-from strata.server.pd.shm import ShmPeers, ShmPool
+from strata.server.pd.shm import ShmPeers, ShmPool, Staging
 from strata.server.pd.trust import HandleTrust
 from strata.tracing.spans import inject_into
 
@@ -66,6 +67,7 @@ class PD:
         if self.shm is not None:
             self.layout["shm"] = self.shm.describe()  # shown, not compared
         self.shm_peers = ShmPeers()  # D: the pools of the P instances on this host
+        self.staging = Staging()  # D: reused copies of the blocks read from them
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(
             config.pull_timeout_s, connect=config.connect_timeout_s), event_hooks={
                 "request": [inject_into] if tracing.is_on() else []})  # P's spans: D's children

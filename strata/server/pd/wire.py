@@ -28,7 +28,7 @@ from typing import Any
 
 from strata.engine.request import Logprob
 from strata.errors import InvalidRequestError, KVPayloadError
-from strata.model.kv_codec import crc32
+from strata.model.kv_codec import copy_crc32, crc32
 from strata.types import BlockHash
 
 MAGIC = b"STPD"
@@ -127,6 +127,19 @@ def checksum_ok(payload: bytes) -> bool:
     return crc32(memoryview(payload)[: -_CRC.size]) == crc
 
 
+def checked_copy(payload: memoryview, into: bytearray) -> bool:
+    """Copies a KV payload into `into` (exactly its length), checked as `checksum_ok` checks
+    (in the same pass where the C kernels are built); False when the check fails."""
+    if len(payload) < _CRC.size or len(into) != len(payload):
+        return False
+    end = len(payload) - _CRC.size
+    (crc,) = _CRC.unpack_from(payload, end)
+    if copy_crc32(payload[:end], into) != crc:
+        return False
+    _CRC.pack_into(into, end, crc)
+    return True
+
+
 class BlockReader:
     """Parses a pull stream fed in arbitrary chunks; yields (hash, payload) as blocks complete."""
 
@@ -163,5 +176,6 @@ class BlockReader:
             yield BlockHash(block_hash), payload
 
 
-__all__ = ["HASH_BYTES", "BlockReader", "Handle", "KVPayloadError", "block_frame", "checksum_ok",
+__all__ = ["HASH_BYTES", "BlockReader", "Handle", "KVPayloadError", "block_frame", "checked_copy",
+           "checksum_ok",
            "parse_handle_json", "prompt_digest", "stream_head"]
