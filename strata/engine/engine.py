@@ -211,9 +211,15 @@ class Engine:
         return True
 
     def _hand_over(self, handed: list[Request]) -> list[RequestOutput]:
-        """P's first token for each request whose whole prompt was imported (see `_update`)."""
-        return [self._append_token(r, r.handoff.token_id, r.handoff.logprob) for r in handed
-                if r.handoff is not None and r.num_tokens_to_compute == 0]
+        """P's first token for each request whose whole prompt was imported (see `_update`);
+        the imported full blocks join the prefix cache first, as computed ones do after a step
+        (a hand-off that asked for one token runs no step, and its next turn still hits)."""
+        outputs = []
+        for r in handed:
+            if r.handoff is not None and r.num_tokens_to_compute == 0:
+                self.kv.cache_full_blocks(r)
+                outputs.append(self._append_token(r, r.handoff.token_id, r.handoff.logprob))
+        return outputs
 
     def _import_kv(self, kv_import: KVImport) -> int:
         """Write fetched KV into its blocks; how many leading payloads the executor took."""

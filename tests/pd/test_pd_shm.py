@@ -149,3 +149,22 @@ def test_a_full_pool_sends_d_to_the_stream(tiny_model: LoadedModel, alone: Insta
         p.stop()
         d.stop()
 
+
+
+def test_a_one_token_handoff_leaves_its_prompt_in_ds_prefix_cache(tiny_model: LoadedModel,
+                                                                   alone: Instance) -> None:
+    """The imported blocks join D's prefix cache at the hand-over, though no step runs."""
+    p = start_instance(tiny_model, dtype="bfloat16")
+    d = start_instance(tiny_model, dtype="bfloat16")
+    try:
+        body = {**body_of(LONG, n=320, temperature=0), "max_tokens": 1}
+        handle = prefill(p, body)
+        assert decode(d, body, handle).status_code == 200
+        again = mixed(d, body).json()
+        num_full = json.loads(handle)["num_prompt_tokens"] // 8 * 8
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= num_full - 8
+        assert comparable(again) == comparable(mixed(alone, body).json()) | {
+            "usage": comparable(again)["usage"]}
+    finally:
+        p.stop()
+        d.stop()
