@@ -11,9 +11,9 @@ all): P and D. For each prompt length L (token ids, fresh each time so no cache 
     D's pull   D's own pull, checks included (its strata:pd_pull_seconds), and its transport:
                shm (P's shared-memory pool, pd/shm.py) or http (the stream; P with
                --shm-mb 0 offers no pool)
-    cached     D's time to first token for the same prompt again, all of it in D's prefix
-               cache now: the hand-off's overhead is handoff - cached (the pull, the checks,
-               the import and the hand-off's own round trip)
+               The hand-off's whole overhead on D is its handoff time: the pull, the checks,
+               the import and the answer's round trip (D computes nothing of the prompt; a
+               local prefill would have cost the recompute time instead)
     recompute  D's time to first token without a handle (it prefills the prompt itself)
 
 Medians of --repeats. Writes .bench/results/pd_transfer.json.
@@ -88,17 +88,13 @@ def one(client: httpx.Client, p: Proc, d: Proc, length: int, rng: random.Random
     handoff_s = time.perf_counter() - began
     handed.raise_for_status()
     pulls = {k: v - pulls_before[k] for k, v in d_pulls(client, d).items()}
-    began = time.perf_counter()
-    client.post(f"{d.url}/v1/completions", json=body, headers=FLEET).raise_for_status()
-    cached_s = time.perf_counter() - began
     other = body_of([rng.randrange(1000, 40000) for _ in range(length)])
     began = time.perf_counter()
     client.post(f"{d.url}/v1/completions", json=other, headers=FLEET).raise_for_status()
     recompute_s = time.perf_counter() - began
     return {"prefill_s": prefill_s, "pull_s": pull_s, "bytes": num_bytes,
             "handoff_ttft_s": handoff_s, "d_pull_s": pulls["seconds"],
-            "d_shm_pulls": pulls["shm"], "cached_ttft_s": cached_s,
-            "overhead_s": handoff_s - cached_s, "recompute_ttft_s": recompute_s}
+            "d_shm_pulls": pulls["shm"], "recompute_ttft_s": recompute_s}
 
 
 def d_pulls(client: httpx.Client, d: Proc) -> dict[str, float]:
@@ -156,8 +152,7 @@ def format_row(row: dict[str, float]) -> str:
             f"{row['prefill_s'] * 1e3:7.1f} ms  handoff TTFT {row['handoff_ttft_s'] * 1e3:7.1f} "
             f"ms  D's pull {row['d_pull_s'] * 1e3:6.1f} ms "
             f"({row['bytes'] / max(row['d_pull_s'], 1e-9) / 1e9:4.2f} GB/s, "
-            f"{'shm' if row['d_shm_pulls'] else 'http'})  cached TTFT "
-            f"{row['cached_ttft_s'] * 1e3:6.1f} ms  overhead {row['overhead_s'] * 1e3:6.1f} ms  "
+            f"{'shm' if row['d_shm_pulls'] else 'http'})  "
             f"recompute TTFT {row['recompute_ttft_s'] * 1e3:7.1f} ms")
 
 

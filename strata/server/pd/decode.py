@@ -29,6 +29,7 @@ that fails leaves D recomputing what is missing, with P's first token still in h
 
 from __future__ import annotations
 
+import json
 import logging
 import mmap
 import time
@@ -162,41 +163,47 @@ class HandoffPull:
 
     async def _pull_shm(self, handle: Handle, start: int, wanted: list[BlockHash],
                         payloads: list[KVPayload]) -> str | None:
-        """The pull by reference (pd/shm.py): P puts the blocks in its pool and answers where;
-        None when there is no pool this process can read (P elsewhere, or P's pool full or
-        off): the caller pulls the stream."""
+        """The pull by reference (pd/shm_pull.py): P puts the blocks in its pool and says where,
+        a line a batch; None when there is no pool this process can read (P elsewhere, or P's
+        pool full or off): the caller pulls the stream."""
         pd = self.pd
         described = pd.peers.shm_of(handle.url)
         if not pd.shm_peers.may_reach(described):
             return None
         url = f"{handle.url}{KV_PATH}/{handle.handle}/shm?start={start}&count={len(wanted)}"
         try:
-            response = await pd.client.get(url, headers=pd.headers)
+            async with pd.client.stream("GET", url, headers=pd.headers) as response:
+                if response.status_code == 409:  # P's pool cannot take them now
+                    return None
+                if response.status_code != 200:
+                    return "unavailable"
+                lines = response.aiter_lines()
+                head = json.loads(await anext(lines))
+                pool = pd.shm_peers.attach(described)
+                if pool is None or not isinstance(head, dict) \
+                        or head.get("token") != pd.shm_peers.token_of(described):
+                    return None
+                async for line in lines:
+                    reason = self._read_pool(pool, json.loads(line), wanted, payloads)
+                    if reason != "more":
+                        return reason
         except httpx.HTTPError as exc:
             log.warning("pull of %s from %s broke: %s", handle.handle, handle.url, exc)
             pd.peers.forget(handle.url)
+        except (ValueError, StopAsyncIteration):  # not a manifest
             return "unavailable"
-        if response.status_code == 409:  # P's pool cannot take them now
-            return None
-        if response.status_code != 200:
-            return "unavailable"
-        try:
-            manifest = response.json()
-            token, blocks = manifest["token"], manifest["blocks"]
-        except (ValueError, KeyError, TypeError):
-            return "unavailable"
-        pool = pd.shm_peers.attach(described)
-        if pool is None or not isinstance(described, dict) or described.get("token") != token:
-            return None
-        return self._read_pool(pool, blocks, wanted, payloads)
+        return "complete" if len(payloads) == len(wanted) else "truncated"
 
     def _read_pool(self, pool: mmap.mmap, blocks: object, wanted: list[BlockHash],
                    payloads: list[KVPayload]) -> str:
-        """Reads the manifest's blocks out of `pool` into `payloads`, checked as streamed ones
-        are, until done or the first bad one; why it stopped."""
+        """Reads one manifest line's blocks out of `pool` into `payloads`, checked as streamed
+        ones are; "more" while every one was good and more are wanted, else why it stopped."""
         if not isinstance(blocks, list):
             return "unavailable"
-        for index, entry in enumerate(blocks[: len(wanted)]):
+        for entry in blocks:
+            index = len(payloads)
+            if index >= len(wanted):
+                return "hash"
             try:
                 hash_hex, offset, length = entry
                 block_hash = BlockHash(bytes.fromhex(hash_hex))
@@ -216,7 +223,7 @@ class HandoffPull:
             payloads.append(payload)
             if index == 0:
                 self.pd.faults.reached("decode_during_pull")
-        return "complete" if len(payloads) == len(wanted) else "truncated"
+        return "complete" if len(payloads) == len(wanted) else "more"
 
     async def _read(self, chunks: AsyncIterator[bytes], wanted: list[BlockHash],
                     payloads: list[KVPayload]) -> str:

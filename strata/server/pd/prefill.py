@@ -1,6 +1,6 @@
 """P's side of a hand-off: answer a prefill-only request with a handle, stream the held blocks
-to the D that pulls them (or, for a D on this host, put them in the shared-memory pool:
-pd/shm.py), free them on the acknowledgement (or when the lease ends).
+to the D that pulls them (a D on this host reads them from the shared-memory pool instead:
+pd/shm_pull.py), free them on the acknowledgement (or when the lease ends).
 
 A prefill-only request is the client's request, validated as it is (so P refuses exactly what a
 mixed instance would), then run with max_tokens 1 and its blocks held: P samples the first token
@@ -29,7 +29,6 @@ from strata.server import serving
 from strata.server.cancel import CLIENT_DISCONNECT, cancel_of
 from strata.server.pd.layout import ModeledLink
 from strata.server.pd.leases import Lease
-from strata.server.pd.shm import PoolFullError, ShmPool
 from strata.server.pd.state import PD, pd_of
 from strata.server.pd.wire import Handle, block_frame, prompt_digest, stream_head
 from strata.server.preamble import client_request
@@ -37,7 +36,6 @@ from strata.server.request_io import unless_cancelled
 from strata.types import BlockHash
 
 M = TypeVar("M", bound=BaseModel)
-T = TypeVar("T")
 EXPORT_BATCH = 8  # blocks read per visit of the engine thread
 Starter = Callable[[serving.ServingContext, M, Callable[[list[EngineRequest]], Awaitable[None]]],
                    Awaitable[serving.Started]]
@@ -122,9 +120,9 @@ async def pull(request: Request) -> Response:
     pd = pd_of(request)
     lease = pd.leases.begin_pull(request.path_params["handle"])
     if lease is None:
-        return _not_found()
+        return not_found()
     try:
-        first, count = _span(request, len(lease.held))
+        first, count = span_of(request, len(lease.held))
     except InvalidRequestError:
         pd.leases.end_pull(lease, is_complete=True)
         raise
@@ -132,83 +130,7 @@ async def pull(request: Request) -> Response:
     return ClosingStream(blocks.frames(), blocks.close)
 
 
-async def pull_shm(request: Request) -> Response:
-    """GET /internal/kv/{handle}/shm?start=I&count=N: the held blocks I .. I+N-1 put in this
-    instance's shared-memory pool, answered as a manifest (pd/shm.py); 409 when the pool
-    cannot take them (D pulls the stream)."""
-    pd = pd_of(request)
-    if pd.shm is None:
-        return _shm_refused("this instance has no shared-memory KV pool")
-    lease = pd.leases.begin_pull(request.path_params["handle"])
-    if lease is None:
-        return _not_found()
-    is_complete = False
-    try:
-        first, count = _span(request, len(lease.held))
-        block_ids = list(lease.held.block_ids[first: first + count])
-        hashes = [BlockHash(h) for h in lease.held.block_hashes[first: first + count]]
-        try:
-            placed = await _into_pool(pd, pd.shm, lease, block_ids, hashes)
-        except PoolFullError as exc:
-            return _shm_refused(str(exc))
-        if placed is None:
-            return _not_found()
-        pool = pd.shm.view
-        assert pool is not None, "invariant pool_reserved"
-        shown = []
-        for i, ((offset, length), block_hash) in enumerate(zip(placed, hashes, strict=True)):
-            if pd.faults.damages(first + i):  # tests: the block as it would leave P damaged
-                block_hash, damaged = pd.faults.damage(first + i, block_hash,
-                                                       pool[offset: offset + length])
-                pool[offset: offset + length] = damaged
-            shown.append([block_hash.hex(), offset, length])
-        pd.metrics.pull_bytes.labels("prefill").inc(sum(length for _, length in placed))
-        if placed:
-            pd.faults.reached("prefill_during_pull")
-        is_complete = True
-        return JSONResponse({"token": pd.shm.token, "blocks": shown})
-    finally:
-        pd.leases.end_pull(lease, is_complete=is_complete)
-        pd.note_held()
-
-
-async def _into_pool(pd: PD, pool: ShmPool, lease: Lease, block_ids: list[int],
-                     hashes: list[BlockHash]) -> list[tuple[int, int]] | None:
-    """The blocks in slots of `pool` held by `lease`, written there by the engine thread
-    (one copy: `AsyncEngine.export_held_into`): (offset, length) of each; None when the engine
-    can no longer read them. Raises PoolFullError when they do not fit."""
-    engine = pd.instance.engine
-    if pool.view is None and block_ids:  # the first pull sizes the pool by a payload
-        sample = await _export(engine.export_held(lease.request_id, block_ids[:1]))
-        if not sample:
-            return None
-        pool.reserve(len(sample[0]))
-    slots = pool.take(lease.handle, hashes, pool.slot_bytes)
-    empty = [(i, slot) for i, slot in enumerate(slots) if not slot.length]
-    views = [pool.view_of(slot) for _, slot in empty]
-    try:
-        lengths = await _export(engine.export_held_into(
-            lease.request_id, [block_ids[i] for i, _ in empty], views)) if empty else []
-    finally:
-        for view in views:
-            view.release()
-    if len(lengths) != len(empty):
-        pool.release(lease.handle)
-        return None
-    for (_, slot), length in zip(empty, lengths, strict=True):
-        slot.length = length
-    return [(pool.offset(slot.index), slot.length) for slot in slots]
-
-
-async def _export(call: Awaitable[list[T]]) -> list[T]:
-    """What the engine thread answered; [] when it died first."""
-    try:
-        return await call
-    except EngineDeadError:
-        return []
-
-
-def _span(request: Request, num_held: int) -> tuple[int, int]:
+def span_of(request: Request, num_held: int) -> tuple[int, int]:
     """The pull's `start` and `count`; a 400 unless both are non-negative integers."""
     try:
         first = int(request.query_params.get("start", 0))
@@ -220,21 +142,16 @@ def _span(request: Request, num_held: int) -> tuple[int, int]:
     return first, count
 
 
-def _shm_refused(why: str) -> Response:
-    return Response(error_json(409, f"{why}; pull the stream"), 409,
-                    media_type="application/json")
-
-
 async def ack(request: Request) -> Response:
     """DELETE /internal/kv/{handle}: D is done with the blocks."""
     pd = pd_of(request)
     if not pd.leases.ack(request.path_params["handle"]):
-        return _not_found()
+        return not_found()
     pd.note_held()
     return Response(status_code=204)
 
 
-def _not_found() -> Response:
+def not_found() -> Response:
     message = "unknown hand-off handle (acknowledged, expired, or its instance restarted)"
     return Response(error_json(404, message), 404, media_type="application/json")
 
@@ -306,9 +223,9 @@ class Blocks:
 class ClosingStream(StreamingResponse):
     """A binary stream whose `on_close` runs however it ends (done, client gone)."""
 
-    def __init__(self, chunks: AsyncIterator[bytes],
-                 on_close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(chunks, media_type="application/octet-stream")
+    def __init__(self, chunks: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]],
+                 media_type: str = "application/octet-stream") -> None:
+        super().__init__(chunks, media_type=media_type)
         self._chunks = chunks
         self._on_close = on_close
 
@@ -323,4 +240,5 @@ class ClosingStream(StreamingResponse):
                 await self._on_close()
 
 
-__all__ = ["ClosingStream", "PrefillOnly", "ack", "layout", "prefill", "pull", "pull_shm"]
+__all__ = ["ClosingStream", "PrefillOnly", "ack", "layout", "not_found", "prefill", "pull",
+           "span_of"]

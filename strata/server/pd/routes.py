@@ -27,7 +27,8 @@ from strata.protocol.openapi import Operation
 from strata.protocol.pd import DECODE_PREFIX, KV_PATH, LAYOUT_PATH, PREFILL_PREFIX
 from strata.server import serving
 from strata.server.pd.decode import decode_chat, decode_completion
-from strata.server.pd.prefill import ack, layout, prefill, pull, pull_shm
+from strata.server.pd.prefill import ack, layout, prefill, pull
+from strata.server.pd.shm_pull import pull_shm
 
 
 async def prefill_chat(request: Request) -> Response:
@@ -58,8 +59,8 @@ PD_OPERATIONS: tuple[Operation, ...] = (  # held to the routes by the OpenAPI te
               media_type="application/octet-stream", access="internal"),
     Operation("GET", KV_PATH + "/{handle}/shm",
               "Hand-off pull by reference: the held blocks put in the shared-memory pool, "
-              "a manifest of where", query=(("start", "integer"), ("count", "integer")),
-              access="internal"),
+              "where, a line of JSON a batch", query=(("start", "integer"), ("count", "integer")),
+              media_type="application/x-ndjson", access="internal"),
     Operation("DELETE", KV_PATH + "/{handle}", "Hand-off acknowledgement: free the blocks",
               status=204, access="internal"),
 )

@@ -10,15 +10,17 @@ the bytes need not travel at all:
        slots of one KV payload each, keyed by chain hash (a block that several held prompts
        share takes one slot, counted). P names it in its layout (`shm`: path and token, not
        compared): /proc/P/fd/N, which only a process that shares P's /proc and user can open.
-    D  `GET {P}/internal/kv/{handle}/shm?start&count`: P exports the blocks (one visit of the
-       engine thread), copies them into slots, answers a manifest (JSON: the token, and per
-       block its chain hash, offset and length). D maps the file once per P process, only
-       when its header holds that token, and reads each block as it would from the stream:
-       copied out of the pool (what it checks is what the engine imports), the chain hash
-       against its own, the crc32 of the bytes (kv_codec.crc32); the first bad block and every
-       block after it are recomputed. A D on another host or in another container cannot open
-       the path or finds another token: it pulls the stream, as it does when P's pool is full
-       (409) or disabled (`--pd-shm-mb 0`).
+    D  `GET {P}/internal/kv/{handle}/shm?start&count` (pd/shm_pull.py): P's engine thread
+       writes the blocks into their slots a batch at a time (one copy, summed as it goes),
+       and P answers where, a line of JSON a batch (the token, then per block its chain
+       hash, offset and length), so D reads a batch while the next is written. D maps the
+       file once per P process, only when its header holds that token, and reads each block
+       as it would from the stream: copied out of the pool into a reused buffer (`Staging`:
+       what it checks is what the engine imports), the chain hash against its own, the crc32
+       of the bytes summed in the copy's pass; the first bad block and every block after it
+       are recomputed. A D on another host or in another container cannot open the path or
+       finds another token: it pulls the stream, as it does when P's pool is full (409) or
+       disabled (`--pd-shm-mb 0`).
 
 A lease's slots are freed when the lease is released (acknowledged or expired), as its blocks
 are: the pool never holds a block its lease let go. The memory goes back to the host when P
@@ -203,6 +205,10 @@ class ShmPeers:
         if path is None or token is None or token in self._refused:
             return False
         return token in self._pools or os.access(path, os.R_OK)
+
+    @staticmethod
+    def token_of(described: object) -> str | None:
+        return _path_and_token(described)[1]
 
     def attach(self, described: object) -> mmap.mmap | None:
         """The mapping of the pool a layout `described` ({path, token}), or None where this
