@@ -14,6 +14,7 @@
     │   │   └── SessionNotFoundError    404: no such session for this tenant
     │   └── PayloadTooLargeError        413: body larger than the configured cap
     ├── ConflictError                   409: a compare-and-set lost (the record moved on)
+    │   ├── KVPoolFullError             a prefill instance's shared-memory pool is full
     │   ├── SessionConflictError        another turn of the session was stored first
     │   └── ReleaseSupersededError      the stored release changed under its driver
     ├── StoreUnavailableError           503: a backing store cannot be reached or failed
@@ -125,6 +126,13 @@ class ConflictError(StrataError):
 
     status_code = 409
     error_type = "conflict_error"
+
+
+class KVPoolFullError(ConflictError):
+    """A prefill instance's shared-memory KV pool cannot take a pull's blocks now (too few free
+    slots, a payload larger than a slot, or no pool): the decode instance pulls the stream."""
+
+    error_type = "kv_pool_full"
 
 
 class SessionConflictError(ConflictError):
@@ -256,6 +264,7 @@ __all__ = [
     "EngineDeadError",
     "InvalidRequestError",
     "KVPayloadError",
+    "KVPoolFullError",
     "KVStoreUnavailableError",
     "ModelFetchError",
     "ModelLoadError",

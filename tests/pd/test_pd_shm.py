@@ -15,8 +15,9 @@ from live_server import wait_until
 from pd_fleet import Instance, comparable, decode, mixed, prefill, start_instance
 from test_pd_live import LONG, body_of
 
+from strata.errors import KVPoolFullError
 from strata.model.loader import LoadedModel
-from strata.server.pd.shm import PAGE, PoolFullError, ShmPeers, ShmPool
+from strata.server.pd.shm import PAGE, ShmPeers, ShmPool
 from strata.types import BlockHash
 
 
@@ -50,10 +51,10 @@ def test_slots_are_shared_by_hash_and_freed_with_the_last_lease(pool: ShmPool) -
 
 def test_a_pull_that_does_not_fit_takes_nothing(pool: ShmPool) -> None:
     pool.put("lease-1", [(_hash(i), b"x" * 10) for i in range(3)])
-    with pytest.raises(PoolFullError, match="1 free slots, 2 wanted"):
+    with pytest.raises(KVPoolFullError, match="1 free slots, 2 wanted"):
         pool.put("lease-2", [(_hash(i), b"y" * 10) for i in range(3, 5)])
     assert pool.num_used == 3
-    with pytest.raises(PoolFullError, match="not available"):
+    with pytest.raises(KVPoolFullError, match="not available"):
         pool.put("lease-3", [(_hash(9), b"z" * (PAGE + 1))])  # larger than a slot
     pool.release("lease-1")
     assert len(pool.put("lease-2", [(_hash(i), b"y" * 10) for i in range(3, 7)])) == 4
@@ -63,7 +64,7 @@ def test_a_pool_too_small_for_one_slot_is_never_used() -> None:
     pool = ShmPool.create(PAGE + 10)
     if pool is None:
         pytest.skip("no memfd_create on this platform")
-    with pytest.raises(PoolFullError):
+    with pytest.raises(KVPoolFullError):
         pool.put("lease", [(_hash(0), b"x" * 100)])
     assert pool.is_broken
     pool.close()

@@ -48,6 +48,7 @@ FLEET_ONLY = [("POST", "/internal/prefill/v1/chat/completions"),
               ("POST", "/internal/decode/v1/chat/completions"),
               ("POST", "/internal/decode/v1/completions"), ("GET", "/internal/kv/layout"),
               ("GET", "/internal/kv/{handle}"), ("DELETE", "/internal/kv/{handle}"),
+              ("GET", "/internal/kv/{handle}/shm"),
               ("POST", "/v1/strata/resume"), ("GET", "/v1/strata/kv-events"),
               ("GET", "/v1/strata/tokenizer"), ("POST", "/admin/drain"),
               # LoRA adapters loaded at run time: the operator's admin key, or a gateway's

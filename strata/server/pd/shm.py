@@ -39,6 +39,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from strata.errors import KVPoolFullError
 from strata.types import BlockHash
 
 log = logging.getLogger("strata.server.pd")
@@ -46,10 +47,6 @@ log = logging.getLogger("strata.server.pd")
 MAGIC = b"STKVPOOL"
 _HEADER = struct.Struct("<8s32sQQ")  # magic, token (hex), slot bytes, number of slots
 PAGE = 4096
-
-
-class PoolFullError(Exception):
-    """Not enough free slots (or a payload larger than a slot): pull the stream instead."""
 
 
 @dataclass(slots=True)
@@ -128,13 +125,13 @@ class ShmPool:
     def take(self, lease: str, hashes: list[BlockHash], payload_bytes: int) -> list[Slot]:
         """Slots for the blocks `hashes` names, held by `lease`, in order: a block already in
         the pool shares its slot (filled: `length` > 0), the others get free ones to fill
-        (`view_of`, then `filled`). All or nothing: raises PoolFullError (nothing taken) when
+        (`view_of`, then `filled`). All or nothing: raises KVPoolFullError (nothing taken) when
         they do not fit."""
         if not hashes or not self.reserve(payload_bytes):
-            raise PoolFullError("the shared-memory pool is not available")
+            raise KVPoolFullError("the shared-memory pool is not available")
         new = {h for h in hashes if h not in self._by_hash}
         if len(new) > len(self._free):
-            raise PoolFullError(f"the shared-memory pool has {len(self._free)} free slots, "
+            raise KVPoolFullError(f"the shared-memory pool has {len(self._free)} free slots, "
                                 f"{len(new)} wanted")
         taken = self._by_lease.setdefault(lease, [])
         slots = []
@@ -301,4 +298,4 @@ def _map_pool(path: str, token: str) -> mmap.mmap | None:
     return pool
 
 
-__all__ = ["PAGE", "PoolFullError", "ShmPeers", "ShmPool", "Slot", "Staging"]
+__all__ = ["PAGE", "ShmPeers", "ShmPool", "Slot", "Staging"]

@@ -23,11 +23,11 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from strata.errors import EngineDeadError, InvalidRequestError
+from strata.errors import EngineDeadError, InvalidRequestError, KVPoolFullError
 from strata.protocol.errors import error_json
 from strata.server.pd.leases import Lease
 from strata.server.pd.prefill import ClosingStream, not_found, span_of
-from strata.server.pd.shm import PoolFullError, ShmPool, Slot
+from strata.server.pd.shm import ShmPool, Slot
 from strata.server.pd.state import PD, pd_of
 from strata.types import BlockHash
 
@@ -47,9 +47,9 @@ async def pull_shm(request: Request) -> Response:
         block_ids = list(lease.held.block_ids[first: first + count])
         hashes = [BlockHash(h) for h in lease.held.block_hashes[first: first + count]]
         slots = await _take(pd, pd.shm, lease, block_ids, hashes)
-    except (PoolFullError, InvalidRequestError, EngineDeadError) as exc:
+    except (KVPoolFullError, InvalidRequestError, EngineDeadError) as exc:
         pd.leases.end_pull(lease, is_complete=True)
-        if isinstance(exc, PoolFullError):
+        if isinstance(exc, KVPoolFullError):
             return _refused(str(exc))
         if isinstance(exc, EngineDeadError):
             return not_found()
@@ -60,7 +60,7 @@ async def pull_shm(request: Request) -> Response:
 
 async def _take(pd: PD, pool: ShmPool, lease: Lease, block_ids: list[int],
                 hashes: list[BlockHash]) -> list[Slot]:
-    """The lease's slots for the blocks (PoolFullError when they do not fit); the first pull
+    """The lease's slots for the blocks (KVPoolFullError when they do not fit); the first pull
     sizes the pool by one exported payload (EngineDeadError when the engine cannot read it)."""
     if pool.view is None and block_ids:
         sample = await pd.instance.engine.export_held(lease.request_id, block_ids[:1])
