@@ -169,3 +169,34 @@ def test_a_one_token_handoff_leaves_its_prompt_in_ds_prefix_cache(tiny_model: Lo
     finally:
         p.stop()
         d.stop()
+
+
+OWNER = """
+import json, sys
+from strata.server.pd.shm import ShmPool
+from strata.types import BlockHash
+pool = ShmPool.create(1 << 20)
+[(offset, length)] = pool.put("lease", [(BlockHash(bytes(16)), b"held by a P that will die")])
+print(json.dumps([pool.describe(), offset, length]), flush=True)
+sys.stdin.readline()  # lives until told
+"""
+
+
+def test_the_pool_of_a_p_that_died_is_let_go() -> None:
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None and owner.stdin is not None
+        described, offset, length = json.loads(owner.stdout.readline())
+        peers = ShmPeers()
+        pool = peers.attach(described)
+        assert pool is not None and pool[offset: offset + length] == b"held by a P that will die"
+        assert peers.prune() == 0  # P is alive: kept
+        owner.stdin.write("\n")
+        owner.stdin.flush()
+        owner.wait(timeout=30)
+        assert peers.prune() == 1
+        assert not peers.may_reach(described)  # its path is gone with it
+    finally:
+        owner.kill()
+        owner.communicate(timeout=30)  # closes its pipes

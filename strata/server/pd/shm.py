@@ -193,6 +193,7 @@ class ShmPeers:
     def __init__(self, max_pools: int = 8) -> None:
         self.max_pools = max_pools
         self._pools: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._paths: dict[str, tuple[str, int]] = {}  # token -> (path, size) of a mapping
         self._refused: set[str] = set()  # tokens this process cannot map (another host)
 
     def may_reach(self, described: object) -> bool:
@@ -222,13 +223,21 @@ class ShmPeers:
             self._refused.add(token)
             return None
         self._pools[token] = pool
+        self._paths[token] = (path, len(pool))
         while len(self._pools) > self.max_pools:
-            _, old = self._pools.popitem(last=False)
-            with contextlib.suppress(BufferError):
-                old.close()
+            self.forget(next(iter(self._pools)))
         return pool
 
+    def prune(self) -> int:
+        """Drop the mappings of pools whose P is gone (its /proc path no longer there): a dead
+        P's memory goes back to the host once no D maps it. How many were dropped."""
+        gone = [token for token, (path, _) in self._paths.items() if not os.path.exists(path)]
+        for token in gone:
+            self.forget(token)
+        return len(gone)
+
     def forget(self, token: str) -> None:
+        self._paths.pop(token, None)
         pool = self._pools.pop(token, None)
         if pool is not None:
             with contextlib.suppress(BufferError):

@@ -81,7 +81,8 @@ class PD:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def start(self) -> None:
-        """The lease expiry loop (also prunes peers), as a task of the running loop."""
+        """The lease expiry loop (also prunes peers and the pools of dead ones), as a task of
+        the running loop."""
         self.spawn(self._expire_forever())
 
     async def _expire_forever(self, interval_s: float = 0.1) -> None:
@@ -90,6 +91,7 @@ class PD:
             try:
                 self.leases.expire()
                 self.peers.prune()
+                self.shm_peers.prune()
             except Exception:  # one bad round never stops leases from ending
                 log.exception("lease expiry failed")
 
