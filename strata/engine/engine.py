@@ -161,7 +161,10 @@ class Engine:
                 or not isinstance(self.executor, KVTransfer):
             return []
         if isinstance(self.executor, ExportsInto):
-            return self.executor.export_blocks_into(block_ids, buffers)
+            try:
+                return self.executor.export_blocks_into(block_ids, buffers)
+            except ValueError:  # a buffer its owner released (a cancelled pull at shutdown)
+                return []
         lengths = []
         for payload, out in zip(self.executor.export_blocks(block_ids), buffers, strict=True):
             if len(payload) > out.nbytes:

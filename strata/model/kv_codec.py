@@ -113,7 +113,7 @@ class KVCodec:
         `runs` is not one stride of equal runs."""
         lib = built_kernel_library()
         rows = _as_runs(runs)
-        if lib is None or rows is None:
+        if lib is None or rows is None or not lib.kv_crc32_folds():
             return False
         base, stride, run, count = rows
         if run * count != self.layout.body_bytes:
@@ -137,8 +137,11 @@ class KVCodec:
         kernels are not built (call `decode`)."""
         lib = built_kernel_library()
         rows = _as_runs(runs)
-        if lib is None or rows is None or not runs.flags.writeable:
+        if lib is None or rows is None or not runs.flags.writeable or not lib.kv_crc32_folds():
             return False
+        if rows[2] * rows[3] != self.layout.body_bytes:
+            raise ValueError(f"a KV block body of {self.layout} has {self.layout.body_bytes} "
+                             f"bytes, the destination {rows[2] * rows[3]}")
         view = memoryview(payload)
         head = len(self._prefix)
         if view[:head] != self._prefix:

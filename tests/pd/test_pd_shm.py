@@ -7,8 +7,10 @@ back to the stream when P's pool is full."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from live_server import wait_until
@@ -17,7 +19,7 @@ from test_pd_live import LONG, body_of
 
 from strata.errors import KVPoolFullError
 from strata.model.loader import LoadedModel
-from strata.server.pd.shm import PAGE, ShmPeers, ShmPool
+from strata.server.pd.shm import PAGE, STAMP, ShmPeers, ShmPool
 from strata.types import BlockHash
 
 
@@ -200,3 +202,25 @@ def test_the_pool_of_a_p_that_died_is_let_go() -> None:
     finally:
         owner.kill()
         owner.communicate(timeout=30)  # closes its pipes
+
+
+def test_a_slot_is_stamped_with_its_block_and_unstamped_when_freed(pool: ShmPool) -> None:
+    """D checks the stamp after its copy: a slot P freed and refilled meanwhile (its lease
+    ended early) shows another block's hash, or none, never the one D asked for."""
+    [(offset, _)] = pool.put("lease-1", [(_hash(1), b"block one")])
+    assert pool.view is not None
+    assert pool.view[offset - STAMP: offset - STAMP + 16] == _hash(1)
+    pool.release("lease-1")
+    assert pool.view[offset - STAMP: offset - STAMP + 16] == bytes(16)
+    [(again, _)] = pool.put("lease-2", [(_hash(2), b"block two")])
+    assert again == offset  # the same slot, now another block's
+    assert pool.view[offset - STAMP: offset - STAMP + 16] == _hash(2)
+
+
+def test_d_opens_only_another_process_descriptor(tmp_path: Path, pool: ShmPool) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    peers = ShmPeers()
+    for path in (str(fifo), "/etc/passwd", "/proc/self/fd/0"):
+        described = {"path": path, "token": pool.token}
+        assert not peers.may_reach(described) and peers.attach(described) is None

@@ -47,6 +47,7 @@ from strata.errors import DeadlineExceededError, KVPayloadError
 from strata.protocol.openai import ChatCompletionRequest, CompletionRequest
 from strata.protocol.pd import HANDOFF_HEADER, KV_PATH
 from strata.server import serving
+from strata.server.pd.shm import STAMP
 from strata.server.pd.state import PD, pd_of
 from strata.server.pd.wire import BlockReader, Handle, checked_copy, checksum_ok, prompt_digest
 from strata.server.preamble import client_request
@@ -190,7 +191,7 @@ class HandoffPull:
         except httpx.HTTPError as exc:
             log.warning("pull of %s from %s broke: %s", handle.handle, handle.url, exc)
             pd.peers.forget(handle.url)
-        except (ValueError, StopAsyncIteration):  # not a manifest
+        except (ValueError, TypeError, StopAsyncIteration):  # not a manifest
             return "unavailable"
         return "complete" if len(payloads) == len(wanted) else "truncated"
 
@@ -207,9 +208,10 @@ class HandoffPull:
             try:
                 hash_hex, offset, length = entry
                 block_hash = BlockHash(bytes.fromhex(hash_hex))
-                if not 0 <= offset <= offset + length <= len(pool):
-                    return "unavailable"
             except (ValueError, TypeError):
+                return "unavailable"
+            if type(offset) is not int or type(length) is not int \
+                    or not STAMP <= offset <= offset + length <= len(pool):
                 return "unavailable"
             if block_hash != wanted[index]:
                 return "hash"
@@ -219,6 +221,9 @@ class HandoffPull:
             if not is_intact:
                 self.pd.staging.give_back([payload])
                 return "checksum"
+            if pool[offset - STAMP: offset - STAMP + len(block_hash)] != block_hash:
+                self.pd.staging.give_back([payload])  # P let the slot go meanwhile: not ours
+                return "unavailable"
             self.staged.append(payload)
             payloads.append(payload)
             if index == 0:

@@ -33,7 +33,9 @@ import contextlib
 import logging
 import mmap
 import os
+import re
 import secrets
+import stat
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -45,8 +47,10 @@ from strata.types import BlockHash
 log = logging.getLogger("strata.server.pd")
 
 MAGIC = b"STKVPOOL"
+STAMP = 64  # a slot's head: the chain hash of the block in it (zeros while free), then its payload
 _HEADER = struct.Struct("<8s32sQQ")  # magic, token (hex), slot bytes, number of slots
 PAGE = 4096
+_POOL_PATH = re.compile(r"/proc/[0-9]+/fd/[0-9]+")
 
 
 @dataclass(slots=True)
@@ -98,7 +102,7 @@ class ShmPool:
             return payload_bytes <= self.slot_bytes
         if self.is_broken:
             return False
-        slot = -(-payload_bytes // PAGE) * PAGE
+        slot = -(-(payload_bytes + STAMP) // PAGE) * PAGE
         num_slots = min((self.capacity_bytes - PAGE) // slot, self.max_slots)
         if num_slots < 1:
             self.is_broken = True
@@ -120,7 +124,16 @@ class ShmPool:
         return True
 
     def offset(self, index: int) -> int:
-        return PAGE + index * self.slot_bytes
+        """Where slot `index`'s payload starts (its stamp is the STAMP bytes before)."""
+        return PAGE + index * self.slot_bytes + STAMP
+
+    def stamp(self, slot: Slot, block_hash: BlockHash) -> None:
+        """Marks a filled slot as `block_hash`'s: a D that copied it checks the stamp after the
+        copy, so a slot freed and refilled meanwhile (its lease ended early) is never taken
+        for the block it held."""
+        assert self.view is not None, "invariant pool_reserved"
+        start = self.offset(slot.index) - STAMP
+        self.view[start: start + len(block_hash)] = block_hash
 
     def take(self, lease: str, hashes: list[BlockHash], payload_bytes: int) -> list[Slot]:
         """Slots for the blocks `hashes` names, held by `lease`, in order: a block already in
@@ -148,17 +161,18 @@ class ShmPool:
         """The slot's bytes, writable."""
         assert self.view is not None, "invariant pool_reserved"
         start = self.offset(slot.index)
-        return memoryview(self.view)[start: start + self.slot_bytes]
+        return memoryview(self.view)[start: start + self.slot_bytes - STAMP]
 
     def put(self, lease: str, items: list[tuple[BlockHash, bytes]]) -> list[tuple[int, int]]:
         """`take` and fill with payloads at hand: (offset, length) of each, in order."""
         slots = self.take(lease, [h for h, _ in items], max((len(p) for _, p in items),
                                                              default=0))
-        for slot, (_, payload) in zip(slots, items, strict=True):
+        for slot, (block_hash, payload) in zip(slots, items, strict=True):
             if not slot.length:
                 with self.view_of(slot) as out:
                     out[: len(payload)] = payload
                 slot.length = len(payload)
+                self.stamp(slot, block_hash)
         return [(self.offset(slot.index), slot.length) for slot in slots]
 
     def release(self, lease: str) -> None:
@@ -168,6 +182,9 @@ class ShmPool:
             slot.num_refs -= 1
             if slot.num_refs == 0:
                 del self._by_hash[block_hash]
+                if self.view is not None:  # unstamped before anything else is written there
+                    start = self.offset(slot.index) - STAMP
+                    self.view[start: start + STAMP] = bytes(STAMP)
                 self._free.append(slot.index)
 
     @property
@@ -276,24 +293,27 @@ class Staging:
 
 
 def _path_and_token(described: object) -> tuple[str | None, str | None]:
+    """The pool's path and token as a layout describes them; a path that is not another
+    process's descriptor (/proc/PID/fd/N) is none: D opens nothing else a peer names."""
     if not isinstance(described, dict):
         return None, None
     path, token = described.get("path"), described.get("token")
-    return (path if isinstance(path, str) else None,
+    return (path if isinstance(path, str) and _POOL_PATH.fullmatch(path) else None,
             token if isinstance(token, str) else None)
 
 
 def _map_pool(path: str, token: str) -> mmap.mmap | None:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         log.info("the shared-memory KV pool at %s is not reachable from here (the HTTP stream "
                  "it is): %s", path, exc)
         return None
     try:
-        size = os.fstat(fd).st_size
-        if size < PAGE:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or status.st_size < PAGE:
             return None
+        size = status.st_size
         pool = mmap.mmap(fd, size, prot=mmap.PROT_READ)
     except (OSError, ValueError) as exc:
         log.info("the shared-memory KV pool at %s cannot be mapped: %s", path, exc)
@@ -307,4 +327,4 @@ def _map_pool(path: str, token: str) -> mmap.mmap | None:
     return pool
 
 
-__all__ = ["PAGE", "ShmPeers", "ShmPool", "Slot", "Staging"]
+__all__ = ["PAGE", "STAMP", "ShmPeers", "ShmPool", "Slot", "Staging"]

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from strata.errors import EngineDeadError, InvalidRequestError, KVPoolFullError
+from strata.errors import EngineDeadError, KVPoolFullError
 from strata.protocol.errors import error_json
 from strata.server.pd.leases import Lease
 from strata.server.pd.prefill import ClosingStream, not_found, span_of
@@ -47,7 +47,7 @@ async def pull_shm(request: Request) -> Response:
         block_ids = list(lease.held.block_ids[first: first + count])
         hashes = [BlockHash(h) for h in lease.held.block_hashes[first: first + count]]
         slots = await _take(pd, pd.shm, lease, block_ids, hashes)
-    except (KVPoolFullError, InvalidRequestError, EngineDeadError) as exc:
+    except BaseException as exc:  # whatever it is, this pull is over: the lease may end
         pd.leases.end_pull(lease, is_complete=True)
         if isinstance(exc, KVPoolFullError):
             return _refused(str(exc))
@@ -118,8 +118,9 @@ class PoolFill:
             lengths = []
         if len(lengths) != len(empty):
             return False
-        for (_, slot), length in zip(empty, lengths, strict=True):
+        for (i, slot), length in zip(empty, lengths, strict=True):
             slot.length = length
+            self.pool.stamp(slot, self.hashes[i])
         return True
 
     def _shown(self, start: int) -> list[list[object]]:
