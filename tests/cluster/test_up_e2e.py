@@ -277,6 +277,12 @@ def test_drain_loses_no_request(cluster: Cluster) -> None:
             flowing = [StreamResult() for _ in range(9)]
             tasks = [asyncio.create_task(stream_one(client, 30, s)) for s in flowing]
             await all_flowing(flowing)  # in flight everywhere, the target included
+            while target not in {s.instance for s in flowing} and len(flowing) < 24:
+                # the gateway may not route there yet (CI once saw all 9 on the other two,
+                # right after the test before restarted an instance): more until one does
+                flowing.append(StreamResult())
+                tasks.append(asyncio.create_task(stream_one(client, 30, flowing[-1])))
+                await all_flowing(flowing[-1:])
             assert target in {s.instance for s in flowing}
             resp = await client.post(f"/admin/instances/{target}/drain")
             assert resp.status_code in (200, 202), resp.text
@@ -285,7 +291,7 @@ def test_drain_loses_no_request(cluster: Cluster) -> None:
 
     results = asyncio.run(story())
     assert all(r.done and r.error_at is None and r.finish_reason == "length" for r in results)
-    assert all(r.instance != target for r in results[9:]), "a draining instance gets no new work"
+    assert all(r.instance != target for r in results[-6:]), "a draining instance gets no new work"
 
 
 def test_a_restarted_cluster_keeps_the_catalogue_and_serves_what_its_flags_say(
