@@ -26,8 +26,9 @@ A lease's slots are freed when the lease is released (acknowledged or expired), 
 are: the pool never holds a block its lease let go. A lease can end while a D still reads (it
 expires counted from its grant), so each slot begins with a stamp: the chain hash of the block
 in it, written after the fill and zeroed when the slot is freed; D reads the stamp after its
-copy, and a slot refilled meanwhile shows another hash (or none): that block is recomputed. The memory goes back to the host when P
-exits and the last D that mapped it drops the mapping (no file is left behind by a killed P).
+copy, and a slot refilled meanwhile shows another hash (or none): that block is recomputed.
+The memory goes back to the host when P exits and the last D that mapped it drops the mapping
+(no file is left behind by a killed P).
 """
 
 from __future__ import annotations
