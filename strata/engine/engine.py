@@ -146,32 +146,34 @@ class Engine:
         """The KV payloads of `block_ids`, in order, while the finished `request_id` holds every
         one of them (a held block is never written, so any moment between steps reads the same
         bytes); [] once the hold is released or when the executor cannot export."""
-        held = set(self.kv.held_block_ids(request_id))
-        if not block_ids or not held.issuperset(block_ids) \
-                or not isinstance(self.executor, KVTransfer):
+        if not self._may_export(request_id, block_ids):
             return []
+        assert isinstance(self.executor, KVTransfer)
         return self.executor.export_blocks(block_ids)
 
     def export_held_into(self, request_id: RequestId, block_ids: list[int],
                          buffers: list[memoryview]) -> list[int]:
         """`export_held` written into `buffers` (one per block, each large enough for a
         payload): the payloads' lengths, [] as `export_held` answers []."""
-        held = set(self.kv.held_block_ids(request_id))
-        if not block_ids or not held.issuperset(block_ids) \
-                or not isinstance(self.executor, KVTransfer):
-            return []
-        if isinstance(self.executor, ExportsInto):
+        if isinstance(self.executor, ExportsInto) and self._may_export(request_id, block_ids):
             try:
                 return self.executor.export_blocks_into(block_ids, buffers)
             except ValueError:  # a buffer its owner released (a cancelled pull at shutdown)
                 return []
         lengths = []
-        for payload, out in zip(self.executor.export_blocks(block_ids), buffers, strict=True):
+        for payload, out in zip(self.export_held(request_id, block_ids), buffers, strict=False):
             if len(payload) > out.nbytes:
                 return []
             out[: len(payload)] = payload
             lengths.append(len(payload))
         return lengths
+
+    def _may_export(self, request_id: RequestId, block_ids: list[int]) -> bool:
+        """Whether the finished `request_id` holds every one of `block_ids` and the executor
+        can export them."""
+        held = set(self.kv.held_block_ids(request_id))
+        return bool(block_ids) and held.issuperset(block_ids) \
+            and isinstance(self.executor, KVTransfer)
 
     def step(self) -> list[RequestOutput]:
         """Submit batches while the executor has room and a request can run, then wait for the

@@ -15,6 +15,7 @@ into attention.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import struct
 import zlib
@@ -33,12 +34,21 @@ _CRC = struct.Struct("<I")
 _MIN_C_BYTES = 4096  # below this zlib's call is cheaper than reaching the C kernel
 
 
+def _folding_kernels(num_bytes: int = _MIN_C_BYTES) -> ctypes.CDLL | None:
+    """The C kernels where this process built them and their crc32 folds (else zlib and plain
+    copies are faster), for `num_bytes` at least `_MIN_C_BYTES`."""
+    lib = built_kernel_library()
+    if lib is None or num_bytes < _MIN_C_BYTES or not lib.kv_crc32_folds():
+        return None
+    return lib
+
+
 def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     """zlib.crc32(data, value), from the C kernels where this process built them (7-12 GB/s
     on the AMX Xeon against zlib's 2.2)."""
-    lib = built_kernel_library()
     view = memoryview(data)
-    if lib is None or view.nbytes < _MIN_C_BYTES or not lib.kv_crc32_folds():
+    lib = _folding_kernels(view.nbytes)
+    if lib is None:
         return zlib.crc32(view, value)
     array = np.frombuffer(view, dtype=np.uint8)
     return int(lib.kv_crc32(array.ctypes.data, array.size, value))
@@ -51,8 +61,8 @@ def copy_crc32(source: bytes | memoryview, into: bytearray) -> int:
     view = memoryview(source)
     if len(into) < view.nbytes:
         raise ValueError(f"{view.nbytes} bytes do not fit in {len(into)}")
-    lib = built_kernel_library()
-    if lib is None or view.nbytes < _MIN_C_BYTES or not lib.kv_crc32_folds():
+    lib = _folding_kernels(view.nbytes)
+    if lib is None:
         into[: view.nbytes] = view
         return zlib.crc32(memoryview(into)[: view.nbytes])
     src = np.frombuffer(view, dtype=np.uint8)
@@ -111,14 +121,10 @@ class KVCodec:
         """`encode_runs` written into `out` (writable, `payload_bytes` long at least: a slot of
         a shared-memory pool); False, nothing written, where the C kernels are not built or
         `runs` is not one stride of equal runs."""
-        lib = built_kernel_library()
-        rows = _as_runs(runs)
-        if lib is None or rows is None or not lib.kv_crc32_folds():
+        found = self._body_runs(runs)
+        if found is None:
             return False
-        base, stride, run, count = rows
-        if run * count != self.layout.body_bytes:
-            raise ValueError(f"a KV block body of {self.layout} has {self.layout.body_bytes} "
-                             f"bytes, got {run * count}")
+        lib, (base, stride, run, count) = found
         if out.readonly or out.nbytes < self.payload_bytes:
             raise ValueError(f"a KV payload needs {self.payload_bytes} writable bytes, got "
                              f"{out.nbytes}{' read-only' if out.readonly else ''}")
@@ -135,13 +141,10 @@ class KVCodec:
         header and checksum in the same pass; raises KVPayloadError as `decode` does (the runs
         then hold bytes that must not be used: the caller recomputes them). False where the C
         kernels are not built (call `decode`)."""
-        lib = built_kernel_library()
-        rows = _as_runs(runs)
-        if lib is None or rows is None or not runs.flags.writeable or not lib.kv_crc32_folds():
+        found = self._body_runs(runs) if runs.flags.writeable else None
+        if found is None:
             return False
-        if rows[2] * rows[3] != self.layout.body_bytes:
-            raise ValueError(f"a KV block body of {self.layout} has {self.layout.body_bytes} "
-                             f"bytes, the destination {rows[2] * rows[3]}")
+        lib, (base, stride, run, count) = found
         view = memoryview(payload)
         head = len(self._prefix)
         if view[:head] != self._prefix:
@@ -150,7 +153,6 @@ class KVCodec:
             raise KVPayloadError(f"KV payload has {len(view)} bytes, expected "
                                  f"{self.payload_bytes} for {self.layout}")
         source = np.frombuffer(view, dtype=np.uint8)
-        base, stride, run, count = rows
         crc = lib.kv_copy_crc32(base, stride, source.ctypes.data + head, run, run, count,
                                 zlib.crc32(self._prefix))
         (expected,) = _CRC.unpack_from(view, head + self.layout.body_bytes)
@@ -158,6 +160,18 @@ class KVCodec:
             raise KVPayloadError("KV payload checksum mismatch (damaged in the store or in "
                                  "transit)")
         return True
+
+    def _body_runs(self, runs: np.ndarray) -> tuple[ctypes.CDLL, tuple[int, int, int, int]] | None:
+        """The folding kernels and `runs` as (address, stride, run, count) for the one-pass
+        copies; None where either is missing; a ValueError when they are not one body."""
+        lib = _folding_kernels()
+        rows = _as_runs(runs)
+        if lib is None or rows is None:
+            return None
+        if rows[2] * rows[3] != self.layout.body_bytes:
+            raise ValueError(f"a KV block body of {self.layout} has {self.layout.body_bytes} "
+                             f"bytes, the runs {rows[2] * rows[3]}")
+        return lib, rows
 
     def decode(self, payload: bytes | bytearray | memoryview) -> memoryview:
         """The body of `payload` (a view, no copy); raises KVPayloadError saying what differs."""
