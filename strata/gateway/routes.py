@@ -10,13 +10,15 @@ a 403 (a client's priority class picks its pool).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import quote
 
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from strata.errors import InvalidRequestError
 from strata.gateway.control.consistency import consistency
@@ -49,64 +51,91 @@ def _gateway(request: Request) -> Gateway:
     return gateway
 
 
-async def generate(request: Request) -> Response:
-    """/v1/completions, /v1/chat/completions and /v1/embeddings: the whole request path
-    (forward.py); `model` picks the instances (an embedding model's are `--task embed` ones)."""
-    gateway = _gateway(request)
-    gateway.stats.request_entered()
-    return await _proxied(request, gateway, gateway.forward)
+class Proxied:
+    """A proxied route as a raw ASGI endpoint: the body read from `receive` as it came, the
+    headers decoded once, no `Request` built (the route runs for every generation request; see
+    bench/gateway_hotpath.py). `forward_of` picks the gateway's handler: the whole request path
+    (forward.py) for /v1/completions, /v1/chat/completions and /v1/embeddings (`model` picks
+    the instances; an embedding model's are `--task embed` ones), the proxy alone for
+    /tokenize and /detokenize (cheap: no admission slot, version choice, response cache or
+    pin-store placement)."""
+
+    def __init__(self, forward_of: Callable[[Gateway], Handler], *, is_generation: bool) -> None:
+        self.forward_of = forward_of
+        self.is_generation = is_generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gateway: Gateway = scope["app"].state.gateway
+        if self.is_generation:
+            gateway.stats.request_entered()
+        response = await _proxied(scope, receive, gateway, self.forward_of(gateway))
+        await response(scope, receive, send)
 
 
-async def tokenizer_call(request: Request) -> Response:
-    """/tokenize and /detokenize: cheap, so straight to the proxy (no admission slot, version
-    choice, response cache or pin-store placement)."""
-    gateway = _gateway(request)
-    return await _proxied(request, gateway, gateway.proxy.forward)
+async def _read_body(receive: Receive) -> bytes:
+    """The request's body; a client that left while sending it raises `ClientDisconnect`."""
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _proxied(request: Request, gateway: Gateway, forward: Handler) -> Response:
+def _decoded(scope: Scope) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """The request's headers decoded once: in order, and the first value of each name."""
+    items = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+    first: dict[str, str] = {}
+    for name, value in items:
+        first.setdefault(name, value)
+    return items, first
+
+
+async def _proxied(scope: Scope, receive: Receive, gateway: Gateway,
+                   forward: Handler) -> Response:
     received_at = gateway.proxy.clock()
-    path: str = request.scope["path"]  # request.url.path without building the URL
+    path: str = scope["path"]
     gateway.metrics.requests_by_endpoint.inc(path)
-    body = await request.body()
-    refused = _refused_routing(request, gateway)
+    body = await _read_body(receive)
+    items, lookup = _decoded(scope)
+    refused = _refused_routing(scope, lookup, gateway)
     if refused is not None:
         return refused
     try:
-        route, data = route_request(
-            body, request.headers, max_priority=request.scope.get("state", {}).get(
-                MAX_PRIORITY_STATE))
+        route, data = route_request(body, lookup, max_priority=scope.get("state", {}).get(
+            MAX_PRIORITY_STATE))
+        timeout_s = request_timeout_s(lookup.get(TIMEOUT_HEADER), data.get("timeout"))
     except InvalidRequestError as exc:
         gateway.metrics.errors.labels("bad_request").inc()
         return error_response(400, str(exc))
-    headers = [(k, v) for k, v in upstream_headers(request, gateway) if k != PRIORITY_HEADER]
+    headers = [(k, v) for k, v in upstream_headers(scope, items, gateway)
+               if k != PRIORITY_HEADER]
     headers.append((PRIORITY_HEADER, str(route.priority)))  # the instance gets it clamped
-    try:
-        timeout_s = request_timeout_s(request.headers.get(TIMEOUT_HEADER), data.get("timeout"))
-    except InvalidRequestError as exc:
-        gateway.metrics.errors.labels("bad_request").inc()
-        return error_response(400, str(exc))
     deadline_s = None if timeout_s is None else received_at + timeout_s
-    preq = ProxyRequest(request.method, path, body, headers, route, received_at, data,
+    preq = ProxyRequest(scope["method"], path, body, headers, route, received_at, data,
                         deadline_s)
-    return await until_cancelled(preq, forward, request.is_disconnected, gateway.metrics,
-                                 gateway.proxy.clock)
+    return await until_cancelled(preq, forward, receive, gateway.metrics, gateway.proxy.clock)
 
 
-def upstream_headers(request: Request, gateway: Gateway) -> list[tuple[str, str]]:
-    """The request's headers as an instance gets them (see the module docstring)."""
+def upstream_headers(scope: Scope, items: Iterable[tuple[str, str]],
+                     gateway: Gateway) -> list[tuple[str, str]]:
+    """The request's headers (`items`, decoded) as an instance gets them (see the module
+    docstring)."""
     key = gateway.config.internal_key
     dropped = FLEET_HEADERS if key else FLEET_HEADERS - {"authorization"}
-    headers = [(k, v) for k, v in request.headers.items() if k not in dropped]
+    headers = [(k, v) for k, v in items if k not in dropped]
     if key:
         headers.append(("authorization", f"Bearer {key}"))
-    return headers + forwarded_identity(caller_of(request.scope))
+    return headers + forwarded_identity(caller_of(scope))
 
 
-def _refused_routing(request: Request, gateway: Gateway) -> Response | None:
+def _refused_routing(scope: Scope, headers: Mapping[str, str],
+                     gateway: Gateway) -> Response | None:
     """A 403 for a routing header from a caller who may not choose where requests go."""
-    chosen = [name for name in OPERATOR_HEADERS if name in request.headers]
-    if not chosen or _is_operator(request, gateway):
+    chosen = [name for name in OPERATOR_HEADERS if name in headers]
+    if not chosen or _is_operator(scope, gateway):
         return None
     gateway.metrics.errors.labels("forbidden").inc()
     return error_response(403, f"{', '.join(chosen)} chooses where requests go: it takes the "
@@ -114,10 +143,10 @@ def _refused_routing(request: Request, gateway: Gateway) -> Response | None:
                                "pool)", kind="permission_error")
 
 
-def _is_operator(request: Request, gateway: Gateway) -> bool:
+def _is_operator(scope: Scope, gateway: Gateway) -> bool:
     config = gateway.config
     keys = Keys(config.api_keys, config.admin_keys, config.internal_keys)
-    return caller_of(request.scope).kind in (Kind.ADMIN, Kind.INTERNAL) or is_open("admin", keys)
+    return caller_of(scope).kind in (Kind.ADMIN, Kind.INTERNAL) or is_open("admin", keys)
 
 
 async def session_call(request: Request) -> Response:
@@ -129,7 +158,8 @@ async def session_call(request: Request) -> Response:
     path = quote(request.url.path, safe="/") + (f"?{request.url.query}" if request.url.query
                                                 else "")
     preq = ProxyRequest(request.method, path, await request.body(),
-                        upstream_headers(request, gateway), RouteRequest(), gateway.proxy.clock())
+                        upstream_headers(request.scope, request.headers.items(), gateway),
+                        RouteRequest(), gateway.proxy.clock())
     response = await gateway.proxy.forward(preq)
     session_id = request.path_params.get("session_id")
     if (request.method == "DELETE" and response.status_code < 300 and session_id
@@ -205,6 +235,10 @@ def _admin_auth(gateway: Gateway) -> dict[str, str]:
     """What an instance's /admin/drain takes: the fleet's internal key, else the admin key."""
     config = gateway.config
     return auth_header(config.internal_key or (config.admin_keys or (None,))[0])
+
+
+generate = Proxied(lambda gateway: gateway.forward, is_generation=True)
+tokenizer_call = Proxied(lambda gateway: gateway.proxy.forward, is_generation=False)
 
 
 def build_routes() -> list[Route]:

@@ -268,7 +268,7 @@ def _prefix_routing(config: GatewayConfig, policy: RoutingPolicy, instances: Ins
 
 def has_prefill_instance(instances: InstanceSet) -> bool:
     """Whether a prefill instance is registered (ready or not): the hand-off may happen."""
-    return any(v.role == "prefill" for v in instances.snapshot())
+    return instances.has_role("prefill")
 
 
 def _close_with(exits: contextlib.AsyncExitStack, close: Callable[[], Awaitable[object]]) -> None:

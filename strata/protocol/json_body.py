@@ -48,6 +48,8 @@ def parse_json_object(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> dict[s
 
 def check_depth(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> None:
     """Refuse a body whose arrays and objects nest deeper than `max_depth` (strings skipped)."""
+    if body.count(b"{") + body.count(b"[") <= max_depth:
+        return  # no more openers than the limit, in strings or not: no scan (the common body)
     depth = 0
     in_string = False
     for match in _STRUCTURE.finditer(body):

@@ -5,11 +5,11 @@
               clock). Every instance the request is sent to (decode, a hand-off's prefill, a
               resume) gets what remains in the header (`with_remaining`), so each aborts its own
               work at the same moment even when the gateway cannot tell it
-    wait      `until_cancelled`: the whole path runs as a task; past the deadline it is
-              cancelled (its upstream connections close: the instances see their client go) and
-              the client gets a 504 `deadline_exceeded`; a client that leaves before the answer
-              cancels it too (the instance aborts its engine requests, a hand-off's prefill
-              instance releases the blocks it held for the handle)
+    wait      `until_cancelled`: the whole path runs under the deadline, in the request's task;
+              past the deadline it is cancelled (its upstream connections close: the instances
+              see their client go) and the client gets a 504 `deadline_exceeded`; a client that
+              leaves before the answer cancels it too (the instance aborts its engine requests,
+              a hand-off's prefill instance releases the blocks it held for the handle)
     stream    a relayed stream past its deadline ends with a 504 error event and [DONE]; one
               whose client left is closed by `RelayResponse` (pools.py)
     count     strata:gateway_requests_cancelled_total{reason}: client_disconnect, deadline
@@ -22,6 +22,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.responses import Response
+from starlette.types import Receive
 
 from strata.clock import Clock
 from strata.gateway.metrics import GatewayMetrics
@@ -31,7 +32,6 @@ from strata.protocol.deadline import TIMEOUT_HEADER, remaining_header
 from strata.protocol.errors import error_json, error_payload
 from strata.protocol.sse import DONE_FRAME, encode_event
 
-DISCONNECT_POLL_S = 0.25
 DEADLINE_MESSAGE = "the request's deadline passed before its answer was complete"
 CLIENT_DISCONNECT, DEADLINE = "client_disconnect", "deadline"
 
@@ -59,30 +59,44 @@ def is_deadline_answer(response: Response) -> bool:
 
 async def until_cancelled(request: ProxyRequest, forward: Callable[[ProxyRequest],
                                                                    Awaitable[Response]],
-                          is_disconnected: Callable[[], Awaitable[bool]],
-                          metrics: GatewayMetrics, clock: Clock) -> Response:
+                          receive: Receive, metrics: GatewayMetrics, clock: Clock) -> Response:
     """`forward(request)`, cancelled when the deadline passes (a 504) or the client leaves
-    (an answer nobody reads); a relayed stream is watched until it ends."""
-    task = asyncio.ensure_future(forward(request))
+    (an answer nobody reads); a relayed stream is watched until it ends. `forward` runs in the
+    request's own task (no task to start and wait on: the hot path's first send is not delayed
+    by a turn of the loop); a listener on `receive` cancels it when the client leaves."""
+    task = asyncio.current_task()
+    assert task is not None
+    has_left = False
+
+    async def listen() -> None:
+        nonlocal has_left
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        has_left = True
+        task.cancel()  # surfaces where `forward` awaits
+
+    listener = asyncio.get_running_loop().create_task(listen())
+    remaining = None if request.deadline_s is None else request.deadline_s - clock()
+    timeout = asyncio.timeout(remaining)
     try:
-        while True:
-            remaining = None if request.deadline_s is None else request.deadline_s - clock()
-            wait_s = DISCONNECT_POLL_S if remaining is None \
-                else max(0.0, min(DISCONNECT_POLL_S, remaining))
-            done, _ = await asyncio.wait({task}, timeout=wait_s)
-            if done:
-                response = task.result()
-                if is_deadline_answer(response):  # an instance's clock ran out first
-                    metrics.cancelled.labels(DEADLINE).inc()
-                return _watched(response, request, metrics, clock)
-            if remaining is not None and remaining <= wait_s:
-                metrics.cancelled.labels(DEADLINE).inc()
-                return deadline_response()
-            if await is_disconnected():
-                metrics.cancelled.labels(CLIENT_DISCONNECT).inc()
-                return Response(status_code=499)
+        async with timeout:
+            response = await forward(request)
+    except TimeoutError:
+        if not timeout.expired():
+            raise
+        metrics.cancelled.labels(DEADLINE).inc()
+        return deadline_response()
+    except asyncio.CancelledError:
+        if not has_left or task.cancelling() > 1:  # cancelled from outside too
+            raise
+        task.uncancel()
+        metrics.cancelled.labels(CLIENT_DISCONNECT).inc()
+        return Response(status_code=499)
     finally:
-        task.cancel()
+        listener.cancel()
+    if is_deadline_answer(response):  # an instance's clock ran out first
+        metrics.cancelled.labels(DEADLINE).inc()
+    return _watched(response, request, metrics, clock)
 
 
 def _watched(response: Response, request: ProxyRequest, metrics: GatewayMetrics,

@@ -173,6 +173,10 @@ class InstanceSet:
         return any(v.serves(model) and v.version == version and v.is_routable
                    for v in self._views.values())
 
+    def has_role(self, role: str) -> bool:
+        """Whether some instance of `role` is registered, ready or not (no sort, stops at one)."""
+        return any(v.role == role for v in self._views.values())
+
     def lists(self, name: str) -> bool:
         """Whether some routable instance answers `name` (a model or an adapter it reported;
         no sort, stops at one)."""

@@ -37,6 +37,7 @@ from starlette.responses import Response
 from strata import tracing
 from strata.clock import Clock
 from strata.gateway.config import PDRoutingConfig
+from strata.gateway.metrics import CountByLabel
 from strata.gateway.path.deadline import deadline_response, with_remaining
 from strata.gateway.routing.health import OutlierDetector
 from strata.gateway.routing.instances import InstanceView
@@ -127,6 +128,8 @@ class Decider:
         route = ask.route
         if route.session_id is not None:
             return Decision(None, "session")  # a session's turn is stored by one instance
+        if not self.pipeline.instances.has_role("prefill"):
+            return Decision(None, "no_prefill")  # the fleet has none: no filter runs
         prefill_route = dataclasses.replace(route, role="prefill")
         prefills = self.pipeline.candidates(prefill_route)
         if not prefills or not ask.is_generation:
@@ -158,6 +161,7 @@ class PDMetrics:
                                 registry=reg)
         for outcome in ("ok", "failed"):
             self.prefills.labels(outcome)
+        self.decided = CountByLabel(self.decisions)  # one per request: children looked up once
 
 
 class PDRouter:
@@ -183,7 +187,7 @@ class PDRouter:
     async def forward(self, request: ProxyRequest, call_next: Handler) -> Response:
         request = _without_handle(request)  # only this gateway gives one
         decision = self.decider.decide(HandOffAsk.of(request, self.decider.estimate, self.index))
-        self.metrics.decisions.labels(decision.reason).inc()
+        self.metrics.decided.inc(decision.reason)
         if tracing.is_on():
             tracing.note({"strata.pd.decision": decision.reason, "strata.pd.prefill_instance":
                           decision.prefill.instance_id if decision.prefill else None})

@@ -89,6 +89,8 @@ class PrefixRouting:
         is the request's parsed body (None: not a JSON object)."""
         if session_id is not None or not candidates or body is None:
             return None
+        if self.is_needed is not None and not self.is_needed(self.instances):
+            return None  # nothing reads them (the P/D decision, with no prefill instance)
         prompt = prompt_of(body)
         if prompt is None:
             return None
