@@ -288,6 +288,8 @@ class KeyPrefix:
         self.pipeline = pipeline
 
     async def __call__(self, request: ProxyRequest, call_next: Handler) -> Response:
+        if not self.prefix.is_keying():
+            return await call_next(request)
         route = request.route
         tenant = ""
         if self.prefix.is_per_tenant:

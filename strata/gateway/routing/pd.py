@@ -128,8 +128,6 @@ class Decider:
         route = ask.route
         if route.session_id is not None:
             return Decision(None, "session")  # a session's turn is stored by one instance
-        if not self.pipeline.instances.has_role("prefill"):
-            return Decision(None, "no_prefill")  # the fleet has none: no filter runs
         prefill_route = dataclasses.replace(route, role="prefill")
         prefills = self.pipeline.candidates(prefill_route)
         if not prefills or not ask.is_generation:
@@ -186,6 +184,9 @@ class PDRouter:
 
     async def forward(self, request: ProxyRequest, call_next: Handler) -> Response:
         request = _without_handle(request)  # only this gateway gives one
+        if not self.pipeline.instances.has_role("prefill"):  # the common fleet: no ask built
+            self.metrics.decided.inc("no_prefill")
+            return await call_next(request)
         decision = self.decider.decide(HandOffAsk.of(request, self.decider.estimate, self.index))
         self.metrics.decided.inc(decision.reason)
         if tracing.is_on():

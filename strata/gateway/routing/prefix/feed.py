@@ -81,6 +81,11 @@ class PrefixRouting:
 
     # --- keys ---------------------------------------------------------------------------------
 
+    def is_keying(self) -> bool:
+        """Whether requests need keys now: not while the feed is not needed (the P/D
+        decision's index, with no prefill instance: nothing reads them)."""
+        return self.is_needed is None or self.is_needed(self.instances)
+
     def keys(self, body: dict[str, Any] | None, session_id: str | None,
              candidates: Sequence[InstanceView], tenant: str = "") -> PrefixKeys | None:
         """The request's keys per candidate; None without a prompt to key (or for a session
@@ -89,8 +94,6 @@ class PrefixRouting:
         is the request's parsed body (None: not a JSON object)."""
         if session_id is not None or not candidates or body is None:
             return None
-        if self.is_needed is not None and not self.is_needed(self.instances):
-            return None  # nothing reads them (the P/D decision, with no prefill instance)
         prompt = prompt_of(body)
         if prompt is None:
             return None
