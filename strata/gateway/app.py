@@ -47,7 +47,7 @@ from strata.gateway.control.dashboard.data import StatusReport
 from strata.gateway.control.dashboard.page import dashboard_routes
 from strata.gateway.error_handlers import EXCEPTION_HANDLERS
 from strata.gateway.openapi_routes import gateway_access, openapi_route
-from strata.gateway.routes import build_routes
+from strata.gateway.routes import PROXIED_ROUTES, ProxiedFirst, build_routes
 from strata.gateway.routing.sources import InstanceSource
 from strata.gateway.wiring import Gateway, build_gateway
 from strata.protocol.auth import ApiKeyAuth
@@ -116,6 +116,8 @@ def create_gateway_app(config: GatewayConfig, source: InstanceSource, *,
                             *dashboard_routes(gateway, autoscaler=status), openapi_route()],
                     lifespan=lifespan, exception_handlers=dict(EXCEPTION_HANDLERS))
     app.state.gateway = gateway
+    # innermost: the proxied routes' POSTs skip the exception middleware and the router
+    app.add_middleware(ProxiedFirst, routes=PROXIED_ROUTES)
     if config.api_keys or config.admin_keys or config.internal_keys:
         app.add_middleware(ApiKeyAuth, keys=list(config.api_keys),
                            admin_keys=list(config.admin_keys),

@@ -18,11 +18,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from strata.errors import InvalidRequestError
+from strata.errors import InvalidRequestError, StrataError
 from strata.gateway.control.consistency import consistency
 from strata.gateway.control.usage import usage
+from strata.gateway.error_handlers import strata_error
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.path.deadline import until_cancelled
 from strata.gateway.path.forward import Handler
@@ -68,8 +69,32 @@ class Proxied:
         gateway: Gateway = scope["app"].state.gateway
         if self.is_generation:
             gateway.stats.request_entered()
-        response = await _proxied(scope, receive, gateway, self.forward_of(gateway))
+        try:
+            response = await _proxied(scope, receive, gateway, self.forward_of(gateway))
+        except ClientDisconnect:
+            return  # it left while sending its body: nobody to answer
+        except StrataError as exc:  # as the exception middleware would answer it
+            response = await strata_error(Request(scope), exc)
         await response(scope, receive, send)
+
+
+class ProxiedFirst:
+    """ASGI middleware, the innermost: a POST to a proxied route goes straight to its endpoint,
+    past Starlette's exception middleware and router (the gateway's hot path). The router
+    keeps those routes too, for what it answers about them (405 for another method, a path
+    under a root path)."""
+
+    def __init__(self, app: ASGIApp, routes: Mapping[str, Proxied]) -> None:
+        self.app = app
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self.routes.get(scope["path"])
+            if endpoint is not None:
+                await endpoint(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _read_body(receive: Receive) -> bytes:
@@ -241,13 +266,14 @@ generate = Proxied(lambda gateway: gateway.forward, is_generation=True)
 tokenizer_call = Proxied(lambda gateway: gateway.proxy.forward, is_generation=False)
 
 
+PROXIED_ROUTES = {"/v1/completions": generate, "/v1/chat/completions": generate,
+                  "/v1/embeddings": generate, "/tokenize": tokenizer_call,
+                  "/detokenize": tokenizer_call}
+
+
 def build_routes() -> list[Route]:
     return [
-        Route("/v1/completions", generate, methods=["POST"]),
-        Route("/v1/chat/completions", generate, methods=["POST"]),
-        Route("/v1/embeddings", generate, methods=["POST"]),
-        Route("/tokenize", tokenizer_call, methods=["POST"]),
-        Route("/detokenize", tokenizer_call, methods=["POST"]),
+        *(Route(path, endpoint, methods=["POST"]) for path, endpoint in PROXIED_ROUTES.items()),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/sessions", session_call, methods=["GET"]),
         Route("/v1/sessions/{session_id}", session_call, methods=["GET", "DELETE"]),
@@ -261,4 +287,5 @@ def build_routes() -> list[Route]:
     ]
 
 
-__all__ = ["OPERATOR_HEADERS", "build_routes", "upstream_headers"]
+__all__ = ["OPERATOR_HEADERS", "PROXIED_ROUTES", "Proxied", "ProxiedFirst", "build_routes",
+           "upstream_headers"]
