@@ -115,6 +115,20 @@ def test_chat_streaming_and_not_and_models_aggregated(fleet: Fleet) -> None:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
 
 
+def test_an_answer_through_the_gateway_has_one_date_and_one_server_header(fleet: Fleet) -> None:
+    """The instance's `date` and `server` stay behind: the gateway's server sets its own (the
+    client once got both twice)."""
+    assert fleet.gateway is not None
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+    for stream in (False, True):
+        answer = httpx.post(f"{fleet.gateway.url}/v1/completions",
+                            json={**body, "stream": stream}, timeout=30)
+        assert answer.status_code == 200
+        assert len(answer.headers.get_list("date")) == 1, answer.headers
+        assert len(answer.headers.get_list("server")) <= 1, answer.headers
+        assert answer.headers["x-strata-instance"]
+
+
 def read_events(chunks: Iterator[bytes], parser: SSEParser, until_first: bool) -> list[str]:
     events: list[str] = []
     for chunk in chunks:

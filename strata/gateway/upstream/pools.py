@@ -35,6 +35,7 @@ from strata.protocol.sse import DONE_FRAME, encode_event
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                         "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host",
                         "content-length"})
+SERVER_SET = frozenset({"date", "server"})  # set by the gateway's HTTP server on every answer
 INSTANCE_HEADER = "x-strata-instance"
 FRAME_END = b"\n\n"
 
@@ -297,7 +298,10 @@ async def close_quietly(response: UpstreamAnswer) -> None:
 
 
 def response_headers(response: UpstreamAnswer, instance_id: str) -> dict[str, str]:
-    headers = dict(forwarded_headers(response.headers.items()))
+    """The instance's answer headers as the client gets them: no hop-by-hop ones, and not the
+    instance's `date` and `server`, which the gateway's own server sets (once)."""
+    headers = {k: v for k, v in response.headers.items()
+               if k.lower() not in HOP_BY_HOP and k.lower() not in SERVER_SET}
     headers[INSTANCE_HEADER] = instance_id
     return headers
 
