@@ -34,7 +34,7 @@ def parse_json_object(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> dict[s
     """`body` as a JSON object, or InvalidRequestError (a 400) that says what is wrong."""
     check_depth(body, max_depth)
     try:
-        data = json.loads(body, parse_constant=_refuse_constant, parse_float=_finite_float)
+        data = _DECODER.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
     except RecursionError:  # unreachable after check_depth; kept so it can never be a 500
         raise _too_deep(max_depth) from None
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
@@ -80,6 +80,11 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"the number {text[:40]} is out of range")
     return value
+
+
+# one decoder for every body (json.loads with hooks builds a new one per call), decoding bytes
+# as json.loads does (UTF-8, -16 or -32 by the first bytes)
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
 
 
 def _check_encodable(data: Any) -> None:
