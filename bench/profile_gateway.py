@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1280)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--duration", type=int, default=10)
+    ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--out", default=str(ROOT / ".bench" / "results" / "gateway_pyspy.txt"))
     args = ap.parse_args()
     log_dir = ROOT / ".bench" / "logs" / "profile_gateway"
@@ -41,7 +42,7 @@ def main() -> None:
         procs.append(gw)
         drive([gw.url], SIM_MODEL, 64, 16, 8)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        spy = subprocess.Popen([str(PYSPY), "record", "-r", "250", "--nonblocking", "--format",
+        spy = subprocess.Popen([str(PYSPY), "record", "-r", str(args.rate), "--nonblocking", "--format",
                                 "raw", "-o", args.out, "-p", str(gw.pid), "-d",
                                 str(args.duration)], stdout=subprocess.DEVNULL)
         load = threading.Thread(target=drive, args=([gw.url], SIM_MODEL, args.requests,
