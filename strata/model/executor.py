@@ -124,6 +124,7 @@ class TorchExecutor:
         layer (strata.model.parallel.layout)."""
         _, codec = self._kv_transfer()
         return {**asdict(codec.layout), "codec_format": FORMAT_VERSION,
+                "payload_bytes": codec.payload_bytes,  # what a shared-memory slot holds
                 "parallel": ParallelLayout().describe(self.config)}
 
     def export_blocks(self, block_ids: list[int]) -> list[bytes]:

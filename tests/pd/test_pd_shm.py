@@ -115,6 +115,10 @@ def test_a_handoff_on_one_host_reads_p_pool_and_answers_as_a_mixed_instance(
         tiny_model: LoadedModel, alone: Instance) -> None:
     p = start_instance(tiny_model, dtype="bfloat16")
     d = start_instance(tiny_model, dtype="bfloat16")
+    engine = p.app.state.pd.instance.engine
+    exported: list[object] = []  # whole payloads P exported: none (each goes into its slot)
+    export_held = engine.export_held
+    engine.export_held = lambda *args: exported.append(args) or export_held(*args)
     try:
         for n, sampling in enumerate([{"temperature": 0},
                                       {"temperature": 0.9, "seed": 5, "top_p": 0.9}]):
@@ -127,6 +131,8 @@ def test_a_handoff_on_one_host_reads_p_pool_and_answers_as_a_mixed_instance(
             assert d.engine.stats().num_external_hit_tokens >= (num_blocks - 1) * 8
         assert d.metric("pd_pulls_total", transport="shm") == 2
         assert d.metric("pd_pulls_total", transport="http") == 0
+        assert exported == []  # the pool was sized by the layout, not by a sample export
+        assert p.app.state.pd.shm.slot_bytes >= p.app.state.pd.layout["payload_bytes"] > 0
         assert d.metric("pd_handoffs_total", side="decode", outcome="pulled") == 2
         shm = p.app.state.pd.shm
         assert wait_until(lambda: p.num_held_blocks == 0 and shm.num_used == 0)  # acked

@@ -61,12 +61,16 @@ async def pull_shm(request: Request) -> Response:
 async def _take(pd: PD, pool: ShmPool, lease: Lease, block_ids: list[int],
                 hashes: list[BlockHash]) -> list[Slot]:
     """The lease's slots for the blocks (KVPoolFullError when they do not fit); the first pull
-    sizes the pool by one exported payload (EngineDeadError when the engine cannot read it)."""
+    sizes the pool by the layout's payload size, or, from an executor that does not describe
+    it, by one exported payload (EngineDeadError when the engine cannot read it)."""
     if pool.view is None and block_ids:
-        sample = await pd.instance.engine.export_held(lease.request_id, block_ids[:1])
-        if not sample:
-            raise EngineDeadError("the held blocks can no longer be read")
-        pool.reserve(len(sample[0]))
+        size = pd.layout.get("payload_bytes")
+        if not isinstance(size, int):
+            sample = await pd.instance.engine.export_held(lease.request_id, block_ids[:1])
+            if not sample:
+                raise EngineDeadError("the held blocks can no longer be read")
+            size = len(sample[0])
+        pool.reserve(size)
     return pool.take(lease.handle, hashes, pool.slot_bytes)
 
 
