@@ -42,8 +42,8 @@ def main() -> None:
         procs.append(gw)
         drive([gw.url], SIM_MODEL, 64, 16, 8)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        spy = subprocess.Popen([str(PYSPY), "record", "-r", str(args.rate), "--nonblocking", "--format",
-                                "raw", "-o", args.out, "-p", str(gw.pid), "-d",
+        spy = subprocess.Popen([str(PYSPY), "record", "-r", str(args.rate), "--nonblocking",
+                                "--format", "raw", "-o", args.out, "-p", str(gw.pid), "-d",
                                 str(args.duration)], stdout=subprocess.DEVNULL)
         load = threading.Thread(target=drive, args=([gw.url], SIM_MODEL, args.requests,
                                                     args.concurrency, args.max_tokens))
