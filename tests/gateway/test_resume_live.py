@@ -46,11 +46,14 @@ class Fleet:
     def proxy_of(self, instance_id: str) -> ChaosProxy:
         return next(p for p in self.proxies if instance_id.endswith(f":{p.port}"))
 
-    def all_down_for(self, seconds: float) -> threading.Timer:
+    def all_down_for(self, seconds: float, serving: str) -> threading.Timer:
         """Every instance cut off at once (its connections reset, new ones refused), each back
-        at its address `seconds` later, as a fleet restarted by its supervisor."""
+        at its address `seconds` later, as a fleet restarted by its supervisor. The instance
+        `serving` the stream goes last: a resume sent while the others were still being
+        stopped broke a second time (CI once counted two breaks)."""
         addresses = [(p.target_port, p.port) for p in self.proxies]
-        for proxy in self.proxies:
+        last = self.proxy_of(serving)
+        for proxy in [*(p for p in self.proxies if p is not last), last]:
             proxy.stop()
 
         def back() -> None:
@@ -121,7 +124,7 @@ def stream(fleet: Fleet, body: dict[str, Any], fault: str | None = None, after: 
             elif i == after and fault == "freeze":
                 fleet.proxy_of(served_by).pause()
             elif i == after and fault == "fleet":
-                fleet.all_down_for(1.0)
+                fleet.all_down_for(1.0, served_by)
     later = counters(fleet, served_by)
     moved = {key: later[key] - before[key] for key in COUNTERS}
     return Streamed(raw, served_by, max(gaps), dict(response.headers), moved)
