@@ -27,7 +27,7 @@ from starlette.types import Receive
 from strata.clock import Clock
 from strata.gateway.metrics import GatewayMetrics
 from strata.gateway.path.requests import ProxyRequest
-from strata.gateway.upstream.pools import RelayResponse
+from strata.gateway.upstream.pools import ClientWatch, RelayResponse
 from strata.protocol.deadline import TIMEOUT_HEADER, remaining_header
 from strata.protocol.errors import error_json, error_payload
 from strata.protocol.sse import DONE_FRAME, encode_event
@@ -63,19 +63,8 @@ async def until_cancelled(request: ProxyRequest, forward: Callable[[ProxyRequest
     """`forward(request)`, cancelled when the deadline passes (a 504) or the client leaves
     (an answer nobody reads); a relayed stream is watched until it ends. `forward` runs in the
     request's own task (no task to start and wait on: the hot path's first send is not delayed
-    by a turn of the loop); a listener on `receive` cancels it when the client leaves."""
-    task = asyncio.current_task()
-    assert task is not None
-    has_left = False
-
-    async def listen() -> None:
-        nonlocal has_left
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        has_left = True
-        task.cancel()  # surfaces where `forward` awaits
-
-    listener = asyncio.get_running_loop().create_task(listen())
+    by a turn of the loop); a `ClientWatch` on `receive` cancels it when the client leaves."""
+    watch = ClientWatch(receive)
     remaining = None if request.deadline_s is None else request.deadline_s - clock()
     timeout = asyncio.timeout(remaining)
     try:
@@ -87,13 +76,12 @@ async def until_cancelled(request: ProxyRequest, forward: Callable[[ProxyRequest
         metrics.cancelled.labels(DEADLINE).inc()
         return deadline_response()
     except asyncio.CancelledError:
-        if not has_left or task.cancelling() > 1:  # cancelled from outside too
+        if not watch.was_only_cause():
             raise
-        task.uncancel()
         metrics.cancelled.labels(CLIENT_DISCONNECT).inc()
         return Response(status_code=499)
     finally:
-        listener.cancel()
+        watch.stop()
     if is_deadline_answer(response):  # an instance's clock ran out first
         metrics.cancelled.labels(DEADLINE).inc()
     return _watched(response, request, metrics, clock)

@@ -256,26 +256,43 @@ class RelayResponse(StreamingResponse):
 
 
     async def _stream_until_disconnect(self, receive: Receive, send: Send) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        disconnected = False
-
-        async def listen() -> None:
-            nonlocal disconnected
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            disconnected = self.is_disconnected = True
-            task.cancel()  # surfaces where the stream awaits, inside the `try` below
-
-        listener = asyncio.get_running_loop().create_task(listen())
+        watch = ClientWatch(receive)
         try:
             await self.stream_response(send)
         except asyncio.CancelledError:
-            if not disconnected or task.cancelling() > 1:  # cancelled from outside too
+            if not watch.was_only_cause():
                 raise
-            task.uncancel()
         finally:
-            listener.cancel()
+            watch.stop()
+            self.is_disconnected = watch.has_left
+
+
+class ClientWatch:
+    """Cancels the current task when its client leaves (`receive` answers http.disconnect);
+    the task's own code goes on where the cancellation surfaced: after a CancelledError,
+    `was_only_cause()` says whether the client's leaving alone caused it (and then uncancels)."""
+
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.has_left = False
+        self.listener = asyncio.get_running_loop().create_task(self._listen(receive))
+
+    async def _listen(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.has_left = True
+        self.task.cancel()  # surfaces where the task awaits
+
+    def was_only_cause(self) -> bool:
+        if not self.has_left or self.task.cancelling() > 1:  # cancelled from outside too
+            return False
+        self.task.uncancel()
+        return True
+
+    def stop(self) -> None:
+        self.listener.cancel()
 
 
 async def read_frames(chunks: AsyncIterator[bytes]) -> tuple[bytes, bytes, bool]:
@@ -306,6 +323,6 @@ def response_headers(response: UpstreamAnswer, instance_id: str) -> dict[str, st
     return headers
 
 
-__all__ = ["HOP_BY_HOP", "INSTANCE_HEADER", "RelayResponse", "broken_stream_frames",
+__all__ = ["HOP_BY_HOP", "INSTANCE_HEADER", "ClientWatch", "RelayResponse", "broken_stream_frames",
            "UpstreamAnswer", "UpstreamPools", "close_quietly", "error_response",
            "forwarded_headers", "read_frames", "response_headers", "split_frames"]
