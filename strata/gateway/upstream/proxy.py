@@ -36,6 +36,7 @@ from strata.gateway.routing.pipeline import RouteDecision, RoutingPipeline
 from strata.gateway.routing.policies.base import RouteRequest
 from strata.gateway.stats import GatewayStats
 from strata.gateway.upstream import traces
+from strata.gateway.upstream.answer import UpstreamResponse
 from strata.gateway.upstream.attempt import (
     UPSTREAM_ERRORS,
     Attempt,
@@ -356,7 +357,10 @@ class Proxy:
 
     def _chunks(self, attempt: Attempt, response: UpstreamAnswer) -> AsyncIterator[bytes]:
         chunks = response.aiter_raw()
-        return attempt.watched.chunks(chunks) if attempt.watched is not None else chunks
+        if attempt.watched is None:
+            return chunks
+        fail = response.fail if isinstance(response, UpstreamResponse) else None
+        return attempt.watched.chunks(chunks, fail)
 
     def _begin(self, attempt: Attempt) -> None:
         view = attempt.view

@@ -44,6 +44,8 @@ class Watched:
     clock: Clock
     scope: asyncio.Timeout | None = None  # while waiting on the instance
     was_ended: bool = False
+    is_waiting: bool = False  # on the next chunk of an answer that can be failed (`fail`)
+    fail: Callable[[Exception], None] | None = None
 
     async def wait(self, awaitable: Awaitable[T]) -> T:
         """`await awaitable`, ended with TimeoutError when the watch finds the instance dead."""
@@ -54,23 +56,45 @@ class Watched:
             self.scope = None
             self.last_data_at = self.clock()
 
-    async def chunks(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """`chunks`, each wait for the next one watched."""
-        while True:
-            try:
-                chunk = await self.wait(anext(chunks))
-            except StopAsyncIteration:
-                return
-            yield chunk
+    async def chunks(self, chunks: AsyncIterator[bytes],
+                     fail: Callable[[Exception], None] | None = None) -> AsyncIterator[bytes]:
+        """`chunks`, each wait for the next one watched. With `fail` (the lean client's answer
+        ends its own wait with the error it is given: connection.py), no timeout scope is
+        opened per chunk: ending the wait fails the answer."""
+        if fail is None:
+            while True:
+                try:
+                    chunk = await self.wait(anext(chunks))
+                except StopAsyncIteration:
+                    return
+                yield chunk
+        self.fail = fail
+        try:
+            while True:
+                self.is_waiting = True
+                try:
+                    chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    return
+                finally:
+                    self.is_waiting = False
+                    self.last_data_at = self.clock()
+                yield chunk
+        finally:
+            self.fail = None
 
     def silent_s(self, now: float) -> float:
         """How long it has waited on its instance with nothing coming (0 when not waiting)."""
-        return now - self.last_data_at if self.scope is not None else 0.0
+        is_waiting = self.scope is not None or self.is_waiting
+        return now - self.last_data_at if is_waiting else 0.0
 
     def end(self) -> None:
         if self.scope is not None:
             self.was_ended = True
             self.scope.reschedule(asyncio.get_running_loop().time())
+        elif self.is_waiting and self.fail is not None:
+            self.was_ended = True
+            self.fail(TimeoutError("the instance went silent"))  # an OSError, as the scope's
 
 
 @dataclass(slots=True)
