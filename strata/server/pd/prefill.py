@@ -10,8 +10,9 @@ exactly as a mixed instance's first step would (same prompt, sampling parameters
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import anyio
@@ -36,6 +37,7 @@ from strata.server.request_io import unless_cancelled
 from strata.types import BlockHash
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 EXPORT_BATCH = 8  # blocks read per visit of the engine thread
 Starter = Callable[[serving.ServingContext, M, Callable[[list[EngineRequest]], Awaitable[None]]],
                    Awaitable[serving.Started]]
@@ -156,50 +158,69 @@ def not_found() -> Response:
     return Response(error_json(404, message), 404, media_type="application/json")
 
 
-class Blocks:
-    """One pull: the stream head, then each block with its chain hash. The lease counts the
-    pull until `close` (whatever ends the stream): a stream cut short is a broken pull.
+async def one_ahead(starts: Sequence[int],
+                    begin: Callable[[int], Awaitable[T]]) -> AsyncGenerator[tuple[int, T]]:
+    """(start, what `begin(start)` answered) for each start, in order; the next one is begun
+    before this one is handed over, so the engine thread's work on batch k + 1 overlaps the
+    send of batch k. What was begun and not handed over is cancelled when the iteration stops
+    (iterate it under `contextlib.aclosing`)."""
+    pending = [asyncio.ensure_future(begin(starts[0]))] if starts else []
+    try:
+        for i, start in enumerate(starts):
+            result = await pending.pop()
+            if i + 1 < len(starts):
+                pending.append(asyncio.ensure_future(begin(starts[i + 1])))
+            yield start, result
+    finally:
+        for future in pending:
+            future.cancel()
 
-    The engine thread reads the blocks, `EXPORT_BATCH` at a time between two of its steps
-    (`AsyncEngine.export_held`): the executor has one driver. The next batch is asked for
-    before the current one is sent, so the wait for the engine overlaps the send."""
 
-    def __init__(self, pd: PD, lease: Lease, first: int, count: int) -> None:
-        self.pd, self.lease = pd, lease
-        self.first = first
-        self.block_ids = list(lease.held.block_ids[first : first + count])
-        self.hashes = list(lease.held.block_hashes[first : first + count])
+class LeasedPull:
+    """One pull of a lease's held blocks, by stream or by reference (pd/shm_pull.py). The lease
+    counts the pull until `close` (whatever ends the response): one cut short is a broken pull.
+    The engine thread reads the blocks a batch at a time between two of its steps (the executor
+    has one driver), the next batch asked for before the current one is sent (`one_ahead`)."""
+
+    def __init__(self, pd: PD, lease: Lease, first: int) -> None:
+        self.pd, self.lease, self.first = pd, lease, first
         self.is_complete = False
         self.is_closed = False
+
+    async def close(self) -> None:
+        if not self.is_closed:
+            self.is_closed = True
+            self.pd.leases.end_pull(self.lease, is_complete=self.is_complete)
+            self.pd.note_held()
+
+
+class Blocks(LeasedPull):
+    """A pull by stream: the stream head, then each block with its chain hash,
+    `EXPORT_BATCH` blocks per visit of the engine thread (`AsyncEngine.export_held`)."""
+
+    def __init__(self, pd: PD, lease: Lease, first: int, count: int) -> None:
+        super().__init__(pd, lease, first)
+        self.block_ids = list(lease.held.block_ids[first : first + count])
+        self.hashes = list(lease.held.block_hashes[first : first + count])
 
     async def frames(self) -> AsyncIterator[bytes]:
         yield stream_head(len(self.block_ids))
         starts = range(0, len(self.block_ids), EXPORT_BATCH)
-        reads = [self._read(start) for start in starts[:1]]
-        try:
-            for start in starts:
-                payloads = await reads.pop()
-                if start + EXPORT_BATCH < len(self.block_ids):
-                    reads.append(self._read(start + EXPORT_BATCH))
+        async with contextlib.aclosing(one_ahead(starts, self._export)) as batches:
+            async for start, payloads in batches:
                 if len(payloads) != len(self.block_ids[start : start + EXPORT_BATCH]):
                     return  # cannot export: D sees a truncated stream and recomputes
                 for index, payload in enumerate(payloads, start):
                     yield self._frame(index, payload)
                     if index == 0:
                         self.pd.faults.reached("prefill_during_pull")
-            self.is_complete = True
-        finally:
-            for read in reads:
-                read.cancel()
+        self.is_complete = True
 
-    def _read(self, start: int) -> asyncio.Task[list[bytes]]:
-        return asyncio.ensure_future(self._export(self.block_ids[start : start + EXPORT_BATCH]))
-
-    async def _export(self, block_ids: list[int]) -> list[bytes]:
-        """The payloads of `block_ids`; [] when the engine can no longer read them."""
+    async def _export(self, start: int) -> list[bytes]:
+        """The payloads of the batch at `start`; [] when the engine can no longer read them."""
         try:
-            payloads = await self.pd.instance.engine.export_held(self.lease.request_id,
-                                                                 block_ids)
+            payloads = await self.pd.instance.engine.export_held(
+                self.lease.request_id, self.block_ids[start : start + EXPORT_BATCH])
         except EngineDeadError:
             return []
         link = self.pd.executor
@@ -212,12 +233,6 @@ class Blocks:
             self.first + index, BlockHash(self.hashes[index]), payload)
         self.pd.metrics.pull_bytes.labels("prefill").inc(len(payload))
         return block_frame(block_hash, payload)
-
-    async def close(self) -> None:
-        if not self.is_closed:
-            self.is_closed = True
-            self.pd.leases.end_pull(self.lease, is_complete=self.is_complete)
-            self.pd.note_held()
 
 
 class ClosingStream(StreamingResponse):
@@ -240,5 +255,5 @@ class ClosingStream(StreamingResponse):
                 await self._on_close()
 
 
-__all__ = ["ClosingStream", "PrefillOnly", "ack", "layout", "not_found", "prefill", "pull",
-           "span_of"]
+__all__ = ["Blocks", "ClosingStream", "LeasedPull", "PrefillOnly", "ack", "layout", "not_found",
+           "one_ahead", "prefill", "pull", "span_of"]

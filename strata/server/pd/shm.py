@@ -131,11 +131,13 @@ class ShmPool:
         """Where slot `index`'s payload starts (its stamp is the STAMP bytes before)."""
         return PAGE + index * self.slot_bytes + STAMP
 
-    def stamp(self, slot: Slot, block_hash: BlockHash) -> None:
-        """Marks a filled slot as `block_hash`'s: a D that copied it checks the stamp after the
-        copy, so a slot freed and refilled meanwhile (its lease ended early) is never taken
-        for the block it held."""
+    def filled(self, slot: Slot, length: int, block_hash: BlockHash) -> None:
+        """Marks a slot written through `view_of` as holding `length` bytes of `block_hash`'s
+        payload, and stamps it so: a D that copied it checks the stamp after the copy, so a
+        slot freed and refilled meanwhile (its lease ended early) is never taken for the block
+        it held."""
         assert self.view is not None, "invariant pool_reserved"
+        slot.length = length
         start = self.offset(slot.index) - STAMP
         self.view[start: start + len(block_hash)] = block_hash
 
@@ -175,8 +177,7 @@ class ShmPool:
             if not slot.length:
                 with self.view_of(slot) as out:
                     out[: len(payload)] = payload
-                slot.length = len(payload)
-                self.stamp(slot, block_hash)
+                self.filled(slot, len(payload), block_hash)
         return [(self.offset(slot.index), slot.length) for slot in slots]
 
     def release(self, lease: str) -> None:
@@ -214,7 +215,7 @@ class ShmPeers:
     def __init__(self, max_pools: int = 8) -> None:
         self.max_pools = max_pools
         self._pools: OrderedDict[str, mmap.mmap] = OrderedDict()
-        self._paths: dict[str, tuple[str, int]] = {}  # token -> (path, size) of a mapping
+        self._paths: dict[str, str] = {}  # token -> the path it was mapped from
         self._refused: set[str] = set()  # tokens this process cannot map (another host)
 
     def may_reach(self, described: object) -> bool:
@@ -244,7 +245,7 @@ class ShmPeers:
             self._refused.add(token)
             return None
         self._pools[token] = pool
-        self._paths[token] = (path, len(pool))
+        self._paths[token] = path
         while len(self._pools) > self.max_pools:
             self.forget(next(iter(self._pools)))
         return pool
@@ -252,7 +253,7 @@ class ShmPeers:
     def prune(self) -> int:
         """Drop the mappings of pools whose P is gone (its /proc path no longer there): a dead
         P's memory goes back to the host once no D maps it. How many were dropped."""
-        gone = [token for token, (path, _) in self._paths.items() if not os.path.exists(path)]
+        gone = [token for token, path in self._paths.items() if not os.path.exists(path)]
         for token in gone:
             self.forget(token)
         return len(gone)

@@ -17,6 +17,7 @@ what it did not get, as with the stream. The lease counts the pull until the res
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 
@@ -26,7 +27,7 @@ from starlette.responses import Response
 from strata.errors import EngineDeadError, KVPoolFullError
 from strata.protocol.errors import error_json
 from strata.server.pd.leases import Lease
-from strata.server.pd.prefill import ClosingStream, not_found, span_of
+from strata.server.pd.prefill import ClosingStream, LeasedPull, not_found, one_ahead, span_of
 from strata.server.pd.shm import ShmPool, Slot
 from strata.server.pd.state import PD, pd_of
 from strata.types import BlockHash
@@ -74,35 +75,27 @@ async def _take(pd: PD, pool: ShmPool, lease: Lease, block_ids: list[int],
     return pool.take(lease.handle, hashes, pool.slot_bytes)
 
 
-class PoolFill:
-    """One pull by reference: the slots filled a batch at a time by the engine thread, the next
-    batch asked for before the current one's line is sent."""
+class PoolFill(LeasedPull):
+    """One pull by reference: the slots filled `BATCH` at a time by the engine thread
+    (`AsyncEngine.export_held_into`), a line sent per batch."""
 
     def __init__(self, pd: PD, pool: ShmPool, lease: Lease, first: int, block_ids: list[int],
                  hashes: list[BlockHash], slots: list[Slot]) -> None:
-        self.pd, self.pool, self.lease, self.first = pd, pool, lease, first
+        super().__init__(pd, lease, first)
+        self.pool = pool
         self.block_ids, self.hashes, self.slots = block_ids, hashes, slots
-        self.is_complete = False
-        self.is_closed = False
 
     async def lines(self) -> AsyncIterator[bytes]:
         yield json.dumps({"token": self.pool.token}).encode() + b"\n"
         starts = range(0, len(self.slots), BATCH)
-        fills = [asyncio.ensure_future(self._fill(start)) for start in starts[:1]]
-        try:
-            for start in starts:
-                is_filled = await fills.pop()
-                if start + BATCH < len(self.slots):
-                    fills.append(asyncio.ensure_future(self._fill(start + BATCH)))
+        async with contextlib.aclosing(one_ahead(starts, self._fill)) as batches:
+            async for start, is_filled in batches:
                 if not is_filled:
                     return  # the engine cannot read them: D sees a truncated pull
                 yield json.dumps(self._shown(start)).encode() + b"\n"
                 if start == 0:
                     self.pd.faults.reached("prefill_during_pull")
-            self.is_complete = True
-        finally:
-            for fill in fills:
-                fill.cancel()
+        self.is_complete = True
 
     async def _fill(self, start: int) -> bool:
         """Writes the batch's slots that no earlier pull filled; False when it cannot."""
@@ -123,8 +116,7 @@ class PoolFill:
         if len(lengths) != len(empty):
             return False
         for (i, slot), length in zip(empty, lengths, strict=True):
-            slot.length = length
-            self.pool.stamp(slot, self.hashes[i])
+            self.pool.filled(slot, length, self.hashes[i])
         return True
 
     def _shown(self, start: int) -> list[list[object]]:
@@ -143,12 +135,6 @@ class PoolFill:
             self.pd.metrics.pull_bytes.labels("prefill").inc(length)
             shown.append([block_hash.hex(), offset, length])
         return shown
-
-    async def close(self) -> None:
-        if not self.is_closed:
-            self.is_closed = True
-            self.pd.leases.end_pull(self.lease, is_complete=self.is_complete)
-            self.pd.note_held()
 
 
 def _release(views: list[memoryview]) -> None:
